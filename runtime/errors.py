@@ -24,3 +24,7 @@ class ContextLengthError(LLMQRuntimeError):
 
 class EmptyPromptError(LLMQRuntimeError):
     """A prompt with no tokens to condition on."""
+
+
+class InvalidSamplingParams(LLMQRuntimeError, ValueError):
+    """A sampling option out of range or of the wrong type; the message names field and value."""
