@@ -1,0 +1,143 @@
+"""Pieces every architecture shares: the packed batch layout, norms, rope and attention.
+
+A forward pass takes the new tokens of several sequences packed into one array `[T]`
+(vLLM-style, no padding): the linear layers run once over all of them, and only attention
+is done per sequence, against that sequence's own KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.kv_cache import KVCache
+
+
+@dataclass
+class SequenceChunk:
+    """`length` new tokens of one sequence, at positions `start .. start + length - 1`."""
+
+    cache: KVCache
+    start: int
+    length: int
+
+
+@dataclass
+class BatchLayout:
+    """Which rows of the packed token array belong to which sequence, in order."""
+
+    chunks: list[SequenceChunk]
+
+    def __post_init__(self) -> None:
+        offsets = np.cumsum([0] + [c.length for c in self.chunks])
+        # (first row, end row, chunk) per sequence; layers walk this once each
+        self.spans = [(int(offsets[i]), int(offsets[i + 1]), c) for i, c in enumerate(self.chunks)]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.spans[-1][1] if self.spans else 0
+
+    def positions(self) -> np.ndarray:
+        return np.concatenate([np.arange(c.start, c.start + c.length) for c in self.chunks])
+
+    def commit(self) -> None:
+        """Record in each cache that the forward pass stored its tokens."""
+        for chunk in self.chunks:
+            chunk.cache.length = chunk.start + chunk.length
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis; `weight` already holds any +1 offset (as GGUF stores it)."""
+    var = np.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1]  # [..., 1]
+    return x * (1.0 / np.sqrt(var + eps)).astype(np.float32) * weight
+
+
+def rope_inv_freq(n_rot: int, base: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    inv_freq = 1.0 / (base ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot))  # [n_rot/2]
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    return inv_freq
+
+
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0):
+    """cos/sin `[T, 1, n_rot/2]` for the given positions (linear scaling divides them)."""
+    angles = np.outer(positions.astype(np.float64) / scale, inv_freq)  # [T, n_rot/2]
+    return np.cos(angles).astype(np.float32)[:, None], np.sin(angles).astype(np.float32)[:, None]
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """NeoX rotation of `x` `[T, heads, Dh]`: dims i and i + n_rot/2 form a pair."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if 2 * half == x.shape[-1]:
+        return rotated
+    return np.concatenate([rotated, x[..., 2 * half :]], axis=-1)
+
+
+def attend(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    start: int,
+    scale: float,
+    window: int | None = None,
+) -> np.ndarray:
+    """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
+
+    q `[n, H, Dh]`, keys/values `[Hkv, L, Dh]` (L = start + n) -> `[n, H * Dh]`.
+    `window` limits each query to the keys less than `window` positions behind it.
+    """
+    n, n_heads, head_dim = q.shape
+    n_kv, total, _ = keys.shape
+    group = n_heads // n_kv
+    first = 0 if window is None else max(0, start + 1 - window)
+    keys, values = keys[:, first:], values[:, first:]
+    qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, Dh]
+    qg = qg.reshape(n_kv, group * n, head_dim)
+    scores = np.matmul(qg, keys.transpose(0, 2, 1))  # [Hkv, G*n, L']
+    scores *= scale
+    if n > 1 or window is not None:
+        scores = scores.reshape(n_kv, group, n, -1)
+        scores[..., _mask(n, start, first, total, window)] = -np.inf
+        scores = scores.reshape(n_kv, group * n, -1)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, values)  # [Hkv, G*n, Dh]
+    out = out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3)  # [n, Hkv, G, Dh]
+    return out.reshape(n, n_heads * head_dim)
+
+
+def _mask(n: int, start: int, first: int, total: int, window: int | None) -> np.ndarray:
+    """True where query i (position start+i) must not see key j (position first+j)."""
+    q_pos = np.arange(start, start + n)[:, None]  # [n, 1]
+    k_pos = np.arange(first, total)[None, :]  # [1, L']
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= (q_pos - k_pos) >= window
+    return hidden
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    inner = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
+    return 0.5 * x * (1.0 + np.tanh(inner))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def pack_linear(parts: list[np.ndarray]) -> np.ndarray:
+    """Fuse weights given as `[out_i, in]` into one `[in, sum(out_i)]` matrix for `x @ W`.
+
+    Filled part by part so that loading never holds a second full copy of the fused matrix.
+    """
+    n_in = parts[0].shape[1]
+    fused = np.empty((n_in, sum(p.shape[0] for p in parts)), np.float32)
+    offset = 0
+    for part in parts:
+        fused[:, offset : offset + part.shape[0]] = part.T
+        offset += part.shape[0]
+    return fused

@@ -1,0 +1,157 @@
+"""Gemma 3 decoder: q/k RMSNorm, pre and post norms around attention and FFN, GELU-tanh
+gated FFN, embeddings scaled by sqrt(dim), and interleaved attention: five sliding-window
+layers (their own rope base) to every global layer.
+
+The GGUF converter stores Gemma's norm weights as (1 + w), so `rms_norm` multiplies as-is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.gguf_file import GGUFFile
+from runtime.kv_cache import KVCache
+from runtime.models.base import (
+    BatchLayout,
+    apply_rope,
+    attend,
+    gelu_tanh,
+    pack_linear,
+    rms_norm,
+    rope_inv_freq,
+    rope_tables,
+)
+
+SLIDING_WINDOW_PATTERN = 6  # every 6th layer is global (llama.cpp and HF agree)
+LOCAL_ROPE_BASE = 10000.0
+
+
+@dataclass
+class Gemma3Args:
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float
+    rope_base: float
+    rope_scale: float
+    local_rope_base: float
+    sliding_window: int
+    context_length: int
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> Gemma3Args:
+        n_heads = int(f.require("attention.head_count"))
+        scaling = f.arch_value("rope.scaling.type", "none")
+        return cls(
+            n_layers=int(f.require("block_count")),
+            dim=int(f.require("embedding_length")),
+            n_heads=n_heads,
+            n_kv_heads=int(f.arch_value("attention.head_count_kv", n_heads)),
+            head_dim=int(f.require("attention.key_length")),
+            ffn_dim=int(f.require("feed_forward_length")),
+            norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_base=float(f.arch_value("rope.freq_base", 1_000_000.0)),
+            rope_scale=float(f.arch_value("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+            local_rope_base=float(f.arch_value("rope.freq_base_swa", LOCAL_ROPE_BASE)),
+            sliding_window=int(f.require("attention.sliding_window")),
+            context_length=int(f.require("context_length")),
+        )
+
+    def is_sliding(self, layer: int) -> bool:
+        return (layer + 1) % SLIDING_WINDOW_PATTERN != 0
+
+
+class Gemma3Layer:
+    def __init__(self, f: GGUFFile, i: int, args: Gemma3Args) -> None:
+        p = f"blk.{i}."
+        self.index, self.args = i, args
+        self.window = args.sliding_window if args.is_sliding(i) else None
+        norms = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
+        self.attn_norm, self.post_attn_norm, self.ffn_norm, self.post_ffn_norm = (
+            f.tensor(p + name + ".weight") for name in norms
+        )
+        self.q_norm = f.tensor(p + "attn_q_norm.weight")
+        self.k_norm = f.tensor(p + "attn_k_norm.weight")
+        self.wqkv = pack_linear([f.tensor(p + f"attn_{n}.weight") for n in "qkv"])
+        self.wo = pack_linear([f.tensor(p + "attn_output.weight")])  # [H*Dh, D]
+        self.w_gate_up = pack_linear([f.tensor(p + "ffn_gate.weight"), f.tensor(p + "ffn_up.weight")])
+        self.w_down = pack_linear([f.tensor(p + "ffn_down.weight")])  # [F, D]
+
+    def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict) -> np.ndarray:
+        eps = self.args.norm_eps
+        attn = self.attention(rms_norm(x, self.attn_norm, eps), layout, ropes[self.window is None])
+        h = x + rms_norm(attn, self.post_attn_norm, eps)
+        return h + rms_norm(self.mlp(rms_norm(h, self.ffn_norm, eps)), self.post_ffn_norm, eps)
+
+    def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
+        a, t, eps = self.args, x.shape[0], self.args.norm_eps
+        q_end, k_end = a.n_heads * a.head_dim, (a.n_heads + a.n_kv_heads) * a.head_dim
+        qkv = x @ self.wqkv  # [T, D] -> [T, (H+2Hkv)*Dh]
+        q = qkv[:, :q_end].reshape(t, a.n_heads, a.head_dim)
+        k = qkv[:, q_end:k_end].reshape(t, a.n_kv_heads, a.head_dim)
+        v = qkv[:, k_end:].reshape(t, a.n_kv_heads, a.head_dim)
+        q = apply_rope(rms_norm(q, self.q_norm, eps), *rope)  # [T, H, Dh]
+        k = apply_rope(rms_norm(k, self.k_norm, eps), *rope)  # [T, Hkv, Dh]
+        out = np.empty((t, q_end), np.float32)
+        scale = 1.0 / np.sqrt(a.head_dim)
+        for lo, hi, chunk in layout.spans:
+            keys, values = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
+            out[lo:hi] = attend(q[lo:hi], keys, values, chunk.start, scale, self.window)
+        return out @ self.wo  # [T, H*Dh] -> [T, D]
+
+    def mlp(self, x: np.ndarray) -> np.ndarray:
+        gate_up = x @ self.w_gate_up  # [T, D] -> [T, 2F]
+        gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
+        return (gelu_tanh(gate) * up) @ self.w_down  # [T, F] -> [T, D]
+
+
+class Gemma3Model:
+    """The whole decoder; `forward` returns final-normed hidden states, `logits` projects."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        self.args = a = Gemma3Args.from_gguf(f)
+        self.embed = f.tensor("token_embd.weight")  # [V, D], tied output head
+        self.norm = f.tensor("output_norm.weight")
+        self.embed_scale = np.float32(np.sqrt(a.dim))
+        self.global_inv_freq = rope_inv_freq(a.head_dim, a.rope_base)
+        self.local_inv_freq = rope_inv_freq(a.head_dim, a.local_rope_base)
+        self.layers = [Gemma3Layer(f, i, a) for i in range(a.n_layers)]
+
+    @property
+    def context_length(self) -> int:
+        return self.args.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed.shape[0]
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_tokens)
+
+    def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray:
+        x = self.embed[tokens] * self.embed_scale  # [T] -> [T, D]
+        positions = layout.positions()
+        ropes = {
+            True: rope_tables(positions, self.global_inv_freq, self.args.rope_scale),
+            False: rope_tables(positions, self.local_inv_freq),
+        }
+        for layer in self.layers:
+            x = layer(x, layout, ropes)
+        layout.commit()
+        return rms_norm(x, self.norm, self.args.norm_eps)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return hidden @ self.embed.T  # [N, D] -> [N, V]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.embed, self.norm]
+        for layer in self.layers:
+            arrays += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+        return sum(a.nbytes for a in arrays)

@@ -1,0 +1,151 @@
+"""Llama-family decoder (Llama 2/3, TinyLlama, Mistral, SmolLM2): GQA, SwiGLU, RMSNorm, rope.
+
+GGUF stores llama's q/k rows permuted for llama.cpp's adjacent-pair rope; we permute them
+back at load so that attention can use the NeoX half-split rotation on contiguous halves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.errors import ModelFormatError
+from runtime.gguf_file import GGUFFile
+from runtime.kv_cache import KVCache
+from runtime.models.base import (
+    BatchLayout,
+    apply_rope,
+    attend,
+    pack_linear,
+    rms_norm,
+    rope_inv_freq,
+    rope_tables,
+    silu,
+)
+
+
+@dataclass
+class LlamaArgs:
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float
+    rope_base: float
+    rope_scale: float
+    n_rot: int
+    context_length: int
+    vocab_size: int
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> LlamaArgs:
+        dim, n_heads = int(f.require("embedding_length")), int(f.require("attention.head_count"))
+        head_dim = dim // n_heads
+        scaling = f.arch_value("rope.scaling.type", "none")
+        if scaling not in ("none", "linear"):
+            raise ModelFormatError(f"{f.path.name}: rope scaling {scaling!r} is not supported")
+        return cls(
+            n_layers=int(f.require("block_count")),
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=int(f.arch_value("attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            ffn_dim=int(f.require("feed_forward_length")),
+            norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_base=float(f.arch_value("rope.freq_base", 10000.0)),
+            rope_scale=float(f.arch_value("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+            n_rot=int(f.arch_value("rope.dimension_count", head_dim)),
+            context_length=int(f.require("context_length")),
+            vocab_size=len(f.metadata["tokenizer.ggml.tokens"]),
+        )
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo the GGUF converter's q/k row interleave: rows (2i, 2i+1) -> (i, i + half)."""
+    out_dim, in_dim = w.shape
+    half = out_dim // n_heads // 2
+    return w.reshape(n_heads, half, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+class LlamaLayer:
+    def __init__(self, f: GGUFFile, i: int, args: LlamaArgs) -> None:
+        p = f"blk.{i}."
+        self.index, self.args = i, args
+        self.attn_norm = f.tensor(p + "attn_norm.weight")
+        self.ffn_norm = f.tensor(p + "ffn_norm.weight")
+        q = unpermute_rows(f.tensor(p + "attn_q.weight"), args.n_heads)
+        k = unpermute_rows(f.tensor(p + "attn_k.weight"), args.n_kv_heads)
+        self.wqkv = pack_linear([q, k, f.tensor(p + "attn_v.weight")])  # [D, (H+2Hkv)*Dh]
+        self.wo = pack_linear([f.tensor(p + "attn_output.weight")])  # [H*Dh, D]
+        self.w_gate_up = pack_linear([f.tensor(p + "ffn_gate.weight"), f.tensor(p + "ffn_up.weight")])
+        self.w_down = pack_linear([f.tensor(p + "ffn_down.weight")])  # [F, D]
+
+    def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
+        eps = self.args.norm_eps
+        h = x + self.attention(rms_norm(x, self.attn_norm, eps), layout, rope)
+        return h + self.mlp(rms_norm(h, self.ffn_norm, eps))
+
+    def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
+        a, t = self.args, x.shape[0]
+        q_end, k_end = a.n_heads * a.head_dim, (a.n_heads + a.n_kv_heads) * a.head_dim
+        qkv = x @ self.wqkv  # [T, D] -> [T, (H+2Hkv)*Dh]
+        q = apply_rope(qkv[:, :q_end].reshape(t, a.n_heads, a.head_dim), *rope)
+        k = apply_rope(qkv[:, q_end:k_end].reshape(t, a.n_kv_heads, a.head_dim), *rope)
+        v = qkv[:, k_end:].reshape(t, a.n_kv_heads, a.head_dim)
+        out = np.empty((t, q_end), np.float32)
+        scale = 1.0 / np.sqrt(a.head_dim)
+        for lo, hi, chunk in layout.spans:
+            keys, values = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
+            out[lo:hi] = attend(q[lo:hi], keys, values, chunk.start, scale)
+        return out @ self.wo  # [T, H*Dh] -> [T, D]
+
+    def mlp(self, x: np.ndarray) -> np.ndarray:
+        gate_up = x @ self.w_gate_up  # [T, D] -> [T, 2F]
+        gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
+        return (silu(gate) * up) @ self.w_down  # [T, F] -> [T, D]
+
+
+class LlamaModel:
+    """The whole decoder; `forward` returns final-normed hidden states, `logits` projects."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        self.args = a = LlamaArgs.from_gguf(f)
+        self.embed = f.tensor("token_embd.weight")  # [V, D]
+        self.output = f.tensor("output.weight") if f.has_tensor("output.weight") else self.embed
+        self.norm = f.tensor("output_norm.weight")
+        factors = f.tensor("rope_freqs.weight") if f.has_tensor("rope_freqs.weight") else None
+        self.inv_freq = rope_inv_freq(a.n_rot, a.rope_base, factors)
+        self.layers = [LlamaLayer(f, i, a) for i in range(a.n_layers)]
+
+    @property
+    def context_length(self) -> int:
+        return self.args.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.output.shape[0]
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_tokens)
+
+    def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray:
+        x = self.embed[tokens]  # [T] -> [T, D]
+        rope = rope_tables(layout.positions(), self.inv_freq, self.args.rope_scale)
+        for layer in self.layers:
+            x = layer(x, layout, rope)
+        layout.commit()
+        return rms_norm(x, self.norm, self.args.norm_eps)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return hidden @ self.output.T  # [N, D] -> [N, V]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.embed, self.norm] + ([] if self.output is self.embed else [self.output])
+        for layer in self.layers:
+            arrays += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+        return sum(a.nbytes for a in arrays)
