@@ -49,6 +49,15 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path.name}: metadata lacks {self.architecture}.{key}")
         return value
 
+    def linear_rope_scale(self) -> float:
+        """Position divisor for linear rope scaling; 1.0 when the model declares none."""
+        kind = self.arch_value("rope.scaling.type", "none")
+        if kind == "none":
+            return 1.0
+        if kind != "linear":
+            raise ModelFormatError(f"{self.path.name}: rope scaling {kind!r} is not supported")
+        return float(self.arch_value("rope.scaling.factor", 1.0))
+
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 

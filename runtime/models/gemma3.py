@@ -46,7 +46,6 @@ class Gemma3Args:
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> Gemma3Args:
         n_heads = int(f.require("attention.head_count"))
-        scaling = f.arch_value("rope.scaling.type", "none")
         return cls(
             n_layers=int(f.require("block_count")),
             dim=int(f.require("embedding_length")),
@@ -56,7 +55,7 @@ class Gemma3Args:
             ffn_dim=int(f.require("feed_forward_length")),
             norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_base=float(f.arch_value("rope.freq_base", 1_000_000.0)),
-            rope_scale=float(f.arch_value("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+            rope_scale=f.linear_rope_scale(),
             local_rope_base=float(f.arch_value("rope.freq_base_swa", LOCAL_ROPE_BASE)),
             sliding_window=int(f.require("attention.sliding_window")),
             context_length=int(f.require("context_length")),
@@ -79,7 +78,7 @@ class Gemma3Layer:
         self.k_norm = f.tensor(p + "attn_k_norm.weight")
         self.wqkv = pack_linear([f.tensor(p + f"attn_{n}.weight") for n in "qkv"])
         self.wo = pack_linear([f.tensor(p + "attn_output.weight")])  # [H*Dh, D]
-        self.w_gate_up = pack_linear([f.tensor(p + "ffn_gate.weight"), f.tensor(p + "ffn_up.weight")])
+        self.w_gate_up = pack_linear([f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")])
         self.w_down = pack_linear([f.tensor(p + "ffn_down.weight")])  # [F, D]
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict) -> np.ndarray:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.kv_cache import KVCache
 from runtime.models.base import (
@@ -44,9 +43,6 @@ class LlamaArgs:
     def from_gguf(cls, f: GGUFFile) -> LlamaArgs:
         dim, n_heads = int(f.require("embedding_length")), int(f.require("attention.head_count"))
         head_dim = dim // n_heads
-        scaling = f.arch_value("rope.scaling.type", "none")
-        if scaling not in ("none", "linear"):
-            raise ModelFormatError(f"{f.path.name}: rope scaling {scaling!r} is not supported")
         return cls(
             n_layers=int(f.require("block_count")),
             dim=dim,
@@ -56,7 +52,7 @@ class LlamaArgs:
             ffn_dim=int(f.require("feed_forward_length")),
             norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_base=float(f.arch_value("rope.freq_base", 10000.0)),
-            rope_scale=float(f.arch_value("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+            rope_scale=f.linear_rope_scale(),
             n_rot=int(f.arch_value("rope.dimension_count", head_dim)),
             context_length=int(f.require("context_length")),
             vocab_size=len(f.metadata["tokenizer.ggml.tokens"]),
@@ -80,7 +76,7 @@ class LlamaLayer:
         k = unpermute_rows(f.tensor(p + "attn_k.weight"), args.n_kv_heads)
         self.wqkv = pack_linear([q, k, f.tensor(p + "attn_v.weight")])  # [D, (H+2Hkv)*Dh]
         self.wo = pack_linear([f.tensor(p + "attn_output.weight")])  # [H*Dh, D]
-        self.w_gate_up = pack_linear([f.tensor(p + "ffn_gate.weight"), f.tensor(p + "ffn_up.weight")])
+        self.w_gate_up = pack_linear([f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")])
         self.w_down = pack_linear([f.tensor(p + "ffn_down.weight")])  # [F, D]
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
