@@ -1,0 +1,23 @@
+"""Model architectures, one file each, chosen by the GGUF's `general.architecture`."""
+
+from __future__ import annotations
+
+from runtime.errors import ModelFormatError
+from runtime.gguf_file import GGUFFile
+from runtime.models.gemma3 import Gemma3Model
+from runtime.models.llama import LlamaModel
+
+ARCHITECTURES = {"llama": LlamaModel, "gemma3": Gemma3Model}
+
+
+def load_model(gguf_file: GGUFFile) -> LlamaModel | Gemma3Model:
+    """Build the architecture's model from the file, dequantizing its tensors to float32."""
+    arch = gguf_file.architecture
+    model_class = ARCHITECTURES.get(arch)
+    if model_class is None:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise ModelFormatError(
+            f"{gguf_file.path.name}: architecture {arch!r} is not supported "
+            f"(supported: {supported})"
+        )
+    return model_class(gguf_file)

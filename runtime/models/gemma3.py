@@ -69,7 +69,8 @@ class Gemma3Layer:
     def __init__(self, f: GGUFFile, i: int, args: Gemma3Args) -> None:
         p = f"blk.{i}."
         self.index, self.args = i, args
-        self.window = args.sliding_window if args.is_sliding(i) else None
+        self.sliding = args.is_sliding(i)  # picks the local rope base as well as the window
+        self.window = args.sliding_window if self.sliding else None
         norms = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
         self.attn_norm, self.post_attn_norm, self.ffn_norm, self.post_ffn_norm = (
             f.tensor(p + name + ".weight") for name in norms
@@ -81,9 +82,9 @@ class Gemma3Layer:
         self.w_gate_up = pack_linear([f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")])
         self.w_down = pack_linear([f.tensor(p + "ffn_down.weight")])  # [F, D]
 
-    def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict) -> np.ndarray:
+    def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict[bool, tuple]) -> np.ndarray:
         eps = self.args.norm_eps
-        attn = self.attention(rms_norm(x, self.attn_norm, eps), layout, ropes[self.window is None])
+        attn = self.attention(rms_norm(x, self.attn_norm, eps), layout, ropes[self.sliding])
         h = x + rms_norm(attn, self.post_attn_norm, eps)
         return h + rms_norm(self.mlp(rms_norm(h, self.ffn_norm, eps)), self.post_ffn_norm, eps)
 
@@ -137,8 +138,8 @@ class Gemma3Model:
         x = self.embed[tokens] * self.embed_scale  # [T] -> [T, D]
         positions = layout.positions()
         ropes = {
-            True: rope_tables(positions, self.global_inv_freq, self.args.rope_scale),
-            False: rope_tables(positions, self.local_inv_freq),
+            False: rope_tables(positions, self.global_inv_freq, self.args.rope_scale),
+            True: rope_tables(positions, self.local_inv_freq),
         }
         for layer in self.layers:
             x = layer(x, layout, ropes)

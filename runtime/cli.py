@@ -1,0 +1,138 @@
+"""`llmq generate` and `llmq models`: the engine in-process, no Redis.
+
+Only generated text goes to stdout (streamed as it is produced), so the output can be piped;
+`--stats` adds one JSON line on stderr. Errors a user can cause print one line, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from runtime.errors import LLMQRuntimeError
+from runtime.registry import DEFAULT_MODEL, load_registry
+
+
+def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="run a model in-process and stream its completion to stdout",
+        description="Run a model in this process (no Redis) and stream only the generated "
+        "text to stdout.",
+    )
+    gen.add_argument("prompt", nargs="?", help="prompt text; '-' or omitted reads stdin")
+    gen.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model id or .gguf path")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables")
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--seed", type=int, help="makes sampling reproducible")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument(
+        "--stats",
+        action="store_true",
+        help="print one JSON line on stderr at the end: prompt_tokens, completion_tokens, "
+        "prefill_tok_s, decode_tok_s, ttft_ms, load_s",
+    )
+    gen.set_defaults(handler=run_generate)
+
+    models = sub.add_parser("models", help="list the models the registry knows")
+    models.set_defaults(handler=run_models)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    engine = Engine.load(args.model)
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": prompt}])
+    else:
+        prompt_ids = engine.encode(prompt)
+    started = time.perf_counter()
+    first = last = started
+    completion_tokens = 0
+    for event in engine.generate(prompt_ids, params):
+        last = time.perf_counter()
+        if completion_tokens == 0:
+            first = last
+        completion_tokens += 1
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.stats:
+        ttft = first - started
+        stats = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "prefill_tok_s": round(len(prompt_ids) / ttft, 2) if ttft > 0 else None,
+            "decode_tok_s": round((completion_tokens - 1) / (last - first), 2)
+            if completion_tokens > 1 and last > first
+            else None,
+            "ttft_ms": round(ttft * 1000, 2),
+            "load_s": round(engine.load_seconds, 3),
+        }
+        print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from runtime.gguf_file import GGUFFile
+
+    rows = [("ID", "ARCH", "SIZE", "PATH")]
+    for spec in load_registry().values():
+        try:
+            path = spec.path()
+            arch = GGUFFile(path).architecture
+            rows.append((spec.id, arch, f"{path.stat().st_size / 2**20:.0f} MiB", str(path)))
+        except LLMQRuntimeError as exc:
+            rows.append((spec.id, "-", "-", f"unavailable: {exc}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmq", description="Serve GGUF language models through a Redis job queue."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_runtime_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except LLMQRuntimeError as exc:
+        print(f"llmq: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

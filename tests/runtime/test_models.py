@@ -1,0 +1,170 @@
+"""Forward-pass invariants on tiny random models: caching, batching and chunking must not
+change the numbers, and attention must mask exactly what it should."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.errors import ModelFormatError
+from runtime.gguf_file import GGUFFile
+from runtime.models import load_model
+from runtime.models.base import BatchLayout, SequenceChunk, attend
+from runtime.models.llama import unpermute_rows
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path: Path):
+    return load_model(GGUFFile(tiny_model_path))
+
+
+def _tokens(model, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, model.vocab_size, n)
+
+
+def _full_logits(model, tokens: np.ndarray) -> np.ndarray:
+    cache = model.new_cache(len(tokens))
+    hidden = model.forward(tokens, BatchLayout([SequenceChunk(cache, 0, len(tokens))]))
+    return model.logits(hidden)  # [n, V]
+
+
+def test_cached_decode_equals_full_recompute(model):
+    tokens = _tokens(model, 24, seed=1)
+    full = _full_logits(model, tokens)
+    cache = model.new_cache(len(tokens))
+    model.forward(tokens[:5], BatchLayout([SequenceChunk(cache, 0, 5)]))
+    for pos in range(5, len(tokens)):
+        hidden = model.forward(tokens[pos : pos + 1], BatchLayout([SequenceChunk(cache, pos, 1)]))
+        np.testing.assert_allclose(model.logits(hidden)[0], full[pos], **TOL)
+    assert cache.length == len(tokens)
+
+
+def test_chunked_prefill_equals_one_pass(model):
+    tokens = _tokens(model, 30, seed=2)
+    full = _full_logits(model, tokens)
+    cache = model.new_cache(len(tokens))
+    for start in range(0, 30, 7):
+        n = min(7, 30 - start)
+        hidden = model.forward(
+            tokens[start : start + n], BatchLayout([SequenceChunk(cache, start, n)])
+        )
+        np.testing.assert_allclose(model.logits(hidden), full[start : start + n], **TOL)
+
+
+def test_batched_sequences_at_different_positions_equal_one_by_one(model):
+    prompts = [_tokens(model, n, seed=10 + n) for n in (3, 17, 9)]
+    expected = [_full_logits(model, p) for p in prompts]
+    caches = [model.new_cache(20) for _ in prompts]
+    # step 1: the first two prefill everything but their last token, the third only 4 tokens
+    first = [len(prompts[0]) - 1, len(prompts[1]) - 1, 4]
+    tokens = np.concatenate([p[:n] for p, n in zip(prompts, first, strict=True)])
+    chunks = [SequenceChunk(c, 0, n) for c, n in zip(caches, first, strict=True)]
+    hidden = model.forward(tokens, BatchLayout(chunks))
+    np.testing.assert_allclose(model.logits(hidden[: first[0]]), expected[0][: first[0]], **TOL)
+    # step 2: two single-token decodes mixed with the rest of the third prompt
+    tokens = np.concatenate([prompts[0][-1:], prompts[1][-1:], prompts[2][4:]])
+    chunks = [
+        SequenceChunk(caches[0], first[0], 1),
+        SequenceChunk(caches[1], first[1], 1),
+        SequenceChunk(caches[2], 4, len(prompts[2]) - 4),
+    ]
+    logits = model.logits(model.forward(tokens, BatchLayout(chunks)))
+    np.testing.assert_allclose(logits[0], expected[0][-1], **TOL)
+    np.testing.assert_allclose(logits[1], expected[1][-1], **TOL)
+    np.testing.assert_allclose(logits[2:], expected[2][4:], **TOL)
+
+
+def _naive_attention(q, keys, values, start, scale, window):
+    n, n_heads, head_dim = q.shape
+    n_kv = keys.shape[0]
+    out = np.zeros((n, n_heads, head_dim))
+    for i in range(n):
+        pos = start + i
+        for h in range(n_heads):
+            kv = h // (n_heads // n_kv)
+            visible = [j for j in range(pos + 1) if window is None or pos - j < window]
+            scores = np.array([q[i, h] @ keys[kv, j] * scale for j in visible])
+            weights = np.exp(scores - scores.max())
+            weights /= weights.sum()
+            out[i, h] = sum(w * values[kv, j] for w, j in zip(weights, visible, strict=True))
+    return out.reshape(n, n_heads * head_dim)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 6])
+@pytest.mark.parametrize(("start", "n"), [(0, 9), (5, 4), (11, 1)])
+def test_attend_matches_naive_causal_windowed_gqa(window, start, n):
+    rng = np.random.default_rng(start * 100 + n)
+    q = rng.standard_normal((n, 6, 8)).astype(np.float32)
+    keys = rng.standard_normal((2, start + n, 8)).astype(np.float32)
+    values = rng.standard_normal((2, start + n, 8)).astype(np.float32)
+    got = attend(q, keys, values, start, 0.35, window)
+    np.testing.assert_allclose(got, _naive_attention(q, keys, values, start, 0.35, window), **TOL)
+
+
+def test_gemma3_sliding_window_changes_only_local_layers(tiny_gemma3_path):
+    model = load_model(GGUFFile(tiny_gemma3_path))
+    windows = [layer.window for layer in model.layers]
+    assert windows == [8, 8, 8, 8, 8, None]  # every 6th layer is global
+    tokens = np.arange(20) % model.vocab_size
+    with_window = _full_logits(model, tokens)
+    for layer in model.layers:
+        layer.window = None
+    without = _full_logits(model, tokens)
+    np.testing.assert_allclose(with_window[:8], without[:8], **TOL)  # inside the window: same
+    assert np.abs(with_window[8:] - without[8:]).max() > 1e-3  # beyond it: the mask matters
+
+
+def test_unpermute_rows_pairs_adjacent_rows_into_halves():
+    n_heads, head_dim = 2, 4
+    rows = np.arange(n_heads * head_dim, dtype=np.float32)[:, None]  # row index as value
+    out = unpermute_rows(rows, n_heads)[:, 0]
+    # per head, GGUF rows (0,1),(2,3) -> HF rows (0,2),(1,3)
+    assert out.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_loaded_weights_match_the_file(tiny_llama_path):
+    f = GGUFFile(tiny_llama_path)
+    model = load_model(f)
+    down = f.tensor("blk.1.ffn_down.weight")  # [out, in]
+    np.testing.assert_array_equal(model.layers[1].w_down, down.T)
+    assert model.embed.shape == (model.vocab_size, 64)
+    assert model.nbytes > 0
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    import gguf
+
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFormatError, match="architecture 'mamba' is not supported"):
+        load_model(GGUFFile(path))
+
+
+def test_not_a_gguf_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("hello")
+    with pytest.raises(ModelFormatError, match="not a GGUF file"):
+        GGUFFile(path)
+
+
+def test_truncated_file_is_a_clear_error(tmp_path, tiny_llama_path):
+    data = tiny_llama_path.read_bytes()
+    for cut in (100, len(data) // 2, len(data) - 10):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ModelFormatError):
+            load_model(GGUFFile(path))
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelFormatError, match="no such file"):
+        GGUFFile(tmp_path / "absent.gguf")

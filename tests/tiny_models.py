@@ -1,0 +1,173 @@
+"""Tiny random GGUF models written with gguf's own `GGUFWriter`, for fast unit tests.
+
+They have real tokenizers (a byte-level GPT-2 vocabulary for llama, a SentencePiece byte
+vocabulary for gemma3) and quantized tensors (Q8_0, F16), so the whole loading path runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+F16 = gguf.GGMLQuantizationType.F16
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass
+class TinyShape:
+    n_layers: int = 2
+    dim: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    ffn_dim: int = 96
+    context_length: int = 256
+    sliding_window: int = 8
+
+
+def byte_level_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte value (the table byte-level BPE uses)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
+    bytes_ = byte_level_chars()
+    space = bytes_[ord(" ")]
+    merges = [f"{space} t", "h e", f"{space}t he", "i n", f"{space} a"]
+    merged = [m.replace(" ", "") for m in merges]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + bytes_ + merged
+    types = [3] * len(specials) + [1] * (len(bytes_) + len(merged))
+    return tokens, types, merges
+
+
+def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3, 3, 3, 2, 3, 3]
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    words = ["▁", "▁t", "he", "▁the", "in", "▁a", "er"]
+    tokens = specials + bytes_ + words
+    scores = [0.0] * (len(specials) + len(bytes_)) + [-float(i) for i in range(len(words))]
+    return tokens, scores, types + [6] * len(bytes_) + [1] * len(words)
+
+
+def _add_quantized(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype) -> None:
+    # the quantized array's byte layout tells the writer the logical shape
+    writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def _norm(rng: np.random.Generator, n: int) -> np.ndarray:
+    return 1 + 0.1 * rng.standard_normal(n).astype(np.float32)
+
+
+def _weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+def write_tiny_llama(path: Path, shape: TinyShape | None = None, seed: int = 0) -> Path:
+    s, rng = shape or TinyShape(), np.random.default_rng(seed)
+    tokens, types, merges = _gpt2_vocab()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(s.n_layers)
+    w.add_context_length(s.context_length)
+    w.add_embedding_length(s.dim)
+    w.add_feed_forward_length(s.ffn_dim)
+    w.add_head_count(s.n_heads)
+    w.add_head_count_kv(s.n_kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    vocab, q_dim, kv = len(tokens), s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
+    w.add_tensor("output_norm.weight", _norm(rng, s.dim))
+    _add_quantized(w, "output.weight", _weights(rng, vocab, s.dim), Q8_0)
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
+        _add_quantized(w, p + "attn_q.weight", _weights(rng, q_dim, s.dim), Q8_0)
+        _add_quantized(w, p + "attn_k.weight", _weights(rng, kv, s.dim), Q8_0)
+        _add_quantized(w, p + "attn_v.weight", _weights(rng, kv, s.dim), F16)
+        _add_quantized(
+            w, p + "attn_output.weight", _weights(rng, s.dim, s.n_heads * s.head_dim), Q8_0
+        )
+        _add_quantized(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
+        _add_quantized(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), F16)
+        _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+    _finish(w)
+    return path
+
+
+def write_tiny_gemma3(path: Path, shape: TinyShape | None = None, seed: int = 0) -> Path:
+    s, rng = shape or TinyShape(n_layers=6, head_dim=32), np.random.default_rng(seed)
+    tokens, scores, types = _spm_vocab()
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(s.n_layers)
+    w.add_context_length(s.context_length)
+    w.add_embedding_length(s.dim)
+    w.add_feed_forward_length(s.ffn_dim)
+    w.add_head_count(s.n_heads)
+    w.add_head_count_kv(s.n_kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(s.sliding_window)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    vocab, q_dim, kv = len(tokens), s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
+    w.add_tensor("output_norm.weight", _norm(rng, s.dim))
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        norms = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
+        for norm in norms:
+            w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            w.add_tensor(p + norm + ".weight", _norm(rng, s.head_dim))
+        _add_quantized(w, p + "attn_q.weight", _weights(rng, q_dim, s.dim), Q8_0)
+        _add_quantized(w, p + "attn_k.weight", _weights(rng, kv, s.dim), Q8_0)
+        _add_quantized(w, p + "attn_v.weight", _weights(rng, kv, s.dim), Q8_0)
+        _add_quantized(w, p + "attn_output.weight", _weights(rng, s.dim, q_dim), Q8_0)
+        _add_quantized(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
+        _add_quantized(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
+        _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+    _finish(w)
+    return path
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
