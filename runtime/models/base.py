@@ -47,10 +47,18 @@ class BatchLayout:
             chunk.cache.length = chunk.start + chunk.length
 
 
+def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis without its weight (folded into the next matmul)."""
+    if x.ndim == 2 and x.shape[0] == 1:  # single-token decode: a scalar is cheaper
+        row = x[0]
+        return x * np.float32(1.0 / np.sqrt(float(row @ row) / row.shape[0] + eps))
+    mean_sq = np.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1]  # [..., 1]
+    return x * (1.0 / np.sqrt(mean_sq + eps)).astype(np.float32)
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis; `weight` already holds any +1 offset (as GGUF stores it)."""
-    var = np.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1]  # [..., 1]
-    return x * (1.0 / np.sqrt(var + eps)).astype(np.float32) * weight
+    return rms_normalize(x, eps) * weight
 
 
 def rope_inv_freq(n_rot: int, base: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
@@ -78,36 +86,43 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def attend(
     q: np.ndarray,
-    keys: np.ndarray,
+    keys_t: np.ndarray,
     values: np.ndarray,
     start: int,
-    scale: float,
     window: int | None = None,
 ) -> np.ndarray:
     """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
 
-    q `[n, H, Dh]`, keys/values `[Hkv, L, Dh]` (L = start + n) -> `[n, H * Dh]`.
+    q `[n, H, Dh]` (already scaled by 1/sqrt(Dh)), keys_t `[Hkv, Dh, L]` (transposed, so
+    q @ K is a plain matmul), values `[Hkv, L, Dh]`, L = start + n -> `[n, H * Dh]`.
     `window` limits each query to the keys less than `window` positions behind it.
     """
     n, n_heads, head_dim = q.shape
-    n_kv, total, _ = keys.shape
+    n_kv, _, total = keys_t.shape
     group = n_heads // n_kv
     first = 0 if window is None else max(0, start + 1 - window)
-    keys, values = keys[:, first:], values[:, first:]
+    if n == 1:  # decode: no mask beyond the window slice, no query transposes
+        scores = np.matmul(q.reshape(n_kv, group, head_dim), keys_t[:, :, first:])  # [Hkv, G, L']
+        _softmax_inplace(scores)
+        return np.matmul(scores, values[:, first:]).reshape(1, n_heads * head_dim)
+    keys_t, values = keys_t[:, :, first:], values[:, first:]
     qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, Dh]
     qg = qg.reshape(n_kv, group * n, head_dim)
-    scores = np.matmul(qg, keys.transpose(0, 2, 1))  # [Hkv, G*n, L']
-    scores *= scale
-    if n > 1 or window is not None:
+    scores = np.matmul(qg, keys_t)  # [Hkv, G*n, L']
+    if n > 1 or first > 0:
         scores = scores.reshape(n_kv, group, n, -1)
         scores[..., _mask(n, start, first, total, window)] = -np.inf
         scores = scores.reshape(n_kv, group * n, -1)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    _softmax_inplace(scores)
     out = np.matmul(scores, values)  # [Hkv, G*n, Dh]
     out = out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3)  # [n, Hkv, G, Dh]
     return out.reshape(n, n_heads * head_dim)
+
+
+def _softmax_inplace(scores: np.ndarray) -> None:
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
 
 
 def _mask(n: int, start: int, first: int, total: int, window: int | None) -> np.ndarray:
@@ -129,10 +144,12 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def pack_linear(parts: list[np.ndarray]) -> np.ndarray:
+def pack_linear(parts: list[np.ndarray], input_scale: np.ndarray | None = None) -> np.ndarray:
     """Fuse weights given as `[out_i, in]` into one `[in, sum(out_i)]` matrix for `x @ W`.
 
-    Filled part by part so that loading never holds a second full copy of the fused matrix.
+    `input_scale` `[in]` folds a preceding elementwise scale (an RMSNorm weight) into the
+    rows, saving a pass over the activations at every step. Filled part by part so that
+    loading never holds a second full copy of the fused matrix.
     """
     n_in = parts[0].shape[1]
     fused = np.empty((n_in, sum(p.shape[0] for p in parts)), np.float32)
@@ -140,4 +157,6 @@ def pack_linear(parts: list[np.ndarray]) -> np.ndarray:
     for part in parts:
         fused[:, offset : offset + part.shape[0]] = part.T
         offset += part.shape[0]
+    if input_scale is not None:
+        fused *= input_scale[:, None]
     return fused

@@ -20,6 +20,7 @@ from runtime.models.base import (
     gelu_tanh,
     pack_linear,
     rms_norm,
+    rms_normalize,
     rope_inv_freq,
     rope_tables,
 )
@@ -71,22 +72,23 @@ class Gemma3Layer:
         self.index, self.args = i, args
         self.sliding = args.is_sliding(i)  # picks the local rope base as well as the window
         self.window = args.sliding_window if self.sliding else None
-        norms = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
-        self.attn_norm, self.post_attn_norm, self.ffn_norm, self.post_ffn_norm = (
-            f.tensor(p + name + ".weight") for name in norms
-        )
-        self.q_norm = f.tensor(p + "attn_q_norm.weight")
+        self.post_attn_norm = f.tensor(p + "post_attention_norm.weight")
+        self.post_ffn_norm = f.tensor(p + "post_ffw_norm.weight")
+        # the 1/sqrt(Dh) attention scale goes into q's norm, the pre-norms into the matmuls
+        self.q_norm = f.tensor(p + "attn_q_norm.weight") / np.sqrt(args.head_dim)
         self.k_norm = f.tensor(p + "attn_k_norm.weight")
-        self.wqkv = pack_linear([f.tensor(p + f"attn_{n}.weight") for n in "qkv"])
+        qkv = [f.tensor(p + f"attn_{n}.weight") for n in "qkv"]
+        self.wqkv = pack_linear(qkv, f.tensor(p + "attn_norm.weight"))  # [D, (H+2Hkv)*Dh]
         self.wo = pack_linear([f.tensor(p + "attn_output.weight")])  # [H*Dh, D]
-        self.w_gate_up = pack_linear([f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")])
+        gate_up = [f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")]
+        self.w_gate_up = pack_linear(gate_up, f.tensor(p + "ffn_norm.weight"))  # [D, 2F]
         self.w_down = pack_linear([f.tensor(p + "ffn_down.weight")])  # [F, D]
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict[bool, tuple]) -> np.ndarray:
         eps = self.args.norm_eps
-        attn = self.attention(rms_norm(x, self.attn_norm, eps), layout, ropes[self.sliding])
+        attn = self.attention(rms_normalize(x, eps), layout, ropes[self.sliding])
         h = x + rms_norm(attn, self.post_attn_norm, eps)
-        return h + rms_norm(self.mlp(rms_norm(h, self.ffn_norm, eps)), self.post_ffn_norm, eps)
+        return h + rms_norm(self.mlp(rms_normalize(h, eps)), self.post_ffn_norm, eps)
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         a, t, eps = self.args, x.shape[0], self.args.norm_eps
@@ -98,10 +100,9 @@ class Gemma3Layer:
         q = apply_rope(rms_norm(q, self.q_norm, eps), *rope)  # [T, H, Dh]
         k = apply_rope(rms_norm(k, self.k_norm, eps), *rope)  # [T, Hkv, Dh]
         out = np.empty((t, q_end), np.float32)
-        scale = 1.0 / np.sqrt(a.head_dim)
         for lo, hi, chunk in layout.spans:
             keys, values = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
-            out[lo:hi] = attend(q[lo:hi], keys, values, chunk.start, scale, self.window)
+            out[lo:hi] = attend(q[lo:hi], keys, values, chunk.start, self.window)
         return out @ self.wo  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ from runtime.models.base import (
     attend,
     pack_linear,
     rms_norm,
+    rms_normalize,
     rope_inv_freq,
     rope_tables,
     silu,
@@ -70,32 +71,32 @@ class LlamaLayer:
     def __init__(self, f: GGUFFile, i: int, args: LlamaArgs) -> None:
         p = f"blk.{i}."
         self.index, self.args = i, args
-        self.attn_norm = f.tensor(p + "attn_norm.weight")
-        self.ffn_norm = f.tensor(p + "ffn_norm.weight")
-        q = unpermute_rows(f.tensor(p + "attn_q.weight"), args.n_heads)
+        # the 1/sqrt(Dh) attention scale goes into q's rows, the norm weights into the inputs
+        q = unpermute_rows(f.tensor(p + "attn_q.weight"), args.n_heads) / np.sqrt(args.head_dim)
         k = unpermute_rows(f.tensor(p + "attn_k.weight"), args.n_kv_heads)
-        self.wqkv = pack_linear([q, k, f.tensor(p + "attn_v.weight")])  # [D, (H+2Hkv)*Dh]
+        v = f.tensor(p + "attn_v.weight")
+        self.wqkv = pack_linear([q, k, v], f.tensor(p + "attn_norm.weight"))  # [D, (H+2Hkv)*Dh]
         self.wo = pack_linear([f.tensor(p + "attn_output.weight")])  # [H*Dh, D]
-        self.w_gate_up = pack_linear([f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")])
+        gate_up = [f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")]
+        self.w_gate_up = pack_linear(gate_up, f.tensor(p + "ffn_norm.weight"))  # [D, 2F]
         self.w_down = pack_linear([f.tensor(p + "ffn_down.weight")])  # [F, D]
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         eps = self.args.norm_eps
-        h = x + self.attention(rms_norm(x, self.attn_norm, eps), layout, rope)
-        return h + self.mlp(rms_norm(h, self.ffn_norm, eps))
+        h = x + self.attention(rms_normalize(x, eps), layout, rope)
+        return h + self.mlp(rms_normalize(h, eps))
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         a, t = self.args, x.shape[0]
-        q_end, k_end = a.n_heads * a.head_dim, (a.n_heads + a.n_kv_heads) * a.head_dim
+        n_qk = a.n_heads + a.n_kv_heads
         qkv = x @ self.wqkv  # [T, D] -> [T, (H+2Hkv)*Dh]
-        q = apply_rope(qkv[:, :q_end].reshape(t, a.n_heads, a.head_dim), *rope)
-        k = apply_rope(qkv[:, q_end:k_end].reshape(t, a.n_kv_heads, a.head_dim), *rope)
-        v = qkv[:, k_end:].reshape(t, a.n_kv_heads, a.head_dim)
-        out = np.empty((t, q_end), np.float32)
-        scale = 1.0 / np.sqrt(a.head_dim)
+        qk = apply_rope(qkv[:, : n_qk * a.head_dim].reshape(t, n_qk, a.head_dim), *rope)
+        q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]  # [T, H, Dh], [T, Hkv, Dh]
+        v = qkv[:, n_qk * a.head_dim :].reshape(t, a.n_kv_heads, a.head_dim)
+        out = np.empty((t, a.n_heads * a.head_dim), np.float32)
         for lo, hi, chunk in layout.spans:
             keys, values = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
-            out[lo:hi] = attend(q[lo:hi], keys, values, chunk.start, scale)
+            out[lo:hi] = attend(q[lo:hi], keys, values, chunk.start)
         return out @ self.wo  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray) -> np.ndarray:

@@ -101,7 +101,7 @@ def test_attend_matches_naive_causal_windowed_gqa(window, start, n):
     q = rng.standard_normal((n, 6, 8)).astype(np.float32)
     keys = rng.standard_normal((2, start + n, 8)).astype(np.float32)
     values = rng.standard_normal((2, start + n, 8)).astype(np.float32)
-    got = attend(q, keys, values, start, 0.35, window)
+    got = attend(q * 0.35, keys.transpose(0, 2, 1), values, start, window)
     np.testing.assert_allclose(got, _naive_attention(q, keys, values, start, 0.35, window), **TOL)
 
 
@@ -131,6 +131,9 @@ def test_loaded_weights_match_the_file(tiny_llama_path):
     model = load_model(f)
     down = f.tensor("blk.1.ffn_down.weight")  # [out, in]
     np.testing.assert_array_equal(model.layers[1].w_down, down.T)
+    gate = f.tensor("blk.1.ffn_gate.weight")  # the norm weight is folded into its rows
+    norm = f.tensor("blk.1.ffn_norm.weight")
+    np.testing.assert_allclose(model.layers[1].w_gate_up[:, :96], gate.T * norm[:, None])
     assert model.embed.shape == (model.vocab_size, 64)
     assert model.nbytes > 0
 
