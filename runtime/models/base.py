@@ -7,6 +7,7 @@ is done per sequence, against that sequence's own KV cache.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,10 +110,9 @@ def attend(
     qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, Dh]
     qg = qg.reshape(n_kv, group * n, head_dim)
     scores = np.matmul(qg, keys_t)  # [Hkv, G*n, L']
-    if n > 1 or first > 0:
-        scores = scores.reshape(n_kv, group, n, -1)
-        scores[..., _mask(n, start, first, total, window)] = -np.inf
-        scores = scores.reshape(n_kv, group * n, -1)
+    scores = scores.reshape(n_kv, group, n, -1)
+    scores += _mask_bias(n, start, first, total, window)  # [n, L'] broadcast over heads
+    scores = scores.reshape(n_kv, group * n, -1)
     _softmax_inplace(scores)
     out = np.matmul(scores, values)  # [Hkv, G*n, Dh]
     out = out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3)  # [n, Hkv, G, Dh]
@@ -125,14 +125,17 @@ def _softmax_inplace(scores: np.ndarray) -> None:
     scores /= scores.sum(axis=-1, keepdims=True)
 
 
-def _mask(n: int, start: int, first: int, total: int, window: int | None) -> np.ndarray:
-    """True where query i (position start+i) must not see key j (position first+j)."""
+@functools.lru_cache(maxsize=16)  # every layer of one forward pass asks for the same mask
+def _mask_bias(n: int, start: int, first: int, total: int, window: int | None) -> np.ndarray:
+    """-inf where query i (position start+i) must not see key j (position first+j), else 0."""
     q_pos = np.arange(start, start + n)[:, None]  # [n, 1]
     k_pos = np.arange(first, total)[None, :]  # [1, L']
     hidden = k_pos > q_pos
     if window is not None:
         hidden |= (q_pos - k_pos) >= window
-    return hidden
+    bias = np.where(hidden, np.float32(-np.inf), np.float32(0.0))
+    bias.flags.writeable = False
+    return bias
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
