@@ -28,3 +28,35 @@ class EmptyPromptError(LLMQRuntimeError):
 
 class InvalidSamplingParams(LLMQRuntimeError, ValueError):
     """A sampling option out of range or of the wrong type; the message names field and value."""
+
+
+class TokenizerError(LLMQRuntimeError):
+    """Tokenizer metadata in a GGUF that is missing, inconsistent, or of an unsupported kind."""
+
+
+class UnsupportedTokenizerError(TokenizerError):
+    """`tokenizer.ggml.model` names a tokenizer llmq cannot build (only gpt2 and llama are)."""
+
+
+class InvalidTokenIdError(TokenizerError, ValueError):
+    """A token id outside `[0, vocab_size)` passed to decode or detokenize."""
+
+
+class ChatTemplateError(LLMQRuntimeError):
+    """Base of the chat-template failures; the message says which model and what went wrong."""
+
+
+class ChatTemplateMissingError(ChatTemplateError):
+    """The model ships no `tokenizer.chat_template` and no override was configured."""
+
+
+class ChatTemplateRenderError(ChatTemplateError):
+    """The template failed while rendering, including its own `raise_exception(...)` calls."""
+
+
+class InvalidChatMessagesError(ChatTemplateError, ValueError):
+    """Chat messages of the wrong shape: roles must be str, content str or a list of text parts."""
+
+
+class ChatTemplateSyntaxError(ChatTemplateError):
+    """The model's chat template is not valid Jinja; raised on use so the model still loads."""

@@ -1,0 +1,188 @@
+"""Render a model's chat template (GGUF `tokenizer.chat_template`) the way Hugging Face does.
+
+Same Jinja setup as transformers' `apply_chat_template`: a sandboxed, immutable environment
+with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that
+does not HTML-escape, and the globals `raise_exception` and `strftime_now`. The template
+text comes from the GGUF file, so it is treated as untrusted and never leaves the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from runtime.errors import (
+    ChatTemplateMissingError,
+    ChatTemplateRenderError,
+    ChatTemplateSyntaxError,
+    InvalidChatMessagesError,
+)
+
+if TYPE_CHECKING:
+    from runtime.tokenizer import Tokenizer
+
+# Python errors a template can provoke on bad data (e.g. `None + str`), reported as ours.
+_TEMPLATE_FAILURES = (
+    jinja2.TemplateError,
+    TypeError,
+    ValueError,
+    LookupError,
+    ArithmeticError,
+    AttributeError,
+)
+
+
+class ChatTemplate:
+    """One model's compiled chat template; build once per model and reuse.
+
+    `source` None means the model has none: construction still succeeds (the model can serve
+    plain completions) and `render` raises `ChatTemplateMissingError`. A template that does
+    not compile raises `ChatTemplateSyntaxError` on `render`, for the same reason.
+    """
+
+    def __init__(
+        self,
+        source: str | None,
+        tokenizer: Tokenizer | None = None,
+        *,
+        model_name: str = "this model",
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        self.source = source
+        self.model_name = model_name
+        self.bos_token = bos_token if bos_token is not None else _token(tokenizer, "bos_id")
+        self.eos_token = eos_token if eos_token is not None else _token(tokenizer, "eos_id")
+        self._template: jinja2.Template | None = None
+        self._syntax_error: jinja2.TemplateSyntaxError | None = None
+        if source is not None:
+            try:
+                self._template = self._environment().from_string(source)
+            except jinja2.TemplateSyntaxError as exc:
+                self._syntax_error = exc
+
+    @property
+    def available(self) -> bool:
+        """True when `render` can work: a template exists and it compiled."""
+        return self._template is not None
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text for `messages`; extra kwargs (e.g. `tools`) become template vars."""
+        template = self._compiled()
+        context = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **kwargs,
+            "messages": normalize_messages(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return template.render(**context)
+        except _TEMPLATE_FAILURES as exc:
+            raise ChatTemplateRenderError(
+                f"the chat template of {self.model_name} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _compiled(self) -> jinja2.Template:
+        if self._template is not None:
+            return self._template
+        if self._syntax_error is not None:
+            raise ChatTemplateSyntaxError(
+                f"the chat template of {self.model_name} is not valid Jinja: "
+                f"{self._syntax_error.message} (line {self._syntax_error.lineno})"
+            )
+        raise ChatTemplateMissingError(
+            f"{self.model_name} has no chat template (no tokenizer.chat_template in its GGUF); "
+            "use a plain completion or configure a template for it"
+        )
+
+    def _environment(self) -> ImmutableSandboxedEnvironment:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = self._raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        return env
+
+    def _raise_exception(self, message: str) -> NoReturn:
+        raise ChatTemplateRenderError(f"the chat template of {self.model_name} says: {message}")
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Checked copies of `messages` whose list-of-parts content is joined into one string."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise InvalidChatMessagesError(
+            f"messages must be a list of objects; got {type(messages).__name__}"
+        )
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidChatMessagesError(
+                f"messages[{i}] must be an object with 'role' and 'content'; "
+                f"got {type(message).__name__}"
+            )
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidChatMessagesError(
+                f"messages[{i}].role must be a string; got {type(role).__name__}"
+            )
+        out.append({**message, "content": _content(message, i)})
+    return out
+
+
+def _content(message: Mapping[str, Any], i: int) -> str | None:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("tool_calls"):
+        return None  # an assistant turn that only calls tools
+    if isinstance(content, Sequence) and not isinstance(content, bytes):
+        texts = []
+        for k, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text"):
+                raise InvalidChatMessagesError(
+                    f"messages[{i}].content[{k}] must be {{'type': 'text', 'text': ...}}; "
+                    "only text parts are supported"
+                )
+            if not isinstance(part.get("text"), str):
+                raise InvalidChatMessagesError(f"messages[{i}].content[{k}].text must be a string")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidChatMessagesError(
+        f"messages[{i}].content must be a string or a list of text parts; "
+        f"got {type(content).__name__}"
+    )
+
+
+def _token(tokenizer: Tokenizer | None, attr: str) -> str:
+    token_id = getattr(tokenizer, attr, None) if tokenizer is not None else None
+    return tokenizer.token_text(token_id) if tokenizer is not None and token_id is not None else ""
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson HTML-escapes <, > and &; chat templates want plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
