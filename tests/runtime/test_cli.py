@@ -1,0 +1,146 @@
+"""`llmq generate` and `llmq models` as a user runs them: a real process, real output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LLMQ = Path(sys.executable).with_name("llmq")
+
+
+def llmq(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(LLMQ), *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llmq: error:"), result.stderr
+    assert fragment in lines[0]
+
+
+def test_console_script_is_installed():
+    assert LLMQ.is_file(), "pip install -e . should install the llmq console script"
+
+
+def test_generate_streams_text_and_stats(tiny_llama_path):
+    result = llmq(
+        "generate",
+        "-m",
+        str(tiny_llama_path),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "6",
+        "--stats",
+        "the cat",
+    )
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stderr.strip().splitlines()[-1])
+    assert set(stats) == {
+        "prompt_tokens",
+        "completion_tokens",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "ttft_ms",
+        "load_s",
+    }
+    assert stats["completion_tokens"] == 6 and stats["prompt_tokens"] > 0
+    assert result.stdout.endswith("\n")
+
+
+def test_generate_reads_the_prompt_from_stdin(tiny_llama_path):
+    args = ("generate", "-m", str(tiny_llama_path), "--temperature", "0", "--max-tokens", "4")
+    from_arg = llmq(*args, "the cat")
+    from_stdin = llmq(*args, stdin="the cat")
+    assert from_stdin.returncode == 0 and from_stdin.stdout == from_arg.stdout
+
+
+@pytest.mark.slow
+def test_generate_with_smollm2_answers_sensibly():
+    result = llmq(
+        "generate",
+        "-m",
+        "smollm2-135m-instruct",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "The capital of France is",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+@pytest.mark.slow
+def test_generate_chat_with_smollm2_answers_a_question():
+    result = llmq(
+        "generate",
+        "--chat",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "30",
+        "What is the capital of Japan?",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Tokyo" in result.stdout
+
+
+def test_unknown_model_is_one_line(tmp_path):
+    assert_one_line_error(llmq("generate", "-m", "no-such-model", "hi"), "unknown model")
+
+
+def test_empty_prompt_is_one_line(tiny_llama_path):
+    assert_one_line_error(llmq("generate", "-m", str(tiny_llama_path), ""), "prompt is empty")
+
+
+def test_bad_sampling_value_is_one_line(tiny_llama_path):
+    result = llmq("generate", "-m", str(tiny_llama_path), "--top-p", "1.5", "hi")
+    assert_one_line_error(result, "top_p")
+
+
+def test_corrupt_and_truncated_files_are_one_line(tmp_path, tiny_llama_path):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\xff" * 64)
+    assert_one_line_error(llmq("generate", "-m", str(corrupt), "hi"), "corrupt.gguf")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_llama_path.read_bytes()[:5000])
+    assert_one_line_error(llmq("generate", "-m", str(truncated), "hi"), "truncated.gguf")
+    missing = tmp_path / "missing.gguf"
+    assert_one_line_error(llmq("generate", "-m", str(missing), "hi"), "missing.gguf")
+
+
+def test_models_lists_the_built_in_models():
+    result = llmq("models")
+    assert result.returncode == 0, result.stderr
+    assert "smollm2-135m-instruct" in result.stdout and "gemma-3-270m" in result.stdout
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout
+
+
+def test_models_reads_a_toml_registry(tmp_path, tiny_llama_path):
+    registry = tmp_path / "models.toml"
+    registry.write_text(f'[models.tiny]\npath = "{tiny_llama_path}"\n')
+    result = subprocess.run(
+        [str(LLMQ), "models"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "LLMQ_MODELS": str(registry)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert any(line.startswith("tiny ") and "llama" in line for line in result.stdout.splitlines())
+
+
+@pytest.mark.parametrize("args", [("--help",), ("generate", "--help"), ("models", "--help")])
+def test_help_is_complete(args):
+    result = llmq(*args)
+    assert result.returncode == 0 and "usage: llmq" in result.stdout
