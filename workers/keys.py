@@ -1,0 +1,74 @@
+"""Every Redis key, channel and RQ queue name llmq uses, in one place (like rq's `key_for`).
+
+Shared by `api/` and `workers/`; nothing else builds key strings. This module imports only
+the standard library, so the API can use it without pulling in the engine.
+
+Layout:
+- `llmq:job:{id}`            hash: the job record (see `workers.protocol.JobRecord`)
+- `llmq:job:{id}:events`     stream: token/done/error events; entry ids are the SSE ids
+- `llmq:job:{id}:wake`       pub/sub channel: "an event was appended" (wake-ups only)
+- `llmq:job:{id}:cancel`     string flag: the decode loop stops the job when it is set
+- `llmq:job:{id}:lease`      string "{worker}:{attempt}" with a short TTL, renewed while running
+- `llmq:running`             set of job ids a worker has started and not finished
+- `llmq:workers`             set of worker names; `llmq:worker:{name}` hash, TTL'd heartbeat
+- `llmq:models`              hash model id -> JSON of where its file is (published by workers)
+- `llmq:idempotency:{key}`   string job id, for `Idempotency-Key` resubmits
+- `llmq:metrics:*`           counters and histograms shared by every API and worker process
+- RQ queues `llmq-{model}-interactive` and `llmq-{model}-batch`
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "llmq"
+JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # RQ's own id alphabet, bounded
+INTERACTIVE, BATCH = "interactive", "batch"
+QUEUE_KINDS = (INTERACTIVE, BATCH)  # workers serve them in this order
+
+RUNNING = f"{PREFIX}:running"
+WORKERS = f"{PREFIX}:workers"
+MODELS = f"{PREFIX}:models"
+
+
+def is_valid_job_id(job_id: str) -> bool:
+    return bool(JOB_ID_PATTERN.match(job_id))
+
+
+def job(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}"
+
+
+def job_events(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:events"
+
+
+def job_wake(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:wake"
+
+
+def job_cancel(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:cancel"
+
+
+def job_lease(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:lease"
+
+
+def worker(name: str) -> str:
+    return f"{PREFIX}:worker:{name}"
+
+
+def idempotency(key: str) -> str:
+    return f"{PREFIX}:idempotency:{key}"
+
+
+def metric(name: str) -> str:
+    return f"{PREFIX}:metrics:{name}"
+
+
+def queue_name(model: str, kind: str = INTERACTIVE) -> str:
+    """RQ queue for a model's jobs; interactive queues are served before batch queues."""
+    if kind not in QUEUE_KINDS:
+        raise ValueError(f"queue kind must be one of {QUEUE_KINDS}, got {kind!r}")
+    return f"{PREFIX}-{model}-{kind}"
