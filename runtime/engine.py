@@ -91,6 +91,29 @@ class Engine:
         while len(batch):
             yield from batch.step()
 
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], top_n: int = 0
+    ) -> list[tuple[float | None, list[tuple[int, float]]]]:
+        """Logprob of each prompt token given the ones before it (None for the first), with
+        the `top_n` most likely alternatives at that position: what `echo` + `logprobs` return.
+        """
+        self.new_batch().check_request(prompt_ids, SamplingParams(max_tokens=1))
+        ids = list(prompt_ids)
+        cache = self.model.new_cache(len(ids))
+        out: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
+        for start in range(0, len(ids), self.config.prefill_chunk):
+            piece = ids[start : start + self.config.prefill_chunk]
+            layout = BatchLayout([SequenceChunk(cache, start, len(piece))])
+            logits = self.model.logits(self.model.forward(np.asarray(piece), layout))  # [n, V]
+            logprobs = logits - _logsumexp(logits)[:, None]
+            for row, position in enumerate(range(start, start + len(piece))):
+                if position + 1 >= len(ids):
+                    break
+                top = np.argsort(-logprobs[row], kind="stable")[:top_n]
+                alternatives = [(int(t), float(logprobs[row, t])) for t in top]
+                out.append((float(logprobs[row, ids[position + 1]]), alternatives))
+        return out
+
     def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
         """Mean-pooled final hidden states, L2-normalised: `[N, D]`, one forward pass each."""
         vectors = []
@@ -112,3 +135,8 @@ class Engine:
         pooled /= len(ids)
         norm = np.linalg.norm(pooled)
         return (pooled / norm if norm > 0 else pooled).astype(np.float32)
+
+
+def _logsumexp(logits: np.ndarray) -> np.ndarray:
+    peak = logits.max(axis=-1)
+    return peak + np.log(np.exp(logits - peak[:, None]).sum(axis=-1))

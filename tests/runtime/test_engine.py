@@ -171,3 +171,19 @@ def test_chat_prompt_uses_the_template(tiny_llama_path):
     ids = engine.encode_chat([{"role": "user", "content": "hi"}])
     text = engine.tokenizer.decode(ids, skip_special=False)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_prompt_logprobs_score_each_token_given_the_ones_before(engine):
+    prompt = _prompt(engine, 9, seed=9)
+    scored = engine.prompt_logprobs(prompt, top_n=3)
+    assert len(scored) == len(prompt) and scored[0] == (None, [])
+    logits = engine.model.logits(
+        engine.model.forward(
+            np.asarray(prompt), BatchLayout([SequenceChunk(engine.model.new_cache(9), 0, 9)])
+        )
+    ).astype(np.float64)
+    logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    for j in range(1, len(prompt)):
+        value, top = scored[j]
+        assert value == pytest.approx(logprobs[j - 1, prompt[j]], abs=1e-4)
+        assert [t for t, _ in top] == list(np.argsort(-logprobs[j - 1])[:3])
