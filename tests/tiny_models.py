@@ -80,7 +80,10 @@ def _weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
 
 
-def write_tiny_llama(path: Path, shape: TinyShape | None = None, seed: int = 0) -> Path:
+def write_tiny_llama(
+    path: Path, shape: TinyShape | None = None, seed: int = 0, int_embeddings: bool = False
+) -> Path:
+    """A tiny llama; `int_embeddings` stores token_embd as I32, a type no loader accepts."""
     s, rng = shape or TinyShape(), np.random.default_rng(seed)
     tokens, types, merges = _gpt2_vocab()
     w = gguf.GGUFWriter(str(path), "llama")
@@ -102,7 +105,10 @@ def write_tiny_llama(path: Path, shape: TinyShape | None = None, seed: int = 0) 
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
     vocab, q_dim, kv = len(tokens), s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
-    _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
+    if int_embeddings:
+        w.add_tensor("token_embd.weight", np.zeros((vocab, s.dim), np.int32))
+    else:
+        _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
     w.add_tensor("output_norm.weight", _norm(rng, s.dim))
     _add_quantized(w, "output.weight", _weights(rng, vocab, s.dim), Q8_0)
     for i in range(s.n_layers):

@@ -152,6 +152,14 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         load_model(GGUFFile(path))
 
 
+def test_tensor_type_without_dequantizer_is_a_clear_error(tmp_path):
+    from tests.tiny_models import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "int.gguf", int_embeddings=True)
+    with pytest.raises(ModelFormatError, match="'token_embd.weight' has type I32"):
+        load_model(GGUFFile(path))
+
+
 def test_not_a_gguf_file_is_a_clear_error(tmp_path):
     path = tmp_path / "notes.gguf"
     path.write_text("hello")
