@@ -11,9 +11,13 @@ Layout:
 - `llmq:job:{id}:lease`      string "{worker}:{attempt}" with a short TTL, renewed while running
 - `llmq:running`             set of job ids a worker has started and not finished
 - `llmq:workers`             set of worker names; `llmq:worker:{name}` hash, TTL'd heartbeat
+                             (fields: `workers.protocol.WorkerInfo`)
+- `llmq:worker:{name}:commands` list of JSON admin commands for that worker (LPUSH by the
+                             API, popped by the worker; `workers.protocol.encode_command`)
 - `llmq:models`              hash model id -> JSON of where its file is (published by workers)
 - `llmq:idempotency:{key}`   string job id, for `Idempotency-Key` resubmits
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
+                             (the `METRIC_*` names below; no TTL, never any prompt text)
 - RQ queues `llmq-{model}-interactive` and `llmq-{model}-batch`
 """
 
@@ -63,8 +67,23 @@ def idempotency(key: str) -> str:
     return f"{PREFIX}:idempotency:{key}"
 
 
+def worker_commands(name: str) -> str:
+    return f"{PREFIX}:worker:{name}:commands"
+
+
 def metric(name: str) -> str:
     return f"{PREFIX}:metrics:{name}"
+
+
+# Metrics: hashes, so one HGETALL renders each; the API's /metrics reads them all.
+METRIC_REQUESTS = metric("requests")  # "{METHOD} {route}|{status}" -> count (API)
+METRIC_JOBS = metric("jobs")  # state -> jobs that reached it (API: queued/cancelled; workers)
+METRIC_TOKENS_GENERATED = metric("tokens_generated")  # model -> count (workers, HINCRBY)
+METRIC_PROMPT_TOKENS = metric("prompt_tokens")  # model -> count (workers, HINCRBY)
+METRIC_TTFT = metric("ttft_seconds")  # histogram by model: protocol.histogram_fields
+METRIC_BATCH_SIZE = metric("batch_size")  # histogram by model of sequences per decode step
+METRIC_TOKENS_PER_SECOND = metric("tokens_per_second")  # worker name -> recent decode tok/s
+METRIC_PREFIX_CACHE = metric("prefix_cache")  # "{model}|hit_tokens", "{model}|prompt_tokens"
 
 
 def queue_name(model: str, kind: str = INTERACTIVE) -> str:

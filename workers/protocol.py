@@ -42,6 +42,13 @@ JOB_FUNCTION = "workers.jobs.run_job"
 JOB_TTL_SECONDS = 24 * 3600  # job record and event stream, which hold prompt and output text
 LEASE_TTL_SECONDS = 10  # a running job's lease; renewed every LEASE_RENEW_SECONDS
 LEASE_RENEW_SECONDS = 2
+WORKER_HEARTBEAT_SECONDS = 5  # a worker rewrites its hash this often ...
+WORKER_TTL_SECONDS = 15  # ... with this TTL; a missing or stale hash means a dead worker
+CANCEL_FLAG_TTL_SECONDS = 3600  # keys.job_cancel lives this long once set
+
+# Histogram buckets shared by workers (which write) and the API (which renders /metrics).
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass
@@ -95,6 +102,87 @@ class JobRecord:
             error=json.loads(h["error"]) if "error" in h else None,
             batch_id=h.get("batch_id"),
         )
+
+
+def response_id(endpoint: str, job_id: str) -> str:
+    """The `id` of a job's response body and of its stream chunks (the same for both)."""
+    prefix = {CHAT_COMPLETIONS: "chatcmpl", COMPLETIONS: "cmpl"}.get(endpoint, "embd")
+    return f"{prefix}-{job_id}"
+
+
+def cancelled_error() -> dict[str, Any]:
+    """The `error` event data (and record `error`) of a cancelled job."""
+    return error_body("The job was cancelled.", code="cancelled", status=409)
+
+
+@dataclass
+class WorkerInfo:
+    """A worker as stored in `keys.worker(name)` (and its name in `keys.WORKERS`).
+
+    `pool` maps model id -> {"state": "loading" | "ready" | "failed", "memory_mb": float,
+    "in_flight": int, "error": str | None}; `models` are the models it serves (ready or
+    loadable), `queues` the RQ queues it takes jobs from, `current_jobs` the job ids it runs.
+    """
+
+    name: str
+    pid: int = 0
+    host: str = ""
+    state: str = "idle"  # idle | busy | stopping
+    models: list[str] = field(default_factory=list)
+    queues: list[str] = field(default_factory=list)
+    current_jobs: list[str] = field(default_factory=list)
+    pool: dict[str, Any] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    heartbeat: float = field(default_factory=time.time)
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            name: json.dumps(value) if isinstance(value, list | dict) else str(value)
+            for name, value in asdict(self).items()
+        }
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes | str, bytes | str]) -> WorkerInfo:
+        h = {_text(k): _text(v) for k, v in raw.items()}
+        return cls(
+            name=h["name"],
+            pid=int(h.get("pid", 0)),
+            host=h.get("host", ""),
+            state=h.get("state", "idle"),
+            models=json.loads(h.get("models", "[]")),
+            queues=json.loads(h.get("queues", "[]")),
+            current_jobs=json.loads(h.get("current_jobs", "[]")),
+            pool=json.loads(h.get("pool", "{}")),
+            started_at=float(h.get("started_at", 0)),
+            heartbeat=float(h.get("heartbeat", 0)),
+        )
+
+    def is_alive(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.time()) - self.heartbeat <= WORKER_TTL_SECONDS
+
+
+COMMAND_LOAD, COMMAND_UNLOAD = "load", "unload"
+
+
+def encode_command(op: str, model: str) -> str:
+    """An admin command for `keys.worker_commands(name)`: JSON `{"op", "model"}`."""
+    if op not in (COMMAND_LOAD, COMMAND_UNLOAD):
+        raise ValueError(f"op must be {COMMAND_LOAD!r} or {COMMAND_UNLOAD!r}, got {op!r}")
+    return json.dumps({"op": op, "model": model})
+
+
+def format_bucket(bound: float) -> str:
+    return f"{bound:g}"
+
+
+def histogram_fields(label: str, value: float, buckets: tuple[float, ...]) -> tuple[str, str, str]:
+    """Hash fields for one observation of a histogram kept in a Redis hash.
+
+    HINCRBY the first (the bucket `value` falls in, not cumulative) and the second
+    (`count`) by 1, and HINCRBYFLOAT the third (`sum`) by `value`; `label` is the model id.
+    """
+    bound = next((format_bucket(b) for b in buckets if value <= b), "+Inf")
+    return f"{label}|{bound}", f"{label}|count", f"{label}|sum"
 
 
 def encode_event(kind: str, data: dict[str, Any]) -> dict[str, str]:
