@@ -1,0 +1,123 @@
+"""The `admin` blueprint: model pools, workers, queues; load/unload commands for workers.
+
+Guarded by `require_admin` (admin key, or loopback only). Model ids in load/unload must be
+ids the workers published in `keys.MODELS`: the API never forwards paths or URLs, so a
+worker is never asked to open a file the registry does not name (RELIABILITY 5.2 row 30).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+from typing import Any
+
+from flask import Blueprint, Response, jsonify
+from rq.registry import (
+    CanceledJobRegistry,
+    DeferredJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    ScheduledJobRegistry,
+    StartedJobRegistry,
+)
+
+from api import store
+from api.auth import require_admin
+from api.body import json_object
+from api.config import redis_conn
+from api.errors import InvalidRequest, ModelNotFound, NotImplementedYet, ServiceUnavailable
+from workers import keys
+from workers.protocol import COMMAND_LOAD, COMMAND_UNLOAD, encode_command
+
+bp = Blueprint("admin", __name__, url_prefix="/admin")
+bp.before_request(require_admin)
+
+MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+REGISTRIES = {
+    "started": StartedJobRegistry,
+    "finished": FinishedJobRegistry,
+    "failed": FailedJobRegistry,
+    "deferred": DeferredJobRegistry,
+    "scheduled": ScheduledJobRegistry,
+    "canceled": CanceledJobRegistry,
+}
+
+
+@bp.get("/workers")
+def workers() -> Response:
+    conn = redis_conn()
+    data = [{**asdict(w), "alive": w.is_alive()} for w in store.all_workers(conn)]
+    return jsonify({"object": "list", "data": data})
+
+
+@bp.get("/models")
+def models() -> Response:
+    """Per model: its published info and its pool state on each live worker."""
+    conn = redis_conn()
+    known = store.known_models(conn)
+    live = store.live_workers(conn)
+    ids = sorted(set(known) | store.served_models(live) | {m for w in live for m in w.pool})
+    data = []
+    for model in ids:
+        pools = {w.name: w.pool[model] for w in live if model in w.pool}
+        serving = [w.name for w in live if model in w.models]
+        data.append({"id": model, "info": known.get(model, {}), "serving": serving, "pools": pools})
+    return jsonify({"object": "list", "data": data})
+
+
+def _command(op: str) -> Response:
+    body = json_object()
+    unknown = sorted(set(body) - {"model"})
+    if unknown:
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0]
+        )
+    model = body.get("model")
+    if not isinstance(model, str) or not MODEL_ID.match(model):
+        raise InvalidRequest(
+            "model must be a model id from the registry (letters, digits, '.', '_', '-'), "
+            f"not a path or URL; got {str(model)[:80]!r}.",
+            param="model",
+        )
+    conn = redis_conn()
+    live = store.live_workers(conn)
+    if model not in store.known_models(conn) and model not in store.served_models(live):
+        raise ModelNotFound(model)
+    targets = [w.name for w in live if op == COMMAND_LOAD or model in w.pool or model in w.models]
+    if not targets:
+        raise ServiceUnavailable("No live worker to send the command to.", code="no_worker")
+    pipe = conn.pipeline()
+    for name in targets:
+        pipe.lpush(keys.worker_commands(name), encode_command(op, model))
+        pipe.expire(keys.worker_commands(name), 3600)
+    pipe.execute()
+    response = jsonify({"op": op, "model": model, "workers": targets})
+    response.status_code = 202
+    return response
+
+
+@bp.post("/models/load")
+def load_model() -> Response:
+    return _command(COMMAND_LOAD)
+
+
+@bp.post("/models/unload")
+def unload_model() -> Response:
+    return _command(COMMAND_UNLOAD)
+
+
+@bp.get("/queues")
+def queues() -> Response:
+    conn = redis_conn()
+    data: list[dict[str, Any]] = []
+    for queue in sorted(store.all_queues(conn), key=lambda q: q.name):
+        entry: dict[str, Any] = {"name": queue.name, "queued": queue.count}
+        for name, registry in REGISTRIES.items():
+            entry[name] = registry(queue=queue).get_job_count(cleanup=False)
+        data.append(entry)
+    return jsonify({"object": "list", "data": data})
+
+
+@bp.route("/loras", methods=["GET", "POST"])
+def loras() -> Response:
+    raise NotImplementedYet("LoRA adapters are not implemented yet.")

@@ -1,0 +1,56 @@
+"""The Flask application factory: `gunicorn -k gthread --threads 32 'api.app:create_app()'`.
+
+One blueprint per surface (`openai`, `jobs`, `ops`, `admin`, `ui`), one Redis client shared
+by every thread in `app.extensions["redis"]`, one error handler family (api.errors). This
+process never imports the engine: models live in worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask, Response, g, request
+
+from api import admin, jobs, metrics, openai_api, ops, ui
+from api.config import from_env, make_redis, redis_conn
+from api.errors import register_error_handlers
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
+    """Build the app; `test_config` overrides settings (and may pass `REDIS_CLIENT`)."""
+    app = Flask(__name__)
+    app.config.from_mapping(from_env())
+    if test_config:
+        app.config.update(test_config)
+    app.json.sort_keys = False  # keep OpenAI's field order in bodies
+    client = app.config.get("REDIS_CLIENT") or make_redis(app.config["REDIS_URL"])
+    app.extensions["redis"] = client
+
+    register_error_handlers(app)
+    for blueprint in (openai_api.bp, jobs.bp, ops.bp, admin.bp, ui.bp):
+        app.register_blueprint(blueprint)
+    app.before_request(_assign_request_id)
+    app.after_request(_finish_request)
+    return app
+
+
+def _assign_request_id() -> None:
+    # A client's X-Request-Id is echoed only if it is safe to put in logs (no CR/LF forging).
+    given = request.headers.get("X-Request-Id", "")
+    g.request_id = given if REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
+def _finish_request(response: Response) -> Response:
+    response.headers["X-Request-Id"] = g.get("request_id", "")
+    if not g.get("broker_down"):  # counting would only wait on the dead broker again
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        metrics.record_request(redis_conn(), request.method, rule, response.status_code)
+    return response

@@ -1,0 +1,99 @@
+"""Strict JSON request bodies.
+
+Flask's `request.get_json()` accepts NaN/Infinity, lone surrogates and unbounded nesting
+(which raises RecursionError, a 500). Every POST body goes through `json_object()` instead,
+so malformed input always ends as a 400/413/415 in OpenAI's shape (RELIABILITY 5.2).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flask import request
+
+from api.errors import APIError, InvalidRequest
+
+MAX_JSON_DEPTH = 64  # far more than any valid request needs
+
+
+class UnsupportedMediaType(APIError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"Invalid JSON: {name} is not allowed; numbers must be finite.")
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth, iteratively (a recursive walk would itself overflow)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return depth
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def parse_json(raw: bytes) -> Any:
+    """Decode a JSON document strictly; raises `InvalidRequest` with a useful message."""
+    if not raw.strip():
+        raise InvalidRequest("The request body is empty; expected a JSON object.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid UTF-8 (byte {exc.start}).") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"Invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})."
+        ) from None
+    except RecursionError:
+        raise InvalidRequest(f"Invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels.") from None
+    if _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"Invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels.")
+    if _has_lone_surrogate(value):
+        raise InvalidRequest("Invalid JSON: strings must not contain lone surrogates.")
+    return value
+
+
+def json_object() -> dict[str, Any]:
+    """The current request's body as a JSON object (415 if it is not sent as JSON)."""
+    if not request.mimetype or not (
+        request.mimetype == "application/json" or request.mimetype.endswith("+json")
+    ):
+        raise UnsupportedMediaType(
+            f"Content-Type must be application/json, got {request.mimetype or 'none'!r}."
+        )
+    value = parse_json(request.get_data(cache=False))
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"The request body must be a JSON object, got {json_type(value)}.")
+    return value
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)

@@ -1,0 +1,118 @@
+"""Turning job events into OpenAI streaming chunks (`chat.completion.chunk`, `text_completion`).
+
+Per choice: chat streams first send `delta: {"role": "assistant", "content": ""}`, then one
+chunk per token event with its text; the finish chunk per choice comes from the `done`
+result (its `finish_reason`), then an optional usage chunk with empty `choices`.
+Token events with empty text (an incomplete UTF-8 character) produce no chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.protocol import CHAT_COMPLETIONS, JobRecord, response_id
+
+
+class ChunkStream:
+    """Builds the chunks of one streamed response; holds only per-response state."""
+
+    def __init__(self, record: JobRecord, request: Any) -> None:
+        self.chat = record.endpoint == CHAT_COMPLETIONS
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        self.id = response_id(record.endpoint, record.id)
+        self.created = int(record.created_at)
+        self.model = record.model
+        self.include_usage = request.include_usage
+        self.logprobs = bool(request.logprobs) if self.chat else request.logprobs is not None
+        self.choices = request.choices
+        self.prompts = [] if self.chat else request.prompts
+        self.echo = False if self.chat else request.echo
+        self.n = request.n
+        self.offsets = [0] * self.choices  # text_offset per choice, for completion logprobs
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _choice(self, index: int, text: str, finish: str | None, logprobs: Any = None):
+        if self.chat:
+            delta: dict[str, Any] = {"content": text} if text or finish is None else {}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def start(self) -> list[dict[str, Any]]:
+        """Chunks sent before any token: the assistant role, or the echoed prompt."""
+        if self.chat:
+            return [
+                self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+                for i in range(self.choices)
+            ]
+        if self.echo:
+            chunks = []
+            for i in range(self.choices):
+                prompt = self.prompts[i // self.n]
+                self.offsets[i] = len(prompt)
+                chunks.append(self._chunk([self._choice(i, prompt, None)]))
+            return chunks
+        return []
+
+    def token(self, data: dict[str, Any]) -> dict[str, Any] | None:
+        text = data.get("text", "")
+        if not text and not self.logprobs:
+            return None
+        index = int(data.get("choice", 0))
+        logprobs = self._logprobs(index, data, text) if self.logprobs else None
+        return self._chunk([self._choice(index, text, None, logprobs)])
+
+    def _logprobs(self, index: int, data: dict[str, Any], text: str) -> dict[str, Any]:
+        logprob = data.get("logprob")
+        top = [t for t in data.get("top_logprobs") or [] if isinstance(t, dict)]
+        if self.chat:
+            entry = {
+                "token": text,
+                "logprob": logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": top,
+            }
+            return {"content": [entry]}
+        offset = self.offsets[index] if index < len(self.offsets) else 0
+        if index < len(self.offsets):
+            self.offsets[index] += len(text)
+        return {
+            "tokens": [text],
+            "token_logprobs": [logprob],
+            "top_logprobs": [{t.get("token", ""): t.get("logprob") for t in top}] if top else None,
+            "text_offset": [offset],
+        }
+
+    def done(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+        """Finish chunks for every choice, then the usage chunk if it was asked for."""
+        finishes = {
+            int(c.get("index", i)): c.get("finish_reason") or "stop"
+            for i, c in enumerate(result.get("choices") or [])
+        }
+        chunks = [
+            self._chunk([self._choice(i, "", finishes.get(i, "stop"))]) for i in range(self.choices)
+        ]
+        if self.include_usage:
+            usage = self._chunk([])
+            usage["usage"] = result.get("usage")
+            chunks.append(usage)
+        return chunks

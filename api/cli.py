@@ -1,0 +1,59 @@
+"""`llmq api`: run the HTTP API under gunicorn with api/gunicorn_conf.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+CONF = Path(__file__).with_name("gunicorn_conf.py")
+
+
+def add_api_commands(sub: argparse._SubParsersAction) -> None:
+    api = sub.add_parser(
+        "api",
+        help="serve the HTTP API (gunicorn, threads)",
+        description="Serve the OpenAI-compatible HTTP API with gunicorn. Needs Redis "
+        "(REDIS_URL) and, to answer requests, at least one `llmq worker`.",
+    )
+    api.add_argument(
+        "--host", default=os.environ.get("HOST", "127.0.0.1"), help="default: $HOST or 127.0.0.1"
+    )
+    api.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("PORT", "8000")),
+        help="default: $PORT or 8000",
+    )
+    api.add_argument(
+        "--workers",
+        type=int,
+        default=int(os.environ.get("LLMQ_API_WORKERS", "2")),
+        help="gunicorn processes, each with 32 threads (default: 2)",
+    )
+    api.set_defaults(handler=run_api)
+
+
+def gunicorn_argv(args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-c",
+        str(CONF),
+        "-b",
+        f"{args.host}:{args.port}",
+        "-w",
+        str(args.workers),
+        "api.app:create_app()",
+    ]
+
+
+def run_api(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        print("llmq api: --workers must be at least 1", file=sys.stderr)
+        return 2
+    argv = gunicorn_argv(args)
+    os.execv(argv[0], argv)  # replaces this process: signals go straight to gunicorn
+    return 0  # not reached

@@ -1,0 +1,59 @@
+"""Settings from the environment (documented in CONTRACT.md), and the shared Redis client.
+
+`create_app(test_config)` starts from `from_env()` and lets the test config override any
+key; blueprints reach Redis through `redis_conn()`, never through a module global.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from flask import current_app
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_MAX_QUEUE = 1000
+MAX_CONTENT_LENGTH = 1024 * 1024  # 1 MiB: far above any sane prompt, far below memory trouble
+REDIS_SOCKET_TIMEOUT = 2.0  # a stalled Redis turns into a 503 within ~2 s (RELIABILITY F7)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    env = os.environ if environ is None else environ
+    return {
+        "REDIS_URL": env.get("REDIS_URL") or DEFAULT_REDIS_URL,
+        "API_KEYS": _csv(env.get("LLMQ_API_KEYS", "")),
+        "ADMIN_KEY": env.get("LLMQ_ADMIN_KEY") or None,
+        "MAX_QUEUE": _int("LLMQ_MAX_QUEUE", env.get("LLMQ_MAX_QUEUE"), DEFAULT_MAX_QUEUE),
+        "MAX_CONTENT_LENGTH": MAX_CONTENT_LENGTH,
+        "PING_SECONDS": 15.0,  # SSE `: ping` comment after this long without an event
+        "SSE_RETRY_MS": 2000,
+        "SYNC_TIMEOUT_SECONDS": 3600.0,  # a synchronous request waits at most this long
+    }
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def _int(name: str, value: str | None, default: int) -> int:
+    if value is None or not value.strip():
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def make_redis(url: str) -> redis.Redis:
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=REDIS_SOCKET_TIMEOUT,
+        socket_connect_timeout=REDIS_SOCKET_TIMEOUT,
+        health_check_interval=30,
+    )
+
+
+def redis_conn() -> redis.Redis:
+    return current_app.extensions["redis"]

@@ -1,0 +1,192 @@
+"""Named API errors and the one error handler that renders every failure in OpenAI's shape.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}`, whatever raised it:
+our own `APIError`s, Flask/Werkzeug's HTTP errors (404, 405, 413, 415, ...), Redis being
+unreachable (503 + Retry-After, RELIABILITY F7) and unexpected exceptions (500, logged with
+their traceback but never with it in the body).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from flask import Flask, Response, g, jsonify
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 2
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's error fields."""
+
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_json(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequest(APIError):
+    status = 400
+
+
+class UnsupportedFeature(InvalidRequest):
+    """A contract feature the engine does not implement yet; never silently ignored."""
+
+    code = "unsupported"
+
+
+class AuthenticationFailed(APIError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="llmq"'})
+
+
+class PermissionDenied(APIError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class NotFound(APIError):
+    status = 404
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model {model!r} does not exist.", param="model")
+
+
+class JobNotFound(NotFound):
+    code = "job_not_found"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"No job with id {job_id!r} (it may have expired).", param="id")
+
+
+class Conflict(APIError):
+    status = 409
+    code = "conflict"
+
+
+class NotImplementedYet(APIError):
+    status = 501
+    type = "not_implemented_error"
+    code = "not_implemented"
+
+
+class QueueFull(APIError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, queue: str, depth: int, retry_after: int = RETRY_AFTER_SECONDS) -> None:
+        super().__init__(
+            f"The queue for this model is full ({depth} jobs waiting); retry later.",
+            headers={"Retry-After": str(retry_after)},
+        )
+        self.queue = queue
+
+
+class ServiceUnavailable(APIError):
+    status = 503
+    type = "service_unavailable_error"
+    code = "service_unavailable"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+class NoWorker(ServiceUnavailable):
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"No live worker serves the model {model!r} right now; retry later.",
+            code="no_worker",
+        )
+
+
+def error_json(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> Response:
+    response = jsonify(error.body())
+    response.status_code = error.status
+    response.headers.update(error.headers)
+    return response
+
+
+_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def _http_error(exc: HTTPException) -> Response:
+    status = exc.code or 500
+    message = exc.description or exc.name
+    if status == 413:
+        message = f"Request body too large; the limit is {_max_content_length() or 0} bytes."
+    type_ = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    response = jsonify(error_json(message, type_, None, exc.name.lower().replace(" ", "_")))
+    response.status_code = status
+    for name, value in exc.get_headers():
+        if name.lower() not in ("content-type", "content-length"):
+            response.headers[name] = value  # keeps Allow on 405
+    return response
+
+
+def _max_content_length() -> int | None:
+    from flask import current_app
+
+    return current_app.config.get("MAX_CONTENT_LENGTH")
+
+
+def register_error_handlers(app: Flask) -> None:
+    """One handler per family; all produce the OpenAI shape."""
+
+    app.register_error_handler(APIError, error_response)
+    app.register_error_handler(HTTPException, _http_error)
+
+    @app.errorhandler(redis.exceptions.ConnectionError)
+    @app.errorhandler(redis.exceptions.TimeoutError)
+    def _broker_down(exc: Exception) -> Response:
+        log.warning("Redis unavailable: %s", exc.__class__.__name__)
+        g.broker_down = True
+        return error_response(
+            ServiceUnavailable("The job broker is unavailable; retry later.", code="broker_down")
+        )
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception) -> Response:
+        log.exception("unhandled error")
+        response = jsonify(
+            error_json("Internal server error.", "server_error", None, "internal_error")
+        )
+        response.status_code = 500
+        return response

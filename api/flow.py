@@ -1,0 +1,200 @@
+"""The life of one request: submit a validated job, then answer 202, wait, or stream.
+
+Shared by the `openai` blueprint (the three POSTs) and the `jobs` blueprint (POST /v1/jobs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from flask import Response, current_app, jsonify, request
+
+from api import store
+from api.auth import bearer_token
+from api.chunks import ChunkStream
+from api.config import redis_conn
+from api.errors import InvalidRequest, ServiceUnavailable
+from api.events import SSE_HEADERS, client_gone, follow, sse
+from workers.protocol import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN, JobRecord
+
+log = logging.getLogger(__name__)
+
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no spaces
+
+
+def prefers_async() -> bool:
+    """RFC 7240 `Prefer: respond-async`."""
+    prefs = request.headers.get("Prefer", "")
+    return any(p.split(";")[0].strip().lower() == "respond-async" for p in prefs.split(","))
+
+
+def submit_request(endpoint: str, req: Any) -> store.Submission:
+    """Check the model and the context, then store and enqueue the job (or find its twin)."""
+    conn = redis_conn()
+    info = store.require_model(conn, req.model)
+    _check_context(req, info)
+    idem = request.headers.get("Idempotency-Key")
+    scoped = None
+    if idem is not None:
+        if not IDEMPOTENCY_KEY.match(idem):
+            raise InvalidRequest(
+                "Idempotency-Key must be 1 to 255 printable ASCII characters without spaces.",
+                param="Idempotency-Key",
+            )
+        scoped = store.idempotency_key(bearer_token() or "", idem)
+    return store.submit(
+        conn,
+        endpoint,
+        req.model,
+        req.to_job_request(),
+        max_queue=current_app.config["MAX_QUEUE"],
+        idempotency=scoped,
+    )
+
+
+def _check_context(req: Any, info: dict[str, Any]) -> None:
+    """max_tokens against the model's context; the worker checks prompt + max_tokens."""
+    context = info.get("context_length")
+    max_tokens = getattr(req, "effective_max_tokens", getattr(req, "max_tokens", None))
+    if isinstance(context, int) and isinstance(max_tokens, int) and max_tokens >= context:
+        raise InvalidRequest(
+            f"max_tokens must be less than the model's context length ({context} tokens), "
+            f"got {max_tokens}.",
+            param="max_tokens",
+        )
+
+
+def job_summary(record: JobRecord) -> dict[str, Any]:
+    return {"id": record.id, "object": "job", "status": record.status}
+
+
+def accepted(record: JobRecord) -> Response:
+    response = jsonify(job_summary(record))
+    response.status_code = 202
+    response.headers["Location"] = f"/v1/jobs/{record.id}"
+    response.headers["Preference-Applied"] = "respond-async"
+    return response
+
+
+def error_from_event(data: dict[str, Any]) -> Response:
+    """An `error` event (OpenAI body plus `status`) as the HTTP response."""
+    status = data.get("status", 500)
+    status = status if isinstance(status, int) and 400 <= status <= 599 else 500
+    response = jsonify({"error": data.get("error") or {"message": "Job failed."}})
+    response.status_code = status
+    if status in (429, 503):
+        response.headers["Retry-After"] = "2"
+    return response
+
+
+def wait(record: JobRecord) -> Response:
+    """Follow the job's events until it ends; cancel it if the client goes away."""
+    conn = redis_conn()
+    environ = request.environ
+    deadline = time.monotonic() + current_app.config["SYNC_TIMEOUT_SECONDS"]
+    for event in follow(conn, record.id):
+        if event is None:
+            if client_gone(environ):
+                store.set_cancel_flag(conn, record.id)
+                return Response(status=499)  # nobody reads it; keeps the access log honest
+            if time.monotonic() > deadline:
+                store.set_cancel_flag(conn, record.id)
+                raise ServiceUnavailable("The job did not finish in time.", code="timeout")
+            continue
+        if event.kind == EVENT_DONE:
+            return jsonify(event.data)
+        if event.kind == EVENT_ERROR:
+            return error_from_event(event.data)
+    raise ServiceUnavailable("The job's event stream ended unexpectedly.")
+
+
+def stream(record: JobRecord, req: Any) -> Response:
+    """OpenAI-style SSE chunks for the job, ending with `data: [DONE]`."""
+    conn = redis_conn()
+    environ = request.environ
+    ping = current_app.config["PING_SECONDS"]
+    chunks = ChunkStream(record, req)
+
+    def generate() -> Iterator[str]:
+        finished = False
+        last_sent = time.monotonic()
+        try:
+            for chunk in chunks.start():
+                yield _data(chunk)
+            for event in follow(conn, record.id):
+                if event is None:
+                    if client_gone(environ):
+                        return
+                    if time.monotonic() - last_sent >= ping:
+                        last_sent = time.monotonic()
+                        yield ": ping\n\n"
+                    continue
+                out = _chunks_for(chunks, event.kind, event.data)
+                finished = event.terminal
+                for item in out:
+                    last_sent = time.monotonic()
+                    yield item
+            finished = True
+        except redis.RedisError:  # the broker went away mid-stream: report it in-band
+            finished = True  # the job may still run; the client cannot be told more
+            yield _data(
+                ServiceUnavailable("The job broker is unavailable.", code="broker_down").body()
+            )
+            yield "data: [DONE]\n\n"
+        except Exception:
+            log.exception("stream for job %s failed", record.id)
+            finished = True
+            yield _data(
+                {
+                    "error": {
+                        "message": "Internal server error.",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "internal_error",
+                    }
+                }
+            )
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # client went away (GeneratorExit or a failed peek)
+                store.set_cancel_flag(conn, record.id)
+
+    return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
+
+
+def _chunks_for(chunks: ChunkStream, kind: str, data: dict[str, Any]) -> list[str]:
+    if kind == EVENT_TOKEN:
+        chunk = chunks.token(data)
+        return [_data(chunk)] if chunk is not None else []
+    if kind == EVENT_DONE:
+        return [_data(c) for c in chunks.done(data)] + ["data: [DONE]\n\n"]
+    if kind == EVENT_ERROR:
+        return [_data({"error": data.get("error")}), "data: [DONE]\n\n"]
+    return []  # other kinds (e.g. worker bookkeeping) are not part of the OpenAI stream
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return sse(json.dumps(payload, ensure_ascii=False))
+
+
+def respond(endpoint: str, req: Any) -> Response:
+    """Submit and answer as the client asked: 202, SSE, or the finished body."""
+    is_async = prefers_async()
+    if is_async and req.stream:
+        raise InvalidRequest(
+            "stream cannot be combined with Prefer: respond-async; "
+            "follow GET /v1/jobs/{id}/events instead.",
+            param="stream",
+        )
+    submission = submit_request(endpoint, req)
+    if is_async:
+        return accepted(submission.record)
+    if req.stream:
+        return stream(submission.record, req)
+    return wait(submission.record)

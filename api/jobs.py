@@ -1,0 +1,147 @@
+"""The `jobs` blueprint: async jobs — submit, poll, follow events (SSE), cancel."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from flask import Blueprint, Response, current_app, jsonify, request
+
+from api import store
+from api.auth import require_api_key
+from api.body import json_object
+from api.config import redis_conn
+from api.errors import APIError, InvalidRequest, ServiceUnavailable
+from api.events import SSE_HEADERS, follow, parse_event_id, sse
+from api.flow import accepted, submit_request
+from api.schemas import parse_request
+from workers import keys
+from workers.protocol import ENDPOINTS, EVENT_ERROR, EVENT_TOKEN, TERMINAL_STATUSES, JobRecord
+
+BROKER_DOWN = ServiceUnavailable("The job broker is unavailable; reconnect.", code="broker_down")
+
+bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
+bp.before_request(require_api_key)
+
+
+def _job_id(job_id: str) -> str:
+    if not keys.is_valid_job_id(job_id):
+        raise InvalidRequest(
+            "Invalid job id: expected 1 to 64 characters from [A-Za-z0-9_-].", param="id"
+        )
+    return job_id
+
+
+@bp.post("")
+def create_job() -> Response:
+    body = json_object()
+    unknown = sorted(set(body) - {"endpoint", "body"})
+    if unknown:
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0]
+        )
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequest(
+            f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}.",
+            param="endpoint",
+        )
+    inner = body.get("body")
+    if not isinstance(inner, dict):
+        raise InvalidRequest("body must be a JSON object (the request body).", param="body")
+    req = parse_request(endpoint, inner)
+    if req.stream:
+        raise InvalidRequest(
+            "stream is not available for async jobs; follow GET /v1/jobs/{id}/events.",
+            param="body.stream",
+        )
+    return accepted(submit_request(endpoint, req).record)
+
+
+def job_view(conn: Any, record: JobRecord) -> dict[str, Any]:
+    completion_tokens = record.completion_tokens
+    if record.result and isinstance(record.result.get("usage"), dict):
+        completion_tokens = record.result["usage"].get("completion_tokens", completion_tokens)
+    elif record.status not in TERMINAL_STATUSES:
+        completion_tokens = max(completion_tokens, conn.xlen(keys.job_events(record.id)))
+    view: dict[str, Any] = {
+        "id": record.id,
+        "object": "job",
+        "endpoint": record.endpoint,
+        "model": record.model,
+        "status": record.status,
+        "created_at": record.created_at,
+        "started_at": record.started_at,
+        "finished_at": record.finished_at,
+        "attempts": record.attempts,
+        "progress": {"completion_tokens": completion_tokens},
+    }
+    if record.result is not None:
+        view["result"] = record.result
+    if record.error is not None:
+        view["error"] = record.error.get("error", record.error)
+    return view
+
+
+@bp.get("/<job_id>")
+def get_job(job_id: str) -> Response:
+    conn = redis_conn()
+    return jsonify(job_view(conn, store.require_record(conn, _job_id(job_id))))
+
+
+@bp.post("/<job_id>/cancel")
+def cancel_job(job_id: str) -> Response:
+    conn = redis_conn()
+    store.cancel(conn, _job_id(job_id))
+    record = store.require_record(conn, job_id)
+    response = jsonify(job_view(conn, record))
+    response.status_code = 202
+    return response
+
+
+@bp.get("/<job_id>/events")
+def job_events(job_id: str) -> Response:
+    """SSE of the job's stream from the start, or after `Last-Event-ID` / `?after=`."""
+    conn = redis_conn()
+    _job_id(job_id)
+    if "after" in request.args:
+        after = parse_event_id(request.args["after"], "after")
+    else:
+        after = parse_event_id(request.headers.get("Last-Event-ID"))
+    store.require_record(conn, job_id)
+    ping = current_app.config["PING_SECONDS"]
+    retry_ms = current_app.config["SSE_RETRY_MS"]
+
+    def generate() -> Iterator[str]:
+        yield f"retry: {retry_ms}\n\n"
+        last_sent = time.monotonic()
+        try:
+            for event in follow(conn, job_id, after):
+                if event is None:
+                    if time.monotonic() - last_sent >= ping:
+                        last_sent = time.monotonic()
+                        yield ": ping\n\n"
+                    continue
+                last_sent = time.monotonic()
+                yield sse(
+                    json.dumps(_event_data(event.kind, event.data), ensure_ascii=False),
+                    event=event.kind,
+                    id=event.id,
+                )
+        except (APIError, redis.RedisError) as exc:  # say so; the client reconnects and resumes
+            error = exc if isinstance(exc, APIError) else BROKER_DOWN
+            yield sse(json.dumps(error.body()), event=EVENT_ERROR)
+
+    # A listener that disconnects does not cancel: async jobs outlive their watchers.
+    return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
+
+
+def _event_data(kind: str, data: dict[str, Any]) -> dict[str, Any]:
+    if kind == EVENT_TOKEN:
+        return {k: data[k] for k in ("index", "text", "choice", "token_id") if k in data}
+    if kind == EVENT_ERROR:
+        return {"error": data.get("error")}
+    return data

@@ -1,0 +1,193 @@
+"""Prometheus metrics kept in Redis and rendered by a custom collector.
+
+Counters live in Redis hashes (`keys.METRIC_*`) rather than in process memory: gunicorn
+runs several API processes and the workers are other processes (or machines), and each
+scrape must see the sum of all of them. The API increments request counts; workers
+increment token counts and histogram buckets (`protocol.histogram_fields`). A scrape costs
+one pipelined round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable, Iterator
+
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from rq import Queue
+
+from workers import keys
+from workers.protocol import BATCH_SIZE_BUCKETS, TTFT_BUCKETS, WorkerInfo, format_bucket
+
+log = logging.getLogger(__name__)
+
+_QUEUE_PREFIX = "rq:queue:"
+_SAFE_ROUTE = re.compile(r"^[A-Za-z0-9_/<>.:-]{1,100}$")
+
+
+def record_request(conn: redis.Redis, method: str, route: str, status: int) -> None:
+    """Count one answered request; never fails the request if Redis is down."""
+    if not _SAFE_ROUTE.match(route):
+        route = "other"
+    try:
+        conn.hincrby(keys.METRIC_REQUESTS, f"{method} {route}|{status}", 1)
+    except redis.RedisError as exc:
+        log.debug("request metric not recorded: %s", exc)
+
+
+def _hash(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def _num(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
+
+
+class RedisCollector(Collector):
+    def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
+
+    def collect(self) -> Iterator[Metric]:
+        pipe = self.conn.pipeline(transaction=False)
+        names = [
+            keys.METRIC_REQUESTS,
+            keys.METRIC_JOBS,
+            keys.METRIC_TOKENS_GENERATED,
+            keys.METRIC_PROMPT_TOKENS,
+            keys.METRIC_TTFT,
+            keys.METRIC_BATCH_SIZE,
+            keys.METRIC_TOKENS_PER_SECOND,
+            keys.METRIC_PREFIX_CACHE,
+        ]
+        for name in names:
+            pipe.hgetall(name)
+        pipe.smembers(Queue.redis_queues_keys)
+        pipe.scard(keys.RUNNING)
+        pipe.smembers(keys.WORKERS)
+        *hashes, queue_keys, running, worker_names = pipe.execute()
+        h = dict(zip(names, (_hash(x) for x in hashes), strict=True))
+
+        yield self._requests(h[keys.METRIC_REQUESTS])
+        jobs = CounterMetricFamily("llmq_jobs", "Jobs that reached each state.", labels=["state"])
+        for state, count in sorted(h[keys.METRIC_JOBS].items()):
+            jobs.add_metric([state], _num(count))
+        yield jobs
+        yield from self._per_model(h)
+        yield self._histogram(
+            "llmq_time_to_first_token_seconds",
+            "Time from job start to its first token.",
+            h[keys.METRIC_TTFT],
+            TTFT_BUCKETS,
+        )
+        yield self._histogram(
+            "llmq_batch_size",
+            "Sequences per decode step.",
+            h[keys.METRIC_BATCH_SIZE],
+            BATCH_SIZE_BUCKETS,
+        )
+        yield from self._queues(queue_keys)
+        yield GaugeMetricFamily("llmq_jobs_running", "Jobs being generated now.", value=running)
+        yield from self._workers(worker_names, h[keys.METRIC_TOKENS_PER_SECOND])
+
+    @staticmethod
+    def _requests(counts: dict[str, str]) -> Metric:
+        family = CounterMetricFamily(
+            "llmq_http_requests", "HTTP requests answered.", labels=["method", "route", "status"]
+        )
+        for field, count in sorted(counts.items()):
+            label, _, status = field.rpartition("|")
+            method, _, route = label.partition(" ")
+            family.add_metric([method, route, status], _num(count))
+        return family
+
+    @staticmethod
+    def _per_model(h: dict[str, dict[str, str]]) -> Iterable[Metric]:
+        for key, name, doc in (
+            (keys.METRIC_TOKENS_GENERATED, "llmq_tokens_generated", "Tokens generated."),
+            (keys.METRIC_PROMPT_TOKENS, "llmq_prompt_tokens", "Prompt tokens processed."),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            for model, count in sorted(h[key].items()):
+                family.add_metric([model], _num(count))
+            yield family
+        cache = h[keys.METRIC_PREFIX_CACHE]
+        ratio = GaugeMetricFamily(
+            "llmq_prefix_cache_hit_ratio",
+            "Share of prompt tokens served from the prefix cache.",
+            labels=["model"],
+        )
+        for field, total in sorted(cache.items()):
+            model, _, kind = field.rpartition("|")
+            if kind == "prompt_tokens" and _num(total) > 0:
+                hits = _num(cache.get(f"{model}|hit_tokens", "0"))
+                ratio.add_metric([model], hits / _num(total))
+        yield ratio
+
+    @staticmethod
+    def _histogram(
+        name: str, doc: str, fields: dict[str, str], buckets: tuple[float, ...]
+    ) -> Metric:
+        family = HistogramMetricFamily(name, doc, labels=["model"])
+        models = sorted({f.rpartition("|")[0] for f in fields})
+        for model in models:
+            cumulative, rows = 0.0, []
+            for bound in buckets:
+                cumulative += _num(fields.get(f"{model}|{format_bucket(bound)}", "0"))
+                rows.append((format_bucket(bound), cumulative))
+            cumulative += _num(fields.get(f"{model}|+Inf", "0"))
+            rows.append(("+Inf", max(cumulative, _num(fields.get(f"{model}|count", "0")))))
+            family.add_metric([model], rows, sum_value=_num(fields.get(f"{model}|sum", "0")))
+        return family
+
+    def _queues(self, queue_keys: set[bytes]) -> Iterable[Metric]:
+        depth = GaugeMetricFamily("llmq_queue_depth", "Jobs waiting per queue.", labels=["queue"])
+        names = sorted(
+            k.decode()[len(_QUEUE_PREFIX) :]
+            for k in queue_keys
+            if k.decode().startswith(_QUEUE_PREFIX + keys.PREFIX + "-")
+        )
+        pipe = self.conn.pipeline(transaction=False)
+        for name in names:
+            pipe.llen(_QUEUE_PREFIX + name)
+        for name, length in zip(names, pipe.execute(), strict=True):
+            depth.add_metric([name], length)
+        yield depth
+
+    def _workers(self, names: set[bytes], rates: dict[str, str]) -> Iterable[Metric]:
+        pipe = self.conn.pipeline(transaction=False)
+        ordered = sorted(n.decode() for n in names)
+        for name in ordered:
+            pipe.hgetall(keys.worker(name))
+        now, live = time.time(), []
+        for raw in pipe.execute():
+            try:
+                info = WorkerInfo.from_hash(raw) if raw else None
+            except (KeyError, ValueError):
+                info = None
+            if info is not None and info.is_alive(now):
+                live.append(info.name)
+        yield GaugeMetricFamily("llmq_workers_live", "Workers with a fresh heartbeat.", len(live))
+        tps = GaugeMetricFamily(
+            "llmq_tokens_per_second", "Recent decode throughput per worker.", labels=["worker"]
+        )
+        for name in live:
+            tps.add_metric([name], _num(rates.get(name, "0")))
+        yield tps
+
+
+def render(conn: redis.Redis) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RedisCollector(conn))
+    return generate_latest(registry)

@@ -1,0 +1,451 @@
+"""Pydantic wire models for the OpenAI-compatible endpoints, and their validation errors.
+
+Validation is strict (vLLM's habit): a bool is never an int, numbers must be finite, strings
+are not coerced to numbers, and range errors name the field and the value
+(`top_p must be in (0, 1], got 1.5.`). Unknown fields are rejected with OpenAI's own
+message (`Unrecognized request argument supplied: foo`) so that a typo such as `max_token`
+is never silently ignored. Contract features the engine cannot honour yet (`json_schema`,
+`regex`, `lora`, structured `response_format`, tools, ...) are rejected as
+`UnsupportedFeature` rather than dropped.
+
+`to_job_request()` gives the normalised body stored in the job record for the worker:
+`stop` is always a list, chat message content is always a string, chat `max_tokens` is the
+effective limit (`max_completion_tokens` wins), and unset optional fields are omitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from api.errors import InvalidRequest, UnsupportedFeature
+
+MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one completion request; choices = prompts * n <= MAX_CHOICES
+MAX_CHOICES = 64
+MAX_EMBEDDING_INPUTS = 256
+MAX_STOP_STRINGS = 16  # the engine's limits (runtime.sampling), repeated: api never imports it
+MAX_STOP_STRING_CHARS = 1000
+MAX_LOGPROBS = 20
+MAX_TOKENS_LIMIT = 131072  # absolute cap; the model's context length is checked when known
+MAX_MODEL_ID_CHARS = 256
+MAX_USER_CHARS = 256
+INT64 = 2**63
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+def _in_range(name: str, value: float, low: float, high: float, *, open_low: bool = False):
+    ok = (low < value if open_low else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if open_low else "["
+        raise ValueError(f"{name} must be in {bracket}{_num(low)}, {_num(high)}], got {value}.")
+    return value
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _text_list(name: str, value: Any, *, max_items: int, allow_empty: bool = False) -> list[str]:
+    """A string or a non-empty list of strings, as a list."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise ValueError(f"{name} must be a string or a list of strings, got {_short(value)}.")
+    if not items:
+        raise ValueError(f"{name} must not be empty.")
+    if len(items) > max_items:
+        raise ValueError(f"{name} must have at most {max_items} items, got {len(items)}.")
+    if not allow_empty and any(not v.strip() for v in items):
+        raise ValueError(f"{name} must not be empty or whitespace only.")
+    return items
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(StrictModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    cache_prompt: bool = True
+    priority: int = 0
+    # In the contract, not in the engine yet: any non-empty value is rejected.
+    lora: Any = None
+    json_schema: Any = None
+    regex: Any = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        return _in_range("n", v, 1, MAX_N)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        return _in_range("temperature", v, 0, 2)
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        return _in_range("top_p", v, 0, 1, open_low=True)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {v}.")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float) -> float:
+        return _in_range("min_p", v, 0, 1)
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float) -> float:
+        return _in_range("repetition_penalty", v, 0, 10, open_low=True)
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float, info: Any) -> float:
+        return _in_range(info.field_name, v, -2, 2)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {_short(key)}.")
+            _in_range(f"logit_bias[{key}]", bias, -100, 100)
+        return v
+
+    @field_validator("seed", "priority")
+    @classmethod
+    def _int64(cls, v: int | None, info: Any) -> int | None:
+        if v is not None and not -INT64 <= v < 2 * INT64:
+            raise ValueError(f"{info.field_name} must fit in 64 bits, got {v}.")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str] | None:
+        if v is None:
+            return None
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise ValueError(f"stop must be a string or a list of strings, got {_short(v)}.")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(items)}."
+            )
+        for item in items:
+            if not item:
+                raise ValueError("stop strings must be non-empty, got ''.")
+            if len(item) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(item)}."
+                )
+        return list(dict.fromkeys(items))
+
+    @property
+    def choices(self) -> int:
+        return self.n
+
+    def reject_unsupported(self) -> None:
+        """Raise `UnsupportedFeature` for any contract feature the engine lacks."""
+        if self.lora:
+            raise UnsupportedFeature("lora adapters are not supported yet.", param="lora")
+        if self.json_schema is not None:
+            raise UnsupportedFeature(
+                "json_schema (constrained decoding) is not supported yet.", param="json_schema"
+            )
+        if self.regex is not None:
+            raise UnsupportedFeature(
+                "regex (constrained decoding) is not supported yet.", param="regex"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest(
+                "stream_options is only allowed when stream is true.", param="stream_options"
+            )
+        if self.choices > MAX_CHOICES:
+            raise InvalidRequest(
+                f"n times the number of prompts must be at most {MAX_CHOICES}, got {self.choices}.",
+                param="n",
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_job_request(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, exclude={"lora", "json_schema", "regex"})
+
+
+def _max_tokens(name: str, v: int | None) -> int | None:
+    if v is not None and not 1 <= v <= MAX_TOKENS_LIMIT:
+        if v < 1:
+            raise ValueError(f"{name} must be at least 1, got {v}.")
+        raise ValueError(f"{name} must be at most {MAX_TOKENS_LIMIT}, got {v}.")
+    return v
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Any = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> list[str] | str:
+        if v is None:
+            raise ValueError("prompt is required.")
+        if isinstance(v, list) and v and all(isinstance(x, int) for x in v):
+            raise ValueError("prompt as token ids is not supported; send text.")
+        items = _text_list("prompt", v, max_items=MAX_PROMPTS)
+        return v if isinstance(v, str) else items
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max(cls, v: int | None) -> int | None:
+        return _max_tokens("max_tokens", v)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        return v if v is None else _in_range("logprobs", v, 0, MAX_LOGPROBS)
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    @property
+    def choices(self) -> int:
+        return self.n * len(self.prompts)
+
+    def reject_unsupported(self) -> None:
+        if self.prompt is None:
+            raise InvalidRequest("prompt is required.", param="prompt")
+        super().reject_unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedFeature("best_of other than n is not supported yet.", param="best_of")
+        if self.suffix is not None:
+            raise UnsupportedFeature("suffix is not supported yet.", param="suffix")
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = Field(default=None, validate_default=True)
+    name: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> str:
+        """OpenAI allows a list of parts; only text parts exist here, joined with newlines."""
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            texts = []
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"only text content parts are supported, got type {_short(kind)}."
+                    )
+                texts.append(TextPart.model_validate(part).text)
+            return "\n".join(texts)
+        raise ValueError(f"content must be a string or a list of text parts, got {_short(v)}.")
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Any = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max(cls, v: int | None, info: Any) -> int | None:
+        return _max_tokens(info.field_name, v)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None) -> int | None:
+        return v if v is None else _in_range("top_logprobs", v, 0, MAX_LOGPROBS)
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def reject_unsupported(self) -> None:
+        super().reject_unsupported()
+        if all(not m.content.strip() for m in self.messages):
+            raise InvalidRequest("messages must contain some non-empty content.", param="messages")
+        if self.response_format and self.response_format.type != "text":
+            raise UnsupportedFeature(
+                f"response_format {self.response_format.type!r} is not supported yet; "
+                "only 'text' is.",
+                param="response_format",
+            )
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if getattr(self, name) not in (None, "none", []):
+                raise UnsupportedFeature(f"{name} (tool calling) is not supported yet.", param=name)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
+
+    def to_job_request(self) -> dict[str, Any]:
+        body = self.model_dump(
+            exclude_none=True,
+            exclude={
+                "lora",
+                "json_schema",
+                "regex",
+                "tools",
+                "tool_choice",
+                "functions",
+                "function_call",
+                "parallel_tool_calls",
+                "max_completion_tokens",
+            },
+        )
+        if self.effective_max_tokens is not None:
+            body["max_tokens"] = self.effective_max_tokens
+        return body
+
+
+class EmbeddingRequest(StrictModel):
+    model: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
+    input: Any = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    priority: int = 0
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v: Any) -> str | list[str]:
+        if v is None:
+            raise ValueError("input is required.")
+        if isinstance(v, list) and v and all(isinstance(x, int | list) for x in v):
+            raise ValueError("input as token ids is not supported; send text.")
+        items = _text_list("input", v, max_items=MAX_EMBEDDING_INPUTS)
+        return v if isinstance(v, str) else items
+
+    @property
+    def stream(self) -> bool:
+        return False
+
+    @property
+    def include_usage(self) -> bool:
+        return False
+
+    def reject_unsupported(self) -> None:
+        if self.input is None:
+            raise InvalidRequest("input is required.", param="input")
+        if self.dimensions is not None:
+            raise UnsupportedFeature("dimensions is not supported yet.", param="dimensions")
+
+    def to_job_request(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, exclude={"dimensions"})
+
+
+REQUEST_MODELS: dict[str, type[StrictModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "finite_number": "a finite number",
+}
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def validation_error(exc: ValidationError) -> InvalidRequest:
+    """The first pydantic error as one 400 with a message naming the field and value."""
+    err = exc.errors(include_url=False)[0]
+    param = _param(err["loc"]) or None
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)
+    if kind == "missing":
+        return InvalidRequest(f"{param} is required.", param=param)
+    if kind == "value_error" and "error" in err.get("ctx", {}):
+        return InvalidRequest(str(err["ctx"]["error"]), param=param)
+    if kind in _TYPE_WORDS:
+        message = f"{param} must be {_TYPE_WORDS[kind]}, got {_short(err.get('input'))}."
+        return InvalidRequest(message, param=param)
+    return InvalidRequest(f"{param}: {err['msg']}.", param=param)
+
+
+def parse_request(endpoint: str, body: dict[str, Any]) -> Any:
+    """Validate `body` for `endpoint`; raises `InvalidRequest` / `UnsupportedFeature`."""
+    try:
+        req = REQUEST_MODELS[endpoint].model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    req.reject_unsupported()
+    return req

@@ -1,0 +1,293 @@
+"""The API's view of Redis: workers and models, job records, enqueueing and cancelling.
+
+Every key comes from `workers.keys`; every record and event from `workers.protocol`. The API
+keeps no per-job state in memory, so any API process can answer for any job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
+from workers import keys
+from workers.protocol import (
+    CANCEL_FLAG_TTL_SECONDS,
+    CANCELLED,
+    EVENT_ERROR,
+    JOB_FUNCTION,
+    JOB_TTL_SECONDS,
+    QUEUED,
+    TERMINAL_STATUSES,
+    JobRecord,
+    WorkerInfo,
+    cancelled_error,
+    encode_event,
+)
+
+log = logging.getLogger(__name__)
+
+RQ_JOB_TIMEOUT_SECONDS = 3600  # a generation longer than this is a bug, not a workload
+IDEMPOTENCY_WAIT_SECONDS = 3.0  # how long a repeat waits for the first submit to finish
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def rq_queue(conn: redis.Redis, model: str, kind: str = keys.INTERACTIVE) -> Queue:
+    return Queue(keys.queue_name(model, kind), connection=conn, serializer=JSONSerializer)
+
+
+# ---------------------------------------------------------------- workers and models
+
+
+def all_workers(conn: redis.Redis) -> list[WorkerInfo]:
+    """Every registered worker whose hash still exists (alive or stale)."""
+    names = sorted(_text(n) for n in conn.smembers(keys.WORKERS))
+    pipe = conn.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.worker(name))
+    workers = []
+    for name, raw in zip(names, pipe.execute(), strict=True):
+        if not raw:
+            continue
+        try:
+            workers.append(WorkerInfo.from_hash(raw))
+        except (KeyError, ValueError) as exc:
+            log.warning("ignoring malformed worker hash %s: %s", name, exc)
+    return workers
+
+
+def live_workers(conn: redis.Redis) -> list[WorkerInfo]:
+    now = time.time()
+    return [w for w in all_workers(conn) if w.is_alive(now)]
+
+
+def known_models(conn: redis.Redis) -> dict[str, dict[str, Any]]:
+    """Models published by workers in `keys.MODELS` (id -> info such as `context_length`)."""
+    models: dict[str, dict[str, Any]] = {}
+    for model, raw in conn.hgetall(keys.MODELS).items():
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            info = {}
+        models[_text(model)] = info if isinstance(info, dict) else {}
+    return models
+
+
+def served_models(workers: list[WorkerInfo]) -> set[str]:
+    return {m for w in workers for m in w.models}
+
+
+def require_model(conn: redis.Redis, model: str) -> dict[str, Any]:
+    """The model's published info; 404 if unknown, 503 if no live worker serves it."""
+    served = served_models(live_workers(conn))
+    info = known_models(conn).get(model)
+    if info is None and model not in served:
+        raise ModelNotFound(model)
+    if model not in served:
+        raise NoWorker(model)
+    return info or {}
+
+
+# ---------------------------------------------------------------- jobs
+
+
+def get_record(conn: redis.Redis, job_id: str) -> JobRecord | None:
+    raw = conn.hgetall(keys.job(job_id))
+    if not raw:
+        return None
+    try:
+        return JobRecord.from_hash(raw)
+    except (KeyError, ValueError) as exc:
+        log.warning("job %s has a malformed record: %s", job_id, exc)
+        return None
+
+
+def require_record(conn: redis.Redis, job_id: str) -> JobRecord:
+    record = get_record(conn, job_id)
+    if record is None:
+        raise JobNotFound(job_id)
+    return record
+
+
+def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> None:
+    """Write the record and put its id on the model's RQ queue, atomically.
+
+    The depth check and the push happen in one WATCHed transaction, so concurrent submits
+    from any number of API processes never push a queue past `max_queue` (RELIABILITY F10),
+    and a job id is on a queue only if its record exists.
+    """
+    queue = rq_queue(conn, record.model, record.kind)
+    with conn.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(queue.key)
+                depth = pipe.llen(queue.key)
+                if max_queue > 0 and depth >= max_queue:
+                    raise QueueFull(queue.name, depth)
+                pipe.multi()
+                pipe.hset(keys.job(record.id), mapping=record.to_hash())
+                pipe.expire(keys.job(record.id), JOB_TTL_SECONDS)
+                queue.enqueue_call(
+                    func=JOB_FUNCTION,
+                    args=[record.id],
+                    job_id=record.id,
+                    description=record.id,  # RQ logs this; never the prompt (RELIABILITY 9)
+                    timeout=RQ_JOB_TIMEOUT_SECONDS,
+                    ttl=JOB_TTL_SECONDS,
+                    result_ttl=JOB_TTL_SECONDS,
+                    failure_ttl=JOB_TTL_SECONDS,
+                    pipeline=pipe,
+                )
+                pipe.hincrby(keys.METRIC_JOBS, QUEUED, 1)
+                pipe.execute()
+                return
+            except redis.WatchError:
+                continue
+
+
+def idempotency_key(scope: str, key: str) -> str:
+    """Redis key for a client's Idempotency-Key, scoped to its API key (tenants never collide)."""
+    digest = hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()
+    return keys.idempotency(digest)
+
+
+@dataclass
+class Submission:
+    record: JobRecord
+    created: bool  # False when an Idempotency-Key matched an earlier job
+
+
+def submit(
+    conn: redis.Redis,
+    endpoint: str,
+    model: str,
+    request: dict[str, Any],
+    *,
+    max_queue: int,
+    idempotency: str | None = None,
+) -> Submission:
+    record = JobRecord(id=new_job_id(), endpoint=endpoint, model=model, request=request)
+    if idempotency is not None:
+        existing = _claim(conn, idempotency, record.id)
+        if existing is not None:
+            if existing.endpoint != endpoint:
+                raise Conflict(
+                    f"This Idempotency-Key was already used for a request to {existing.endpoint}.",
+                    param="Idempotency-Key",
+                )
+            return Submission(existing, created=False)
+    try:
+        enqueue(conn, record, max_queue)
+    except BaseException:
+        if idempotency is not None:
+            conn.delete(idempotency)  # the first attempt failed: let a retry create the job
+        raise
+    log.info(
+        "job %s queued: endpoint=%s model=%s request_chars=%d",
+        record.id,
+        endpoint,
+        model,
+        len(json.dumps(request)),
+    )
+    return Submission(record, created=True)
+
+
+def _claim(conn: redis.Redis, key: str, job_id: str) -> JobRecord | None:
+    """None if this request owns the key now; else the job an earlier request created."""
+    deadline = time.monotonic() + IDEMPOTENCY_WAIT_SECONDS
+    while True:
+        if conn.set(key, job_id, nx=True, ex=JOB_TTL_SECONDS):
+            return None
+        existing = conn.get(key)
+        if existing is not None:
+            record = get_record(conn, _text(existing))
+            if record is not None:
+                return record
+        if time.monotonic() > deadline:
+            raise Conflict(
+                "A request with this Idempotency-Key is still being processed.",
+                param="Idempotency-Key",
+            )
+        time.sleep(0.05)
+
+
+def cancel(conn: redis.Redis, job_id: str) -> JobRecord:
+    """Ask for a job to stop; a job still on its queue is removed and cancelled here.
+
+    Removing the id from the RQ queue (LREM) is atomic against a worker popping it, so
+    exactly one side owns the job: if we removed it, we write its terminal state; if not, a
+    worker has it and stops at the next step when it sees the cancel flag.
+    """
+    record = require_record(conn, job_id)
+    if record.status in TERMINAL_STATUSES:
+        raise Conflict(f"Job {job_id} is already {record.status}.", code="job_finished")
+    conn.set(keys.job_cancel(job_id), "1", ex=CANCEL_FLAG_TTL_SECONDS)
+    if record.status == QUEUED:
+        queue = rq_queue(conn, record.model, record.kind)
+        if conn.lrem(queue.key, 1, job_id):
+            _mark_cancelled(conn, record)
+    return record
+
+
+def _mark_cancelled(conn: redis.Redis, record: JobRecord) -> None:
+    error = cancelled_error()
+    record.status, record.finished_at, record.error = CANCELLED, time.time(), error
+    pipe = conn.pipeline()
+    pipe.hset(
+        keys.job(record.id),
+        mapping={
+            "status": CANCELLED,
+            "finished_at": str(record.finished_at),
+            "error": json.dumps(error),
+        },
+    )
+    pipe.xadd(keys.job_events(record.id), encode_event(EVENT_ERROR, error))
+    pipe.expire(keys.job_events(record.id), JOB_TTL_SECONDS)
+    pipe.publish(keys.job_wake(record.id), "1")
+    pipe.hincrby(keys.METRIC_JOBS, CANCELLED, 1)
+    pipe.execute()
+    try:  # keep RQ's own bookkeeping honest (CanceledJobRegistry); the job never ran
+        Job.fetch(record.id, connection=conn, serializer=JSONSerializer).cancel()
+    except (NoSuchJobError, InvalidJobOperation):
+        pass
+    log.info("job %s cancelled while queued", record.id)
+
+
+def set_cancel_flag(conn: redis.Redis, job_id: str) -> None:
+    """A client went away: stop its job (or drop it from the queue) if it is not done."""
+    try:
+        record = get_record(conn, job_id)
+        if record is not None and record.status not in TERMINAL_STATUSES:
+            cancel(conn, job_id)
+            log.info("job %s cancelled: client disconnected", job_id)
+    except (redis.RedisError, Conflict) as exc:
+        log.warning("could not cancel job %s after disconnect: %s", job_id, exc)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def all_queues(conn: redis.Redis) -> list[Queue]:
+    """llmq's RQ queues (RQ's own registry of queue keys, filtered to our prefix)."""
+    prefix = Queue.redis_queue_namespace_prefix + keys.PREFIX + "-"
+    names = [
+        _text(k)[len(Queue.redis_queue_namespace_prefix) :]
+        for k in conn.smembers(Queue.redis_queues_keys)
+        if _text(k).startswith(prefix)
+    ]
+    return [Queue(n, connection=conn, serializer=JSONSerializer) for n in names]

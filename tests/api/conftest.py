@@ -1,0 +1,126 @@
+"""Fixtures for API tests: a fakeredis app for unit tests; real Redis (db 13), a fake
+worker thread and a real HTTP server for integration tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import fakeredis
+import pytest
+import redis
+from flask import Flask
+from werkzeug.serving import make_server
+
+from api.app import create_app
+from tests.api.fake_worker import FakeWorker
+
+TEST_REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+
+
+# ---------------------------------------------------------------- unit tier (fakeredis)
+
+
+@pytest.fixture
+def fake_redis() -> fakeredis.FakeRedis:
+    return fakeredis.FakeRedis()
+
+
+@pytest.fixture
+def registered(fake_redis: fakeredis.FakeRedis) -> FakeWorker:
+    """A worker that is registered and alive but never runs anything (jobs stay queued)."""
+    return FakeWorker(fake_redis).register()
+
+
+@pytest.fixture
+def app(fake_redis: fakeredis.FakeRedis, registered: FakeWorker) -> Flask:
+    return create_app({"TESTING": True, "REDIS_CLIENT": fake_redis})
+
+
+@pytest.fixture
+def client(app: Flask):
+    return app.test_client()
+
+
+# ---------------------------------------------------------------- integration tier
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """Real Redis: LLMQ_TEST_REDIS_URL (default 127.0.0.1:6379 db 13), else a throwaway
+    redis-server on a free port, else skip."""
+    try:
+        redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=1).ping()
+        yield TEST_REDIS_URL
+        return
+    except redis.RedisError:
+        pass
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip(f"no Redis at {TEST_REDIS_URL} and no redis-server on PATH")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/13"
+    for _ in range(100):
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def real_redis(redis_url: str) -> Iterator[redis.Redis]:
+    conn = redis.Redis.from_url(redis_url)
+    conn.flushdb()
+    yield conn
+    conn.flushdb()
+    conn.close()
+
+
+@pytest.fixture
+def worker(real_redis: redis.Redis) -> Iterator[FakeWorker]:
+    fake = FakeWorker(real_redis).start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def live_app(redis_url: str, real_redis: redis.Redis) -> Iterator[Flask]:
+    app = create_app({"TESTING": True, "REDIS_URL": redis_url, "PING_SECONDS": 0.5})
+    yield app
+    app.extensions["redis"].close()
+
+
+@pytest.fixture
+def live_client(live_app: Flask):
+    return live_app.test_client()
+
+
+@pytest.fixture
+def server(live_app: Flask) -> Iterator[str]:
+    """The app on a real HTTP server (werkzeug, threaded) on a free loopback port."""
+    httpd = make_server("127.0.0.1", 0, live_app, threaded=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=5)

@@ -1,0 +1,233 @@
+"""A stand-in worker for API tests: a thread that follows `workers.protocol` to the letter.
+
+It registers itself like a real worker (keys.WORKERS, a WorkerInfo hash, keys.MODELS),
+takes job ids from the models' RQ queues, reads each job record and writes token events and
+a terminal event to the job's stream, honouring the cancel flag between tokens. What it
+generates is scripted by the prompt text (the last message's content for chat):
+
+- tokens are "t0 ", "t1 ", ... (`max_tokens` of them, or 8 when unset);
+- "slow" in the prompt waits `slow_delay` seconds per token;
+- "toolong" in the prompt fails the job with a 400, like a prompt beyond the context;
+- "crash" in the prompt fails it with a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import redis
+
+from workers import keys
+from workers.protocol import (
+    CANCELLED,
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    EVENT_DONE,
+    EVENT_ERROR,
+    EVENT_TOKEN,
+    FAILED,
+    FINISHED,
+    JOB_TTL_SECONDS,
+    STARTED,
+    JobRecord,
+    WorkerInfo,
+    cancelled_error,
+    encode_event,
+    error_body,
+    response_id,
+)
+
+
+class FakeWorker:
+    def __init__(
+        self,
+        conn: redis.Redis,
+        name: str = "fake-1",
+        models: tuple[str, ...] = ("tiny",),
+        context_length: int = 2048,
+        slow_delay: float = 0.05,
+    ) -> None:
+        self.conn = conn
+        self.info = WorkerInfo(name=name, pid=1234, host="test", models=list(models))
+        self.context_length = context_length
+        self.slow_delay = slow_delay
+        self.paused = threading.Event()  # set: registered and alive, but takes no jobs
+        self.processed: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def register(self) -> FakeWorker:
+        for model in self.info.models:
+            self.conn.hset(keys.MODELS, model, json.dumps({"context_length": self.context_length}))
+        self.conn.sadd(keys.WORKERS, self.info.name)
+        self._heartbeat()
+        return self
+
+    def _heartbeat(self) -> None:
+        self.info.heartbeat = time.time()
+        self.conn.hset(keys.worker(self.info.name), mapping=self.info.to_hash())
+
+    def start(self) -> FakeWorker:
+        self.register()
+        self._thread = threading.Thread(target=self._run, name=self.info.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        queues = [
+            f"rq:queue:{keys.queue_name(m, kind)}"
+            for m in self.info.models
+            for kind in keys.QUEUE_KINDS
+        ]
+        last_beat = time.monotonic()
+        while not self._stop.is_set():
+            if time.monotonic() - last_beat > 1:
+                self._heartbeat()
+                last_beat = time.monotonic()
+            if self.paused.is_set():
+                time.sleep(0.01)
+                continue
+            popped = self.conn.blpop(queues, timeout=0.1)
+            if popped is None:
+                continue
+            job_id = popped[1].decode()
+            self.processed.append(job_id)
+            self.process(job_id)
+
+    # ------------------------------------------------------------ one job
+
+    def process(self, job_id: str) -> None:
+        record = JobRecord.from_hash(self.conn.hgetall(keys.job(job_id)))
+        if self.conn.exists(keys.job_cancel(job_id)):
+            self._finish(record, CANCELLED, EVENT_ERROR, cancelled_error())
+            return
+        self.conn.hset(
+            keys.job(job_id),
+            mapping={
+                "status": STARTED,
+                "started_at": str(time.time()),
+                "attempts": "1",
+                "worker": self.info.name,
+            },
+        )
+        req = record.request
+        prompt = self._prompt_text(record)
+        if "toolong" in prompt:
+            error = error_body(
+                f"This model's maximum context length is {self.context_length} tokens.",
+                param="prompt",
+                status=400,
+            )
+            self._finish(record, FAILED, EVENT_ERROR, error)
+            return
+        if "crash" in prompt:
+            error = error_body("The engine failed.", type_="server_error", status=500)
+            self._finish(record, FAILED, EVENT_ERROR, error)
+            return
+        if record.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
+            self._finish(record, FINISHED, EVENT_DONE, self._embeddings(record))
+            return
+        count = req.get("max_tokens") or 8
+        choices = req.get("n", 1) * (
+            len(req["prompt"]) if isinstance(req.get("prompt"), list) else 1
+        )
+        delay = self.slow_delay if "slow" in prompt else 0.0
+        texts = [""] * choices
+        for i in range(count):
+            if self.conn.exists(keys.job_cancel(job_id)):
+                self._finish(record, CANCELLED, EVENT_ERROR, cancelled_error())
+                return
+            pipe = self.conn.pipeline()
+            for c in range(choices):
+                text = f"t{i} "
+                texts[c] += text
+                data = {
+                    "choice": c,
+                    "index": i,
+                    "text": text,
+                    "token_id": 100 + i,
+                    "logprob": -0.5,
+                    "top_logprobs": [],
+                    "finish_reason": "length" if i == count - 1 else None,
+                }
+                pipe.xadd(keys.job_events(job_id), encode_event(EVENT_TOKEN, data))
+            pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
+            pipe.hset(keys.job(job_id), "completion_tokens", str(i + 1))
+            pipe.publish(keys.job_wake(job_id), "1")
+            pipe.execute()
+            if delay:
+                time.sleep(delay)
+        self._finish(record, FINISHED, EVENT_DONE, self._result(record, texts, count))
+
+    @staticmethod
+    def _prompt_text(record: JobRecord) -> str:
+        req = record.request
+        if record.endpoint == CHAT_COMPLETIONS:
+            return req["messages"][-1]["content"]
+        value = req.get("prompt", req.get("input", ""))
+        return value if isinstance(value, str) else " ".join(value)
+
+    def _finish(self, record: JobRecord, status: str, kind: str, data: dict[str, Any]) -> None:
+        field = "result" if status == FINISHED else "error"
+        pipe = self.conn.pipeline()
+        pipe.hset(
+            keys.job(record.id),
+            mapping={"status": status, "finished_at": str(time.time()), field: json.dumps(data)},
+        )
+        pipe.xadd(keys.job_events(record.id), encode_event(kind, data))
+        pipe.expire(keys.job_events(record.id), JOB_TTL_SECONDS)
+        pipe.publish(keys.job_wake(record.id), "1")
+        pipe.hincrby(keys.METRIC_JOBS, status, 1)
+        pipe.execute()
+
+    def _result(self, record: JobRecord, texts: list[str], count: int) -> dict[str, Any]:
+        chat = record.endpoint == CHAT_COMPLETIONS
+        usage = {
+            "prompt_tokens": 5,
+            "completion_tokens": count * len(texts),
+            "total_tokens": 5 + count * len(texts),
+        }
+        if chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": t},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+                for i, t in enumerate(texts)
+            ]
+        else:
+            choices = [
+                {"index": i, "text": t, "logprobs": None, "finish_reason": "length"}
+                for i, t in enumerate(texts)
+            ]
+        return {
+            "id": response_id(record.endpoint, record.id),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(record.created_at),
+            "model": record.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    @staticmethod
+    def _embeddings(record: JobRecord) -> dict[str, Any]:
+        inputs = record.request["input"]
+        inputs = [inputs] if isinstance(inputs, str) else inputs
+        data = [
+            {"object": "embedding", "index": i, "embedding": [0.6, 0.8, 0.0]}
+            for i in range(len(inputs))
+        ]
+        usage = {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}
+        return {"object": "list", "data": data, "model": record.model, "usage": usage}
