@@ -30,6 +30,13 @@ JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # RQ's own id alphabet, b
 INTERACTIVE, BATCH = "interactive", "batch"
 QUEUE_KINDS = (INTERACTIVE, BATCH)  # workers serve them in this order
 
+# Lua scripts that learn a job id inside Redis build its keys from these parts, so the
+# layout is still named only here: job(id) == JOB_KEY_PREFIX + id, job_lease(id) ==
+# JOB_KEY_PREFIX + id + LEASE_SUFFIX, job_cancel(id) == JOB_KEY_PREFIX + id + CANCEL_SUFFIX.
+JOB_KEY_PREFIX = f"{PREFIX}:job:"
+LEASE_SUFFIX = ":lease"
+CANCEL_SUFFIX = ":cancel"
+
 RUNNING = f"{PREFIX}:running"
 WORKERS = f"{PREFIX}:workers"
 MODELS = f"{PREFIX}:models"
@@ -40,7 +47,7 @@ def is_valid_job_id(job_id: str) -> bool:
 
 
 def job(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}"
+    return f"{JOB_KEY_PREFIX}{job_id}"
 
 
 def job_events(job_id: str) -> str:
@@ -52,11 +59,11 @@ def job_wake(job_id: str) -> str:
 
 
 def job_cancel(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}:cancel"
+    return f"{JOB_KEY_PREFIX}{job_id}{CANCEL_SUFFIX}"
 
 
 def job_lease(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}:lease"
+    return f"{JOB_KEY_PREFIX}{job_id}{LEASE_SUFFIX}"
 
 
 def worker(name: str) -> str:
@@ -91,3 +98,12 @@ def queue_name(model: str, kind: str = INTERACTIVE) -> str:
     if kind not in QUEUE_KINDS:
         raise ValueError(f"queue kind must be one of {QUEUE_KINDS}, got {kind!r}")
     return f"{PREFIX}-{model}-{kind}"
+
+
+def parse_queue_name(name: str) -> tuple[str, str]:
+    """(model, kind) of a queue named by `queue_name`; ValueError for any other name."""
+    for kind in QUEUE_KINDS:
+        head, suffix = f"{PREFIX}-", f"-{kind}"
+        if name.startswith(head) and name.endswith(suffix) and len(name) > len(head + suffix):
+            return name[len(head) : -len(suffix)], kind
+    raise ValueError(f"not an llmq queue name (llmq-{{model}}-{{kind}}): {name!r}")

@@ -5,10 +5,34 @@ pickled: a job record is a Redis hash of strings, an event is a stream entry wit
 fields `event` (token | done | error) and `data` (JSON).
 
 Token event data: `{"choice": c, "index": i, "text": "...", "token_id": t, "logprob": lp,
-"top_logprobs": [[id, lp], ...], "finish_reason": null | "stop" | "length"}` where `index`
-counts the generated tokens of choice `c` from 0. A job with several choices (`n`, or a
-list of prompts) interleaves their tokens. `done` data is exactly the body the synchronous
-call returns; `error` data is an OpenAI error body `{"error": {...}}` plus `"status"`.
+"top_logprobs": [[id, lp], ...], "finish_reason": null | "stop" | "length", "attempt": a}`
+where `index` counts the generated tokens of choice `c` from 0. A job with several choices
+(`n`, or a list of prompts) interleaves their tokens. `attempt` is the execution that wrote
+the event (a resumed job continues the same indexes under a higher attempt). When the
+request asked for logprobs, the event also has `"logprobs"`: this token's entry already in
+the endpoint's layout, ready for a stream chunk: for chat `{"token", "logprob", "bytes",
+"top_logprobs": [{"token", "logprob", "bytes"}, ...]}` (one item of `logprobs.content`), for
+completions `{"token", "logprob", "top_logprobs": {text: lp}, "text_offset"}` (one column of
+the legacy layout); `top_logprobs` ids are then filled too, else `[]`. `done` data is
+exactly the body the synchronous call returns; `error` data is an OpenAI error body
+`{"error": {...}}` plus `"status"`.
+
+Job lifecycle (record `status`, and the RQ job's status alongside): `queued` -> `started`
+(a worker claimed it: `attempts` + 1, `worker`, `started_at` on the first start) ->
+`finished` (`result`, `completion_tokens`, `finished_at`; `done` event) or `failed`
+(`error`, `finished_at`; `error` event) or `cancelled` (`error` = `cancelled_error()`,
+`finished_at`; `error` event with that body). A job whose worker died or shut down is
+put back to `queued` at the front of its queue (RQ status too) and resumed by the next
+worker from its stream. While a job runs, `completion_tokens` counts the tokens streamed.
+
+Cancelling: set `keys.job_cancel(id)` (any value, TTL `CANCEL_FLAG_TTL_SECONDS`) first.
+Then, if LREM of the id from its RQ queue returns 1, nobody will run it and the API marks
+it cancelled itself (record, RQ `job.cancel()`, the `error` event); otherwise a worker
+has it or is taking it: a worker checks the flag when it claims a job (a flagged job never
+runs) and after every decode step, and ends the job as above within a step or two.
+
+`keys.MODELS` values: JSON `{"id", "source", "owned_by": "llmq"}`, written by every worker
+on each heartbeat (the registry's models plus any .gguf path a worker serves).
 """
 
 from __future__ import annotations
@@ -165,10 +189,27 @@ COMMAND_LOAD, COMMAND_UNLOAD = "load", "unload"
 
 
 def encode_command(op: str, model: str) -> str:
-    """An admin command for `keys.worker_commands(name)`: JSON `{"op", "model"}`."""
+    """An admin command for `keys.worker_commands(name)`: JSON `{"op", "model"}`.
+
+    `load` starts loading the model into that worker's pool (evicting an idle model if the
+    pool is full); `unload` drops it now, or as soon as its last sequence ends. The outcome
+    shows in the worker's `WorkerInfo.pool` within a heartbeat (loading -> ready | failed).
+    """
     if op not in (COMMAND_LOAD, COMMAND_UNLOAD):
         raise ValueError(f"op must be {COMMAND_LOAD!r} or {COMMAND_UNLOAD!r}, got {op!r}")
     return json.dumps({"op": op, "model": model})
+
+
+def decode_command(raw: bytes | str) -> tuple[str, str]:
+    """(op, model) of an admin command; ValueError if it is not one."""
+    try:
+        data = json.loads(_text(raw))
+        op, model = data["op"], data["model"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"not an admin command: {_text(raw)[:80]!r}") from exc
+    if op not in (COMMAND_LOAD, COMMAND_UNLOAD) or not isinstance(model, str):
+        raise ValueError(f"not an admin command: {_text(raw)[:80]!r}")
+    return op, model
 
 
 def format_bucket(bound: float) -> str:

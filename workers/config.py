@@ -1,0 +1,102 @@
+"""What one `llmq worker` serves and how it behaves, resolved once at start-up.
+
+`serving()` turns `--models` and `--queues` into the model sources the pool loads from and
+the RQ queues to take jobs from, interactive queues first: a worker serves a model's
+interactive queue before any batch queue.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.registry import load_registry
+from workers import keys
+from workers.errors import WorkerError
+from workers.pool import PoolConfig
+from workers.protocol import LEASE_RENEW_SECONDS, LEASE_TTL_SECONDS
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+STEP_DELAY_ENV = "LLMQ_WORKER_STEP_DELAY_MS"
+
+
+class ConfigError(WorkerError):
+    """A worker configuration that cannot work (unknown model, foreign queue name)."""
+
+
+@dataclass
+class WorkerConfig:
+    redis_url: str = DEFAULT_REDIS_URL
+    name: str | None = None  # default "{host}.{pid}", unique per process
+    models: list[str] = field(default_factory=list)  # registry ids or .gguf paths; [] = all
+    queues: list[str] = field(default_factory=list)  # llmq queue names or kinds; [] = all
+    device: str = "cpu"
+    max_batch: int = 8  # sequences stepped together, across models
+    grace: float = 25.0  # seconds a SIGTERM lets running jobs finish before checkpointing
+    poll_interval: float = 0.05  # idle wait between looks at the queues
+    lease_ttl: float = LEASE_TTL_SECONDS
+    lease_renew: float = LEASE_RENEW_SECONDS
+    reap_interval: float = 2.0
+    step_delay: float = 0.0  # fault-injection tests slow the decode loop down with this
+    install_signals: bool = True  # False when the worker runs in a thread (tests)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
+        if self.grace < 0:
+            raise ConfigError(f"--grace must be non-negative, got {self.grace}")
+        if self.lease_renew >= self.lease_ttl:
+            raise ConfigError("leases must be renewed more often than they expire")
+
+    @property
+    def worker_name(self) -> str:
+        return self.name or f"{socket.gethostname()}.{os.getpid()}"
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> WorkerConfig:
+        delay = os.environ.get(STEP_DELAY_ENV)
+        base = {
+            "redis_url": os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL,
+            "pool": PoolConfig.from_env(),
+            "step_delay": float(delay) / 1000 if delay else 0.0,
+        }
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)  # type: ignore[arg-type]
+
+
+def serving(config: WorkerConfig) -> tuple[dict[str, str], list[str]]:
+    """(model id -> what the engine loads, queue names in service order)."""
+    registry = load_registry()
+    sources: dict[str, str] = {}
+    for model in config.models:
+        path = Path(model).expanduser()
+        if model in registry:
+            sources[model] = model
+        elif path.suffix == ".gguf" or path.is_file():
+            sources[path.stem] = str(path)
+        else:
+            known = ", ".join(sorted(registry))
+            raise ConfigError(f"unknown model {model!r}; known models: {known} (or a .gguf path)")
+    kinds = [k for k in keys.QUEUE_KINDS if k in config.queues] or list(keys.QUEUE_KINDS)
+    named = [q for q in config.queues if q not in keys.QUEUE_KINDS]
+    pairs: list[tuple[str, str]] = []
+    for name in named:
+        try:
+            model, kind = keys.parse_queue_name(name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        if model not in sources:
+            if model not in registry:
+                raise ConfigError(f"queue {name} is for model {model!r}, which is not known")
+            sources[model] = model
+        pairs.append((model, kind))
+    if not config.models and not named:
+        sources = {model: model for model in registry}
+    if not named:
+        pairs = [(model, kind) for model in sources for kind in kinds]
+    order = {kind: i for i, kind in enumerate(keys.QUEUE_KINDS)}
+    pairs.sort(key=lambda pair: order[pair[1]])  # stable: model order kept within a kind
+    return sources, [keys.queue_name(model, kind) for model, kind in pairs]

@@ -1,0 +1,66 @@
+"""Named exceptions of the workers. Each one that ends a job knows the OpenAI error body the
+job fails with, so the code that catches it never has to guess a status.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.protocol import error_body
+
+
+class WorkerError(Exception):
+    """Base of every error the worker raises on purpose."""
+
+
+class JobFailure(WorkerError):
+    """Ends one job as `failed` with an OpenAI error body; the worker carries on."""
+
+    status = 500
+    error_type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.error_type, self.param, self.code, self.status)
+
+
+class InvalidJobRequest(JobFailure):
+    """The request cannot be served as asked (context too long, empty prompt, bad values)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class UnknownModelError(JobFailure):
+    """The job names a model the registry does not know."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class ModelLoadError(JobFailure):
+    """The model is known but could not be loaded (missing file, corrupt GGUF, over budget)."""
+
+
+class JobRefused(JobFailure):
+    """A queue entry that is not an llmq job: another function, other arguments, or data
+    that cannot be read as JSON (RELIABILITY F19). It is failed, never executed."""
+
+    code = "job_refused"
+
+
+class JobRecordMissing(WorkerError):
+    """The job's record is gone (expired or deleted), so there is nothing to run."""
+
+
+class LeaseLost(WorkerError):
+    """Another worker (or the reaper) owns the job now; this worker must drop it silently."""
+
+
+class PoolFull(WorkerError):
+    """No room for another model: every loaded model has work in flight."""

@@ -1,0 +1,93 @@
+"""A job's event stream as the worker sees it: what to append, and what was already sent.
+
+The stream is the job's durable output log. A worker that takes over a job reads it to learn
+which tokens each choice already streamed (RELIABILITY 1: the worker that resumes a job
+learns from the Stream what was already sent) and continues after the last one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers import keys
+from workers.protocol import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN, decode_event
+
+READ_PAGE = 1000
+
+
+@dataclass
+class StreamedChoice:
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamProgress:
+    choices: dict[int, StreamedChoice] = field(default_factory=dict)
+    terminal: str | None = None  # EVENT_DONE or EVENT_ERROR once the job has ended
+    length: int = 0  # entries in the stream (the next write is fenced on it)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+
+def read_progress(client: Any, job_id: str) -> StreamProgress:
+    """Every token event already in the job's stream, by choice, in index order."""
+    progress = StreamProgress()
+    start = "-"
+    while True:
+        page = client.xrange(keys.job_events(job_id), min=start, count=READ_PAGE)
+        for _, fields in page:
+            progress.length += 1
+            kind, data = decode_event(fields)
+            if kind in (EVENT_DONE, EVENT_ERROR):
+                progress.terminal = kind
+            elif kind == EVENT_TOKEN:
+                choice = progress.choices.setdefault(int(data.get("choice", 0)), StreamedChoice())
+                if int(data["index"]) != len(choice.token_ids):
+                    continue  # never expected (writes are fenced); keep the first copy
+                choice.token_ids.append(int(data["token_id"]))
+                choice.texts.append(data.get("text", ""))
+                if data.get("logprobs") is not None:
+                    choice.logprobs.append(data["logprobs"])
+                choice.finish_reason = data.get("finish_reason")
+        if len(page) < READ_PAGE:
+            return progress
+        last = page[-1][0]
+        start = "(" + (last.decode() if isinstance(last, bytes) else last)
+
+
+def token_event(
+    choice: int,
+    index: int,
+    text: str,
+    token_id: int,
+    logprob: float,
+    finish_reason: str | None,
+    attempt: int,
+    logprobs: dict[str, Any] | None = None,
+    top_logprobs: list[tuple[int, float]] | None = None,
+) -> tuple[str, str]:
+    """(kind, JSON data) of a token event; see `workers.protocol` for the fields."""
+    data: dict[str, Any] = {
+        "choice": choice,
+        "index": index,
+        "text": text,
+        "token_id": token_id,
+        "logprob": logprob,
+        "top_logprobs": [list(pair) for pair in top_logprobs or []],
+        "finish_reason": finish_reason,
+        "attempt": attempt,
+    }
+    if logprobs is not None:
+        data["logprobs"] = logprobs
+    return EVENT_TOKEN, json.dumps(data, ensure_ascii=False)
+
+
+def terminal_event(kind: str, body: dict[str, Any]) -> tuple[str, str]:
+    return kind, json.dumps(body, ensure_ascii=False)

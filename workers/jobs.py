@@ -1,0 +1,196 @@
+"""One job while a worker runs it: its choices, what they produced, and its result body.
+
+`ActiveJob` knows nothing of Redis: the worker hands it the record, the RQ job and the
+stream progress of earlier attempts, feeds it engine events, and writes out the events it
+queues in `pending`. `run_job` is the one function name RQ jobs may carry (the allowlist in
+`workers.protocol.JOB_FUNCTION`); llmq workers never call it, they run jobs in batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.batch_generator import TokenEvent
+from runtime.errors import LLMQRuntimeError
+from runtime.sampling import SamplingParams
+from workers.errors import InvalidJobRequest, JobRefused
+from workers.events import StreamProgress, terminal_event, token_event
+from workers.protocol import CHAT_COMPLETIONS, EMBEDDINGS, EVENT_DONE, JobRecord
+from workers.requests import ChoicePlan, JobPlan, embedding_inputs, plan_generation
+from workers.responses import (
+    ChoiceOutput,
+    LogprobRenderer,
+    chat_body,
+    completion_body,
+    embeddings_body,
+)
+from workers.text import FINISH_LENGTH, TextAssembler
+
+
+def run_job(job_id: str) -> None:
+    """What a stock `rq worker` would call. llmq jobs need `llmq worker` (warm engines,
+    batching, leases, event streams), so this refuses clearly instead of half-running."""
+    raise JobRefused(
+        f"job {job_id} must run on `llmq worker`; a stock rq worker cannot stream its tokens"
+    )
+
+
+@dataclass
+class ChoiceState:
+    plan: ChoicePlan
+    output: ChoiceOutput
+    assembler: TextAssembler
+    request_id: str
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+
+@dataclass(eq=False)  # identity: jobs are kept in sets
+class ActiveJob:
+    """A claimed job: `lease` is "{worker}:{attempt}", the fence on every write for it."""
+
+    record: JobRecord
+    attempt: int
+    lease: str
+    rq_job: Any
+    queue: Any
+    progress: StreamProgress = field(default_factory=StreamProgress)
+    plan: JobPlan | None = None
+    choices: list[ChoiceState] = field(default_factory=list)
+    pending: list[tuple[str, str]] = field(default_factory=list)  # (kind, JSON) to append
+    written: int = 0  # entries in the job's stream, as far as this worker knows
+    result: dict[str, Any] | None = None
+    claimed_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    ttft_recorded: bool = False
+    renderer: LogprobRenderer | None = None
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def model(self) -> str:
+        return self.record.model
+
+    @property
+    def running(self) -> list[ChoiceState]:
+        return [c for c in self.choices if not c.finished]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.output.tokens for c in self.choices)
+
+    def start(self, engine: Any) -> list[tuple[str, list[int], SamplingParams]]:
+        """Plan the job on `engine` and resume what earlier attempts streamed; the sequences
+        to add to the batch as (request id, prompt ids, params). Raises InvalidJobRequest."""
+        body = self.record.request
+        if self.record.endpoint == EMBEDDINGS:
+            self._embed(engine, body)
+            return []
+        self.plan = plan_generation(engine, self.record.endpoint, body)
+        self.renderer = LogprobRenderer(engine.tokenizer, self.record.endpoint)
+        sequences = []
+        for plan in self.plan.choices:
+            choice = self._resume(engine, plan)
+            self.choices.append(choice)
+            if choice.finished:
+                continue
+            sent = choice.output.tokens
+            params = dataclasses.replace(plan.params, max_tokens=plan.params.max_tokens - sent)
+            sequences.append((choice.request_id, plan.prompt_ids + self._sent_ids(plan), params))
+        self._maybe_done()
+        return sequences
+
+    def on_token(self, choice_index: int, event: TokenEvent) -> bool:
+        """Take one engine token; True if it ended its choice (the caller must abort the
+        sequence if the engine did not end it itself, i.e. a stop string matched here)."""
+        choice = self.choices[choice_index]
+        text, finish = choice.assembler.push(event.token_id, event.finish_reason)
+        out = choice.output
+        entry = None
+        if self.plan is not None and self.plan.logprobs is not None and self.renderer:
+            entry = self.renderer.entry(
+                event.token_id, event.logprob, event.top_logprobs, out.text_length
+            )
+            out.logprobs.append(entry)
+        self.pending.append(
+            token_event(
+                out.index,
+                out.tokens,
+                text,
+                event.token_id,
+                event.logprob,
+                finish,
+                self.attempt,
+                entry,
+                event.top_logprobs if entry is not None else None,
+            )
+        )
+        out.text.append(text)
+        out.tokens += 1
+        out.finish_reason = finish
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self._maybe_done()
+        return finish is not None
+
+    def body(self) -> dict[str, Any]:
+        assert self.plan is not None
+        build = chat_body if self.record.endpoint == CHAT_COMPLETIONS else completion_body
+        return build(
+            self.id,
+            self.record.created_at,
+            self.model,
+            [c.output for c in self.choices],
+            self.plan.prompt_tokens,
+            self.plan.logprobs is not None,
+        )
+
+    def done_event(self) -> tuple[str, str]:
+        assert self.result is not None
+        return terminal_event(EVENT_DONE, self.result)
+
+    def _maybe_done(self) -> None:
+        if self.result is None and self.choices and not self.running:
+            self.result = self.body()
+
+    def _resume(self, engine: Any, plan: ChoicePlan) -> ChoiceState:
+        """The choice's state after replaying the tokens earlier attempts streamed."""
+        out = ChoiceOutput(index=plan.index, echo_text=plan.echo_text)
+        if plan.echo_logprobs is not None and self.renderer is not None:
+            out.echo_logprobs = self.renderer.echo_entries(plan.echo_logprobs)
+        assembler = TextAssembler(engine.tokenizer, plan.stop)
+        streamed = self.progress.choices.get(plan.index)
+        if streamed is not None:
+            assembler.replay(streamed.token_ids)
+            out.text = list(streamed.texts)
+            out.logprobs = list(streamed.logprobs)
+            out.tokens = len(streamed.token_ids)
+            out.finish_reason = streamed.finish_reason
+            if out.finish_reason is None and out.tokens >= plan.params.max_tokens:
+                out.finish_reason = FINISH_LENGTH  # all sent, the last event just said so late
+        return ChoiceState(plan, out, assembler, f"{self.id}:{plan.index}")
+
+    def _sent_ids(self, plan: ChoicePlan) -> list[int]:
+        streamed = self.progress.choices.get(plan.index)
+        return list(streamed.token_ids) if streamed else []
+
+    def _embed(self, engine: Any, body: dict[str, Any]) -> None:
+        inputs = embedding_inputs(engine, body)
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise InvalidJobRequest(
+                f"encoding_format must be 'float' or 'base64', got {fmt!r}",
+                param="encoding_format",
+            )
+        try:
+            vectors = engine.embed(inputs)
+        except LLMQRuntimeError as exc:
+            raise InvalidJobRequest(str(exc), param="input") from exc
+        self.result = embeddings_body(self.model, vectors, sum(len(i) for i in inputs), fmt)

@@ -1,0 +1,267 @@
+"""The warm engines of one worker: an LRU pool bounded by a model count and a memory budget.
+
+After mlx-lm's and vLLM's model caches: each model is an entry that is `loading` (in a
+background thread, so the decode loop of the other models keeps stepping), `ready` or
+`failed`; it counts the sequences in flight on it, and a model with work in flight is never
+evicted. A failed load is remembered for `retry_failed_seconds`, so a burst of jobs for a
+broken model fails fast with the same error instead of reloading once per job.
+
+Only the worker's main thread calls the pool; the loader thread only runs `loader(source)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import LLMQRuntimeError, ModelNotFoundError
+from workers.errors import JobFailure, ModelLoadError, PoolFull, UnknownModelError
+
+log = logging.getLogger("llmq.pool")
+
+LOADING, READY, FAILED = "loading", "ready", "failed"
+CAPACITY_ENV, MEMORY_ENV = "LLMQ_POOL_CAPACITY", "LLMQ_POOL_MEMORY_MB"
+
+
+@dataclass
+class PoolConfig:
+    """Bounds of the pool; `memory_mb=None` means no memory budget."""
+
+    capacity: int = 2
+    memory_mb: float | None = None
+    retry_failed_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"{CAPACITY_ENV} must be at least 1, got {self.capacity}")
+        if self.memory_mb is not None and self.memory_mb <= 0:
+            raise ValueError(f"{MEMORY_ENV} must be positive, got {self.memory_mb}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> PoolConfig:
+        env = os.environ if environ is None else environ
+        memory = env.get(MEMORY_ENV)
+        return cls(
+            capacity=int(env.get(CAPACITY_ENV) or 2),
+            memory_mb=float(memory) if memory else None,
+        )
+
+
+@dataclass
+class PoolEntry:
+    model: str
+    state: str = LOADING
+    engine: Any = None  # runtime.engine.Engine once ready
+    error: JobFailure | None = None
+    in_flight: int = 0
+    memory_bytes: int = 0
+    load_seconds: float | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    failed_at: float = 0.0
+    unload_requested: bool = False
+    future: Future | None = field(default=None, repr=False)
+
+    def describe(self) -> dict[str, Any]:
+        """The entry as `WorkerInfo.pool` shows it."""
+        return {
+            "state": self.state,
+            "memory_mb": round(self.memory_bytes / 2**20, 1),
+            "in_flight": self.in_flight,
+            "error": str(self.error) if self.error else None,
+            "load_seconds": round(self.load_seconds, 3) if self.load_seconds else None,
+        }
+
+
+def load_engine(source: str) -> Any:
+    from runtime.engine import Engine
+
+    return Engine.load(source)
+
+
+class EnginePool:
+    """Engines by model id. `sources` maps a model id to what `loader` takes (a registry id
+    or a .gguf path); a model missing from it is unknown (404)."""
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        sources: dict[str, str],
+        loader: Callable[[str], Any] = load_engine,
+    ) -> None:
+        self.config = config
+        self.sources = dict(sources)
+        self._loader = loader
+        self._entries: dict[str, PoolEntry] = {}
+        self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmq-load")
+
+    # ------------------------------------------------------------------ queries
+
+    def get(self, model: str) -> PoolEntry | None:
+        return self._entries.get(model)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        return {model: entry.describe() for model, entry in self._entries.items()}
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.memory_bytes for e in self._entries.values() if e.state == READY)
+
+    def can_accept(self, model: str) -> bool:
+        """Whether a job for `model` can be taken now without waiting for other work to end."""
+        entry = self._entries.get(model)
+        if entry is not None:
+            return True  # loading, ready, or failed (its jobs then fail fast)
+        if model not in self.sources:
+            return True  # fails with 404 at once
+        return len(self._entries) < self.config.capacity or self._evictable() is not None
+
+    # ------------------------------------------------------------------ changes
+
+    def request(self, model: str) -> PoolEntry:
+        """The entry for `model`, starting its load (after evicting an idle model) if needed.
+
+        Raises UnknownModelError, or PoolFull when every slot holds a model with work in flight.
+        """
+        if model not in self.sources:
+            known = ", ".join(sorted(self.sources)) or "none"
+            raise UnknownModelError(
+                f"The model '{model}' does not exist or is not served by this worker "
+                f"(it serves: {known}).",
+                param="model",
+            )
+        entry = self._entries.get(model)
+        if entry is not None and entry.state == FAILED:
+            if time.monotonic() - entry.failed_at < self.config.retry_failed_seconds:
+                return entry
+            del self._entries[model]
+            entry = None
+        if entry is None:
+            while len(self._entries) >= self.config.capacity:
+                victim = self._evictable()
+                if victim is None:
+                    raise PoolFull(f"no room to load {model}: every model has work in flight")
+                self._evict(victim, "to make room for " + model)
+            entry = PoolEntry(model)
+            entry.future = self._threads.submit(self._load, self.sources[model])
+            self._entries[model] = entry
+            log.info("loading model %s", model)
+        entry.last_used = time.monotonic()
+        entry.unload_requested = False
+        return entry
+
+    def poll(self) -> list[PoolEntry]:
+        """Settle loads that finished; returns the entries that became ready or failed."""
+        settled = []
+        for entry in list(self._entries.values()):
+            if entry.state != LOADING or entry.future is None or not entry.future.done():
+                continue
+            engine, seconds, error = entry.future.result()
+            entry.future = None
+            if error is None:
+                entry.engine, entry.load_seconds = engine, seconds
+                entry.memory_bytes = int(getattr(engine, "nbytes", 0))
+                error = self._fit_budget(entry)
+            if error is None:
+                entry.state = READY
+                log.info(
+                    "model %s ready in %.2fs (%.0f MiB)",
+                    entry.model,
+                    seconds,
+                    entry.memory_bytes / 2**20,
+                )
+            else:
+                entry.state, entry.error, entry.engine = FAILED, error, None
+                entry.failed_at = time.monotonic()
+                log.error("model %s failed to load: %s", entry.model, error)
+            settled.append(entry)
+        return settled
+
+    def wait_loaded(self, timeout: float | None = None) -> list[PoolEntry]:
+        """Block until every load in progress has finished (for tests and admin loads)."""
+        for entry in list(self._entries.values()):
+            if entry.future is not None:
+                try:
+                    entry.future.exception(timeout)
+                except TimeoutError:
+                    pass
+        return self.poll()
+
+    def acquire(self, model: str, sequences: int = 1) -> None:
+        entry = self._entries[model]
+        entry.in_flight += sequences
+        entry.last_used = time.monotonic()
+
+    def release(self, model: str, sequences: int = 1) -> None:
+        entry = self._entries.get(model)
+        if entry is None:
+            return
+        entry.in_flight = max(0, entry.in_flight - sequences)
+        entry.last_used = time.monotonic()
+        if entry.in_flight == 0 and entry.unload_requested:
+            self._evict(entry, "unload requested")
+
+    def unload(self, model: str) -> bool:
+        """Drop `model` now if idle, else as soon as its last sequence ends. False if absent."""
+        entry = self._entries.get(model)
+        if entry is None:
+            return False
+        if entry.in_flight == 0 and entry.state != LOADING:
+            self._evict(entry, "unload requested")
+        else:
+            entry.unload_requested = True
+        return True
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _load(self, source: str) -> tuple[Any, float, JobFailure | None]:
+        started = time.perf_counter()
+        try:
+            engine = self._loader(source)
+        except ModelNotFoundError as exc:
+            return None, 0.0, ModelLoadError(f"model file unavailable: {exc}")
+        except LLMQRuntimeError as exc:
+            return None, 0.0, ModelLoadError(f"model failed to load: {exc}")
+        except Exception as exc:  # a failed load must never take the worker down
+            log.exception("unexpected error loading %s", source)
+            return None, 0.0, ModelLoadError(f"model failed to load: {type(exc).__name__}: {exc}")
+        return engine, time.perf_counter() - started, None
+
+    def _fit_budget(self, entry: PoolEntry) -> JobFailure | None:
+        """Evict idle models until the new one fits the memory budget, or say why it can't."""
+        budget = self.config.memory_mb
+        if budget is None:
+            return None
+        limit = budget * 2**20
+        while self.used_bytes + entry.memory_bytes > limit:
+            victim = self._evictable(exclude=entry.model)
+            if victim is None:
+                break
+            self._evict(victim, "memory budget")
+        if self.used_bytes + entry.memory_bytes <= limit:
+            return None
+        return ModelLoadError(
+            f"model {entry.model} needs {entry.memory_bytes / 2**20:.0f} MiB but only "
+            f"{(limit - self.used_bytes) / 2**20:.0f} MiB of the {budget:g} MiB pool budget "
+            f"({MEMORY_ENV}) is free"
+        )
+
+    def _evictable(self, exclude: str | None = None) -> PoolEntry | None:
+        idle = [
+            e
+            for e in self._entries.values()
+            if e.in_flight == 0 and e.state != LOADING and e.model != exclude
+        ]
+        return min(idle, key=lambda e: e.last_used) if idle else None
+
+    def _evict(self, entry: PoolEntry, why: str) -> None:
+        log.info("unloading model %s (%s)", entry.model, why)
+        self._entries.pop(entry.model, None)
+        entry.engine = None

@@ -1,0 +1,173 @@
+"""OpenAI response bodies, built from what the choices of a job produced.
+
+A job's `done` event carries exactly the body the synchronous call returns, so these
+functions are the single source of that shape. Per-token logprob entries are rendered once,
+when the token is generated, in the endpoint's own layout; the same entry goes into the
+token event (the API streams it as is) and, at the end, into the body.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, response_id
+
+
+@dataclass
+class ChoiceOutput:
+    """What one choice produced so far (including tokens streamed by an earlier attempt)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    echo_text: str = ""
+    echo_logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def text_length(self) -> int:
+        return len(self.echo_text) + sum(len(t) for t in self.text)
+
+
+class LogprobRenderer:
+    """Renders token logprobs as OpenAI does for one endpoint (legacy or chat layout)."""
+
+    def __init__(self, tokenizer: Any, endpoint: str) -> None:
+        self.tokenizer = tokenizer
+        self.endpoint = endpoint
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.tokenizer.piece_bytes(token_id, skip_special=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def entry(
+        self,
+        token_id: int,
+        logprob: float | None,
+        top: Sequence[tuple[int, float]],
+        text_offset: int,
+    ) -> dict[str, Any]:
+        if self.endpoint == CHAT_COMPLETIONS:
+            return {
+                **self._chat_token(token_id, logprob),
+                "top_logprobs": [self._chat_token(t, lp) for t, lp in top],
+            }
+        alternatives = None
+        if logprob is not None:  # the sampled token is always listed (up to N + 1 entries)
+            alternatives = {self.token_text(t): lp for t, lp in top}
+            alternatives.setdefault(self.token_text(token_id), logprob)
+        return {
+            "token": self.token_text(token_id),
+            "logprob": logprob,
+            "top_logprobs": alternatives,
+            "text_offset": text_offset,
+        }
+
+    def echo_entries(
+        self, scored: Sequence[tuple[int, float | None, Sequence[tuple[int, float]]]]
+    ) -> list[dict[str, Any]]:
+        """Entries for echoed prompt tokens; the first token has no logprob (null)."""
+        entries, offset = [], 0
+        for token_id, logprob, top in scored:
+            entries.append(self.entry(token_id, logprob, top, offset))
+            offset += len(self.token_text(token_id))
+        return entries
+
+    def _chat_token(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        raw = self.token_bytes(token_id)
+        return {
+            "token": raw.decode("utf-8", errors="replace"),
+            "logprob": logprob,
+            "bytes": list(raw),
+        }
+
+
+def usage(prompt_tokens: int, completion_tokens: int | None = None) -> dict[str, int]:
+    out = {"prompt_tokens": prompt_tokens}
+    if completion_tokens is not None:
+        out["completion_tokens"] = completion_tokens
+    out["total_tokens"] = prompt_tokens + (completion_tokens or 0)
+    return out
+
+
+def completion_body(
+    job_id: str,
+    created: float,
+    model: str,
+    choices: Sequence[ChoiceOutput],
+    prompt_tokens: int,
+    logprobs: bool,
+) -> dict[str, Any]:
+    return {
+        "id": response_id(COMPLETIONS, job_id),
+        "object": "text_completion",
+        "created": int(created),
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.echo_text + "".join(c.text),
+                "logprobs": _legacy_logprobs(c.echo_logprobs + c.logprobs) if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(prompt_tokens, sum(c.tokens for c in choices)),
+    }
+
+
+def chat_body(
+    job_id: str,
+    created: float,
+    model: str,
+    choices: Sequence[ChoiceOutput],
+    prompt_tokens: int,
+    logprobs: bool,
+) -> dict[str, Any]:
+    return {
+        "id": response_id(CHAT_COMPLETIONS, job_id),
+        "object": "chat.completion",
+        "created": int(created),
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": {"content": c.logprobs} if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(prompt_tokens, sum(c.tokens for c in choices)),
+    }
+
+
+def embeddings_body(
+    model: str, vectors: np.ndarray, prompt_tokens: int, encoding_format: str | None
+) -> dict[str, Any]:
+    """`encoding_format` "base64" is the little-endian float32 bytes, base64-encoded."""
+    data = []
+    for index, vector in enumerate(vectors):
+        if encoding_format == "base64":
+            embedding: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+        else:
+            embedding = [float(x) for x in vector]
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    return {"object": "list", "data": data, "model": model, "usage": usage(prompt_tokens)}
+
+
+def _legacy_logprobs(entries: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [e["top_logprobs"] for e in entries],
+        "text_offset": [e["text_offset"] for e in entries],
+    }

@@ -1,0 +1,141 @@
+"""Continuous batching across the jobs of one worker: which sequences run, step by step.
+
+Jobs join between steps (`add`), each model with running sequences gets one batched forward
+pass per `step`, and jobs leave when their choices end or when they are removed (cancelled,
+failed, lost, checkpointed), which aborts their sequences and frees their KV memory. Jobs
+for a model that is still loading wait here until the pool settles the load. No Redis here:
+the worker decides what a job's events mean and writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from workers.errors import JobFailure
+from workers.jobs import ActiveJob
+from workers.pool import FAILED, LOADING, EnginePool, PoolEntry
+
+log = logging.getLogger("llmq.scheduler")
+
+
+@dataclass
+class _Batch:
+    engine: Any
+    generator: Any  # runtime.batch_generator.BatchGenerator
+
+
+class Scheduler:
+    def __init__(self, pool: EnginePool, max_batch: int) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.pool = pool
+        self.max_batch = max_batch
+        self.jobs: dict[str, ActiveJob] = {}
+        self.last_batch_sizes: dict[str, int] = {}  # model -> sequences in its last step
+        self._batches: dict[str, _Batch] = {}
+        self._waiting: dict[str, list[ActiveJob]] = defaultdict(list)
+        self._owners: dict[str, tuple[ActiveJob, int]] = {}  # request id -> (job, choice)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in flight; a job still waiting for its model counts as one."""
+        waiting = sum(len(jobs) for jobs in self._waiting.values())
+        return len(self._owners) + waiting
+
+    def has_room(self) -> bool:
+        return self.sequences < self.max_batch
+
+    def has_work(self) -> bool:
+        return bool(self._owners)
+
+    def add(self, job: ActiveJob) -> None:
+        """Admit a claimed job. Raises JobFailure (unknown model, failed load, bad request)
+        or PoolFull; the job is then not kept."""
+        entry = self.pool.request(job.model)
+        if entry.state == FAILED:
+            assert entry.error is not None
+            raise entry.error
+        self.jobs[job.id] = job
+        if entry.state == LOADING:
+            self._waiting[job.model].append(job)
+            return
+        try:
+            self._start(job, entry)
+        except Exception:
+            self.jobs.pop(job.id, None)
+            raise
+
+    def settle_loads(self) -> list[tuple[ActiveJob, JobFailure]]:
+        """Start the jobs whose model finished loading; the jobs that fail instead."""
+        failures: list[tuple[ActiveJob, JobFailure]] = []
+        for entry in self.pool.poll():
+            for job in self._waiting.pop(entry.model, []):
+                if entry.state == FAILED:
+                    assert entry.error is not None
+                    failures.append((job, entry.error))
+                    continue
+                try:
+                    self._start(job, entry)
+                except JobFailure as exc:
+                    failures.append((job, exc))
+        return failures
+
+    def step(self) -> tuple[set[ActiveJob], list[tuple[ActiveJob, Exception]]]:
+        """One forward pass per model with running sequences. Returns the jobs that got
+        tokens, and the jobs of a model whose step raised (that batch is discarded)."""
+        touched: set[ActiveJob] = set()
+        broken: list[tuple[ActiveJob, Exception]] = []
+        self.last_batch_sizes = {}
+        for model, batch in list(self._batches.items()):
+            size = len(batch.generator)
+            if not size:
+                continue
+            try:
+                events = batch.generator.step()
+            except Exception as exc:  # one bad step must not take the worker down
+                log.exception("step of model %s failed; failing its %d sequences", model, size)
+                del self._batches[model]
+                jobs = {job for job, _ in self._owners.values() if job.model == model}
+                broken.extend((job, exc) for job in jobs)
+                continue
+            self.last_batch_sizes[model] = size
+            for event in events:
+                job, choice = self._owners[event.request_id]
+                if job.on_token(choice, event):
+                    self._end_sequence(event.request_id, job)
+                    if event.finish_reason is None:  # a stop string matched in the worker
+                        batch.generator.abort(event.request_id)
+                touched.add(job)
+        return touched, broken
+
+    def remove(self, job: ActiveJob) -> None:
+        """Forget a job now: abort its sequences (their KV memory is freed)."""
+        self.jobs.pop(job.id, None)
+        waiting = self._waiting.get(job.model, [])
+        if job in waiting:
+            waiting.remove(job)
+        batch = self._batches.get(job.model)
+        for request_id in [r for r, (owner, _) in self._owners.items() if owner is job]:
+            if batch is not None:
+                batch.generator.abort(request_id)
+            self._end_sequence(request_id, job)
+
+    def _start(self, job: ActiveJob, entry: PoolEntry) -> None:
+        sequences = job.start(entry.engine)
+        if not sequences:
+            return
+        batch = self._batches.get(job.model)
+        if batch is None or batch.engine is not entry.engine:
+            batch = self._batches[job.model] = _Batch(entry.engine, entry.engine.new_batch())
+        for request_id, prompt_ids, params in sequences:
+            batch.generator.add(request_id, prompt_ids, params)
+            choice = int(request_id.rsplit(":", 1)[1])
+            self._owners[request_id] = (job, choice)
+            self.pool.acquire(job.model)
+
+    def _end_sequence(self, request_id: str, job: ActiveJob) -> None:
+        if self._owners.pop(request_id, None) is not None:
+            self.pool.release(job.model)

@@ -1,0 +1,151 @@
+"""The Lua scripts that make a worker's claims and writes atomic, and their Python wrappers.
+
+Why scripts: taking a job off a queue must mark it running in the same instant (else a
+worker that dies between the two loses the job), and every write a worker makes for a job
+must be fenced by its lease (RELIABILITY F12: a worker that stalled past its lease, whose
+job another worker now runs, must not write a single token more). Each wrapper takes a
+pipeline or a client, so a step's writes for every job go out in one round trip.
+
+Scripts are sent with EVAL (Redis caches them by hash), so a Redis restart that empties the
+script cache needs no reloading logic. Job keys built inside a script use the parts that
+`workers.keys` names (JOB_KEY_PREFIX, LEASE_SUFFIX, CANCEL_SUFFIX).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from workers import keys
+
+CLAIMED_MISSING = -1  # the job's record is gone
+CLAIMED_CANCELLED = -2  # its cancel flag was set while it was queued: it must never run
+
+# KEYS: queue keys in priority order. ARGV: running set, job key prefix, lease suffix,
+# cancel suffix, worker name, lease TTL (ms). Returns {queue index, job id, attempt} where
+# attempt is the new attempt number (>= 1) or one of the CLAIMED_* codes; nil if all empty.
+_CLAIM = """
+local running, prefix, lease_suffix, cancel_suffix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+for i, queue in ipairs(KEYS) do
+  local id = redis.call('LPOP', queue)
+  if id then
+    local record = prefix .. id
+    if redis.call('EXISTS', record) == 0 then return {i, id, -1} end
+    if redis.call('EXISTS', record .. cancel_suffix) == 1 then return {i, id, -2} end
+    local attempt = redis.call('HINCRBY', record, 'attempts', 1)
+    redis.call('SADD', running, id)
+    redis.call('SET', record .. lease_suffix, ARGV[5] .. ':' .. attempt, 'PX', ARGV[6])
+    return {i, id, attempt}
+  end
+end
+return false
+"""
+
+# KEYS: lease, events stream, record, wake channel, running set.
+# ARGV: expected lease, job id, ttl (s), "1" if this ends the job, stream length the writer
+# expects before its events, n record fields, 2n field/value strings, event kind/data pairs.
+# Returns nil if the lease is not the expected one or the stream is not as the writer left
+# it (nothing written), else the id of the last event ("" if none). A write retried after
+# its reply was lost finds its own last event already there and is not applied twice.
+_APPEND = """
+local n = tonumber(ARGV[6])
+local first_event = 7 + 2 * n
+local n_events = (#ARGV - first_event + 1) / 2
+local length = redis.call('XLEN', KEYS[2])
+local expected = tonumber(ARGV[5])
+if n_events > 0 and length == expected + n_events then
+  local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+  if last[2][4] == ARGV[#ARGV] then return last[1] end
+end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] or length ~= expected then return false end
+if n > 0 then
+  local fields = {}
+  for j = 7, first_event - 1 do fields[#fields + 1] = ARGV[j] end
+  redis.call('HSET', KEYS[3], unpack(fields))
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
+local last = ''
+for i = first_event, #ARGV - 1, 2 do
+  last = redis.call('XADD', KEYS[2], '*', 'event', ARGV[i], 'data', ARGV[i + 1])
+end
+if last ~= '' then
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  redis.call('PUBLISH', KEYS[4], last)
+end
+if ARGV[4] == '1' then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[5], ARGV[2])
+end
+return last
+"""
+
+# KEYS: lease. ARGV: expected lease, TTL (ms). 1 if renewed, 0 if the lease is not ours.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+# KEYS: lease, RQ queue, running set, RQ job hash, record. ARGV: expected lease, job id.
+# Puts the job back at the front of its queue, as queued, and gives up the lease.
+_REQUEUE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('LPUSH', KEYS[2], ARGV[2])
+redis.call('SREM', KEYS[3], ARGV[2])
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('HSET', KEYS[4], 'status', 'queued') end
+if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('HSET', KEYS[5], 'status', 'queued') end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+
+def claim(
+    client: Any, queue_keys: Sequence[str], worker: str, lease_ms: int
+) -> tuple[int, str, int] | None:
+    """Pop the first job of the first non-empty queue: (queue index, job id, attempt|code)."""
+    if not queue_keys:
+        return None
+    args = [keys.RUNNING, keys.JOB_KEY_PREFIX, keys.LEASE_SUFFIX, keys.CANCEL_SUFFIX]
+    found = client.eval(_CLAIM, len(queue_keys), *queue_keys, *args, worker, lease_ms)
+    if not found:
+        return None
+    index, job_id, attempt = found
+    job_id = job_id.decode() if isinstance(job_id, bytes) else job_id
+    return int(index) - 1, job_id, int(attempt)
+
+
+def append(
+    client: Any,
+    job_id: str,
+    lease: str,
+    expected_length: int,
+    events: Sequence[tuple[str, str]],
+    fields: dict[str, str] | None = None,
+    final: bool = False,
+    ttl: int = 0,
+) -> Any:
+    """Fenced write: record fields, stream events (kind, JSON data) and a wake-up; `final`
+    also gives up the lease and leaves the running set. On a pipeline the result comes back
+    from `execute()`: None when the job is no longer this writer's."""
+    fields = fields or {}
+    argv: list[Any] = [lease, job_id, ttl, "1" if final else "0", expected_length, len(fields)]
+    for name, value in fields.items():
+        argv += [name, value]
+    for kind, data in events:
+        argv += [kind, data]
+    job_keys = [
+        keys.job_lease(job_id),
+        keys.job_events(job_id),
+        keys.job(job_id),
+        keys.job_wake(job_id),
+        keys.RUNNING,
+    ]
+    return client.eval(_APPEND, len(job_keys), *job_keys, *argv)
+
+
+def renew(client: Any, job_id: str, lease: str, lease_ms: int) -> Any:
+    return client.eval(_RENEW, 1, keys.job_lease(job_id), lease, lease_ms)
+
+
+def requeue(client: Any, job_id: str, lease: str, queue_key: str, rq_job_key: str) -> Any:
+    job_keys = [keys.job_lease(job_id), queue_key, keys.RUNNING, rq_job_key, keys.job(job_id)]
+    return client.eval(_REQUEUE, len(job_keys), *job_keys, lease, job_id)
