@@ -1,0 +1,199 @@
+"""Fixtures for worker tests: real Redis (db 14, flushed before and after each test), tiny
+GGUF models, jobs submitted as the API submits them, and workers run in a thread or as real
+`llmq worker` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from tests.tiny_models import write_tiny_llama
+from workers import keys
+from workers.config import WorkerConfig
+from workers.protocol import JOB_FUNCTION, TERMINAL_STATUSES, JobRecord, decode_event
+from workers.worker import LLMQWorker, connect
+
+REDIS_URL = os.environ.get("LLMQ_WORKERS_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+REPO = Path(__file__).resolve().parents[2]
+TINY = "tiny-llama"  # the model id of the tiny model file (its stem)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{TINY}.gguf")
+
+
+@pytest.fixture
+def conn() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.fail(f"these tests need Redis at {REDIS_URL}")
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def submit(
+    conn: redis.Redis,
+    endpoint: str,
+    body: dict[str, Any],
+    model: str = TINY,
+    kind: str = keys.INTERACTIVE,
+    func: str = JOB_FUNCTION,
+    args: list[Any] | None = None,
+) -> str:
+    """Store a job record and enqueue its id the way the API does."""
+    job_id = uuid.uuid4().hex
+    record = JobRecord(id=job_id, endpoint=endpoint, model=model, request=body, kind=kind)
+    conn.hset(keys.job(job_id), mapping=record.to_hash())
+    queue = Queue(keys.queue_name(model, kind), connection=conn, serializer=JSONSerializer)
+    queue.enqueue_call(
+        func=func, args=args if args is not None else [job_id], job_id=job_id, description=job_id
+    )
+    return job_id
+
+
+def record(conn: redis.Redis, job_id: str) -> JobRecord:
+    return JobRecord.from_hash(conn.hgetall(keys.job(job_id)))
+
+
+def stream(conn: redis.Redis, job_id: str) -> list[tuple[str, dict[str, Any]]]:
+    return [decode_event(fields) for _, fields in conn.xrange(keys.job_events(job_id))]
+
+
+def tokens(conn: redis.Redis, job_id: str) -> list[dict[str, Any]]:
+    return [data for kind, data in stream(conn, job_id) if kind == "token"]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+
+
+def wait_done(conn: redis.Redis, job_id: str, timeout: float = 10.0) -> JobRecord:
+    def ended() -> JobRecord | None:
+        current = record(conn, job_id)
+        return current if current.status in TERMINAL_STATUSES else None
+
+    return wait_for(ended, timeout, f"job {job_id} to end")
+
+
+class WorkerThread:
+    """An `LLMQWorker` running in a thread of the test process (no signal handlers)."""
+
+    def __init__(self, models: list[str], **overrides: Any) -> None:
+        settings = {"poll_interval": 0.02, "name": f"w-{uuid.uuid4().hex[:6]}"} | overrides
+        config = WorkerConfig(
+            redis_url=REDIS_URL, models=models, install_signals=False, **settings
+        )
+        self.worker = LLMQWorker(config, connect(REDIS_URL))
+        self.thread = threading.Thread(target=self.worker.work, daemon=True)
+
+    def __enter__(self) -> LLMQWorker:
+        self.thread.start()
+        return self.worker
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self, drain: bool = False) -> None:
+        self.worker.request_stop(signal.SIGTERM, None)
+        if not drain:
+            self.worker.request_stop(signal.SIGTERM, None)
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "the worker thread did not stop"
+
+
+@pytest.fixture
+def start_worker(tiny_model: Path) -> Iterator[Callable[..., LLMQWorker]]:
+    started: list[WorkerThread] = []
+
+    def start(models: list[str] | None = None, **overrides: Any) -> LLMQWorker:
+        runner = WorkerThread(models or [str(tiny_model)], **overrides)
+        started.append(runner)
+        return runner.__enter__()
+
+    yield start
+    for runner in started:
+        if runner.thread.is_alive():
+            runner.stop()
+
+
+class WorkerProcess:
+    """A real `llmq worker` process in its own session, so a test can kill its whole tree."""
+
+    def __init__(self, name: str, models: list[str], *extra: str, step_delay_ms: int = 0):
+        env = {**os.environ, "REDIS_URL": REDIS_URL, "PYTHONUNBUFFERED": "1"}
+        if step_delay_ms:
+            env["LLMQ_WORKER_STEP_DELAY_MS"] = str(step_delay_ms)
+        argv = [sys.executable, "-m", "workers.cli", "worker", "--name", name]
+        argv += ["--models", ",".join(models), *extra]
+        self.name = name
+        self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could block the worker
+        self.process = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    def wait_registered(self, conn: redis.Redis, timeout: float = 20.0) -> None:
+        wait_for(
+            lambda: conn.exists(keys.worker(self.name)) or self.process.poll() is not None,
+            timeout,
+            f"worker {self.name} to register",
+        )
+        assert self.process.poll() is None, self.output()
+
+    def kill_tree(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def spawn_worker(tiny_model: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    spawned: list[WorkerProcess] = []
+
+    def spawn(name: str, *extra: str, models: list[str] | None = None, **kw: Any):
+        proc = WorkerProcess(name, models or [str(tiny_model)], *extra, **kw)
+        spawned.append(proc)
+        return proc
+
+    yield spawn
+    for proc in spawned:
+        proc.stop()

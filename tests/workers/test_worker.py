@@ -1,0 +1,307 @@
+"""The worker end to end against real Redis, run in a thread: jobs go queued -> started ->
+finished/failed/cancelled in our records and in RQ, their streams hold the tokens then the
+OpenAI body, and nothing a job does takes the worker down."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+
+from tests.workers.conftest import TINY, record, stream, submit, tokens, wait_done, wait_for
+from workers import keys, scripts
+from workers.protocol import (
+    CANCELLED,
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    EMBEDDINGS,
+    FAILED,
+    FINISHED,
+    WorkerInfo,
+    cancelled_error,
+    encode_command,
+)
+
+pytestmark = pytest.mark.integration
+
+GREEDY = {"model": TINY, "temperature": 0, "ignore_eos": True}
+
+
+def rq_job(conn, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+
+
+def rq_queue(conn, kind: str = keys.INTERACTIVE) -> Queue:
+    return Queue(keys.queue_name(TINY, kind), connection=conn, serializer=JSONSerializer)
+
+
+def test_completion_runs_to_an_openai_body_in_stream_record_and_rq(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "hello there", "max_tokens": 12})
+    worker = start_worker()
+    done = wait_done(conn, job_id)
+
+    assert done.status == FINISHED and done.attempts == 1 and done.worker == worker.name
+    assert done.started_at <= done.finished_at
+    events = stream(conn, job_id)
+    assert [kind for kind, _ in events] == ["token"] * 12 + ["done"]
+    assert [data["index"] for _, data in events[:-1]] == list(range(12))
+    body = events[-1][1]
+    assert body == done.result
+    assert body["id"] == f"cmpl-{job_id}" and body["object"] == "text_completion"
+    assert body["model"] == TINY and isinstance(body["created"], int)
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["logprobs"] is None
+    assert choice["finish_reason"] == "length"
+    assert choice["text"] == "".join(data["text"] for _, data in events[:-1])
+    assert body["usage"]["completion_tokens"] == 12 == done.completion_tokens
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 12
+
+    job = rq_job(conn, job_id)
+    assert job.get_status() == JobStatus.FINISHED
+    assert job_id in rq_queue(conn).finished_job_registry
+    assert rq_queue(conn).started_job_registry.get_job_ids() == []
+    assert not conn.smembers(keys.RUNNING) and not conn.exists(keys.job_lease(job_id))
+
+
+def test_chat_with_n_and_logprobs(conn, start_worker):
+    body = {
+        **GREEDY,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "seed": 7,
+    }
+    job_id = submit(conn, CHAT_COMPLETIONS, body)
+    start_worker()
+    result = wait_done(conn, job_id).result
+
+    assert result["object"] == "chat.completion" and result["id"] == f"chatcmpl-{job_id}"
+    assert [c["index"] for c in result["choices"]] == [0, 1]
+    for choice in result["choices"]:
+        assert choice["message"]["role"] == "assistant"
+        content = choice["logprobs"]["content"]
+        assert len(content) == 5
+        for entry in content:
+            assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+            assert len(entry["top_logprobs"]) == 3
+    assert result["usage"]["completion_tokens"] == 10
+    streamed = tokens(conn, job_id)
+    assert {t["choice"] for t in streamed} == {0, 1}
+    assert all(t["logprobs"]["bytes"] is not None for t in streamed)
+
+
+def test_completion_echo_with_logprobs_uses_the_legacy_layout(conn, start_worker):
+    body = {**GREEDY, "prompt": "the cat", "max_tokens": 4, "echo": True, "logprobs": 2}
+    job_id = submit(conn, COMPLETIONS, body)
+    start_worker()
+    [choice] = wait_done(conn, job_id).result["choices"]
+
+    assert choice["text"].startswith("the cat")
+    lp = choice["logprobs"]
+    n = len(lp["tokens"])
+    assert n == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    assert all(len(top) <= 3 for top in lp["top_logprobs"][1:])
+
+
+def test_list_of_prompts_times_n_gives_ordered_choices(conn, start_worker):
+    body = {**GREEDY, "prompt": ["one", "two"], "n": 2, "max_tokens": 3}
+    job_id = submit(conn, COMPLETIONS, body)
+    start_worker()
+    result = wait_done(conn, job_id).result
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2, 3]
+    assert result["usage"]["completion_tokens"] == 12
+
+
+def test_embeddings_float_and_base64(conn, start_worker):
+    as_float = submit(conn, EMBEDDINGS, {"model": TINY, "input": ["a b", "c"]})
+    as_b64 = submit(conn, EMBEDDINGS, {"model": TINY, "input": "a b", "encoding_format": "base64"})
+    start_worker()
+    floats = wait_done(conn, as_float).result
+    encoded = wait_done(conn, as_b64).result
+
+    assert floats["object"] == "list" and [d["index"] for d in floats["data"]] == [0, 1]
+    vector = np.array(floats["data"][0]["embedding"])
+    assert abs(np.linalg.norm(vector) - 1) < 1e-5
+    decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(decoded, vector, rtol=1e-6)
+    assert floats["usage"]["prompt_tokens"] == floats["usage"]["total_tokens"] > 0
+    assert [kind for kind, _ in stream(conn, as_float)] == ["done"]
+
+
+def test_concurrent_jobs_share_decode_steps(conn, start_worker):
+    ids = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"job {i}", "max_tokens": 20})
+        for i in range(3)
+    ]
+    worker = start_worker(max_batch=8)
+    done = [wait_done(conn, job_id) for job_id in ids]
+
+    assert all(d.status == FINISHED for d in done)
+    assert worker.steps < 30  # 60 tokens in one batch; one at a time would take 60 steps
+    latest_start = max(d.started_at for d in done)
+    assert all(latest_start < d.finished_at for d in done)  # all three ran at once
+    sizes = conn.hgetall(keys.METRIC_BATCH_SIZE)
+    assert int(sizes[f"{TINY}|4".encode()]) > 0  # steps of 3 sequences fall in the "4" bucket
+
+
+def test_interactive_jobs_start_before_batch_jobs(conn, start_worker):
+    batch = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": "b", "max_tokens": 3}, kind=keys.BATCH)
+        for _ in range(2)
+    ]
+    interactive = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "i", "max_tokens": 3})
+    start_worker(max_batch=1)
+    first = wait_done(conn, interactive)
+    later = [wait_done(conn, job_id) for job_id in batch]
+    assert all(first.started_at < job.started_at for job in later)
+
+
+def test_cancel_stops_a_running_job_within_a_few_tokens(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "go", "max_tokens": 200})
+    worker = start_worker(step_delay=0.02)
+    wait_for(lambda: len(tokens(conn, job_id)) >= 3, what="a few tokens")
+    sent_before = len(tokens(conn, job_id))
+    conn.set(keys.job_cancel(job_id), "1")
+    cancelled = wait_done(conn, job_id, timeout=3)
+
+    assert cancelled.status == CANCELLED
+    assert cancelled.error == cancelled_error()
+    events = stream(conn, job_id)
+    assert events[-1] == ("error", cancelled_error())
+    assert len(events) - 1 <= sent_before + 3
+    assert rq_job(conn, job_id).get_status() == JobStatus.CANCELED
+    assert job_id in rq_queue(conn).canceled_job_registry
+    assert rq_queue(conn).started_job_registry.get_job_ids() == []
+    assert worker.pool.get(TINY).in_flight == 0 and not worker.batcher.jobs
+
+
+def test_a_job_cancelled_while_queued_never_runs(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "never", "max_tokens": 5})
+    conn.set(keys.job_cancel(job_id), "1")
+    start_worker()
+    cancelled = wait_done(conn, job_id)
+    assert cancelled.status == CANCELLED and cancelled.attempts == 0
+    assert stream(conn, job_id) == [("error", cancelled_error())]
+    assert rq_job(conn, job_id).get_status() == JobStatus.CANCELED
+
+
+def test_a_job_calling_another_function_is_refused_not_run(conn, start_worker, tmp_path: Path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("still here")
+    body = {**GREEDY, "prompt": "x"}
+    job_id = submit(conn, COMPLETIONS, body, func="os.remove", args=[str(victim)])
+    start_worker()
+    failed = wait_done(conn, job_id)
+
+    assert victim.exists()
+    assert failed.status == FAILED and failed.error["status"] == 500
+    assert failed.error["error"]["code"] == "job_refused"
+    assert "os.remove" in failed.error["error"]["message"]
+    assert rq_job(conn, job_id).get_status() == JobStatus.FAILED
+
+
+def test_a_model_that_fails_to_load_fails_its_jobs_and_the_worker_lives(
+    conn, start_worker, tiny_model: Path, tmp_path: Path
+):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF but not really" * 10)
+    bad = submit(conn, COMPLETIONS, {"model": "broken", "prompt": "x"}, model="broken")
+    start_worker([str(broken), str(tiny_model)])
+    failed = wait_done(conn, bad)
+    assert failed.status == FAILED
+    assert failed.error["status"] == 500 and failed.error["error"]["type"] == "server_error"
+    assert "broken" not in json.dumps(failed.error) or "load" in failed.error["error"]["message"]
+
+    good = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "fine", "max_tokens": 2})
+    assert wait_done(conn, good).status == FINISHED
+
+
+def test_a_prompt_beyond_the_context_fails_with_a_400(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "word " * 300, "max_tokens": 8})
+    start_worker()
+    failed = wait_done(conn, job_id)
+    assert failed.status == FAILED
+    assert failed.error["status"] == 400
+    assert failed.error["error"]["type"] == "invalid_request_error"
+    assert "context length" in failed.error["error"]["message"]
+    assert stream(conn, job_id) == [("error", failed.error)]
+    assert rq_job(conn, job_id).get_status() == JobStatus.FAILED
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "   "}, "prompt"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+    ],
+)
+def test_bad_request_values_fail_with_a_400_naming_the_field(conn, start_worker, body, param):
+    job_id = submit(conn, COMPLETIONS, {"model": TINY, **body})
+    start_worker()
+    failed = wait_done(conn, job_id)
+    assert failed.error["status"] == 400 and failed.error["error"]["param"] == param
+
+
+def test_a_job_for_a_model_the_worker_does_not_know_is_a_404(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {"model": "nope", "prompt": "x"})
+    conn.hset(keys.job(job_id), "model", "nope")
+    start_worker()
+    failed = wait_done(conn, job_id)
+    assert failed.error["status"] == 404
+    assert failed.error["error"]["code"] == "model_not_found"
+
+
+def test_worker_publishes_itself_and_obeys_admin_load_and_unload(conn, start_worker):
+    worker = start_worker()
+    raw = wait_for(lambda: conn.hgetall(keys.worker(worker.name)), what="worker hash")
+    info = WorkerInfo.from_hash(raw)
+    assert info.models == [TINY] and info.is_alive() and info.state == "idle"
+    assert info.queues == [keys.queue_name(TINY), keys.queue_name(TINY, keys.BATCH)]
+    assert conn.sismember(keys.WORKERS, worker.name)
+    assert json.loads(conn.hget(keys.MODELS, TINY))["id"] == TINY
+
+    def pool_state() -> dict:
+        return WorkerInfo.from_hash(conn.hgetall(keys.worker(worker.name))).pool
+
+    conn.lpush(keys.worker_commands(worker.name), encode_command("load", TINY))
+    wait_for(lambda: pool_state().get(TINY, {}).get("state") == "ready", what="model ready")
+    assert json.loads(conn.hget(keys.MODELS, TINY))["context_length"] == 256
+    conn.lpush(keys.worker_commands(worker.name), encode_command("unload", TINY))
+    wait_for(lambda: TINY not in pool_state(), what="model unloaded")
+
+
+def test_a_worker_that_lost_the_lease_stops_writing(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "fence", "max_tokens": 200})
+    worker = start_worker(step_delay=0.02)
+    wait_for(lambda: len(tokens(conn, job_id)) >= 3, what="a few tokens")
+    conn.set(keys.job_lease(job_id), "someone-else:9")  # another worker took the job over
+    wait_for(lambda: not worker.batcher.jobs, timeout=3, what="the job to be dropped")
+    frozen = len(stream(conn, job_id))
+    time.sleep(0.2)
+    assert len(stream(conn, job_id)) == frozen
+    assert record(conn, job_id).status == "started"  # the new owner decides its end
+
+
+def test_the_reaper_requeues_a_job_whose_worker_vanished(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "ghost", "max_tokens": 4})
+    queue_key = rq_queue(conn).key
+    claimed = scripts.claim(conn, [queue_key], "ghost", lease_ms=200)  # dies right away
+    assert claimed == (0, job_id, 1)
+    worker = start_worker(reap_interval=0.1)
+    done = wait_done(conn, job_id)
+    assert done.status == FINISHED and done.attempts == 2 and done.worker == worker.name
+    assert rq_job(conn, job_id).get_status() == JobStatus.FINISHED

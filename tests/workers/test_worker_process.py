@@ -1,0 +1,104 @@
+"""Real `llmq worker` processes: a worker killed with kill -9 (its whole process tree) loses
+no job and no token, SIGTERM drains, and RQ's own tools see the worker (RELIABILITY 1-3)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from tests.workers.conftest import (
+    REDIS_URL,
+    TINY,
+    record,
+    stream,
+    submit,
+    tokens,
+    wait_done,
+    wait_for,
+)
+from workers import keys
+from workers.protocol import COMPLETIONS, FINISHED, QUEUED
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+GREEDY = {"model": TINY, "temperature": 0, "ignore_eos": True}
+
+
+def assert_seamless(conn, job_id: str, max_tokens: int) -> list[dict]:
+    """Every index once, in order, and the final body's text is the streamed text."""
+    events = stream(conn, job_id)
+    assert [kind for kind, _ in events] == ["token"] * max_tokens + ["done"]
+    streamed = [data for _, data in events[:-1]]
+    assert [t["index"] for t in streamed] == list(range(max_tokens))
+    [choice] = events[-1][1]["choices"]
+    assert choice["text"] == "".join(t["text"] for t in streamed)
+    assert events[-1][1]["usage"]["completion_tokens"] == max_tokens
+    return streamed
+
+
+def test_a_killed_workers_job_resumes_on_another_worker_without_gap_or_repeat(
+    conn, spawn_worker
+):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "resume me", "max_tokens": 120})
+    first = spawn_worker("victim", step_delay_ms=30)
+    wait_for(lambda: len(tokens(conn, job_id)) >= 20, timeout=30, what="20 tokens")
+    first.kill_tree()
+    killed_at = time.monotonic()
+    sent = len(tokens(conn, job_id))
+    assert sent < 120
+
+    second = spawn_worker("rescuer")
+    second.wait_registered(conn)
+    wait_for(lambda: any(t["attempt"] == 2 for t in tokens(conn, job_id)), timeout=25)
+    assert time.monotonic() - killed_at < 20  # lease 10 s + reaper every 2 s
+    done = wait_done(conn, job_id, timeout=20)
+
+    assert done.status == FINISHED and done.attempts == 2 and done.worker == "rescuer"
+    streamed = assert_seamless(conn, job_id, 120)
+    attempts = [t["attempt"] for t in streamed]
+    assert attempts == sorted(attempts) and attempts[0] == 1 and attempts[-1] == 2
+    assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == (
+        JobStatus.FINISHED
+    )
+    assert not conn.smembers(keys.RUNNING)
+
+
+def test_sigterm_finishes_short_jobs_requeues_long_ones_and_exits_zero(conn, spawn_worker):
+    short = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "short", "max_tokens": 10})
+    long = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "long", "max_tokens": 150})
+    worker = spawn_worker("drained", "--grace", "1.5", step_delay_ms=30)
+    wait_for(lambda: len(tokens(conn, long)) >= 3, timeout=30, what="the long job to start")
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.process.wait(15) == 0, worker.output()
+
+    assert record(conn, short).status == FINISHED
+    requeued = record(conn, long)
+    assert requeued.status == QUEUED and 0 < requeued.completion_tokens < 150
+    queue_key = f"rq:queue:{keys.queue_name(TINY)}"
+    assert conn.lrange(queue_key, 0, -1) == [long.encode()]
+    rq_job = Job.fetch(long, connection=conn, serializer=JSONSerializer)
+    assert rq_job.get_status() == JobStatus.QUEUED
+    assert not conn.smembers(keys.RUNNING) and not conn.exists(keys.job_lease(long))
+    assert not conn.exists(keys.worker("drained"))
+    assert "drained" not in {m.decode() for m in conn.smembers(keys.WORKERS)}
+
+    spawn_worker("successor")
+    assert wait_done(conn, long, timeout=30).status == FINISHED
+    assert_seamless(conn, long, 150)
+
+
+def test_rq_info_shows_the_worker_and_its_queues(conn, spawn_worker):
+    worker = spawn_worker("visible")
+    worker.wait_registered(conn)
+    rq_info = [sys.executable, "-m", "rq.cli", "info", "--url", REDIS_URL]
+    out = subprocess.run(rq_info, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "visible" in out.stdout
+    assert keys.queue_name(TINY) in out.stdout and keys.queue_name(TINY, keys.BATCH) in out.stdout
+    assert "idle" in out.stdout or "1 workers" in out.stdout
