@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flask import request
+from flask import current_app, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from api.errors import APIError, InvalidRequest
 
@@ -82,10 +83,31 @@ def json_object() -> dict[str, Any]:
         raise UnsupportedMediaType(
             f"Content-Type must be application/json, got {request.mimetype or 'none'!r}."
         )
-    value = parse_json(request.get_data(cache=False))
+    value = parse_json(_read_body())
     if not isinstance(value, dict):
         raise InvalidRequest(f"The request body must be a JSON object, got {json_type(value)}.")
     return value
+
+
+def _read_body() -> bytes:
+    """The body, at most MAX_CONTENT_LENGTH bytes, whether or not Content-Length was sent.
+
+    Werkzeug cuts a chunked body at the limit and may hand back the truncated prefix as if
+    it were complete; a body that reaches the limit without a Content-Length is too large.
+    """
+    limit = current_app.config.get("MAX_CONTENT_LENGTH")
+    if limit is None or request.content_length is not None:
+        return request.get_data(cache=False)  # werkzeug checks a declared length up front
+    parts, size = [], 0
+    while size < limit:
+        part = request.stream.read(min(65536, limit - size))
+        if not part:
+            return b"".join(parts)
+        parts.append(part)
+        size += len(part)
+    if request.stream.read(1):
+        raise RequestEntityTooLarge()
+    return b"".join(parts)
 
 
 def json_type(value: Any) -> str:

@@ -123,6 +123,22 @@ def client_gone(environ: dict[str, Any]) -> bool:
     return data == b""
 
 
+class DisconnectWatch:
+    """`client_gone` at most every `interval` seconds, so busy streams check it cheaply too."""
+
+    def __init__(self, environ: dict[str, Any], interval: float = 0.25) -> None:
+        self.environ = environ
+        self.interval = interval
+        self.checked = time.monotonic()
+
+    def gone(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked < self.interval:
+            return False
+        self.checked = now
+        return client_gone(self.environ)
+
+
 def _is_tls(sock: Any) -> bool:
     return hasattr(sock, "getpeercert")
 

@@ -20,7 +20,7 @@ from api.auth import bearer_token
 from api.chunks import ChunkStream
 from api.config import redis_conn
 from api.errors import InvalidRequest, ServiceUnavailable
-from api.events import SSE_HEADERS, client_gone, follow, sse
+from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
 from workers.protocol import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN, JobRecord
 
 log = logging.getLogger(__name__)
@@ -96,13 +96,13 @@ def error_from_event(data: dict[str, Any]) -> Response:
 def wait(record: JobRecord) -> Response:
     """Follow the job's events until it ends; cancel it if the client goes away."""
     conn = redis_conn()
-    environ = request.environ
+    watch = DisconnectWatch(request.environ)
     deadline = time.monotonic() + current_app.config["SYNC_TIMEOUT_SECONDS"]
     for event in follow(conn, record.id):
+        if watch.gone():
+            store.set_cancel_flag(conn, record.id)
+            return Response(status=499)  # nobody reads it; keeps the access log honest
         if event is None:
-            if client_gone(environ):
-                store.set_cancel_flag(conn, record.id)
-                return Response(status=499)  # nobody reads it; keeps the access log honest
             if time.monotonic() > deadline:
                 store.set_cancel_flag(conn, record.id)
                 raise ServiceUnavailable("The job did not finish in time.", code="timeout")
@@ -117,7 +117,7 @@ def wait(record: JobRecord) -> Response:
 def stream(record: JobRecord, req: Any) -> Response:
     """OpenAI-style SSE chunks for the job, ending with `data: [DONE]`."""
     conn = redis_conn()
-    environ = request.environ
+    watch = DisconnectWatch(request.environ)
     ping = current_app.config["PING_SECONDS"]
     chunks = ChunkStream(record, req)
 
@@ -128,9 +128,9 @@ def stream(record: JobRecord, req: Any) -> Response:
             for chunk in chunks.start():
                 yield _data(chunk)
             for event in follow(conn, record.id):
+                if watch.gone():
+                    return  # the finally clause cancels the job
                 if event is None:
-                    if client_gone(environ):
-                        return
                     if time.monotonic() - last_sent >= ping:
                         last_sent = time.monotonic()
                         yield ": ping\n\n"

@@ -13,7 +13,9 @@ generates is scripted by the prompt text (the last message's content for chat):
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import threading
 import time
 from typing import Any
@@ -99,6 +101,9 @@ class FakeWorker:
                 continue
             popped = self.conn.blpop(queues, timeout=0.1)
             if popped is None:
+                continue
+            if self.paused.is_set():  # paused while blocked in BLPOP: put it back in front
+                self.conn.lpush(popped[0], popped[1])
                 continue
             job_id = popped[1].decode()
             self.processed.append(job_id)
@@ -225,9 +230,11 @@ class FakeWorker:
     def _embeddings(record: JobRecord) -> dict[str, Any]:
         inputs = record.request["input"]
         inputs = [inputs] if isinstance(inputs, str) else inputs
+        vector: Any = [0.6, 0.8, 0.0]
+        if record.request.get("encoding_format") == "base64":
+            vector = base64.b64encode(struct.pack("<3f", *vector)).decode()
         data = [
-            {"object": "embedding", "index": i, "embedding": [0.6, 0.8, 0.0]}
-            for i in range(len(inputs))
+            {"object": "embedding", "index": i, "embedding": vector} for i in range(len(inputs))
         ]
         usage = {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}
         return {"object": "list", "data": data, "model": record.model, "usage": usage}
