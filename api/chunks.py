@@ -82,24 +82,27 @@ class ChunkStream:
         return self._chunk([self._choice(index, text, None, logprobs)])
 
     def _logprobs(self, index: int, data: dict[str, Any], text: str) -> dict[str, Any]:
-        logprob = data.get("logprob")
-        top = [t for t in data.get("top_logprobs") or [] if isinstance(t, dict)]
+        """The chunk's `logprobs`: the worker's ready-made entry (protocol), else a minimal one."""
+        entry = data.get("logprobs")
         if self.chat:
-            entry = {
-                "token": text,
-                "logprob": logprob,
-                "bytes": list(text.encode()),
-                "top_logprobs": top,
-            }
+            if not isinstance(entry, dict):
+                entry = {
+                    "token": text,
+                    "logprob": data.get("logprob"),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [],
+                }
             return {"content": [entry]}
         offset = self.offsets[index] if index < len(self.offsets) else 0
         if index < len(self.offsets):
             self.offsets[index] += len(text)
+        if not isinstance(entry, dict):
+            entry = {"token": text, "logprob": data.get("logprob"), "top_logprobs": None}
         return {
-            "tokens": [text],
-            "token_logprobs": [logprob],
-            "top_logprobs": [{t.get("token", ""): t.get("logprob") for t in top}] if top else None,
-            "text_offset": [offset],
+            "tokens": [entry.get("token", text)],
+            "token_logprobs": [entry.get("logprob")],
+            "top_logprobs": [entry.get("top_logprobs")],
+            "text_offset": [entry.get("text_offset", offset)],
         }
 
     def done(self, result: dict[str, Any]) -> list[dict[str, Any]]:

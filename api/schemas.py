@@ -92,6 +92,7 @@ class SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     cache_prompt: bool = True
+    ignore_eos: bool = False  # vLLM's extension; the engine supports it
     priority: int = 0
     # In the contract, not in the engine yet: any non-empty value is rejected.
     lora: Any = None

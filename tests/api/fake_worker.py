@@ -148,6 +148,11 @@ class FakeWorker:
         )
         delay = self.slow_delay if "slow" in prompt else 0.0
         texts = [""] * choices
+        logprobs = (
+            req.get("logprobs")
+            if record.endpoint == COMPLETIONS
+            else (req.get("top_logprobs", 0) if req.get("logprobs") else None)
+        )
         for i in range(count):
             if self.conn.exists(keys.job_cancel(job_id)):
                 self._finish(record, CANCELLED, EVENT_ERROR, cancelled_error())
@@ -165,6 +170,8 @@ class FakeWorker:
                     "top_logprobs": [],
                     "finish_reason": "length" if i == count - 1 else None,
                 }
+                if logprobs is not None:
+                    data["logprobs"] = self._logprobs_entry(record, text, len(texts[c]) - 3)
                 pipe.xadd(keys.job_events(job_id), encode_event(EVENT_TOKEN, data))
             pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
             pipe.hset(keys.job(job_id), "completion_tokens", str(i + 1))
@@ -173,6 +180,19 @@ class FakeWorker:
             if delay:
                 time.sleep(delay)
         self._finish(record, FINISHED, EVENT_DONE, self._result(record, texts, count))
+
+    @staticmethod
+    def _logprobs_entry(record: JobRecord, text: str, offset: int) -> dict[str, Any]:
+        """One token's entry in the endpoint's own layout, as workers.protocol specifies."""
+        if record.endpoint == CHAT_COMPLETIONS:
+            top = [{"token": "x", "logprob": -1.5, "bytes": [120]}]
+            return {
+                "token": text,
+                "logprob": -0.5,
+                "bytes": list(text.encode()),
+                "top_logprobs": top,
+            }
+        return {"token": text, "logprob": -0.5, "top_logprobs": {"x": -1.5}, "text_offset": offset}
 
     @staticmethod
     def _prompt_text(record: JobRecord) -> str:

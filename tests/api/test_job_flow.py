@@ -130,6 +130,22 @@ def test_stream_echo_sends_the_prompt_first(live_client, worker) -> None:
     assert chunks[0]["choices"][0]["text"] == "say"
 
 
+def test_stream_logprobs(live_client, worker) -> None:
+    chat = live_client.post(
+        "/v1/chat/completions", json={**CHAT, "stream": True, "logprobs": True, "top_logprobs": 1}
+    )
+    chunks = [m.json() for m in parse_text(chat.get_data(as_text=True))[:-1]]
+    content = [c["choices"][0]["logprobs"]["content"][0] for c in chunks[1:-1]]
+    assert [e["token"] for e in content] == ["t0 ", "t1 ", "t2 "]
+    assert content[0]["top_logprobs"][0]["token"] == "x"
+    text = live_client.post("/v1/completions", json=completion(stream=True, logprobs=1))
+    chunks = [m.json() for m in parse_text(text.get_data(as_text=True))[:-1]]
+    columns = [c["choices"][0]["logprobs"] for c in chunks[:-1]]
+    assert [c["tokens"] for c in columns] == [["t0 "], ["t1 "], ["t2 "]]
+    assert [c["text_offset"] for c in columns] == [[0], [3], [6]]
+    assert columns[0]["top_logprobs"] == [{"x": -1.5}]
+
+
 def test_stream_error_in_band(live_client, worker) -> None:
     response = live_client.post("/v1/completions", json=completion("toolong", stream=True))
     messages = parse_text(response.get_data(as_text=True))
