@@ -240,7 +240,7 @@ class EnginePool:
         if budget is None:
             return None
         limit = budget * 2**20
-        while self.used_bytes + entry.memory_bytes > limit:
+        while entry.memory_bytes <= limit < self.used_bytes + entry.memory_bytes:
             victim = self._evictable(exclude=entry.model)
             if victim is None:
                 break

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from workers import keys
+from workers.protocol import JOB_TTL_SECONDS
 
 CLAIMED_MISSING = -1  # the job's record is gone
 CLAIMED_CANCELLED = -2  # its cancel flag was set while it was queued: it must never run
@@ -121,7 +122,7 @@ def append(
     events: Sequence[tuple[str, str]],
     fields: dict[str, str] | None = None,
     final: bool = False,
-    ttl: int = 0,
+    ttl: int = JOB_TTL_SECONDS,
 ) -> Any:
     """Fenced write: record fields, stream events (kind, JSON data) and a wake-up; `final`
     also gives up the lease and leaves the running set. On a pipeline the result comes back

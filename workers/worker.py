@@ -221,6 +221,8 @@ class LLMQWorker(BaseWorker):
         if live and not self.connection.exists(keys.worker(self.name)):
             self.connection.delete(self.key)  # a dead worker of this name left its RQ hash
         self.register_birth()
+        # `rq info` lists queues from this set, which RQ fills on the first enqueue
+        self.connection.sadd(Queue.redis_queues_keys, *self.queue_keys())
         self.subscribe()
         self.set_state(WorkerStatus.IDLE)
         self.presence.publish("idle", [], self.pool.snapshot())
@@ -268,7 +270,8 @@ class LLMQWorker(BaseWorker):
             self._renew_leases()
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
             self._rq_heartbeat()
-        if self._due_now("presence", WORKER_HEARTBEAT_SECONDS):
+        pool = self.pool.snapshot()
+        if pool != self.presence.info.pool or self._due_now("presence", WORKER_HEARTBEAT_SECONDS):
             self._publish()
         if self._due_now("reap", self.config.reap_interval):
             for job_id in self.reaper.run():
@@ -659,7 +662,6 @@ class LLMQWorker(BaseWorker):
                     self.pool.unload(model)
             except (JobFailure, PoolFull) as exc:
                 log.warning("worker %s: cannot %s %s: %s", self.name, op, model, exc)
-            self._due["presence"] = 0.0  # show the change at the next tick
 
 
 def _refusal(rq_job: Job | None, job_id: str) -> JobRefused | None:

@@ -105,9 +105,7 @@ class WorkerThread:
 
     def __init__(self, models: list[str], **overrides: Any) -> None:
         settings = {"poll_interval": 0.02, "name": f"w-{uuid.uuid4().hex[:6]}"} | overrides
-        config = WorkerConfig(
-            redis_url=REDIS_URL, models=models, install_signals=False, **settings
-        )
+        config = WorkerConfig(redis_url=REDIS_URL, models=models, install_signals=False, **settings)
         self.worker = LLMQWorker(config, connect(REDIS_URL))
         self.thread = threading.Thread(target=self.worker.work, daemon=True)
 
@@ -144,8 +142,15 @@ def start_worker(tiny_model: Path) -> Iterator[Callable[..., LLMQWorker]]:
 class WorkerProcess:
     """A real `llmq worker` process in its own session, so a test can kill its whole tree."""
 
-    def __init__(self, name: str, models: list[str], *extra: str, step_delay_ms: int = 0):
-        env = {**os.environ, "REDIS_URL": REDIS_URL, "PYTHONUNBUFFERED": "1"}
+    def __init__(
+        self,
+        name: str,
+        models: list[str],
+        *extra: str,
+        step_delay_ms: int = 0,
+        redis_url: str = REDIS_URL,
+    ) -> None:
+        env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
         if step_delay_ms:
             env["LLMQ_WORKER_STEP_DELAY_MS"] = str(step_delay_ms)
         argv = [sys.executable, "-m", "workers.cli", "worker", "--name", name]

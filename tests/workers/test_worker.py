@@ -305,3 +305,22 @@ def test_the_reaper_requeues_a_job_whose_worker_vanished(conn, start_worker):
     done = wait_done(conn, job_id)
     assert done.status == FINISHED and done.attempts == 2 and done.worker == worker.name
     assert rq_job(conn, job_id).get_status() == JobStatus.FINISHED
+
+
+@pytest.mark.slow
+def test_smollm2_chat_job_matches_the_engine_run_in_process(conn, start_worker):
+    from runtime.sampling import SamplingParams
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    body = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 8}
+    job_id = submit(conn, CHAT_COMPLETIONS, {**body, "temperature": 0}, model=body["model"])
+    worker = start_worker(["smollm2-135m-instruct"])
+    result = wait_done(conn, job_id, timeout=180).result
+
+    engine = worker.pool.get("smollm2-135m-instruct").engine
+    ids = engine.encode_chat(messages)
+    expected = engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))
+    content = result["choices"][0]["message"]["content"]
+    assert content == "".join(event.text for event in expected)
+    assert "Paris" in content
+    assert result["usage"]["prompt_tokens"] == len(ids)

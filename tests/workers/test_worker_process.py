@@ -3,12 +3,16 @@ no job and no token, SIGTERM drains, and RQ's own tools see the worker (RELIABIL
 
 from __future__ import annotations
 
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -42,9 +46,7 @@ def assert_seamless(conn, job_id: str, max_tokens: int) -> list[dict]:
     return streamed
 
 
-def test_a_killed_workers_job_resumes_on_another_worker_without_gap_or_repeat(
-    conn, spawn_worker
-):
+def test_a_killed_workers_job_resumes_on_another_worker_without_gap_or_repeat(conn, spawn_worker):
     job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "resume me", "max_tokens": 120})
     first = spawn_worker("victim", step_delay_ms=30)
     wait_for(lambda: len(tokens(conn, job_id)) >= 20, timeout=30, what="20 tokens")
@@ -93,12 +95,65 @@ def test_sigterm_finishes_short_jobs_requeues_long_ones_and_exits_zero(conn, spa
     assert_seamless(conn, long, 150)
 
 
-def test_rq_info_shows_the_worker_and_its_queues(conn, spawn_worker):
+def test_rq_info_shows_the_worker_its_queues_and_its_jobs(conn, spawn_worker):
     worker = spawn_worker("visible")
     worker.wait_registered(conn)
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "count me", "max_tokens": 2})
+    wait_done(conn, job_id)
     rq_info = [sys.executable, "-m", "rq.cli", "info", "--url", REDIS_URL]
     out = subprocess.run(rq_info, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert "visible" in out.stdout
     assert keys.queue_name(TINY) in out.stdout and keys.queue_name(TINY, keys.BATCH) in out.stdout
-    assert "idle" in out.stdout or "1 workers" in out.stdout
+    [line] = [line for line in out.stdout.splitlines() if line.startswith("visible ")]
+    assert "idle" in line and "1 finished, 0 failed" in line
+    assert "1 workers, 2 queues" in out.stdout
+
+
+@pytest.fixture
+def private_redis(tmp_path) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A redis-server of this test's own (AOF on), and a function that restarts it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(tmp_path)]
+    servers = [subprocess.Popen(argv, stdout=subprocess.DEVNULL)]
+    client = redis.Redis(port=port)
+    wait_for(lambda: _pings(client), what="redis-server to start")
+
+    def restart(down_for: float = 2.0) -> None:
+        servers[-1].terminate()  # SIGTERM: redis-server writes its AOF and exits
+        servers[-1].wait(10)
+        time.sleep(down_for)
+        servers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+        wait_for(lambda: _pings(client), what="redis-server to restart")
+
+    yield f"redis://127.0.0.1:{port}/0", restart
+    for server in servers:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
+def test_a_redis_restart_mid_job_loses_nothing_and_the_worker_carries_on(
+    spawn_worker, private_redis
+):
+    url, restart = private_redis
+    conn = redis.Redis.from_url(url)
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "outage", "max_tokens": 100})
+    worker = spawn_worker("steadfast", step_delay_ms=30, redis_url=url)
+    wait_for(lambda: len(tokens(conn, job_id)) >= 10, timeout=30, what="10 tokens")
+    restart()
+    done = wait_done(conn, job_id, timeout=30)
+    assert worker.process.poll() is None, worker.output()
+    assert done.status == FINISHED and done.attempts == 1
+    assert_seamless(conn, job_id, 100)
+    assert "Redis unavailable" in worker.output()

@@ -1,0 +1,123 @@
+"""A job's choices as the worker runs them, without Redis: text assembled from token ids
+(stop strings, split UTF-8), and resuming from what an earlier attempt streamed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.engine import Engine
+from workers.events import StreamedChoice, StreamProgress
+from workers.jobs import ActiveJob
+from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
+from workers.text import TextAssembler
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Engine:
+    return Engine.load(str(tiny_model))
+
+
+def random_tokens(engine: Engine, n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, engine.tokenizer.vocab_size, n)]
+
+
+def assemble(assembler: TextAssembler, ids: list[int]) -> tuple[list[str], str | None]:
+    texts, finish = [], None
+    for i, token in enumerate(ids):
+        text, finish = assembler.push(token, "length" if i == len(ids) - 1 else None)
+        texts.append(text)
+        if finish:
+            break
+    return texts, finish
+
+
+def test_text_is_the_decoded_tokens_cut_at_the_first_stop_string(engine):
+    ids = random_tokens(engine, 60, seed=1)
+    full = engine.tokenizer.decode(ids)
+    texts, finish = assemble(TextAssembler(engine.tokenizer, []), ids)
+    assert "".join(texts) == full and finish == "length"
+    stop = full[20:23]
+    texts, finish = assemble(TextAssembler(engine.tokenizer, [stop]), ids)
+    assert "".join(texts) == full[: full.index(stop)] and finish == "stop"
+
+
+@pytest.mark.parametrize("cut", [1, 7, 13, 30])
+def test_replaying_sent_tokens_continues_the_text_exactly(engine, cut):
+    """Split UTF-8 characters and half-matched stop strings survive the cut."""
+    ids = random_tokens(engine, 60, seed=2)
+    stop = engine.tokenizer.decode(ids)[40:43]
+    reference, finish = assemble(TextAssembler(engine.tokenizer, [stop]), ids)
+    assert finish == "stop" and cut < len(reference)
+    resumed = TextAssembler(engine.tokenizer, [stop])
+    assert resumed.replay(ids[:cut]) == "".join(reference[:cut])
+    assert assemble(resumed, ids[cut:]) == (reference[cut:], "stop")
+
+
+def run(engine: Engine, job: ActiveJob, sequences: list | None = None) -> dict:
+    batch = engine.new_batch()
+    for request_id, prompt, params in job.start(engine) if sequences is None else sequences:
+        batch.add(request_id, prompt, params)
+    while len(batch):
+        for event in batch.step():
+            if job.on_token(int(event.request_id.rsplit(":", 1)[1]), event):
+                batch.abort(event.request_id)
+    assert job.result is not None
+    return job.result
+
+
+def new_job(endpoint: str, body: dict, progress: StreamProgress | None = None) -> ActiveJob:
+    record = JobRecord(id="j1", endpoint=endpoint, model="tiny-llama", request=body)
+    return ActiveJob(record, 2, "w:2", None, None, progress or StreamProgress())
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT_COMPLETIONS])
+def test_a_resumed_job_continues_after_the_streamed_tokens(engine, endpoint):
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    if endpoint == COMPLETIONS:
+        body["prompt"] = "resume"
+    else:
+        body |= {"messages": [{"role": "user", "content": "resume"}], "logprobs": True}
+    first = new_job(endpoint, body)
+    reference = run(engine, first)
+    sent = [json.loads(data) for _, data in first.pending[:5]]
+    progress = StreamProgress(length=5)
+    progress.choices[0] = StreamedChoice(
+        [t["token_id"] for t in sent], [t["text"] for t in sent], [t["logprobs"] for t in sent]
+    )
+
+    second = new_job(endpoint, body, progress)
+    sequences = second.start(engine)
+    [(_, prompt, params)] = sequences
+    assert prompt[-5:] == progress.choices[0].token_ids and params.max_tokens == 7
+    resumed = run(engine, second, sequences)
+    assert [json.loads(d)["index"] for _, d in second.pending] == list(range(5, 12))
+    # same tokens and text; logprobs equal up to float noise (prefill vs decode kernels)
+    assert rounded(resumed) == rounded(reference)
+
+
+def rounded(value):
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
+def test_a_choice_that_ended_before_the_crash_is_not_generated_again(engine):
+    body = {"prompt": "done", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    first = new_job(COMPLETIONS, body)
+    reference = run(engine, first)
+    sent = [json.loads(data) for _, data in first.pending]
+    progress = StreamProgress(length=3)
+    progress.choices[0] = StreamedChoice(
+        [t["token_id"] for t in sent], [t["text"] for t in sent], [], "length"
+    )
+    again = new_job(COMPLETIONS, body, progress)
+    assert again.start(engine) == [] and again.result == reference

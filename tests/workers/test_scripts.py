@@ -1,0 +1,70 @@
+"""The Lua scripts behind claims and fenced writes, against real Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers.conftest import TINY, stream, submit
+from workers import keys, scripts
+from workers.protocol import COMPLETIONS
+
+pytestmark = pytest.mark.integration
+
+QUEUES = [f"rq:queue:{keys.queue_name(TINY)}", f"rq:queue:{keys.queue_name(TINY, keys.BATCH)}"]
+
+
+def test_claim_takes_the_first_queue_first_and_marks_the_job_running(conn):
+    later = submit(conn, COMPLETIONS, {"prompt": "b"}, kind=keys.BATCH)
+    first = submit(conn, COMPLETIONS, {"prompt": "i"})
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, first, 1)
+    assert conn.sismember(keys.RUNNING, first)
+    assert conn.get(keys.job_lease(first)) == b"w:1"
+    assert 9_000 < conn.pttl(keys.job_lease(first)) <= 10_000
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (1, later, 1)
+    assert scripts.claim(conn, QUEUES, "w", 10_000) is None
+
+
+def test_claim_reports_cancelled_and_missing_jobs_without_running_them(conn):
+    cancelled = submit(conn, COMPLETIONS, {"prompt": "c"})
+    conn.set(keys.job_cancel(cancelled), "1")
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, cancelled, scripts.CLAIMED_CANCELLED)
+    missing = submit(conn, COMPLETIONS, {"prompt": "m"})
+    conn.delete(keys.job(missing))
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, missing, scripts.CLAIMED_MISSING)
+    assert not conn.smembers(keys.RUNNING)
+    assert not conn.exists(keys.job_lease(cancelled), keys.job_lease(missing))
+
+
+def test_append_is_fenced_by_the_lease_and_the_stream_length(conn):
+    job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
+    scripts.claim(conn, QUEUES, "w", 10_000)
+    events = [("token", '{"index": 0}')]
+    assert scripts.append(conn, job_id, "other:1", 0, events) is None
+    assert scripts.append(conn, job_id, "w:1", 3, events) is None  # stream is not as assumed
+    first = scripts.append(conn, job_id, "w:1", 0, events, {"completion_tokens": "1"}, ttl=60)
+    assert first and len(stream(conn, job_id)) == 1
+    assert conn.hget(keys.job(job_id), "completion_tokens") == b"1"
+    assert 0 < conn.ttl(keys.job_events(job_id)) <= 60
+
+
+def test_a_retried_append_is_not_applied_twice(conn):
+    job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
+    scripts.claim(conn, QUEUES, "w", 10_000)
+    events = [("token", '{"index": 0}'), ("done", '{"id": "cmpl"}')]
+    landed = scripts.append(conn, job_id, "w:1", 0, events, {"status": "finished"}, final=True)
+    assert not conn.exists(keys.job_lease(job_id)) and not conn.smembers(keys.RUNNING)
+    retried = scripts.append(conn, job_id, "w:1", 0, events, {"status": "finished"}, final=True)
+    assert retried == landed and len(stream(conn, job_id)) == 2
+
+
+def test_requeue_puts_the_job_back_in_front_only_for_the_lease_holder(conn):
+    job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
+    scripts.claim(conn, QUEUES, "w", 10_000)
+    other = submit(conn, COMPLETIONS, {"prompt": "y"})
+    rq_key = f"rq:job:{job_id}"
+    assert scripts.requeue(conn, job_id, "w:9", QUEUES[0], rq_key) == 0
+    assert scripts.requeue(conn, job_id, "w:1", QUEUES[0], rq_key) == 1
+    assert conn.lrange(QUEUES[0], 0, -1) == [job_id.encode(), other.encode()]
+    assert conn.hget(keys.job(job_id), "status") == b"queued"
+    assert conn.hget(rq_key, "status") == b"queued"
+    assert not conn.exists(keys.job_lease(job_id)) and not conn.smembers(keys.RUNNING)
