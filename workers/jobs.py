@@ -9,6 +9,7 @@ queues in `pending`. `run_job` is the one function name RQ jobs may carry (the a
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +17,18 @@ from typing import Any
 from runtime.batch_generator import TokenEvent
 from runtime.errors import LLMQRuntimeError
 from runtime.sampling import SamplingParams
+from workers import keys
 from workers.errors import InvalidJobRequest, JobRefused
 from workers.events import StreamProgress, terminal_event, token_event
-from workers.protocol import CHAT_COMPLETIONS, EMBEDDINGS, EVENT_DONE, JobRecord
+from workers.protocol import (
+    CHAT_COMPLETIONS,
+    EMBEDDINGS,
+    EVENT_DONE,
+    EVENT_ERROR,
+    FAILED,
+    JobRecord,
+    error_body,
+)
 from workers.requests import ChoicePlan, JobPlan, embedding_inputs, plan_generation
 from workers.responses import (
     ChoiceOutput,
@@ -32,10 +42,21 @@ from workers.text import FINISH_LENGTH, TextAssembler
 
 def run_job(job_id: str) -> None:
     """What a stock `rq worker` would call. llmq jobs need `llmq worker` (warm engines,
-    batching, leases, event streams), so this refuses clearly instead of half-running."""
-    raise JobRefused(
-        f"job {job_id} must run on `llmq worker`; a stock rq worker cannot stream its tokens"
-    )
+    batching, leases, event streams), so this ends the job as failed, with an error its
+    client can see, instead of leaving the client waiting on a stream nobody writes."""
+    from rq import get_current_job
+
+    message = f"job {job_id} was taken by a plain rq worker; llmq jobs run on `llmq worker`"
+    body = error_body(message, "server_error", code="wrong_worker", status=500)
+    current = get_current_job()
+    if current is not None and keys.is_valid_job_id(job_id):
+        kind, data = terminal_event(EVENT_ERROR, body)
+        with current.connection.pipeline() as pipe:
+            pipe.hset(keys.job(job_id), mapping={"status": FAILED, "error": json.dumps(body)})
+            pipe.xadd(keys.job_events(job_id), {"event": kind, "data": data})
+            pipe.publish(keys.job_wake(job_id), "failed")
+            pipe.execute()
+    raise JobRefused(message)
 
 
 @dataclass

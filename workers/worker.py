@@ -321,15 +321,16 @@ class LLMQWorker(BaseWorker):
             record = JobRecord(job_id, "", "", {})
             failure = failure or JobFailure(f"job {job_id}: its record cannot be read")
         job = ActiveJob(record, attempt, lease, rq_job, queue)
+        try:
+            job.progress = read_progress(self.connection, job_id)
+        except (KeyError, ValueError, TypeError):
+            job.progress.length = self.connection.xlen(keys.job_events(job_id))
+            failure = failure or JobFailure(f"job {job_id}: its event stream cannot be read")
+        job.written = job.progress.length  # every write of ours is fenced on this
         if failure is not None:
             self._fail(job, failure)
             return
-        if record.status in TERMINAL_STATUSES:
-            self._settle_ended(job)
-            return
-        job.progress = read_progress(self.connection, job_id)
-        job.written = job.progress.length
-        if job.progress.terminal is not None:
+        if record.status in TERMINAL_STATUSES or job.progress.terminal is not None:
             self._settle_ended(job)
             return
         self._rq_start(job)

@@ -324,3 +324,45 @@ def test_smollm2_chat_job_matches_the_engine_run_in_process(conn, start_worker):
     assert content == "".join(event.text for event in expected)
     assert "Paris" in content
     assert result["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_rq_sees_every_running_job_as_started_with_its_own_execution(conn, start_worker):
+    ids = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"run {i}", "max_tokens": 200})
+        for i in range(2)
+    ]
+    worker = start_worker(step_delay=0.02)
+    wait_for(lambda: all(tokens(conn, job_id) for job_id in ids), what="both jobs running")
+
+    registry = rq_queue(conn).started_job_registry
+    assert sorted(registry.get_job_ids()) == sorted(ids)
+    assert all(rq_job(conn, job_id).get_status() == JobStatus.STARTED for job_id in ids)
+    assert all(record(conn, job_id).status == "started" for job_id in ids)
+    rq_worker = conn.hgetall(f"rq:worker:{worker.name}")
+    assert rq_worker[b"state"] == b"busy" and rq_worker[b"current_job"].decode() in ids
+    assert sorted(m.decode() for m in conn.smembers(keys.RUNNING)) == sorted(ids)
+
+    for job_id in ids:
+        conn.set(keys.job_cancel(job_id), "1")
+    for job_id in ids:
+        assert wait_done(conn, job_id).status == CANCELLED
+    assert registry.get_job_ids() == []
+    assert conn.hget(f"rq:worker:{worker.name}", "state") == b"idle"
+
+
+def test_leases_are_renewed_while_a_job_outlives_their_ttl(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "long", "max_tokens": 60})
+    start_worker(step_delay=0.03, lease_ttl=0.6, lease_renew=0.2, reap_interval=0.1)
+    done = wait_done(conn, job_id, timeout=20)
+    assert done.status == FINISHED and done.attempts == 1  # never reaped from under itself
+
+
+def test_a_plain_rq_worker_fails_llmq_jobs_visibly_instead_of_hanging(conn):
+    from rq import SimpleWorker
+
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "wrong worker"})
+    SimpleWorker([rq_queue(conn)], connection=conn, serializer=JSONSerializer).work(burst=True)
+    failed = record(conn, job_id)
+    assert failed.status == FAILED and failed.error["error"]["code"] == "wrong_worker"
+    assert stream(conn, job_id) == [("error", failed.error)]
+    assert rq_job(conn, job_id).get_status() == JobStatus.FAILED

@@ -95,18 +95,21 @@ def test_sigterm_finishes_short_jobs_requeues_long_ones_and_exits_zero(conn, spa
     assert_seamless(conn, long, 150)
 
 
-def test_rq_info_shows_the_worker_its_queues_and_its_jobs(conn, spawn_worker):
+def test_rq_info_shows_the_worker_its_queues_and_its_jobs_and_logs_no_prompt(conn, spawn_worker):
     worker = spawn_worker("visible")
     worker.wait_registered(conn)
-    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "count me", "max_tokens": 2})
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "CANARY-7f3a", "max_tokens": 2})
+    bad = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "CANARY-7f3a", "top_p": 9})
     wait_done(conn, job_id)
+    wait_done(conn, bad)
     rq_info = [sys.executable, "-m", "rq.cli", "info", "--url", REDIS_URL]
     out = subprocess.run(rq_info, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert keys.queue_name(TINY) in out.stdout and keys.queue_name(TINY, keys.BATCH) in out.stdout
     [line] = [line for line in out.stdout.splitlines() if line.startswith("visible ")]
-    assert "idle" in line and "1 finished, 0 failed" in line
+    assert "idle" in line and "1 finished, 1 failed" in line
     assert "1 workers, 2 queues" in out.stdout
+    assert job_id in worker.output() and "CANARY" not in worker.output()  # RELIABILITY F17
 
 
 @pytest.fixture
