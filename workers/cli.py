@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from runtime.cli import add_runtime_commands
 from runtime.errors import LLMQRuntimeError
 from workers.errors import WorkerError
+
+T = TypeVar("T")
 
 
 def _csv(value: str) -> list[str]:
@@ -99,7 +103,7 @@ def run_worker(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         grace=args.grace,
     )
-    worker = LLMQWorker(config)
+    worker = _connected(lambda: LLMQWorker(config))
     try:
         worker.start()
     except ValueError as exc:  # RQ: a live worker already has this name
@@ -107,6 +111,23 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     worker.work()
     return 0
+
+
+def _connected(make: Callable[[], T]) -> T:
+    """`make()`, retried with backoff while Redis is unreachable: a worker started before
+    its broker waits for it instead of exiting (RELIABILITY 6)."""
+    import redis
+
+    delay = 0.5
+    while True:
+        try:
+            return make()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logging.getLogger("llmq.worker").error(
+                "Redis unavailable (%s); retry in %gs", exc, delay
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
 
 # serve, api and batch join here as their packages grow their add_*_commands functions.

@@ -92,6 +92,9 @@ class Scheduler:
         for model, batch in list(self._batches.items()):
             size = len(batch.generator)
             if not size:
+                entry = self.pool.get(model)
+                if entry is None or entry.engine is not batch.engine:
+                    del self._batches[model]  # its model was unloaded: let the memory go
                 continue
             try:
                 events = batch.generator.step()
