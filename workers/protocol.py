@@ -31,8 +31,12 @@ it cancelled itself (record, RQ `job.cancel()`, the `error` event); otherwise a 
 has it or is taking it: a worker checks the flag when it claims a job (a flagged job never
 runs) and after every decode step, and ends the job as above within a step or two.
 
-`keys.MODELS` values: JSON `{"id", "source", "owned_by": "llmq"}`, written by every worker
-on each heartbeat (the registry's models plus any .gguf path a worker serves).
+`keys.MODELS` values: JSON `{"id", "source", "owned_by": "llmq"}`, plus `"context_length"`
+once a worker has loaded the model; written by every worker on each heartbeat (the
+registry's models plus any .gguf path a worker serves, under the file's stem).
+
+A job is started at most 5 times (`attempts`): one whose workers keep dying with it is
+then failed with a 500 instead of being retried forever.
 """
 
 from __future__ import annotations

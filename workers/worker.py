@@ -73,6 +73,7 @@ REDIS_SOCKET_TIMEOUT = 5
 BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
 PRUNE_SECONDS = 10
 SUSPENSION_CHECK_SECONDS = 1
+MAX_ATTEMPTS = 5  # a job whose workers keep dying with it is failed, not retried forever
 
 
 def connect(url: str) -> redis.Redis:
@@ -252,7 +253,7 @@ class LLMQWorker(BaseWorker):
         if self._has_output():
             self._flush()
         if self.batcher.has_work():
-            touched, broken = self.batcher.step()
+            _, broken = self.batcher.step()
             self.steps += 1
             for job, exc in broken:
                 self._fail(job, JobFailure(f"the engine failed: {type(exc).__name__}: {exc}"))
@@ -303,7 +304,12 @@ class LLMQWorker(BaseWorker):
             if claimed is None:
                 return
             index, job_id, attempt = claimed
-            self._take(self._queues_by_key[queue_keys[index]], job_id, attempt)
+            try:
+                self._take(self._queues_by_key[queue_keys[index]], job_id, attempt)
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise
+            except Exception:  # the reaper requeues it when the claim's lease runs out
+                log.exception("job %s: could not be started", job_id)
 
     def _take(self, queue: Queue, job_id: str, attempt: int) -> None:
         rq_job = self._fetch_rq_job(job_id)
@@ -315,6 +321,10 @@ class LLMQWorker(BaseWorker):
             return
         lease = f"{self.name}:{attempt}"
         failure: JobFailure | None = _refusal(rq_job, job_id)
+        if attempt > MAX_ATTEMPTS:  # it took down (or out) every worker that ran it
+            failure = failure or JobFailure(
+                f"job {job_id} was started {attempt - 1} times without finishing; giving up"
+            )
         try:
             record = JobRecord.from_hash(self.connection.hgetall(keys.job(job_id)))
         except (KeyError, ValueError, TypeError):

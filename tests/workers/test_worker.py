@@ -366,3 +366,12 @@ def test_a_plain_rq_worker_fails_llmq_jobs_visibly_instead_of_hanging(conn):
     assert failed.status == FAILED and failed.error["error"]["code"] == "wrong_worker"
     assert stream(conn, job_id) == [("error", failed.error)]
     assert rq_job(conn, job_id).get_status() == JobStatus.FAILED
+
+
+def test_a_job_that_keeps_losing_its_workers_is_failed_not_retried_forever(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "poison"})
+    conn.hset(keys.job(job_id), "attempts", 5)  # five workers died running it
+    start_worker()
+    failed = wait_done(conn, job_id)
+    assert failed.status == FAILED and failed.attempts == 6
+    assert "started 5 times" in failed.error["error"]["message"]
