@@ -12,7 +12,7 @@ import os
 
 bind = f"{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
 workers = int(os.environ.get("LLMQ_API_WORKERS", "2"))
-worker_class = "gthread"
+worker_class = "api.gunicorn_worker.HeaderDeadlineWorker"  # gthread, slow-loris safe
 threads = int(os.environ.get("LLMQ_API_THREADS", "32"))
 worker_connections = 1000  # open sockets per process, idle keep-alive ones included
 
@@ -20,7 +20,8 @@ timeout = 120  # a process whose main loop stalls this long is restarted
 graceful_timeout = 30  # on SIGTERM, streams in flight get this long to end
 keepalive = 5  # idle keep-alive connections are closed after 5 s
 
-# Request-line and header limits against oversized or slow-loris headers (RELIABILITY F15).
+# Request-line and header limits against oversized headers; slow ones are the worker
+# class's business (headers complete within LLMQ_HEADER_TIMEOUT, default 10 s).
 limit_request_line = 8190
 limit_request_fields = 100
 limit_request_field_size = 8190

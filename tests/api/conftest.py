@@ -7,17 +7,20 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import fakeredis
+import httpx
 import pytest
 import redis
 from flask import Flask
 from werkzeug.serving import make_server
 
 from api.app import create_app
+from api.cli import CONF
 from tests.api.fake_worker import FakeWorker
 
 TEST_REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
@@ -124,3 +127,48 @@ def server(live_app: Flask) -> Iterator[str]:
     httpd.shutdown()
     httpd.server_close()
     thread.join(timeout=5)
+
+
+@pytest.fixture
+def gunicorn(redis_url: str, real_redis) -> Iterator[str]:
+    """`llmq api`'s gunicorn (config and worker class) on a free port, key sk-test."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "LLMQ_API_KEYS": "sk-test",
+        "LLMQ_HEADER_TIMEOUT": "2",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-c",
+            str(CONF),
+            "-b",
+            f"127.0.0.1:{port}",
+            "-w",
+            "1",
+            "api.app:create_app()",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            proc.wait()
+            pytest.fail("gunicorn did not start")
+        time.sleep(0.1)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=15)

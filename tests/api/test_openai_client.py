@@ -3,18 +3,12 @@ gunicorn as `llmq api` runs it), with the fake worker playing the worker's part.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from api.cli import CONF
 from workers import keys
 
 pytestmark = pytest.mark.integration
@@ -86,51 +80,6 @@ def test_extension_fields_through_extra_body(oai, worker, real_redis) -> None:
 
 
 # ---------------------------------------------------------------- under gunicorn
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def gunicorn(redis_url: str, real_redis) -> Iterator[str]:
-    port = _free_port()
-    env = {**os.environ, "REDIS_URL": redis_url, "LLMQ_API_KEYS": "sk-test"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-c",
-            str(CONF),
-            "-b",
-            f"127.0.0.1:{port}",
-            "-w",
-            "1",
-            "api.app:create_app()",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            proc.wait()
-            pytest.fail("gunicorn did not start")
-        time.sleep(0.1)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=15)
 
 
 def test_under_gunicorn(gunicorn, worker, real_redis) -> None:
