@@ -43,16 +43,31 @@ def case(request):
     return engine, _reference(request.param)
 
 
+@pytest.fixture(scope="module")
+def our_greedy(case) -> list[list[int]]:
+    """Our 64 greedy tokens for every reference prompt, generated as one batch."""
+    engine, ref = case
+    batch = engine.new_batch()
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(ref["prompts"]):
+        n = len(prompt["llama_cpp"]["greedy"])
+        batch.add(
+            str(i),
+            prompt["token_ids"],
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        )
+        outputs[str(i)] = []
+    while len(batch):
+        for event in batch.step():
+            outputs[event.request_id].append(event.token_id)
+    return [outputs[str(i)] for i in range(len(ref["prompts"]))]
+
+
 def _all_logits(engine, token_ids: list[int]) -> np.ndarray:
     """Logits at every position of one forward pass over `token_ids`: `[n, V]`."""
     cache = engine.model.new_cache(len(token_ids))
     layout = BatchLayout([SequenceChunk(cache, 0, len(token_ids))])
     return engine.model.logits(engine.model.forward(np.asarray(token_ids), layout))
-
-
-def _greedy(engine, token_ids: list[int], n: int) -> list[int]:
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    return [event.token_id for event in engine.generate(token_ids, params)]
 
 
 def test_fixture_was_made_from_this_file(case):
@@ -83,13 +98,12 @@ def test_last_position_logits_match_float32_reference(case):
     assert worst < LOGIT_TOLERANCE, f"max abs logit difference {worst:.5f}"
 
 
-def test_greedy_continuation_equals_float32_reference(case):
-    engine, ref = case
+def test_greedy_continuation_equals_float32_reference(case, our_greedy):
+    _, ref = case
     if not ref["transformers_supported"]:
         pytest.skip(f"no float32 reference: {ref['transformers_note']}")
-    for prompt in ref["prompts"]:
-        expected = prompt["transformers"]["greedy"]
-        assert _greedy(engine, prompt["token_ids"], len(expected)) == expected
+    for prompt, ours in zip(ref["prompts"], our_greedy, strict=True):
+        assert ours == prompt["transformers"]["greedy"], prompt["text"][:60]
 
 
 def test_teacher_forced_top1_agrees_with_llama_cpp(case):
@@ -106,11 +120,10 @@ def test_teacher_forced_top1_agrees_with_llama_cpp(case):
     assert agree / total >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agree}/{total}"
 
 
-def test_greedy_divergence_from_llama_cpp_is_a_near_tie(case):
+def test_greedy_divergence_from_llama_cpp_is_a_near_tie(case, our_greedy):
     engine, ref = case
-    for prompt in ref["prompts"]:
+    for prompt, ours in zip(ref["prompts"], our_greedy, strict=True):
         expected = prompt["llama_cpp"]["greedy"]
-        ours = _greedy(engine, prompt["token_ids"], len(expected))
         if ours == expected:
             continue
         split = next(i for i, (a, b) in enumerate(zip(ours, expected, strict=True)) if a != b)
