@@ -5,7 +5,9 @@ GGUF models, jobs submitted as the API submits them, and workers run in a thread
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +29,7 @@ from workers.config import WorkerConfig
 from workers.protocol import JOB_FUNCTION, TERMINAL_STATUSES, JobRecord, decode_event
 from workers.worker import LLMQWorker, connect
 
-REDIS_URL = os.environ.get("LLMQ_WORKERS_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
 REPO = Path(__file__).resolve().parents[2]
 TINY = "tiny-llama"  # the model id of the tiny model file (its stem)
 
@@ -37,13 +39,40 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{TINY}.gguf")
 
 
-@pytest.fixture
-def conn() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """$LLMQ_WORKERS_TEST_REDIS_URL, else db 14 of the Redis on 6379, else a redis-server
+    started here for the session (a machine without a Redis service still runs the tests)."""
+    url = os.environ.get("LLMQ_WORKERS_TEST_REDIS_URL", DEFAULT_REDIS_URL)
+    if _pings(url) or shutil.which("redis-server") is None:
+        yield url
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/14"
+    wait_for(lambda: _pings(url), what="a redis-server for the tests")
+    yield url
+    server.terminate()
+    server.wait(10)
+
+
+def _pings(url: str) -> bool:
     try:
-        client.ping()
+        with redis.Redis.from_url(url, socket_connect_timeout=1) as client:
+            return bool(client.ping())
     except redis.ConnectionError:
-        pytest.fail(f"these tests need Redis at {REDIS_URL}")
+        return False
+
+
+@pytest.fixture
+def conn(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    if not _pings(redis_url):
+        pytest.fail(f"these tests need Redis at {redis_url} (or redis-server on PATH)")
     client.flushdb()
     yield client
     client.flushdb()
@@ -103,10 +132,10 @@ def wait_done(conn: redis.Redis, job_id: str, timeout: float = 10.0) -> JobRecor
 class WorkerThread:
     """An `LLMQWorker` running in a thread of the test process (no signal handlers)."""
 
-    def __init__(self, models: list[str], **overrides: Any) -> None:
+    def __init__(self, redis_url: str, models: list[str], **overrides: Any) -> None:
         settings = {"poll_interval": 0.02, "name": f"w-{uuid.uuid4().hex[:6]}"} | overrides
-        config = WorkerConfig(redis_url=REDIS_URL, models=models, install_signals=False, **settings)
-        self.worker = LLMQWorker(config, connect(REDIS_URL))
+        config = WorkerConfig(redis_url=redis_url, models=models, install_signals=False, **settings)
+        self.worker = LLMQWorker(config, connect(redis_url))
         self.thread = threading.Thread(target=self.worker.work, daemon=True)
 
     def __enter__(self) -> LLMQWorker:
@@ -122,14 +151,15 @@ class WorkerThread:
             self.worker.request_stop(signal.SIGTERM, None)
         self.thread.join(15)
         assert not self.thread.is_alive(), "the worker thread did not stop"
+        self.worker.connection.close()
 
 
 @pytest.fixture
-def start_worker(tiny_model: Path) -> Iterator[Callable[..., LLMQWorker]]:
+def start_worker(tiny_model: Path, redis_url: str) -> Iterator[Callable[..., LLMQWorker]]:
     started: list[WorkerThread] = []
 
     def start(models: list[str] | None = None, **overrides: Any) -> LLMQWorker:
-        runner = WorkerThread(models or [str(tiny_model)], **overrides)
+        runner = WorkerThread(redis_url, models or [str(tiny_model)], **overrides)
         started.append(runner)
         return runner.__enter__()
 
@@ -148,7 +178,7 @@ class WorkerProcess:
         models: list[str],
         *extra: str,
         step_delay_ms: int = 0,
-        redis_url: str = REDIS_URL,
+        redis_url: str = DEFAULT_REDIS_URL,
     ) -> None:
         env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
         if step_delay_ms:
@@ -191,10 +221,11 @@ class WorkerProcess:
 
 
 @pytest.fixture
-def spawn_worker(tiny_model: Path) -> Iterator[Callable[..., WorkerProcess]]:
+def spawn_worker(tiny_model: Path, redis_url: str) -> Iterator[Callable[..., WorkerProcess]]:
     spawned: list[WorkerProcess] = []
 
     def spawn(name: str, *extra: str, models: list[str] | None = None, **kw: Any):
+        kw.setdefault("redis_url", redis_url)
         proc = WorkerProcess(name, models or [str(tiny_model)], *extra, **kw)
         spawned.append(proc)
         return proc

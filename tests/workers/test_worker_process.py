@@ -17,8 +17,8 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from tests.workers.conftest import (
-    REDIS_URL,
     TINY,
+    _pings,
     record,
     stream,
     submit,
@@ -95,14 +95,16 @@ def test_sigterm_finishes_short_jobs_requeues_long_ones_and_exits_zero(conn, spa
     assert_seamless(conn, long, 150)
 
 
-def test_rq_info_shows_the_worker_its_queues_and_its_jobs_and_logs_no_prompt(conn, spawn_worker):
+def test_rq_info_shows_the_worker_its_queues_and_its_jobs_and_logs_no_prompt(
+    conn, spawn_worker, redis_url
+):
     worker = spawn_worker("visible")
     worker.wait_registered(conn)
     job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "CANARY-7f3a", "max_tokens": 2})
     bad = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "CANARY-7f3a", "top_p": 9})
     wait_done(conn, job_id)
     wait_done(conn, bad)
-    rq_info = [sys.executable, "-m", "rq.cli", "info", "--url", REDIS_URL]
+    rq_info = [sys.executable, "-m", "rq.cli", "info", "--url", redis_url]
     out = subprocess.run(rq_info, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert keys.queue_name(TINY) in out.stdout and keys.queue_name(TINY, keys.BATCH) in out.stdout
@@ -118,31 +120,24 @@ def private_redis(tmp_path) -> Iterator[tuple[str, Callable[[], None]]]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    url = f"redis://127.0.0.1:{port}/0"
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     argv += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(tmp_path)]
     servers = [subprocess.Popen(argv, stdout=subprocess.DEVNULL)]
-    client = redis.Redis(port=port)
-    wait_for(lambda: _pings(client), what="redis-server to start")
+    wait_for(lambda: _pings(url), what="redis-server to start")
 
     def restart(down_for: float = 2.0) -> None:
         servers[-1].terminate()  # SIGTERM: redis-server writes its AOF and exits
         servers[-1].wait(10)
         time.sleep(down_for)
         servers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
-        wait_for(lambda: _pings(client), what="redis-server to restart")
+        wait_for(lambda: _pings(url), what="redis-server to restart")
 
-    yield f"redis://127.0.0.1:{port}/0", restart
+    yield url, restart
     for server in servers:
         if server.poll() is None:
             server.terminate()
             server.wait(10)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
@@ -160,3 +155,4 @@ def test_a_redis_restart_mid_job_loses_nothing_and_the_worker_carries_on(
     assert done.status == FINISHED and done.attempts == 1
     assert_seamless(conn, job_id, 100)
     assert "Redis unavailable" in worker.output()
+    conn.close()
