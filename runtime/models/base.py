@@ -138,13 +138,29 @@ def _mask_bias(n: int, start: int, first: int, total: int, window: int | None) -
     return bias
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    inner = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
-    return 0.5 * x * (1.0 + np.tanh(inner))
+def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu_tanh(gate) * up, computed in one scratch buffer."""
+    out = gate * gate
+    out *= np.float32(0.044715)
+    out += 1.0
+    out *= gate
+    out *= np.float32(0.7978845608028654)  # sqrt(2 / pi) * (x + 0.044715 x^3)
+    np.tanh(out, out=out)
+    out += 1.0
+    out *= gate
+    out *= np.float32(0.5)
+    out *= up
+    return out
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up in one scratch buffer: decode is dominated by per-op overhead."""
+    out = np.negative(gate)
+    np.exp(out, out=out)
+    out += 1.0
+    np.divide(gate, out, out=out)
+    out *= up
+    return out
 
 
 def pack_linear(parts: list[np.ndarray], input_scale: np.ndarray | None = None) -> np.ndarray:

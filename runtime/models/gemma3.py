@@ -17,7 +17,7 @@ from runtime.models.base import (
     BatchLayout,
     apply_rope,
     attend,
-    gelu_tanh,
+    gelu_tanh_mul,
     pack_linear,
     rms_norm,
     rms_normalize,
@@ -108,7 +108,7 @@ class Gemma3Layer:
     def mlp(self, x: np.ndarray) -> np.ndarray:
         gate_up = x @ self.w_gate_up  # [T, D] -> [T, 2F]
         gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
-        return (gelu_tanh(gate) * up) @ self.w_down  # [T, F] -> [T, D]
+        return gelu_tanh_mul(gate, up) @ self.w_down  # [T, F] -> [T, D]
 
 
 class Gemma3Model:

@@ -21,7 +21,7 @@ from runtime.models.base import (
     rms_normalize,
     rope_inv_freq,
     rope_tables,
-    silu,
+    silu_mul,
 )
 
 
@@ -84,7 +84,8 @@ class LlamaLayer:
     def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         eps = self.args.norm_eps
         h = x + self.attention(rms_normalize(x, eps), layout, rope)
-        return h + self.mlp(rms_normalize(h, eps))
+        h += self.mlp(rms_normalize(h, eps))  # in place: h is this layer's own buffer
+        return h
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         a, t = self.args, x.shape[0]
@@ -102,7 +103,7 @@ class LlamaLayer:
     def mlp(self, x: np.ndarray) -> np.ndarray:
         gate_up = x @ self.w_gate_up  # [T, D] -> [T, 2F]
         gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
-        return (silu(gate) * up) @ self.w_down  # [T, F] -> [T, D]
+        return silu_mul(gate, up) @ self.w_down  # [T, F] -> [T, D]
 
 
 class LlamaModel:
