@@ -1,14 +1,21 @@
-"""Step several sequences together: each `step` is one batched forward pass.
+"""Continuous batching: `add`, `step`, `abort`; each step is one batched forward pass.
 
-Sequences join with `add` and leave with `abort` or when they finish, between steps. A step
-packs one token per decoding sequence plus prompt chunks of sequences still prefilling
-(up to `prefill_chunk` prompt tokens per step, so a long prompt never stalls the others),
-runs the model once, applies the LM head only to rows whose next token is wanted, samples,
-and turns tokens into text events (incremental UTF-8-safe detokenizing, stop strings).
+Sequences move waiting -> prefilling -> decoding -> finished, and back to waiting when they
+are preempted. A step first gives every decoding sequence its next token (running streams
+never stall behind a long prompt), then fills the rest of the token budget with prompt
+chunks (`max_prefill_tokens` per step, `max_batch_tokens` in all), admitting waiting
+sequences by priority (interactive 0 before batch 1), then arrival. KV memory comes from
+the engine's block pool; when it runs out, the lowest-priority, most recently arrived
+sequence is preempted: its full blocks go to the prefix cache, its memory is freed, and it
+waits to be recomputed (prompt + what it generated so far), usually from cached blocks.
+
+Only rows whose next token is wanted go through the LM head; tokens become text events with
+incremental UTF-8-safe detokenizing and stop strings.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,12 +24,15 @@ import numpy as np
 
 from runtime.errors import ContextLengthError, EmptyPromptError
 from runtime.kv_cache import KVCache
+from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
 from runtime.models.base import BatchLayout, SequenceChunk
+from runtime.prefix_cache import PrefixCache
 from runtime.sampling import Sampler, SampleResult, SamplingParams, SequenceSamplingState
 from runtime.stop_strings import StopStringMatcher
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
-FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 1
 
 
 class CausalLM(Protocol):
@@ -37,6 +47,13 @@ class CausalLM(Protocol):
 
 
 @dataclass
+class SchedulerConfig:
+    max_batch: int = 64  # sequences running at once
+    max_batch_tokens: int = 2048  # tokens in one forward pass (decode + prefill)
+    max_prefill_tokens: int = 512  # prompt tokens in one forward pass
+
+
+@dataclass
 class TokenEvent:
     """One generated token of one request, with the text it releases (may be empty)."""
 
@@ -47,18 +64,24 @@ class TokenEvent:
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (first event only)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: sequences are found in the waiting/running lists
 class _Sequence:
     request_id: str
-    prompt_ids: list[int]
-    cache: KVCache
+    prompt_ids: list[int]  # grows by the generated tokens when the sequence is preempted
+    priority: int
+    arrival: int
     sampling: SequenceSamplingState
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
-    consumed: int = 0  # prompt tokens already in the cache
+    cache_prompt: bool
+    cache: PagedKVCache | None = None
+    consumed: int = 0  # tokens of prompt_ids already in the cache
     next_token: int | None = None  # sampled, not yet fed to the model
+    cached_tokens: int | None = None  # set at first admission
+    original_length: int = 0  # prompt tokens the user sent
 
     @property
     def prefilling(self) -> bool:
@@ -66,27 +89,37 @@ class _Sequence:
 
 
 class BatchGenerator:
-    """Continuous batching over one model: `add`, `step`, `abort`."""
+    """Continuous batching over one model with paged KV memory and a prefix cache."""
 
     def __init__(
         self,
         model: CausalLM,
         tokenizer: Tokenizer,
         sampler: Sampler,
+        pool: BlockPool,
+        prefix_cache: PrefixCache | None = None,
         max_context: int | None = None,
-        prefill_chunk: int = 512,
+        config: SchedulerConfig | None = None,
     ) -> None:
         self.model, self.tokenizer, self.sampler = model, tokenizer, sampler
+        self.pool, self.prefix_cache = pool, prefix_cache
         self.max_context = min(max_context or model.context_length, model.context_length)
-        self.prefill_chunk = prefill_chunk
-        self._sequences: dict[str, _Sequence] = {}
+        self.config = config or SchedulerConfig()
+        self._waiting: list[_Sequence] = []
+        self._running: list[_Sequence] = []
+        self._arrivals = itertools.count()
+        self.preemptions = 0
 
     def __len__(self) -> int:
-        return len(self._sequences)
+        return len(self._waiting) + len(self._running)
 
     @property
     def request_ids(self) -> list[str]:
-        return list(self._sequences)
+        return [s.request_id for s in self._running + self._waiting]
+
+    @property
+    def n_running(self) -> int:
+        return len(self._running)
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise the error a request would get, without adding it."""
@@ -99,59 +132,158 @@ class BatchGenerator:
                 f"{total} were requested ({len(prompt_ids)} in the prompt, "
                 f"{params.max_tokens} for the completion); shorten the prompt or max_tokens"
             )
+        if total > self.pool.n_blocks * self.pool.block_size:
+            raise ContextLengthError(
+                f"{total} tokens do not fit this engine's KV memory "
+                f"({self.pool.n_blocks * self.pool.block_size} tokens); raise its KV budget"
+            )
         params.check_vocab(self.model.vocab_size)
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        if request_id in self._sequences:
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int = INTERACTIVE_PRIORITY,
+        cache_prompt: bool = True,
+    ) -> None:
+        if any(s.request_id == request_id for s in self._running + self._waiting):
             raise ValueError(f"request {request_id!r} is already running")
         self.check_request(prompt_ids, params)
         prompt = [int(t) for t in prompt_ids]
-        self._sequences[request_id] = _Sequence(
+        seq = _Sequence(
             request_id=request_id,
             prompt_ids=prompt,
-            cache=self.model.new_cache(len(prompt) + params.max_tokens),
+            priority=priority,
+            arrival=next(self._arrivals),
             sampling=self.sampler.new_state(params, prompt),
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             stops=StopStringMatcher(params.stop),
+            cache_prompt=cache_prompt and self.prefix_cache is not None,
+            original_length=len(prompt),
         )
+        self._waiting.append(seq)
+        self._waiting.sort(key=lambda s: (s.priority, s.arrival))
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request now; its KV memory is freed. False if it was not running."""
-        return self._sequences.pop(request_id, None) is not None
+        """Drop a request now; its KV memory is freed. False if it was not there."""
+        for group in (self._running, self._waiting):
+            for seq in group:
+                if seq.request_id == request_id:
+                    group.remove(seq)
+                    if seq.cache is not None:
+                        seq.cache.release()
+                    return True
+        return False
 
     def step(self) -> list[TokenEvent]:
-        """One forward pass over every running sequence; the tokens it produced."""
-        if not self._sequences:
+        """One forward pass over the scheduled sequences; the tokens it produced."""
+        tokens, chunks, wanted = self._schedule()
+        if not chunks:
             return []
-        tokens, chunks, wanted = self._plan()
         hidden = self.model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
-        rows = [row for row, _ in wanted]
-        logits = self.model.logits(hidden[rows])  # [B, V], LM head only where needed
+        if not wanted:
+            return []
+        logits = self.model.logits(hidden[[row for row, _ in wanted]])  # [B, V]
         samples = self.sampler.sample(logits, [seq.sampling for _, seq in wanted])
         return [self._emit(seq, sample) for (_, seq), sample in zip(wanted, samples, strict=True)]
 
-    def _plan(self) -> tuple[list[int], list[SequenceChunk], list[tuple[int, _Sequence]]]:
-        """Tokens to feed, their per-sequence chunks, and (row, sequence) needing logits."""
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule(self) -> tuple[list[int], list[SequenceChunk], list[tuple[int, _Sequence]]]:
         tokens: list[int] = []
         chunks: list[SequenceChunk] = []
         wanted: list[tuple[int, _Sequence]] = []
-        budget = self.prefill_chunk
-        for seq in self._sequences.values():
-            if seq.prefilling:
-                if budget <= 0:
-                    continue
-                piece = seq.prompt_ids[seq.consumed : seq.consumed + budget]
-                budget -= len(piece)
-                chunks.append(SequenceChunk(seq.cache, seq.consumed, len(piece)))
-                seq.consumed += len(piece)
-                tokens.extend(piece)
-                if not seq.prefilling:
-                    wanted.append((len(tokens) - 1, seq))
-            else:
-                chunks.append(SequenceChunk(seq.cache, seq.cache.length, 1))
-                tokens.append(seq.next_token)
+        preempted_before = self.preemptions
+        for seq in sorted(self._running, key=lambda s: (s.priority, s.arrival)):
+            if seq.prefilling or seq not in self._running:  # preempted meanwhile
+                continue
+            if not self._reserve(seq, seq.cache.length + 1):
+                continue
+            chunks.append(SequenceChunk(seq.cache, seq.cache.length, 1))
+            tokens.append(seq.next_token)
+            wanted.append((len(tokens) - 1, seq))
+        budget = min(self.config.max_prefill_tokens, self.config.max_batch_tokens - len(tokens))
+        # a step that had to preempt admits nobody new: memory is short
+        waiting = self._waiting if self.preemptions == preempted_before else []
+        candidates = [s for s in self._running if s.prefilling] + list(waiting)
+        for seq in sorted(candidates, key=lambda s: (s.priority, s.arrival)):
+            if budget <= 0:
+                break
+            admitted = seq.cache is None
+            if admitted and not self._admit(seq):
+                break  # no room: later arrivals of equal or lower priority wait too
+            piece = seq.prompt_ids[seq.consumed : seq.consumed + budget]
+            # no preemption here: decoding rows of this step may already use their blocks
+            if not self._reserve(seq, seq.consumed + len(piece), preempt=False):
+                if admitted:
+                    self._requeue(seq)
+                break
+            budget -= len(piece)
+            chunks.append(SequenceChunk(seq.cache, seq.consumed, len(piece)))
+            seq.consumed += len(piece)
+            tokens.extend(piece)
+            if not seq.prefilling:
                 wanted.append((len(tokens) - 1, seq))
+                self._remember(seq, seq.prompt_ids)
         return tokens, chunks, wanted
+
+    def _admit(self, seq: _Sequence) -> bool:
+        if len(self._running) >= self.config.max_batch:
+            return False
+        shared = self.prefix_cache.lookup(seq.prompt_ids) if seq.cache_prompt else []
+        seq.cache = PagedKVCache(self.pool, shared)
+        seq.consumed = seq.cache.length
+        if seq.cached_tokens is None:
+            seq.cached_tokens = seq.consumed
+        self._waiting.remove(seq)
+        self._running.append(seq)
+        return True
+
+    def _reserve(self, seq: _Sequence, n_tokens: int, preempt: bool = True) -> bool:
+        """Blocks for `n_tokens` positions of `seq`, evicting cached blocks and then (if
+        allowed) preempting lower-priority sequences; False if `seq` did not get them."""
+        while True:
+            try:
+                seq.cache.reserve(n_tokens)
+                return True
+            except OutOfBlocksError:
+                if self.prefix_cache is not None and self.prefix_cache.evict(4):
+                    continue
+                if not preempt:
+                    return False
+                victim = max(self._running, key=lambda s: (s.priority, s.arrival))
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free `seq`'s KV memory; it is recomputed later from prompt + generated tokens."""
+        self.preemptions += 1
+        self._remember(seq, self._fed(seq))
+        seq.prompt_ids = seq.prompt_ids[: seq.original_length] + seq.sampling.output_token_ids
+        self._requeue(seq)
+
+    def _requeue(self, seq: _Sequence) -> None:
+        seq.cache.release()
+        seq.cache, seq.consumed = None, 0
+        self._running.remove(seq)
+        self._waiting.append(seq)
+        self._waiting.sort(key=lambda s: (s.priority, s.arrival))
+
+    def _fed(self, seq: _Sequence) -> list[int]:
+        """The tokens whose KV is in `seq`'s cache, in order."""
+        if seq.prefilling:
+            return seq.prompt_ids[: seq.consumed]
+        generated = seq.sampling.output_token_ids
+        extra = generated[len(seq.prompt_ids) - seq.original_length :]
+        return seq.prompt_ids + extra[:-1]  # the last sampled token is not fed yet
+
+    def _remember(self, seq: _Sequence, token_ids: list[int]) -> None:
+        if seq.cache_prompt and seq.cache is not None:
+            self.prefix_cache.insert(token_ids, seq.cache.blocks)
+
+    # ------------------------------------------------------------------ output
 
     def _emit(self, seq: _Sequence, sample: SampleResult) -> TokenEvent:
         index = len(seq.sampling.output_token_ids)
@@ -167,7 +299,7 @@ class BatchGenerator:
         if finish is None:
             seq.next_token = sample.token_id
         else:
-            del self._sequences[seq.request_id]
+            self._finish(seq)
         return TokenEvent(
             seq.request_id,
             index,
@@ -176,4 +308,10 @@ class BatchGenerator:
             sample.logprob,
             sample.top_logprobs,
             finish,
+            seq.cached_tokens if index == 0 else 0,
         )
+
+    def _finish(self, seq: _Sequence) -> None:
+        self._remember(seq, self._fed(seq))
+        seq.cache.release()
+        self._running.remove(seq)

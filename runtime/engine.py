@@ -15,12 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from runtime.batch_generator import BatchGenerator, TokenEvent
+from runtime.batch_generator import BatchGenerator, SchedulerConfig, TokenEvent
 from runtime.chat_template import ChatTemplate
 from runtime.errors import EmptyPromptError
 from runtime.gguf_file import GGUFFile
+from runtime.kv_pool import BlockPool
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
+from runtime.prefix_cache import PrefixCache
 from runtime.registry import ModelSpec, resolve
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import Tokenizer
@@ -32,6 +34,10 @@ class EngineConfig:
 
     max_context: int | None = None
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds attention memory)
+    kv_memory_mb: int = 1024  # paged KV pool; pages are only backed once blocks are used
+    max_batch: int = 64  # sequences decoding together
+    max_batch_tokens: int = 2048  # tokens in one forward pass
+    prefix_cache: bool = True
 
 
 class Engine:
@@ -48,6 +54,16 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(gguf_file.metadata)
         self.model = load_model(gguf_file)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
+        cache_shape = self.model.new_cache(0)
+        self.kv_pool = BlockPool.for_budget(
+            cache_shape.n_layers,
+            cache_shape.n_kv_heads,
+            cache_shape.head_dim,
+            self.config.kv_memory_mb * 2**20,
+        )
+        self.prefix_cache = (
+            PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
+        )
         template = spec.chat_template or gguf_file.metadata.get("tokenizer.chat_template")
         self.chat_template = ChatTemplate(template, self.tokenizer, model_name=spec.id)
         self.load_seconds = time.perf_counter() - started
@@ -79,8 +95,14 @@ class Engine:
             self.model,
             self.tokenizer,
             self.sampler,
+            self.kv_pool,
+            self.prefix_cache,
             max_context=self.context_length,
-            prefill_chunk=self.config.prefill_chunk,
+            config=SchedulerConfig(
+                max_batch=self.config.max_batch,
+                max_batch_tokens=self.config.max_batch_tokens,
+                max_prefill_tokens=self.config.prefill_chunk,
+            ),
         )
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[TokenEvent]:

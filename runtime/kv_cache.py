@@ -62,16 +62,17 @@ class KVCache:
 
     def update_and_fetch(
         self, layer: int, start: int, keys: np.ndarray, values: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Store `[n, Hkv, Dh]` keys/values at positions `start..start+n`.
 
-        Returns every key so far as `[Hkv, Dh, L]` and every value as `[Hkv, L, Dh]`.
+        Returns the cache so far as one segment: keys `[Hkv, Dh, L]`, values `[Hkv, L, Dh]`
+        (the paged cache returns one segment per run of consecutive blocks).
         """
         end = start + keys.shape[0]
         self.reserve(end)
         self._keys[layer][:, :, start:end] = keys.transpose(1, 2, 0)  # -> [Hkv, Dh, n]
         self._values[layer][:, start:end] = values.transpose(1, 0, 2)  # -> [Hkv, n, Dh]
-        return self._keys[layer][:, :, :end], self._values[layer][:, :end]
+        return [(self._keys[layer][:, :, :end], self._values[layer][:, :end])]
 
     def trim(self, length: int) -> None:
         """Forget every position from `length` on (e.g. to re-run a suffix)."""

@@ -87,36 +87,60 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def attend(
     q: np.ndarray,
-    keys_t: np.ndarray,
-    values: np.ndarray,
+    segments: list[tuple[np.ndarray, np.ndarray]],
     start: int,
     window: int | None = None,
 ) -> np.ndarray:
     """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
 
-    q `[n, H, Dh]` (already scaled by 1/sqrt(Dh)), keys_t `[Hkv, Dh, L]` (transposed, so
-    q @ K is a plain matmul), values `[Hkv, L, Dh]`, L = start + n -> `[n, H * Dh]`.
-    `window` limits each query to the keys less than `window` positions behind it.
+    q `[n, H, Dh]` (already scaled by 1/sqrt(Dh)); the cache as segments in position order,
+    each keys `[Hkv, Dh, l]` (transposed, so q @ K is a plain matmul) and values `[Hkv, l,
+    Dh]`, together L = start + n positions -> `[n, H * Dh]`. `window` limits each query to
+    the keys less than `window` positions behind it.
     """
     n, n_heads, head_dim = q.shape
-    n_kv, _, total = keys_t.shape
+    n_kv = segments[0][0].shape[0]
     group = n_heads // n_kv
+    total = sum(k.shape[-1] for k, _ in segments)
     first = 0 if window is None else max(0, start + 1 - window)
-    if n == 1:  # decode: no mask beyond the window slice, no query transposes
-        scores = np.matmul(q.reshape(n_kv, group, head_dim), keys_t[:, :, first:])  # [Hkv, G, L']
-        _softmax_inplace(scores)
-        return np.matmul(scores, values[:, first:]).reshape(1, n_heads * head_dim)
-    keys_t, values = keys_t[:, :, first:], values[:, first:]
-    qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, Dh]
-    qg = qg.reshape(n_kv, group * n, head_dim)
-    scores = np.matmul(qg, keys_t)  # [Hkv, G*n, L']
-    scores = scores.reshape(n_kv, group, n, -1)
-    scores += _mask_bias(n, start, first, total, window)  # [n, L'] broadcast over heads
-    scores = scores.reshape(n_kv, group * n, -1)
+    segments = _from_position(segments, first)
+    if n == 1:  # decode: no query transposes, no mask beyond the window
+        qg = q.reshape(n_kv, group, head_dim)
+    else:
+        qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, Dh]
+        qg = qg.reshape(n_kv, group * n, head_dim)
+    parts = [np.matmul(qg, keys_t) for keys_t, _ in segments]  # [Hkv, G*n, l] each
+    scores = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    if n > 1:
+        scores = scores.reshape(n_kv, group, n, -1)
+        scores += _mask_bias(n, start, first, total, window)  # [n, L'] over heads
+        scores = scores.reshape(n_kv, group * n, -1)
     _softmax_inplace(scores)
-    out = np.matmul(scores, values)  # [Hkv, G*n, Dh]
+    out, offset = None, 0
+    for _, values in segments:
+        part = np.matmul(scores[..., offset : offset + values.shape[1]], values)  # [Hkv, G*n, Dh]
+        out = part if out is None else out + part
+        offset += values.shape[1]
+    if n == 1:
+        return out.reshape(1, n_heads * head_dim)
     out = out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3)  # [n, Hkv, G, Dh]
     return out.reshape(n, n_heads * head_dim)
+
+
+def _from_position(
+    segments: list[tuple[np.ndarray, np.ndarray]], first: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The segments with every position before `first` cut off (sliding windows)."""
+    if first == 0:
+        return segments
+    kept, offset = [], 0
+    for keys_t, values in segments:
+        length = keys_t.shape[-1]
+        if offset + length > first:
+            cut = max(0, first - offset)
+            kept.append((keys_t[:, :, cut:], values[:, cut:]))
+        offset += length
+    return kept
 
 
 def _softmax_inplace(scores: np.ndarray) -> None:

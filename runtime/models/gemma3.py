@@ -101,8 +101,8 @@ class Gemma3Layer:
         k = apply_rope(rms_norm(k, self.k_norm, eps), *rope)  # [T, Hkv, Dh]
         out = np.empty((t, q_end), np.float32)
         for lo, hi, chunk in layout.spans:
-            keys, values = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
-            out[lo:hi] = attend(q[lo:hi], keys, values, chunk.start, self.window)
+            segments = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
+            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, self.window)
         return out @ self.wo  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray) -> np.ndarray:

@@ -96,8 +96,8 @@ class LlamaLayer:
         v = qkv[:, n_qk * a.head_dim :].reshape(t, a.n_kv_heads, a.head_dim)
         out = np.empty((t, a.n_heads * a.head_dim), np.float32)
         for lo, hi, chunk in layout.spans:
-            keys, values = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
-            out[lo:hi] = attend(q[lo:hi], keys, values, chunk.start)
+            segments = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
+            out[lo:hi] = attend(q[lo:hi], segments, chunk.start)
         return out @ self.wo  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@ change the numbers, and attention must mask exactly what it should."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -101,8 +102,21 @@ def test_attend_matches_naive_causal_windowed_gqa(window, start, n):
     q = rng.standard_normal((n, 6, 8)).astype(np.float32)
     keys = rng.standard_normal((2, start + n, 8)).astype(np.float32)
     values = rng.standard_normal((2, start + n, 8)).astype(np.float32)
-    got = attend(q * 0.35, keys.transpose(0, 2, 1), values, start, window)
+    got = attend(q * 0.35, [(keys.transpose(0, 2, 1), values)], start, window)
     np.testing.assert_allclose(got, _naive_attention(q, keys, values, start, 0.35, window), **TOL)
+
+
+@pytest.mark.parametrize("window", [None, 2, 7])
+@pytest.mark.parametrize(("start", "n"), [(0, 9), (10, 3), (12, 1)])
+def test_attend_over_several_segments_equals_one(window, start, n):
+    rng = np.random.default_rng(start + n)
+    q = rng.standard_normal((n, 4, 8)).astype(np.float32)
+    keys_t = rng.standard_normal((2, 8, start + n)).astype(np.float32)
+    values = rng.standard_normal((2, start + n, 8)).astype(np.float32)
+    whole = attend(q, [(keys_t, values)], start, window)
+    cuts = [0, 3, 5, start + n] if start + n > 5 else [0, start + n]
+    segments = [(keys_t[:, :, a:b], values[:, a:b]) for a, b in itertools.pairwise(cuts)]
+    np.testing.assert_allclose(attend(q, segments, start, window), whole, **TOL)
 
 
 def test_gemma3_sliding_window_changes_only_local_layers(tiny_gemma3_path):

@@ -1,0 +1,198 @@
+"""Paged KV memory, the prefix cache and the continuous-batching scheduler on tiny models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.engine import Engine, EngineConfig
+from runtime.kv_cache import KVCache
+from runtime.kv_pool import BLOCK_SIZE, BlockPool, OutOfBlocksError, PagedKVCache
+from runtime.models.base import BatchLayout, SequenceChunk
+from runtime.prefix_cache import PrefixCache
+from runtime.sampling import SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _tokens(n: int, seed: int, vocab: int = 250) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(10, vocab, n)]
+
+
+def _run_all(batch, requests: dict[str, tuple[list[int], SamplingParams]], **add) -> dict:
+    out: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        batch.add(rid, prompt, params, **add.get(rid, {}))
+    while len(batch):
+        for event in batch.step():
+            out[event.request_id].append(event)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path: Path) -> Engine:
+    return Engine.load(str(tiny_model_path))
+
+
+def test_pool_hands_out_consecutive_blocks_and_counts_references():
+    pool = BlockPool(n_layers=1, n_kv_heads=1, head_dim=2, n_blocks=4)
+    a = pool.allocate()
+    b = pool.allocate(after=a)
+    assert (a, b) == (0, 1) and pool.n_free == 2
+    pool.retain([a])
+    pool.release([a, b])
+    assert pool.n_free == 3 and pool.refcount[a] == 1
+    pool.release([a])
+    assert pool.n_free == 4
+    for _ in range(4):
+        pool.allocate()
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate()
+
+
+def test_paged_cache_equals_contiguous_cache_even_when_fragmented(engine):
+    model = engine.model
+    shape = model.new_cache(0)
+    pool = BlockPool(shape.n_layers, shape.n_kv_heads, shape.head_dim, n_blocks=16)
+    blockers = [pool.allocate() for _ in range(3)]
+    paged = PagedKVCache(pool)
+    paged.reserve(BLOCK_SIZE)  # block 3
+    pool.allocate()  # block 4 taken: the next block of `paged` cannot be consecutive
+    tokens = np.asarray(_tokens(40, seed=1, vocab=model.vocab_size))
+    contiguous = KVCache(shape.n_layers, shape.n_kv_heads, shape.head_dim, 64)
+    expected = model.logits(model.forward(tokens, BatchLayout([SequenceChunk(contiguous, 0, 40)])))
+    paged.reserve(30)
+    got = model.logits(model.forward(tokens[:30], BatchLayout([SequenceChunk(paged, 0, 30)])))
+    assert len(paged._runs) == 2  # the table really is fragmented
+    for pos in range(30, 40):
+        paged.reserve(pos + 1)
+        hidden = model.forward(tokens[pos : pos + 1], BatchLayout([SequenceChunk(paged, pos, 1)]))
+        got = np.concatenate([got, model.logits(hidden)])
+    np.testing.assert_allclose(got, expected, **TOL)
+    assert paged.nbytes == 3 * pool.block_nbytes
+    paged.release()
+    pool.release(blockers)
+    assert pool.n_free == 16 - 1  # only block 4 is still taken
+
+
+def test_prefix_cache_finds_the_longest_cached_prefix():
+    pool = BlockPool(n_layers=1, n_kv_heads=1, head_dim=2, n_blocks=8)
+    cache = PrefixCache(pool, "m")
+    prompt = list(range(50))
+    blocks = [pool.allocate() for _ in range(4)]
+    cache.insert(prompt, blocks)  # 3 full blocks of 16 are cached
+    assert len(cache) == 3 and all(pool.refcount[b] == 2 for b in blocks[:3])
+    assert cache.lookup(prompt) == blocks[:3]
+    assert cache.lookup(prompt[:40] + [999] * 10) == blocks[:2]
+    assert cache.lookup([1] + prompt[1:]) == []  # the chain depends on every earlier token
+    assert cache.lookup(prompt[:32]) == blocks[:1]  # the last position is always computed
+    assert PrefixCache(pool, "other-model").lookup(prompt) == []
+    pool.release(blocks)  # the sequence is done: only the cache holds them now
+    assert cache.evict(2) == 2 and len(cache) == 1
+
+
+def test_prefix_cache_never_evicts_blocks_in_use():
+    pool = BlockPool(n_layers=1, n_kv_heads=1, head_dim=2, n_blocks=4)
+    cache = PrefixCache(pool, "m")
+    blocks = [pool.allocate(), pool.allocate()]
+    cache.insert(list(range(32)), blocks)
+    assert cache.evict(10) == 0  # the sequence still holds them
+    pool.release(blocks[:1])
+    assert cache.evict(10) == 1 and pool.refcount[blocks[1]] == 2
+
+
+def test_cached_prefix_gives_exactly_the_cold_output(tiny_model_path):
+    engine = Engine.load(str(tiny_model_path))
+    system = _tokens(50, seed=2, vocab=engine.model.vocab_size)
+    first = system + _tokens(5, seed=3, vocab=engine.model.vocab_size)
+    second = system + _tokens(7, seed=4, vocab=engine.model.vocab_size)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    cold = [e.token_id for e in engine.generate(second, params)]
+    engine.prefix_cache.clear()
+    list(engine.generate(first, params))  # fills the cache with the system prompt's blocks
+    events = list(engine.generate(second, params))
+    assert events[0].cached_tokens == 48  # three full blocks of the shared 50 tokens
+    assert [e.token_id for e in events] == cold
+    stats = engine.prefix_cache.stats
+    assert stats.cached_tokens >= 48 and 0 < stats.hit_rate < 1
+
+
+def test_cache_prompt_false_bypasses_the_prefix_cache(tiny_model_path):
+    engine = Engine.load(str(tiny_model_path))
+    prompt = _tokens(40, seed=5, vocab=engine.model.vocab_size)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    list(engine.generate(prompt, params))
+    batch = engine.new_batch()
+    out = _run_all(batch, {"x": (prompt, params)}, x={"cache_prompt": False})
+    assert out["x"][0].cached_tokens == 0
+
+
+def test_preemption_when_kv_memory_runs_out_keeps_every_output_exact(tiny_model_path):
+    roomy = Engine.load(str(tiny_model_path))
+    requests = {
+        f"r{i}": (_tokens(20 + 3 * i, seed=10 + i), SamplingParams(max_tokens=30, **GREEDY))
+        for i in range(4)
+    }
+    expected = _run_all(roomy.new_batch(), requests)
+    tight = Engine.load(str(tiny_model_path))
+    # 12 blocks = 192 tokens: not enough for four sequences of ~50-60 tokens at once
+    tight.kv_pool = BlockPool(*_dims(tight), n_blocks=12)
+    tight.prefix_cache = PrefixCache(tight.kv_pool, "tight")
+    batch = tight.new_batch()
+    got = _run_all(batch, requests)
+    assert batch.preemptions > 0
+    for rid in requests:
+        assert [e.token_id for e in got[rid]] == [e.token_id for e in expected[rid]]
+        assert [e.index for e in got[rid]] == list(range(30))
+    assert tight.kv_pool.n_free + sum(1 for b in range(12) if tight.kv_pool.refcount[b] > 0) == 12
+
+
+def test_interactive_requests_go_before_batch_requests(engine):
+    engine_batch = engine.new_batch()
+    engine_batch.config.max_batch = 1
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    order: list[str] = []
+    engine_batch.add("batch-1", [20, 21], params, priority=1)
+    engine_batch.add("batch-2", [20, 22], params, priority=1)
+    engine_batch.add("chat", [20, 23], params, priority=0)
+    while len(engine_batch):
+        for event in engine_batch.step():
+            if event.finish_reason:
+                order.append(event.request_id)
+    assert order == ["chat", "batch-1", "batch-2"]
+
+
+def test_kv_memory_grows_with_tokens_in_use(engine):
+    batch = engine.new_batch()
+    pool = engine.kv_pool
+    before = pool.bytes_in_use
+    batch.add(
+        "a", _tokens(40, seed=6), SamplingParams(max_tokens=100, **GREEDY), cache_prompt=False
+    )
+    batch.step()
+    after_prefill = pool.bytes_in_use - before
+    assert after_prefill == 3 * pool.block_nbytes  # 41 positions -> 3 blocks of 16, not 140
+    for _ in range(20):
+        batch.step()
+    assert pool.bytes_in_use - before == 4 * pool.block_nbytes  # 61 positions
+    batch.abort("a")
+    assert pool.bytes_in_use == before
+
+
+def test_step_token_budget_bounds_prefill(tiny_llama_path):
+    engine = Engine.load(str(tiny_llama_path), EngineConfig(prefill_chunk=10))
+    batch = engine.new_batch()
+    batch.add("long", _tokens(35, seed=7), SamplingParams(max_tokens=1, **GREEDY))
+    steps = 0
+    while len(batch):
+        batch.step()
+        steps += 1
+    assert steps == 4  # 35 prompt tokens in chunks of at most 10
+
+
+def _dims(engine: Engine) -> tuple[int, int, int]:
+    shape = engine.model.new_cache(0)
+    return shape.n_layers, shape.n_kv_heads, shape.head_dim
