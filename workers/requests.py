@@ -95,15 +95,18 @@ def embedding_inputs(engine: Any, body: dict[str, Any]) -> list[list[int]]:
 def _plan_completions(engine: Any, body: dict[str, Any]) -> JobPlan:
     logprobs = body.get("logprobs")
     echo = bool(body.get("echo"))
-    plan = JobPlan(COMPLETIONS, logprobs=logprobs)
     max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_TOKENS
+    choice_params = _choice_params(body, max_tokens, logprobs)  # validates every field
+    plan = JobPlan(COMPLETIONS, logprobs=logprobs)
     for text, ids in _prompts(engine, body.get("prompt"), "prompt"):
         plan.prompt_tokens += len(ids)
         echo_logprobs = None
         if echo and logprobs is not None:
             scored = engine.prompt_logprobs(ids, logprobs)
             echo_logprobs = [(t, lp, top) for t, (lp, top) in zip(ids, scored, strict=True)]
-        for params in _choice_params(body, max_tokens or DEFAULT_COMPLETION_TOKENS, logprobs):
+        for params in choice_params:
             plan.choices.append(
                 ChoicePlan(
                     index=len(plan.choices),
@@ -130,7 +133,9 @@ def _plan_chat(engine: Any, body: dict[str, Any]) -> JobPlan:
         raise EmptyPromptError("messages must be a non-empty list of chat messages")
     ids = engine.encode_chat(messages)
     logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     if max_tokens is None:  # OpenAI: as many as fit; an over-long prompt still gets a 400
         max_tokens = max(1, engine.context_length - len(ids))
     plan = JobPlan(CHAT_COMPLETIONS, prompt_tokens=len(ids), logprobs=logprobs)
@@ -146,7 +151,7 @@ def _choice_params(
 ) -> list[SamplingParams]:
     """Parameters of the `n` choices of one prompt; a seed gives choice j the seed + j, so
     the choices of a seeded request are reproducible and still differ from each other."""
-    n = body.get("n") or 1
+    n = 1 if body.get("n") is None else body["n"]
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidJobRequest(f"n must be a positive integer, got {n!r}", param="n")
     common = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}

@@ -205,6 +205,9 @@ class WorkerProcess:
         )
         assert self.process.poll() is None, self.output()
 
+    def assert_alive(self) -> None:
+        assert self.process.poll() is None, f"worker {self.name} exited:\n{self.output()}"
+
     def kill_tree(self) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(10)

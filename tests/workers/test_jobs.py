@@ -71,7 +71,7 @@ def run(engine: Engine, job: ActiveJob, sequences: list | None = None) -> dict:
 
 
 def new_job(endpoint: str, body: dict, progress: StreamProgress | None = None) -> ActiveJob:
-    record = JobRecord(id="j1", endpoint=endpoint, model="tiny-llama", request=body)
+    record = JobRecord("j1", endpoint, "tiny-llama", body, created_at=1_700_000_000.0)
     return ActiveJob(record, 2, "w:2", None, None, progress or StreamProgress())
 
 

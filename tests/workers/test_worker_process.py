@@ -48,15 +48,19 @@ def assert_seamless(conn, job_id: str, max_tokens: int) -> list[dict]:
 
 def test_a_killed_workers_job_resumes_on_another_worker_without_gap_or_repeat(conn, spawn_worker):
     job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "resume me", "max_tokens": 120})
-    first = spawn_worker("victim", step_delay_ms=30)
+    first = spawn_worker("victim", step_delay_ms=40)
+
+    def victim_started() -> bool:
+        first.assert_alive()
+        return bool(tokens(conn, job_id))
+
+    wait_for(victim_started, timeout=30, what="the victim to take the job")
+    spawn_worker("rescuer").wait_registered(conn)  # idle, as in RELIABILITY F1
     wait_for(lambda: len(tokens(conn, job_id)) >= 20, timeout=30, what="20 tokens")
     first.kill_tree()
     killed_at = time.monotonic()
-    sent = len(tokens(conn, job_id))
-    assert sent < 120
+    assert len(tokens(conn, job_id)) < 120
 
-    second = spawn_worker("rescuer")
-    second.wait_registered(conn)
     wait_for(lambda: any(t["attempt"] == 2 for t in tokens(conn, job_id)), timeout=25)
     assert time.monotonic() - killed_at < 20  # lease 10 s + reaper every 2 s
     done = wait_done(conn, job_id, timeout=20)
