@@ -144,7 +144,7 @@ def test_loaded_weights_match_the_file(tiny_llama_path):
     f = GGUFFile(tiny_llama_path)
     model = load_model(f)
     down = f.tensor("blk.1.ffn_down.weight")  # [out, in]
-    np.testing.assert_array_equal(model.layers[1].w_down, down.T)
+    np.testing.assert_array_equal(model.layers[1].w_down_t, down)
     gate = f.tensor("blk.1.ffn_gate.weight")  # the norm weight is folded into its rows
     norm = f.tensor("blk.1.ffn_norm.weight")
     np.testing.assert_allclose(model.layers[1].w_gate_up[:, :96], gate.T * norm[:, None])
