@@ -101,6 +101,11 @@ def attend(
     n, n_heads, head_dim = q.shape
     n_kv = segments[0][0].shape[0]
     group = n_heads // n_kv
+    if n == 1 and window is None and len(segments) == 1:  # the common decode case, lean
+        keys_t, values = segments[0]
+        scores = np.matmul(q.reshape(n_kv, group, head_dim), keys_t)  # [Hkv, G, L]
+        _softmax_inplace(scores)
+        return np.matmul(scores, values).reshape(1, n_heads * head_dim)
     total = sum(k.shape[-1] for k, _ in segments)
     first = 0 if window is None else max(0, start + 1 - window)
     segments = _from_position(segments, first)
