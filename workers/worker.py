@@ -1,12 +1,11 @@
 """`llmq worker`: an RQ worker that keeps engines warm and runs many jobs in one batch.
 
 RQ's own workers run one job at a time and fork per job, which throws away every loaded
-model (RELIABILITY 5). This one is a `BaseWorker` with its own loop, in one process: while
-it generates it keeps taking jobs (up to `max_batch` sequences) and steps them together,
-one forward pass per model per step. RQ still sees everything: the worker is registered
-(`rq info` lists it and its queues), and each job goes through RQ's own bookkeeping —
-an `Execution` in the StartedJobRegistry while it runs, then `handle_job_success`,
-`handle_job_failure` or the CanceledJobRegistry — with several executions open at once.
+model (RELIABILITY 5). This one is an RQ `BaseWorker` with its own loop, in one process:
+while it generates it keeps taking jobs (up to `max_batch` sequences) and steps them
+together, one forward pass per model per step. RQ still sees everything: the worker is
+registered (`rq info` lists it and its queues), and each job goes through RQ's own
+bookkeeping with several executions open at once (`workers.executions`).
 
 Per step, one pipeline carries every job's new token events (each write fenced by the
 job's lease), their progress counters and the metrics, and reads every job's cancel flag.
@@ -29,21 +28,19 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from rq import worker_registration
 from rq.exceptions import NoSuchJobError
-from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
-from rq.utils import now
-from rq.worker import BaseWorker, WorkerStatus
+from rq.worker import WorkerStatus
 
 from runtime.registry import load_registry
 from workers import keys, metrics, scripts
 from workers.config import WorkerConfig, serving
 from workers.errors import JobFailure, JobRefused, PoolFull
 from workers.events import read_progress, terminal_event
+from workers.executions import ConcurrentWorker
 from workers.jobs import ActiveJob
 from workers.pool import EnginePool
 from workers.presence import Presence
@@ -88,7 +85,7 @@ def connect(url: str) -> redis.Redis:
     )
 
 
-class LLMQWorker(BaseWorker):
+class LLMQWorker(ConcurrentWorker):
     log_result_lifespan = False
 
     def __init__(
@@ -121,7 +118,6 @@ class LLMQWorker(BaseWorker):
         self.presence = Presence(self.connection, info, _describe_models(sources))
         self._queues_by_key = {q.key: q for q in self.queues}
         self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in self.queues}
-        self._executions: dict[str, Execution] = {}
         self._due: dict[str, float] = {}
         self._drain_deadline: float | None = None
         self._stop_now = False
@@ -270,7 +266,7 @@ class LLMQWorker(BaseWorker):
         if self._due_now("renew", self.config.lease_renew):
             self._renew_leases()
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
-            self._rq_heartbeat()
+            self.heartbeat_executions()
         pool = self.pool.snapshot()
         if pool != self.presence.info.pool or self._due_now("presence", WORKER_HEARTBEAT_SECONDS):
             self._publish()
@@ -458,19 +454,19 @@ class LLMQWorker(BaseWorker):
     def _fail(self, job: ActiveJob, failure: JobFailure) -> None:
         log.warning("job %s: failed with %d: %s", job.id, failure.status, failure)
         if self._end(job, FAILED, failure.body()):
-            self._rq_failure(job.rq_job, job.queue, job.id, f"{type(failure).__name__}: {failure}")
+            self._rq_failure(job.rq_job, job.queue, f"{type(failure).__name__}: {failure}")
 
     def _cancel(self, job: ActiveJob) -> None:
         log.info("job %s: cancelled after %d tokens", job.id, job.completion_tokens)
         if self._end(job, CANCELLED, cancelled_error()):
-            self._rq_cancelled(job.rq_job, job.queue, job.id)
+            self._rq_cancelled(job.rq_job, job.queue)
 
     def _drop(self, job: ActiveJob) -> None:
         """The job is not ours any more (lease lost): stop it without writing anything."""
         log.warning("job %s: lease lost (another worker owns it now); dropped", job.id)
         self.batcher.remove(job)
-        self._executions.pop(job.id, None)
-        self._sync_rq_state()
+        self.forget_execution(job.id)
+        self.sync_state()
 
     def _settle_ended(self, job: ActiveJob) -> None:
         """A claimed job that had already ended (an earlier worker died between its final
@@ -483,9 +479,9 @@ class LLMQWorker(BaseWorker):
         if status == FINISHED:
             self._rq_success(job)
         elif status == CANCELLED:
-            self._rq_cancelled(job.rq_job, job.queue, job.id)
+            self._rq_cancelled(job.rq_job, job.queue)
         else:
-            self._rq_failure(job.rq_job, job.queue, job.id, "the job had already ended")
+            self._rq_failure(job.rq_job, job.queue, "the job had already ended")
 
     def _cancel_queued(self, job_id: str, rq_job: Job | None, queue: Queue) -> None:
         """Its cancel flag was set while it waited: it never runs. No worker holds it (the
@@ -500,7 +496,7 @@ class LLMQWorker(BaseWorker):
             pipe.publish(keys.job_wake(job_id), "cancelled")
             pipe.execute()
         log.info("job %s: cancelled before it started", job_id)
-        self._rq_cancelled(rq_job, queue, job_id)
+        self._rq_cancelled(rq_job, queue)
 
     def _fail_orphan(self, rq_job: Job | None, queue: Queue, why: str) -> None:
         if rq_job is None:
@@ -508,7 +504,7 @@ class LLMQWorker(BaseWorker):
         refusal = _refusal(rq_job, rq_job.id)
         message = str(refusal) if refusal else why
         log.error("job %s: not run: %s", rq_job.id, message)
-        self._rq_failure(rq_job, queue, rq_job.id, message)
+        self._rq_failure(rq_job, queue, message)
 
     # ------------------------------------------------------------------ leases
 
@@ -531,7 +527,7 @@ class LLMQWorker(BaseWorker):
     def _checkpoint(self, job: ActiveJob) -> None:
         """Give a running job back: requeued at the front, resumed from its stream."""
         self.batcher.remove(job)
-        self._executions.pop(job.id, None)
+        self.forget_execution(job.id)
         if job.rq_job is not None and requeue(self.connection, job.id, job.lease, job.rq_job):
             log.info(
                 "job %s: checkpointed after %d tokens and requeued", job.id, job.completion_tokens
@@ -539,7 +535,7 @@ class LLMQWorker(BaseWorker):
             with self.connection.pipeline() as pipe:
                 metrics.count_job(pipe, "requeued")
                 pipe.execute()
-        self._sync_rq_state()
+        self.sync_state()
 
     def _checkpoint_all(self) -> None:
         if self._has_output():
@@ -563,90 +559,38 @@ class LLMQWorker(BaseWorker):
             log.error("worker %s: could not unregister (%s)", self.name, exc)
         log.info("worker %s: stopped", self.name)
 
-    # ------------------------------------------------------------------ RQ bookkeeping
+    # ------------------------------------------------------------------ RQ and our record
 
     def _rq_start(self, job: ActiveJob) -> None:
-        """RQ's start of an execution, one of several this worker has open; and ours."""
-        rq_job = job.rq_job
+        """RQ's start of an execution (one of several this worker has open), and ours."""
         with self.connection.pipeline() as pipe:
-            if rq_job is not None:
-                ttl = self.job_monitoring_interval + 60
-                self._executions[job.id] = Execution.create(rq_job, ttl, pipe, self.name)
-                rq_job.prepare_for_execution(self.name, pipe)
+            if job.rq_job is not None:
+                self.open_execution(job.rq_job, pipe)
             pipe.hset(keys.job(job.id), mapping={"status": STARTED, "worker": self.name})
             pipe.hsetnx(keys.job(job.id), "started_at", time.time())
             metrics.count_job(pipe, "started")
             pipe.execute()
-        self._sync_rq_state()
+        self.sync_state()
 
     def _rq_success(self, job: ActiveJob) -> None:
-        rq_job, queue = job.rq_job, job.queue
-        if rq_job is None:
-            return
-        self.execution = self._executions.pop(job.id, None)
-        rq_job.ended_at = now()
-        rq_job.started_at = rq_job.started_at or rq_job.ended_at
-        rq_job._result = {"job_id": job.id, "status": FINISHED}  # the body stays out of RQ
-        try:
-            self.handle_job_success(rq_job, queue, queue.started_job_registry)
-        finally:
-            self.execution = None
-            with self.connection.pipeline() as pipe:
-                metrics.count_job(pipe, FINISHED)
-                pipe.execute()
-            self._sync_rq_state()
+        self._count(FINISHED)
+        if job.rq_job is not None:  # RQ keeps a stub result: the body stays in our record
+            self.close_success(job.rq_job, job.queue, {"job_id": job.id, "status": FINISHED})
 
-    def _rq_failure(self, rq_job: Job | None, queue: Queue, job_id: str, message: str) -> None:
-        self.execution = self._executions.pop(job_id, None)
-        try:
-            if rq_job is not None:
-                rq_job.ended_at = now()
-                rq_job.started_at = rq_job.started_at or rq_job.ended_at
-                rq_job.retries_left = None  # recovery is by lease; a failure here is final
-                self.handle_job_failure(rq_job, queue, exc_string=message)
-        finally:
-            self.execution = None
-            with self.connection.pipeline() as pipe:
-                metrics.count_job(pipe, FAILED)
-                pipe.execute()
-            self._sync_rq_state()
+    def _rq_failure(self, rq_job: Job | None, queue: Queue, message: str) -> None:
+        self._count(FAILED)
+        if rq_job is not None:
+            self.close_failure(rq_job, queue, message)
 
-    def _rq_cancelled(self, rq_job: Job | None, queue: Queue, job_id: str) -> None:
-        execution = self._executions.pop(job_id, None)
+    def _rq_cancelled(self, rq_job: Job | None, queue: Queue) -> None:
+        self._count(CANCELLED)
+        if rq_job is not None:
+            self.close_cancelled(rq_job, queue)
+
+    def _count(self, state: str) -> None:
         with self.connection.pipeline() as pipe:
-            if rq_job is not None:
-                if execution is not None:
-                    execution.delete(job=rq_job, pipeline=pipe)
-                rq_job.set_status(JobStatus.CANCELED, pipeline=pipe)
-                queue.canceled_job_registry.add(rq_job, pipeline=pipe)
-            metrics.count_job(pipe, CANCELLED)
+            metrics.count_job(pipe, state)
             pipe.execute()
-        self._sync_rq_state()
-
-    def _sync_rq_state(self) -> None:
-        """RQ shows one current job per worker: the oldest we run; busy while any runs."""
-        current = next(iter(self.batcher.jobs), None)
-        with self.connection.pipeline() as pipe:
-            self.set_current_job_id(current, pipeline=pipe)
-            self.set_state(WorkerStatus.BUSY if current else WorkerStatus.IDLE, pipeline=pipe)
-            pipe.execute()
-
-    def _rq_heartbeat(self) -> None:
-        ttl = self.job_monitoring_interval + 60
-        with self.connection.pipeline() as pipe:
-            pipe.exists(self.key)
-            self.heartbeat(pipeline=pipe)
-            for job_id, execution in self._executions.items():
-                job = self.batcher.jobs.get(job_id)
-                if job is not None and job.rq_job is not None:
-                    execution.heartbeat(job.rq_job.started_job_registry, ttl, pipe)
-            existed = pipe.execute()[0]
-        if not existed:  # Redis lost our hash (a restart without persistence): register again
-            with self.connection.pipeline() as pipe:
-                pipe.hset(self.key, mapping=self.serialize())
-                pipe.hset(self.key, "state", self.get_state())
-                worker_registration.register(self, pipe)
-                pipe.execute()
 
     # ------------------------------------------------------------------ presence, admin
 
