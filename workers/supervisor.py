@@ -10,6 +10,7 @@ after a grace period.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
@@ -214,3 +215,46 @@ def _redact(url: str) -> str:
         return url
     scheme, rest = url.split("://", 1)
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+def add_serve_commands(sub: argparse._SubParsersAction) -> None:
+    serve_parser = sub.add_parser(
+        "serve",
+        help="run everything: broker, API and workers (what `make serve` runs)",
+        description="Run the whole system: the API on http://HOST:PORT and N workers, "
+        "against REDIS_URL if set, else a redis-server started on a free port, else an "
+        "embedded fakeredis server (not durable). Ctrl-C stops every process it started.",
+    )
+    serve_parser.add_argument(
+        "--host", default=os.environ.get("HOST", "127.0.0.1"), help="default: $HOST or 127.0.0.1"
+    )
+    serve_parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("PORT", "8000")),
+        help="default: $PORT or 8000",
+    )
+    serve_parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    serve_parser.add_argument(
+        "--models",
+        default="",
+        metavar="M,...",
+        help="models the workers serve (default: every registry model, loaded on first use)",
+    )
+    serve_parser.add_argument("--max-batch", type=int, help="sequences per worker batch")
+    serve_parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.workers < 1:
+        print("llmq serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    config = ServeConfig(
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        models=[m.strip() for m in args.models.split(",") if m.strip()],
+        max_batch=args.max_batch,
+    )
+    return serve(config)
