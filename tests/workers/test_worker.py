@@ -375,3 +375,24 @@ def test_a_job_that_keeps_losing_its_workers_is_failed_not_retried_forever(conn,
     failed = wait_done(conn, job_id)
     assert failed.status == FAILED and failed.attempts == 6
     assert "started 5 times" in failed.error["error"]["message"]
+
+
+def test_rq_stop_job_command_cancels_a_running_job(conn, start_worker):
+    from rq.command import send_stop_job_command
+
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "stop me", "max_tokens": 200})
+    start_worker(step_delay=0.02)
+    wait_for(lambda: tokens(conn, job_id), what="the job to run")
+    send_stop_job_command(conn, job_id, serializer=JSONSerializer)
+    assert wait_done(conn, job_id, timeout=3).status == CANCELLED
+
+
+def test_two_workers_never_run_the_same_job(conn, start_worker):
+    ids = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"p{i}", "max_tokens": 8}) for i in range(8)
+    ]
+    start_worker(max_batch=2)
+    start_worker(max_batch=2)
+    done = [wait_done(conn, job_id) for job_id in ids]
+    assert all(d.status == FINISHED and d.attempts == 1 for d in done)
+    assert all(len(tokens(conn, job_id)) == 8 for job_id in ids)
