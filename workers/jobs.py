@@ -89,6 +89,8 @@ class ActiveJob:
     claimed_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     ttft_recorded: bool = False
+    cached_tokens: int = 0  # prompt tokens of its sequences the prefix cache served ...
+    prefill_tokens: int = 0  # ... out of this many
     renderer: LogprobRenderer | None = None
 
     @property
@@ -125,6 +127,7 @@ class ActiveJob:
             sent = choice.output.tokens
             params = dataclasses.replace(plan.params, max_tokens=plan.params.max_tokens - sent)
             sequences.append((choice.request_id, plan.prompt_ids + self._sent_ids(plan), params))
+        self.prefill_tokens = sum(len(prompt) for _, prompt, _ in sequences)
         self._maybe_done()
         return sequences
 
@@ -156,6 +159,7 @@ class ActiveJob:
         out.text.append(text)
         out.tokens += 1
         out.finish_reason = finish
+        self.cached_tokens += event.cached_tokens
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self._maybe_done()

@@ -31,6 +31,14 @@ def count_prompt_tokens(pipe: Any, model: str, tokens: int) -> None:
         pipe.hincrby(keys.METRIC_PROMPT_TOKENS, model, tokens)
 
 
+def count_prefix_cache(pipe: Any, model: str, prefilled: int, cached: int) -> None:
+    """Prompt tokens sequences asked to prefill, and how many the prefix cache served."""
+    if prefilled:
+        pipe.hincrby(keys.METRIC_PREFIX_CACHE, f"{model}|prompt_tokens", prefilled)
+    if cached:
+        pipe.hincrby(keys.METRIC_PREFIX_CACHE, f"{model}|hit_tokens", cached)
+
+
 def record_step(pipe: Any, batch_sizes: dict[str, int], tokens: dict[str, int]) -> None:
     for model, size in batch_sizes.items():
         observe(pipe, keys.METRIC_BATCH_SIZE, model, size, BATCH_SIZE_BUCKETS)

@@ -14,6 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.batch_generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY
+from workers import keys
 from workers.errors import JobFailure
 from workers.jobs import ActiveJob
 from workers.pool import FAILED, LOADING, EnginePool, PoolEntry
@@ -133,8 +135,10 @@ class Scheduler:
         batch = self._batches.get(job.model)
         if batch is None or batch.engine is not entry.engine:
             batch = self._batches[job.model] = _Batch(entry.engine, entry.engine.new_batch())
+        priority = BATCH_PRIORITY if job.record.kind == keys.BATCH else INTERACTIVE_PRIORITY
+        cache_prompt = job.record.request.get("cache_prompt") is not False
         for request_id, prompt_ids, params in sequences:
-            batch.generator.add(request_id, prompt_ids, params)
+            batch.generator.add(request_id, prompt_ids, params, priority, cache_prompt)
             choice = int(request_id.rsplit(":", 1)[1])
             self._owners[request_id] = (job, choice)
             self.pool.acquire(job.model)

@@ -417,6 +417,7 @@ class LLMQWorker(ConcurrentWorker):
             if final and job.result is not None:
                 prompt_tokens = job.result["usage"]["prompt_tokens"]
                 metrics.count_prompt_tokens(pipe, job.model, prompt_tokens)
+                metrics.count_prefix_cache(pipe, job.model, job.prefill_tokens, job.cached_tokens)
             if job.attempt == 1 and job.first_token_at is not None and not job.ttft_recorded:
                 metrics.record_ttft(pipe, job.model, max(0.0, time.time() - job.record.created_at))
                 job.ttft_recorded = True

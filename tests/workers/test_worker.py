@@ -396,3 +396,14 @@ def test_two_workers_never_run_the_same_job(conn, start_worker):
     done = [wait_done(conn, job_id) for job_id in ids]
     assert all(d.status == FINISHED and d.attempts == 1 for d in done)
     assert all(len(tokens(conn, job_id)) == 8 for job_id in ids)
+
+
+def test_prefix_cache_hits_are_counted(conn, start_worker):
+    body = {**GREEDY, "prompt": "a shared prefix " * 8, "max_tokens": 2}
+    first = submit(conn, COMPLETIONS, body)
+    start_worker()
+    wait_done(conn, first)
+    second = submit(conn, COMPLETIONS, body)
+    wait_done(conn, second)
+    cache = {k.decode(): int(v) for k, v in conn.hgetall(keys.METRIC_PREFIX_CACHE).items()}
+    assert cache[f"{TINY}|prompt_tokens"] > 0 and cache.get(f"{TINY}|hit_tokens", 0) > 0
