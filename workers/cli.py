@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from api.cli import add_api_commands
 from runtime.cli import add_runtime_commands
 from runtime.errors import LLMQRuntimeError
 from workers.errors import WorkerError
+from workers.supervisor import add_serve_commands
 
 T = TypeVar("T")
 
@@ -130,10 +132,12 @@ def _connected(make: Callable[[], T]) -> T:
             delay = min(delay * 2, 10.0)
 
 
-# serve, api and batch join here as their packages grow their add_*_commands functions.
+# `api.cli` is argparse only (it execs gunicorn); importing it loads neither Flask nor models.
 COMMAND_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_runtime_commands,
     add_worker_commands,
+    add_api_commands,
+    add_serve_commands,
 )
 
 
