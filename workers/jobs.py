@@ -175,6 +175,7 @@ class ActiveJob:
             [c.output for c in self.choices],
             self.plan.prompt_tokens,
             self.plan.logprobs is not None,
+            self.cached_tokens,
         )
 
     def done_event(self) -> tuple[str, str]:

@@ -90,11 +90,17 @@ class LogprobRenderer:
         }
 
 
-def usage(prompt_tokens: int, completion_tokens: int | None = None) -> dict[str, int]:
-    out = {"prompt_tokens": prompt_tokens}
+def usage(
+    prompt_tokens: int, completion_tokens: int | None = None, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` (prompt tokens the prefix cache served) goes in
+    `prompt_tokens_details` as OpenAI reports prompt caching."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens}
     if completion_tokens is not None:
         out["completion_tokens"] = completion_tokens
     out["total_tokens"] = prompt_tokens + (completion_tokens or 0)
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": min(cached_tokens, prompt_tokens)}
     return out
 
 
@@ -105,6 +111,7 @@ def completion_body(
     choices: Sequence[ChoiceOutput],
     prompt_tokens: int,
     logprobs: bool,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": response_id(COMPLETIONS, job_id),
@@ -120,7 +127,7 @@ def completion_body(
             }
             for c in choices
         ],
-        "usage": usage(prompt_tokens, sum(c.tokens for c in choices)),
+        "usage": usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
     }
 
 
@@ -131,6 +138,7 @@ def chat_body(
     choices: Sequence[ChoiceOutput],
     prompt_tokens: int,
     logprobs: bool,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": response_id(CHAT_COMPLETIONS, job_id),
@@ -146,7 +154,7 @@ def chat_body(
             }
             for c in choices
         ],
-        "usage": usage(prompt_tokens, sum(c.tokens for c in choices)),
+        "usage": usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
     }
 
 

@@ -402,8 +402,13 @@ def test_prefix_cache_hits_are_counted(conn, start_worker):
     body = {**GREEDY, "prompt": "a shared prefix " * 8, "max_tokens": 2}
     first = submit(conn, COMPLETIONS, body)
     start_worker()
-    wait_done(conn, first)
+    cold = wait_done(conn, first)
     second = submit(conn, COMPLETIONS, body)
-    wait_done(conn, second)
+    warm = wait_done(conn, second)
     cache = {k.decode(): int(v) for k, v in conn.hgetall(keys.METRIC_PREFIX_CACHE).items()}
     assert cache[f"{TINY}|prompt_tokens"] > 0 and cache.get(f"{TINY}|hit_tokens", 0) > 0
+    # each response reports what the cache served, as OpenAI's prompt caching does
+    assert cold.result["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = warm.result["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % 16 == 0 and cached < warm.result["usage"]["prompt_tokens"]
+    assert warm.result["choices"] == cold.result["choices"]  # greedy: cached == cold output
