@@ -74,7 +74,27 @@ class PoolEntry:
             "in_flight": self.in_flight,
             "error": str(self.error) if self.error else None,
             "load_seconds": round(self.load_seconds, 3) if self.load_seconds else None,
+            **_cache_state(self.engine),
         }
+
+
+def _cache_state(engine: Any) -> dict[str, Any]:
+    """KV pool use and prefix-cache statistics of a loaded engine (for /admin/models)."""
+    if engine is None or not hasattr(engine, "kv_pool"):
+        return {}
+    pool, cache = engine.kv_pool, engine.prefix_cache
+    state: dict[str, Any] = {"kv_in_use_mb": round(pool.bytes_in_use / 2**20, 1)}
+    if cache is not None:
+        stats = cache.stats
+        state["prefix_cache"] = {
+            "blocks": len(cache),
+            "queries": stats.queries,
+            "hits": stats.hits,
+            "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "hit_rate": round(stats.hit_rate, 4),
+        }
+    return state
 
 
 def load_engine(source: str) -> Any:

@@ -401,7 +401,7 @@ def test_two_workers_never_run_the_same_job(conn, start_worker):
 def test_prefix_cache_hits_are_counted(conn, start_worker):
     body = {**GREEDY, "prompt": "a shared prefix " * 8, "max_tokens": 2}
     first = submit(conn, COMPLETIONS, body)
-    start_worker()
+    worker = start_worker()
     cold = wait_done(conn, first)
     second = submit(conn, COMPLETIONS, body)
     warm = wait_done(conn, second)
@@ -412,3 +412,11 @@ def test_prefix_cache_hits_are_counted(conn, start_worker):
     cached = warm.result["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and cached % 16 == 0 and cached < warm.result["usage"]["prompt_tokens"]
     assert warm.result["choices"] == cold.result["choices"]  # greedy: cached == cold output
+
+    def published() -> dict | None:  # /admin/models reads this from the worker's hash
+        pool = WorkerInfo.from_hash(conn.hgetall(keys.worker(worker.name))).pool
+        stats = pool.get(TINY, {}).get("prefix_cache")
+        return stats if stats and stats["hits"] else None
+
+    stats = wait_for(published, timeout=15, what="prefix cache stats in the worker hash")
+    assert stats["cached_tokens"] == cached and 0 < stats["hit_rate"] < 1
