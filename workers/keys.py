@@ -19,6 +19,21 @@ Layout:
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
                              (the `METRIC_*` names below; no TTL, never any prompt text)
 - RQ queues `llmq-{model}-interactive` and `llmq-{model}-batch`
+
+Offline batches (OpenAI's Files and Batch APIs; `workers.protocol` has the record types):
+- `llmq:file:{id}`            hash: a file's metadata (`workers.protocol.FileRecord`)
+- `llmq:file:{id}:content`    string: the file's bytes (input JSONL, or a batch's output)
+- `llmq:files`                sorted set file id -> created_at, for listing
+- `llmq:batch:{id}`           hash: the batch (`workers.protocol.BatchRecord`)
+- `llmq:batch:{id}:lines`     list: line numbers of the valid requests, in file order
+- `llmq:batch:{id}:requests`  hash line -> JSON `{custom_id, model, request}` (prompt text)
+- `llmq:batch:{id}:inflight`  set of line numbers enqueued as jobs and not yet collected
+- `llmq:batch:{id}:output`    hash line -> output-file JSONL line (successes)
+- `llmq:batch:{id}:errors`    hash line -> error-file JSONL line (invalid or failed lines)
+- `llmq:batches`              sorted set batch id -> created_at, for listing
+- `llmq:batches:active`       set of batch ids the batch driver still has to move on
+- `llmq:batches:lock`         string: the worker running the batch driver right now (TTL)
+The job of line N of batch B has the id `batch_job_id(B, N)`, so re-feeding is a no-op.
 """
 
 from __future__ import annotations
@@ -40,6 +55,12 @@ CANCEL_SUFFIX = ":cancel"
 RUNNING = f"{PREFIX}:running"
 WORKERS = f"{PREFIX}:workers"
 MODELS = f"{PREFIX}:models"
+FILES = f"{PREFIX}:files"
+BATCHES = f"{PREFIX}:batches"
+BATCHES_ACTIVE = f"{PREFIX}:batches:active"
+BATCHES_LOCK = f"{PREFIX}:batches:lock"
+FILE_ID_PATTERN = re.compile(r"^file-[A-Za-z0-9]{1,64}$")
+BATCH_ID_PATTERN = re.compile(r"^batch_[A-Za-z0-9]{1,48}$")
 
 
 def is_valid_job_id(job_id: str) -> bool:
@@ -76,6 +97,51 @@ def idempotency(key: str) -> str:
 
 def worker_commands(name: str) -> str:
     return f"{PREFIX}:worker:{name}:commands"
+
+
+def file(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}"
+
+
+def file_content(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}:content"
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_lines(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:lines"
+
+
+def batch_requests(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:requests"
+
+
+def batch_inflight(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:inflight"
+
+
+def batch_output(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:output"
+
+
+def batch_errors(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:errors"
+
+
+def batch_job_id(batch_id: str, line: int) -> str:
+    """The job of one batch line: deterministic, so feeding a line twice finds its job."""
+    return f"{batch_id}-{line}"
+
+
+def is_valid_file_id(file_id: str) -> bool:
+    return bool(FILE_ID_PATTERN.match(file_id))
+
+
+def is_valid_batch_id(batch_id: str) -> bool:
+    return bool(BATCH_ID_PATTERN.match(batch_id))
 
 
 def metric(name: str) -> str:

@@ -260,3 +260,231 @@ def _text(value: bytes | str) -> str:
 
 def _float(value: str | None) -> float | None:
     return None if value is None else float(value)
+
+
+# ---------------------------------------------------------------- offline batches
+#
+# A batch (OpenAI's Batch API) is validated by the API when it is created: each valid line
+# of its input file is stored under `keys.batch_requests`, each invalid one goes straight
+# to `keys.batch_errors`. From then on the batch driver (`workers.batches`, run by any
+# worker under `keys.BATCHES_LOCK`) moves it on: validating -> in_progress (lines fed as
+# jobs of kind `batch`, a bounded number queued at a time) -> finalizing -> completed; or
+# cancelling -> cancelled, or expired once `expires_at` passes. Every valid line ends in
+# exactly one of `keys.batch_output` / `keys.batch_errors`, keyed by its line number.
+
+BATCH_VALIDATING, BATCH_IN_PROGRESS, BATCH_FINALIZING = "validating", "in_progress", "finalizing"
+BATCH_COMPLETED, BATCH_FAILED, BATCH_EXPIRED = "completed", "failed", "expired"
+BATCH_CANCELLING, BATCH_CANCELLED = "cancelling", "cancelled"
+BATCH_TERMINAL = frozenset({BATCH_COMPLETED, BATCH_FAILED, BATCH_EXPIRED, BATCH_CANCELLED})
+
+FILE_PURPOSE_BATCH, FILE_PURPOSE_OUTPUT = "batch", "batch_output"
+MAX_FILE_BYTES = 100 * 1024 * 1024  # one upload; Redis keeps it in memory, so not OpenAI's 200 MB
+MAX_BATCH_LINES = 50_000  # requests in one input file (OpenAI's limit)
+MAX_LINE_BYTES = 1024 * 1024  # one request line: the live API's body limit
+FILE_TTL_SECONDS = 3 * 24 * 3600  # files hold prompt or output text: kept 3 days at most
+MAX_COMPLETION_WINDOW_SECONDS = 24 * 3600
+
+
+@dataclass
+class FileRecord:
+    """A file as stored in `keys.file(id)` (its bytes are in `keys.file_content(id)`)."""
+
+    id: str
+    bytes: int
+    filename: str
+    purpose: str
+    created_at: float = field(default_factory=time.time)
+    expires_at: float | None = None
+
+    def to_hash(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes | str, bytes | str]) -> FileRecord:
+        h = {_text(k): _text(v) for k, v in raw.items()}
+        return cls(
+            id=h["id"],
+            bytes=int(h["bytes"]),
+            filename=h.get("filename", ""),
+            purpose=h["purpose"],
+            created_at=float(h["created_at"]),
+            expires_at=_float(h.get("expires_at")),
+        )
+
+    def to_object(self) -> dict[str, Any]:
+        """OpenAI's file object."""
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": int(self.created_at),
+            "expires_at": None if self.expires_at is None else int(self.expires_at),
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+_BATCH_TIMES = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+_BATCH_COUNTS = ("total", "completed", "failed", "valid", "fed")
+_BATCH_TOKENS = ("input_tokens", "cached_tokens", "output_tokens")
+
+
+@dataclass
+class BatchRecord:
+    """A batch as stored in `keys.batch(id)`. `valid` lines run as jobs; `fed` of them
+    (in `keys.batch_lines` order) have been enqueued. `completed` / `failed` and the token
+    counts are incremented in Redis as lines are collected. `ending` is "expired" once
+    the driver is winding an overdue batch down."""
+
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    expires_at: float
+    created_at: float = field(default_factory=time.time)
+    status: str = BATCH_VALIDATING
+    model: str | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    in_progress_at: float | None = None
+    finalizing_at: float | None = None
+    completed_at: float | None = None
+    failed_at: float | None = None
+    expired_at: float | None = None
+    cancelling_at: float | None = None
+    cancelled_at: float | None = None
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    valid: int = 0
+    fed: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    metadata: dict[str, str] | None = None
+    errors: list[dict[str, Any]] | None = None
+    ending: str | None = None
+
+    def to_hash(self) -> dict[str, str]:
+        out = {}
+        for name, value in asdict(self).items():
+            if value is None:
+                continue
+            out[name] = json.dumps(value) if isinstance(value, dict | list) else str(value)
+        return out
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes | str, bytes | str]) -> BatchRecord:
+        h = {_text(k): _text(v) for k, v in raw.items()}
+        record = cls(
+            id=h["id"],
+            endpoint=h["endpoint"],
+            input_file_id=h["input_file_id"],
+            completion_window=h["completion_window"],
+            expires_at=float(h["expires_at"]),
+            created_at=float(h["created_at"]),
+            status=h.get("status", BATCH_VALIDATING),
+            model=h.get("model"),
+            output_file_id=h.get("output_file_id"),
+            error_file_id=h.get("error_file_id"),
+            metadata=json.loads(h["metadata"]) if "metadata" in h else None,
+            errors=json.loads(h["errors"]) if "errors" in h else None,
+            ending=h.get("ending"),
+        )
+        for name in _BATCH_TIMES:
+            setattr(record, name, _float(h.get(name)))
+        for name in _BATCH_COUNTS + _BATCH_TOKENS:
+            setattr(record, name, int(h.get(name, 0)))
+        return record
+
+    def to_object(self) -> dict[str, Any]:
+        """OpenAI's batch object."""
+        obj: dict[str, Any] = {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": int(self.created_at),
+            "in_progress_at": _int(self.in_progress_at),
+            "expires_at": _int(self.expires_at),
+            "finalizing_at": _int(self.finalizing_at),
+            "completed_at": _int(self.completed_at),
+            "failed_at": _int(self.failed_at),
+            "expired_at": _int(self.expired_at),
+            "cancelling_at": _int(self.cancelling_at),
+            "cancelled_at": _int(self.cancelled_at),
+            "request_counts": {
+                "total": self.total,
+                "completed": self.completed,
+                "failed": self.failed,
+            },
+            "usage": {
+                "input_tokens": self.input_tokens,
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.input_tokens + self.output_tokens,
+            },
+            "metadata": self.metadata,
+        }
+        return obj
+
+
+def batch_request_id(batch_id: str, line: int) -> str:
+    """The `id` of a line's record in the output or error file (stable across retries)."""
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
+
+
+def output_line(batch_id: str, line: int, custom_id: str, job_id: str, body: dict[str, Any]) -> str:
+    """One line of a batch's output file: the body the live endpoint would have returned."""
+    response = {"status_code": 200, "request_id": job_id, "body": body}
+    return _line(batch_id, line, custom_id, response, None)
+
+
+def error_line(
+    batch_id: str,
+    line: int,
+    custom_id: str | None,
+    code: str,
+    message: str,
+    response: dict[str, Any] | None = None,
+) -> str:
+    """One line of a batch's error file; `response` is set for a request that ran and
+    failed (`{"status_code", "request_id", "body": {"error": ...}}`), else None."""
+    return _line(batch_id, line, custom_id, response, {"code": code, "message": message})
+
+
+def _line(
+    batch_id: str,
+    line: int,
+    custom_id: str | None,
+    response: dict[str, Any] | None,
+    error: dict[str, Any] | None,
+) -> str:
+    record = {
+        "id": batch_request_id(batch_id, line),
+        "custom_id": custom_id,
+        "response": response,
+        "error": error,
+    }
+    return json.dumps(record, ensure_ascii=False)
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
