@@ -38,7 +38,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
     """Check the model and the context, then store and enqueue the job (or find its twin)."""
     conn = redis_conn()
     info = store.require_model(conn, req.model)
-    _check_context(req, info)
+    check_context(req, info)
     idem = request.headers.get("Idempotency-Key")
     scoped = None
     if idem is not None:
@@ -58,7 +58,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
     )
 
 
-def _check_context(req: Any, info: dict[str, Any]) -> None:
+def check_context(req: Any, info: dict[str, Any]) -> None:
     """max_tokens against the model's context; the worker checks prompt + max_tokens."""
     context = info.get("context_length")
     max_tokens = getattr(req, "effective_max_tokens", getattr(req, "max_tokens", None))
