@@ -1,8 +1,8 @@
 """The Flask application factory: `gunicorn -k gthread --threads 32 'api.app:create_app()'`.
 
-One blueprint per surface (`openai`, `jobs`, `ops`, `admin`, `ui`), one Redis client shared
-by every thread in `app.extensions["redis"]`, one error handler family (api.errors). This
-process never imports the engine: models live in worker processes.
+One blueprint per surface (`openai`, `jobs`, `files`, `batches`, `ops`, `admin`, `ui`), one
+Redis client shared by every thread in `app.extensions["redis"]`, one error handler family
+(api.errors). This process never imports the engine: models live in worker processes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
-from api import admin, jobs, metrics, openai_api, ops, ui
+from api import admin, batches, files, jobs, metrics, openai_api, ops, ui
 from api.config import from_env, make_redis, redis_conn
 from api.errors import register_error_handlers
 
@@ -35,7 +35,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     app.extensions["redis"] = client
 
     register_error_handlers(app)
-    for blueprint in (openai_api.bp, jobs.bp, ops.bp, admin.bp, ui.bp):
+    for blueprint in (openai_api.bp, jobs.bp, files.bp, batches.bp, ops.bp, admin.bp, ui.bp):
         app.register_blueprint(blueprint)
     app.before_request(_assign_request_id)
     app.after_request(_finish_request)

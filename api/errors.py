@@ -90,6 +90,25 @@ class JobNotFound(NotFound):
         super().__init__(f"No job with id {job_id!r} (it may have expired).", param="id")
 
 
+class FileNotFound(NotFound):
+    code = "file_not_found"
+
+    def __init__(self, file_id: str) -> None:
+        super().__init__(f"No file with id {file_id!r} (it may have expired).", param="file_id")
+
+
+class BatchNotFound(NotFound):
+    code = "batch_not_found"
+
+    def __init__(self, batch_id: str) -> None:
+        super().__init__(f"No batch with id {batch_id!r} (it may have expired).", param="batch_id")
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    code = "payload_too_large"
+
+
 class Conflict(APIError):
     status = 409
     code = "conflict"

@@ -9,7 +9,8 @@ bookkeeping with several executions open at once (`workers.executions`).
 
 Per step, one pipeline carries every job's new token events (each write fenced by the
 job's lease), their progress counters and the metrics, and reads every job's cancel flag.
-Leases are renewed every `lease_renew` seconds; a reaper requeues the jobs of dead workers.
+Leases are renewed every `lease_renew` seconds; a reaper requeues the jobs of dead workers,
+and the batch driver (`workers.batches`) moves offline batches on.
 SIGTERM drains (no new jobs, `grace` seconds for running ones, then checkpoint-and-requeue);
 a second SIGTERM or SIGINT checkpoints at once. A Redis outage pauses the loop, which
 reconnects with backoff and never exits; events not yet written are kept and written first.
@@ -36,7 +37,7 @@ from rq.suspension import is_suspended
 from rq.worker import WorkerStatus
 
 from runtime.registry import load_registry
-from workers import keys, metrics, scripts
+from workers import batches, keys, metrics, scripts
 from workers.config import WorkerConfig, serving
 from workers.errors import JobFailure, JobRefused, PoolFull
 from workers.events import read_progress, terminal_event
@@ -108,6 +109,7 @@ class LLMQWorker(ConcurrentWorker):
         self.pool = pool or EnginePool(config.pool, sources)
         self.batcher = Scheduler(self.pool, config.max_batch)
         self.reaper = Reaper(self.connection, self.name, self._lease_ms)
+        self.batch_driver = batches.BatchDriver(self.connection, self.name)
         info = WorkerInfo(
             name=self.name,
             pid=os.getpid(),
@@ -273,6 +275,8 @@ class LLMQWorker(ConcurrentWorker):
         if self._due_now("reap", self.config.reap_interval):
             for job_id in self.reaper.run():
                 log.info("worker %s: requeued abandoned job %s", self.name, job_id)
+        if self._due_now("batches", batches.TICK_SECONDS):
+            self.batch_driver.tick()  # offline batches: feed, collect, finalize (any worker)
         if self._due_now("suspension", SUSPENSION_CHECK_SECONDS):
             self._suspended = is_suspended(self.connection, self)
         if self._due_now("prune", PRUNE_SECONDS):

@@ -1,0 +1,247 @@
+"""Files and batches in Redis, as the API reads and writes them.
+
+Files live in Redis (not on a local disk) so that every API process and every worker can
+reach them: an upload answered by one gunicorn process is read by another when the batch
+is created, and the worker that finalizes a batch writes its output file where any API
+process can serve it. Every key that holds prompt or output text has a TTL
+(`FILE_TTL_SECONDS` for files; the completion window plus that for a batch's lines).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+
+from api.batch_lines import InvalidLine, ValidLine
+from api.errors import BatchNotFound, Conflict, FileNotFound
+from workers import keys
+from workers.protocol import (
+    BATCH_CANCELLING,
+    BATCH_FAILED,
+    BATCH_IN_PROGRESS,
+    BATCH_VALIDATING,
+    FILE_TTL_SECONDS,
+    BatchRecord,
+    FileRecord,
+    error_line,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_LIST_LIMIT = 10_000
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------- files
+
+
+def create_file(
+    conn: redis.Redis, data: bytes, filename: str, purpose: str, ttl: int = FILE_TTL_SECONDS
+) -> FileRecord:
+    now = time.time()
+    record = FileRecord(new_file_id(), len(data), filename, purpose, now, now + ttl)
+    with conn.pipeline() as pipe:
+        pipe.set(keys.file_content(record.id), data, ex=ttl)
+        pipe.hset(keys.file(record.id), mapping=record.to_hash())
+        pipe.expire(keys.file(record.id), ttl)
+        pipe.zadd(keys.FILES, {record.id: now})
+        pipe.execute()
+    log.info("file %s stored: %d bytes, purpose %s", record.id, record.bytes, purpose)
+    return record
+
+
+def get_file(conn: redis.Redis, file_id: str) -> FileRecord:
+    raw = conn.hgetall(keys.file(file_id)) if keys.is_valid_file_id(file_id) else {}
+    if not raw:
+        raise FileNotFound(file_id)
+    return FileRecord.from_hash(raw)
+
+
+def file_content(conn: redis.Redis, file_id: str) -> bytes:
+    get_file(conn, file_id)
+    data = conn.get(keys.file_content(file_id))
+    if data is None:
+        raise FileNotFound(file_id)
+    return data
+
+
+def delete_file(conn: redis.Redis, file_id: str) -> None:
+    get_file(conn, file_id)
+    with conn.pipeline() as pipe:
+        pipe.delete(keys.file(file_id), keys.file_content(file_id))
+        pipe.zrem(keys.FILES, file_id)
+        pipe.execute()
+    log.info("file %s deleted", file_id)
+
+
+def list_files(
+    conn: redis.Redis, limit: int, after: str | None, ascending: bool, purpose: str | None
+) -> tuple[list[FileRecord], bool]:
+    """A page of files (newest first unless `ascending`) and whether more follow."""
+
+    def keep(record: FileRecord) -> bool:
+        return purpose is None or record.purpose == purpose
+
+    return _page(conn, keys.FILES, keys.file, FileRecord.from_hash, keep, limit, after, ascending)
+
+
+# ---------------------------------------------------------------- batches
+
+
+def create_batch(
+    conn: redis.Redis,
+    endpoint: str,
+    input_file_id: str,
+    window: tuple[str, int],
+    metadata: dict[str, str] | None,
+    valid: Sequence[ValidLine],
+    invalid: Sequence[InvalidLine],
+    errors: list[dict[str, Any]] | None = None,
+) -> BatchRecord:
+    """Store a validated batch in one transaction: its record, its valid lines (for the
+    batch driver to feed) and the error records of its invalid lines. `errors` (file-level
+    problems) make it a failed batch that never runs."""
+    now = time.time()
+    text, seconds = window
+    record = BatchRecord(
+        id=new_batch_id(),
+        endpoint=endpoint,
+        input_file_id=input_file_id,
+        completion_window=text,
+        expires_at=now + seconds,
+        created_at=now,
+        model=valid[0].model if valid else None,
+        total=len(valid) + len(invalid),
+        failed=len(invalid),
+        valid=len(valid),
+        metadata=metadata,
+    )
+    if errors:
+        record.status, record.failed_at, record.errors = BATCH_FAILED, now, errors
+        record.total = record.failed = record.valid = 0
+    ttl = seconds + FILE_TTL_SECONDS
+    bid = record.id
+    with conn.pipeline() as pipe:
+        pipe.hset(keys.batch(bid), mapping=record.to_hash())
+        pipe.expire(keys.batch(bid), ttl)
+        pipe.zadd(keys.BATCHES, {bid: now})
+        if not errors:
+            if valid:
+                pipe.rpush(keys.batch_lines(bid), *[v.line for v in valid])
+                pipe.hset(keys.batch_requests(bid), mapping={v.line: v.to_json() for v in valid})
+            if invalid:
+                lines = {
+                    bad.line: error_line(bid, bad.line, bad.custom_id, bad.code, bad.message)
+                    for bad in invalid
+                }
+                pipe.hset(keys.batch_errors(bid), mapping=lines)
+            for key in (keys.batch_lines(bid), keys.batch_requests(bid), keys.batch_errors(bid)):
+                pipe.expire(key, ttl)
+            pipe.sadd(keys.BATCHES_ACTIVE, bid)
+        pipe.execute()
+    log.info(
+        "batch %s created: endpoint %s, %d lines valid, %d invalid, window %s",
+        bid,
+        endpoint,
+        len(valid),
+        len(invalid),
+        text,
+    )
+    return record
+
+
+def get_batch(conn: redis.Redis, batch_id: str) -> BatchRecord:
+    raw = conn.hgetall(keys.batch(batch_id)) if keys.is_valid_batch_id(batch_id) else {}
+    if not raw:
+        raise BatchNotFound(batch_id)
+    return BatchRecord.from_hash(raw)
+
+
+def cancel_batch(conn: redis.Redis, batch_id: str) -> BatchRecord:
+    """Mark the batch cancelling; the batch driver stops its jobs and finalizes it."""
+    get_batch(conn, batch_id)
+    with conn.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(keys.batch(batch_id))
+                record = BatchRecord.from_hash(pipe.hgetall(keys.batch(batch_id)))
+                if record.status == BATCH_CANCELLING:
+                    pipe.unwatch()
+                    return record
+                if record.status not in (BATCH_VALIDATING, BATCH_IN_PROGRESS):
+                    pipe.unwatch()
+                    raise Conflict(
+                        f"Cannot cancel a batch with status {record.status!r}.",
+                        code="batch_not_cancellable",
+                    )
+                record.status, record.cancelling_at = BATCH_CANCELLING, time.time()
+                pipe.multi()
+                pipe.hset(
+                    keys.batch(batch_id),
+                    mapping={"status": record.status, "cancelling_at": str(record.cancelling_at)},
+                )
+                pipe.sadd(keys.BATCHES_ACTIVE, batch_id)
+                pipe.execute()
+                log.info("batch %s: cancelling", batch_id)
+                return record
+            except redis.WatchError:
+                continue
+
+
+def list_batches(
+    conn: redis.Redis, limit: int, after: str | None
+) -> tuple[list[BatchRecord], bool]:
+    return _page(
+        conn, keys.BATCHES, keys.batch, BatchRecord.from_hash, lambda _: True, limit, after, False
+    )
+
+
+def _page(
+    conn: redis.Redis,
+    index: str,
+    key: Callable[[str], str],
+    parse: Callable[[dict], Any],
+    keep: Callable[[Any], bool],
+    limit: int,
+    after: str | None,
+    ascending: bool,
+) -> tuple[list[Any], bool]:
+    """Cursor pagination over an index sorted set; ids whose hash expired are pruned."""
+    ids = [_text(i) for i in (conn.zrange if ascending else conn.zrevrange)(index, 0, -1)]
+    if after is not None:
+        ids = ids[ids.index(after) + 1 :] if after in ids else []
+    found: list[Any] = []
+    gone: list[str] = []
+    for start in range(0, len(ids), 100):
+        chunk = ids[start : start + 100]
+        with conn.pipeline(transaction=False) as pipe:
+            for item in chunk:
+                pipe.hgetall(key(item))
+            for item, raw in zip(chunk, pipe.execute(), strict=True):
+                if not raw:
+                    gone.append(item)
+                    continue
+                record = parse(raw)
+                if keep(record):
+                    found.append(record)
+        if len(found) > limit:
+            break
+    if gone:
+        conn.zrem(index, *gone)
+    return found[:limit], len(found) > limit
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

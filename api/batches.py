@@ -1,0 +1,141 @@
+"""The `batches` blueprint: OpenAI's Batch API (create, retrieve, list, cancel).
+
+Creating a batch validates every line of its input file here, in the request (a few
+seconds for 50,000 lines), and stores the batch in one transaction: an API process that
+dies half-way leaves no half-made batch. From then on the batch belongs to the workers'
+batch driver (`workers.batches`), so it does not depend on any API process staying alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request
+
+from api import batch_store, store
+from api.auth import require_api_key
+from api.batch_lines import validate_lines
+from api.body import json_object
+from api.config import redis_conn
+from api.errors import InvalidRequest
+from api.files import int_arg
+from workers.protocol import ENDPOINTS, FILE_PURPOSE_BATCH, MAX_COMPLETION_WINDOW_SECONDS
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("batches", __name__, url_prefix="/v1/batches")
+bp.before_request(require_api_key)
+
+CREATE_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata")
+WINDOW = re.compile(r"^([1-9][0-9]{0,5})([smh])$")
+UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+@bp.post("")
+def create_batch() -> Response:
+    body = json_object()
+    unknown = sorted(set(body) - set(CREATE_FIELDS) - {"output_expires_after"})
+    if unknown:
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0]
+        )
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequest(
+            f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}.", param="endpoint"
+        )
+    window = parse_window(body.get("completion_window"))
+    metadata = _metadata(body.get("metadata"))
+    file_id = body.get("input_file_id")
+    if not isinstance(file_id, str):
+        raise InvalidRequest("input_file_id is required (a file id).", param="input_file_id")
+    conn = redis_conn()
+    record = batch_store.get_file(conn, file_id)
+    if record.purpose != FILE_PURPOSE_BATCH:
+        raise InvalidRequest(
+            f"input_file_id must be a file with purpose 'batch', got {record.purpose!r}.",
+            param="input_file_id",
+        )
+    content = batch_store.file_content(conn, file_id)
+    valid, invalid = validate_lines(content, endpoint, _models(conn))
+    errors = None
+    if not valid and not invalid:
+        errors = [_file_error("empty_file", "The input file has no requests.")]
+    batch = batch_store.create_batch(
+        conn, endpoint, file_id, window, metadata, valid, invalid, errors
+    )
+    return jsonify(batch.to_object())
+
+
+def parse_window(value: Any) -> tuple[str, int]:
+    """`completion_window` as (text, seconds): OpenAI's "24h", or any shorter N s|m|h."""
+    match = WINDOW.match(value) if isinstance(value, str) else None
+    seconds = int(match.group(1)) * UNIT_SECONDS[match.group(2)] if match else 0
+    if not match or seconds > MAX_COMPLETION_WINDOW_SECONDS:
+        raise InvalidRequest(
+            f"completion_window must be '24h' (or a shorter duration such as '30m'), "
+            f"got {value!r}.",
+            param="completion_window",
+        )
+    return value, seconds
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    ok = isinstance(value, dict) and len(value) <= MAX_METADATA_PAIRS
+    ok = ok and all(
+        isinstance(k, str)
+        and isinstance(v, str)
+        and len(k) <= MAX_METADATA_KEY
+        and len(v) <= MAX_METADATA_VALUE
+        for k, v in value.items()
+    )
+    if not ok:
+        raise InvalidRequest(
+            f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs "
+            f"(keys up to {MAX_METADATA_KEY} characters, values up to {MAX_METADATA_VALUE}).",
+            param="metadata",
+        )
+    return value
+
+
+def _models(conn: Any) -> dict[str, dict[str, Any]]:
+    """Models a line may name: those workers published, and any a live worker serves."""
+    models = store.known_models(conn)
+    for model in store.served_models(store.live_workers(conn)):
+        models.setdefault(model, {})
+    return models
+
+
+def _file_error(code: str, message: str) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": "input_file_id", "line": None}
+
+
+@bp.get("")
+def list_batches() -> Response:
+    limit = int_arg("limit", 20, 1, 100)
+    records, more = batch_store.list_batches(redis_conn(), limit, request.args.get("after"))
+    data = [r.to_object() for r in records]
+    return jsonify(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
+
+
+@bp.get("/<batch_id>")
+def get_batch(batch_id: str) -> Response:
+    return jsonify(batch_store.get_batch(redis_conn(), batch_id).to_object())
+
+
+@bp.post("/<batch_id>/cancel")
+def cancel_batch(batch_id: str) -> Response:
+    return jsonify(batch_store.cancel_batch(redis_conn(), batch_id).to_object())
