@@ -6,14 +6,17 @@ with one matmul. A sequence holds a block table; attention walks its maximal run
 consecutive blocks (usually one or two: a shared cached prefix, then its own blocks), so
 paging costs a few extra small ops instead of a gather of the whole cache per layer.
 
-The arrays are allocated once with `np.empty`, so the operating system backs only the pages
-that blocks have been written to: resident KV memory grows with the tokens in use (lowest
-free blocks are handed out first), not with max context x max sequences.
+The arrays are anonymous memory maps with transparent huge pages turned off, so the
+operating system backs only the 4 KiB pages that blocks have been written to: resident KV
+memory grows with the tokens in use (lowest free blocks are handed out first), not with
+max context x max sequences. (numpy asks for huge pages on large arrays; with the keys'
+transposed layout one token would then make whole 2 MiB pages of every row resident.)
 """
 
 from __future__ import annotations
 
 import heapq
+import mmap
 from collections.abc import Iterable
 
 import numpy as np
@@ -43,10 +46,8 @@ class BlockPool:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.n_blocks, self.block_size = n_blocks, block_size
         tokens = n_blocks * block_size
-        self.keys = [np.empty((n_kv_heads, head_dim, tokens), np.float32) for _ in range(n_layers)]
-        self.values = [
-            np.empty((n_kv_heads, tokens, head_dim), np.float32) for _ in range(n_layers)
-        ]
+        self.keys = [_lazy_array((n_kv_heads, head_dim, tokens)) for _ in range(n_layers)]
+        self.values = [_lazy_array((n_kv_heads, tokens, head_dim)) for _ in range(n_layers)]
         self.refcount = np.zeros(n_blocks, np.int32)
         self._free = list(range(n_blocks))  # a heap: lowest ids first keeps touched pages dense
         self._free_set = set(self._free)
@@ -99,6 +100,14 @@ class BlockPool:
                 self._free_set.discard(block)
                 return block
         raise OutOfBlocksError(f"all {self.n_blocks} KV blocks are in use")
+
+
+def _lazy_array(shape: tuple[int, ...]) -> np.ndarray:
+    """float32 zeros backed by an anonymous map: pages become resident when first written."""
+    buffer = mmap.mmap(-1, int(np.prod(shape)) * 4)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buffer, np.float32).reshape(shape)
 
 
 class PagedKVCache:
