@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from api.batch_cli import add_batch_commands
 from api.cli import add_api_commands
 from runtime.cli import add_runtime_commands
 from runtime.errors import LLMQRuntimeError
@@ -138,6 +139,7 @@ COMMAND_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_worker_commands,
     add_api_commands,
     add_serve_commands,
+    add_batch_commands,
 )
 
 
