@@ -196,3 +196,17 @@ def test_step_token_budget_bounds_prefill(tiny_llama_path):
 def _dims(engine: Engine) -> tuple[int, int, int]:
     shape = engine.model.new_cache(0)
     return shape.n_layers, shape.n_kv_heads, shape.head_dim
+
+
+def test_pool_memory_is_resident_only_where_blocks_were_written():
+    psutil = pytest.importorskip("psutil")
+    process = psutil.Process()
+    before = process.memory_info().rss
+    pool = BlockPool(n_layers=30, n_kv_heads=3, head_dim=64, n_blocks=10_000)  # ~7 GiB mapped
+    cache = PagedKVCache(pool)
+    cache.reserve(BLOCK_SIZE)
+    token = np.ones((1, 3, 64), np.float32)
+    for layer in range(30):
+        cache.update_and_fetch(layer, 0, token, token)
+    grown = process.memory_info().rss - before
+    assert grown < 64 * 2**20, f"writing one token made {grown / 2**20:.0f} MiB resident"
