@@ -1,5 +1,7 @@
 """`llmq generate` and `llmq models`: the engine in-process, no Redis.
 
+`add_runtime_commands` adds them to the `llmq` parser (workers/cli.py builds the whole CLI).
+
 Only generated text goes to stdout (streamed as it is produced), so the output can be piped;
 `--stats` adds one JSON line on stderr. Errors a user can cause print one line, no traceback.
 """
@@ -10,7 +12,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
 
 from runtime.errors import LLMQRuntimeError
 from runtime.registry import DEFAULT_MODEL, load_registry
@@ -110,29 +111,3 @@ def run_models(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3])
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmq", description="Serve GGUF language models through a Redis job queue."
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_runtime_commands(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except LLMQRuntimeError as exc:
-        print(f"llmq: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

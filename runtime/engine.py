@@ -54,13 +54,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(gguf_file.metadata)
         self.model = load_model(gguf_file)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
-        cache_shape = self.model.new_cache(0)
-        self.kv_pool = BlockPool.for_budget(
-            cache_shape.n_layers,
-            cache_shape.n_kv_heads,
-            cache_shape.head_dim,
-            self.config.kv_memory_mb * 2**20,
-        )
+        self.kv_pool = BlockPool.for_budget(*self.model.kv_shape, self.config.kv_memory_mb * 2**20)
         self.prefix_cache = (
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )

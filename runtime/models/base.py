@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -190,6 +191,46 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     np.divide(gate, out, out=out)
     out *= up
     return out
+
+
+class DecoderModel:
+    """What every architecture shares around its layers: the cache it needs, the LM head
+    (`output`, which is `embed` when tied), and its size. Subclasses set `args` (with
+    n_layers, n_kv_heads, head_dim, context_length), `embed`, `output`, `norm`, `layers`."""
+
+    args: Any
+    embed: np.ndarray  # [V, D]
+    output: np.ndarray  # [V, D]
+    norm: np.ndarray
+    layers: list[Any]
+
+    @property
+    def context_length(self) -> int:
+        return self.args.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.output.shape[0]
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim): what a KV cache of this model holds per token."""
+        return self.args.n_layers, self.args.n_kv_heads, self.args.head_dim
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        return KVCache(*self.kv_shape, max_tokens)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return hidden @ self.output.T  # [N, D] -> [N, V]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of float32 weights (a tied head counted once)."""
+        arrays = {id(a): a for a in (self.embed, self.output, self.norm)}
+        for layer in self.layers:
+            for weight in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down_t):
+                arrays[id(weight)] = weight
+        return sum(a.nbytes for a in arrays.values())
 
 
 def pack_linear(parts: list[np.ndarray], input_scale: np.ndarray | None = None) -> np.ndarray:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.gguf_file import GGUFFile
-from runtime.kv_cache import KVCache
 from runtime.models.base import (
     BatchLayout,
+    DecoderModel,
     apply_rope,
     attend,
     gelu_tanh_mul,
@@ -112,29 +112,17 @@ class Gemma3Layer:
         return gelu_tanh_mul(gate, up) @ self.w_down_t.T  # [T, F] -> [T, D]
 
 
-class Gemma3Model:
+class Gemma3Model(DecoderModel):
     """The whole decoder; `forward` returns final-normed hidden states, `logits` projects."""
 
     def __init__(self, f: GGUFFile) -> None:
         self.args = a = Gemma3Args.from_gguf(f)
-        self.embed = f.tensor("token_embd.weight")  # [V, D], tied output head
+        self.embed = self.output = f.tensor("token_embd.weight")  # [V, D], tied output head
         self.norm = f.tensor("output_norm.weight")
         self.embed_scale = np.float32(np.sqrt(a.dim))
         self.global_inv_freq = rope_inv_freq(a.head_dim, a.rope_base)
         self.local_inv_freq = rope_inv_freq(a.head_dim, a.local_rope_base)
         self.layers = [Gemma3Layer(f, i, a) for i in range(a.n_layers)]
-
-    @property
-    def context_length(self) -> int:
-        return self.args.context_length
-
-    @property
-    def vocab_size(self) -> int:
-        return self.embed.shape[0]
-
-    def new_cache(self, max_tokens: int) -> KVCache:
-        a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_tokens)
 
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray:
         x = self.embed[tokens] * self.embed_scale  # [T] -> [T, D]
@@ -147,13 +135,3 @@ class Gemma3Model:
             x = layer(x, layout, ropes)
         layout.commit()
         return rms_norm(x, self.norm, self.args.norm_eps)
-
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return hidden @ self.embed.T  # [N, D] -> [N, V]
-
-    @property
-    def nbytes(self) -> int:
-        arrays = [self.embed, self.norm]
-        for layer in self.layers:
-            arrays += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down_t]
-        return sum(a.nbytes for a in arrays)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.gguf_file import GGUFFile
-from runtime.kv_cache import KVCache
 from runtime.models.base import (
     BatchLayout,
+    DecoderModel,
     apply_rope,
     attend,
     pack_linear,
@@ -107,7 +107,7 @@ class LlamaLayer:
         return silu_mul(gate, up) @ self.w_down_t.T  # [T, F] -> [T, D]
 
 
-class LlamaModel:
+class LlamaModel(DecoderModel):
     """The whole decoder; `forward` returns final-normed hidden states, `logits` projects."""
 
     def __init__(self, f: GGUFFile) -> None:
@@ -119,18 +119,6 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(a.n_rot, a.rope_base, factors)
         self.layers = [LlamaLayer(f, i, a) for i in range(a.n_layers)]
 
-    @property
-    def context_length(self) -> int:
-        return self.args.context_length
-
-    @property
-    def vocab_size(self) -> int:
-        return self.output.shape[0]
-
-    def new_cache(self, max_tokens: int) -> KVCache:
-        a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_tokens)
-
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray:
         x = self.embed[tokens]  # [T] -> [T, D]
         rope = rope_tables(layout.positions(), self.inv_freq, self.args.rope_scale)
@@ -138,13 +126,3 @@ class LlamaModel:
             x = layer(x, layout, rope)
         layout.commit()
         return rms_norm(x, self.norm, self.args.norm_eps)
-
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return hidden @ self.output.T  # [N, D] -> [N, V]
-
-    @property
-    def nbytes(self) -> int:
-        arrays = [self.embed, self.norm] + ([] if self.output is self.embed else [self.output])
-        for layer in self.layers:
-            arrays += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down_t]
-        return sum(a.nbytes for a in arrays)

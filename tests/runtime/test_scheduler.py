@@ -55,14 +55,13 @@ def test_pool_hands_out_consecutive_blocks_and_counts_references():
 
 def test_paged_cache_equals_contiguous_cache_even_when_fragmented(engine):
     model = engine.model
-    shape = model.new_cache(0)
-    pool = BlockPool(shape.n_layers, shape.n_kv_heads, shape.head_dim, n_blocks=16)
+    pool = BlockPool(*model.kv_shape, n_blocks=16)
     blockers = [pool.allocate() for _ in range(3)]
     paged = PagedKVCache(pool)
     paged.reserve(BLOCK_SIZE)  # block 3
     pool.allocate()  # block 4 taken: the next block of `paged` cannot be consecutive
     tokens = np.asarray(_tokens(40, seed=1, vocab=model.vocab_size))
-    contiguous = KVCache(shape.n_layers, shape.n_kv_heads, shape.head_dim, 64)
+    contiguous = KVCache(*model.kv_shape, 64)
     expected = model.logits(model.forward(tokens, BatchLayout([SequenceChunk(contiguous, 0, 40)])))
     paged.reserve(30)
     got = model.logits(model.forward(tokens[:30], BatchLayout([SequenceChunk(paged, 0, 30)])))
@@ -139,7 +138,7 @@ def test_preemption_when_kv_memory_runs_out_keeps_every_output_exact(tiny_model_
     expected = _run_all(roomy.new_batch(), requests)
     tight = Engine.load(str(tiny_model_path))
     # 12 blocks = 192 tokens: not enough for four sequences of ~50-60 tokens at once
-    tight.kv_pool = BlockPool(*_dims(tight), n_blocks=12)
+    tight.kv_pool = BlockPool(*tight.model.kv_shape, n_blocks=12)
     tight.prefix_cache = PrefixCache(tight.kv_pool, "tight")
     batch = tight.new_batch()
     got = _run_all(batch, requests)
@@ -191,11 +190,6 @@ def test_step_token_budget_bounds_prefill(tiny_llama_path):
         batch.step()
         steps += 1
     assert steps == 4  # 35 prompt tokens in chunks of at most 10
-
-
-def _dims(engine: Engine) -> tuple[int, int, int]:
-    shape = engine.model.new_cache(0)
-    return shape.n_layers, shape.n_kv_heads, shape.head_dim
 
 
 def test_pool_memory_is_resident_only_where_blocks_were_written():
