@@ -66,8 +66,8 @@ log = logging.getLogger("llmq.batches")
 
 TICK_SECONDS = 0.5  # how often each worker tries to run the driver
 LOCK_MS = 15_000  # a driver that dies holding the lock delays the others this long at most
-QUEUE_DEPTH = 64  # batch jobs kept waiting per model's batch queue
-FEED_CHUNK = 32  # lines enqueued per transaction
+QUEUE_DEPTH = 256  # batch jobs kept waiting per model's batch queue (feeds <= 512 lines/s)
+FEED_CHUNK = 64  # lines enqueued per transaction
 RQ_JOB_TIMEOUT_SECONDS = 3600
 ENDINGS = {BATCH_CANCELLED: "batch_cancelled", BATCH_EXPIRED: "batch_expired"}
 ENDING_MESSAGES = {
