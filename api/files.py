@@ -78,7 +78,7 @@ def _check_jsonl(data: bytes) -> None:
             code="invalid_file",
         ) from None
     count = 0
-    for count, _ in enumerate(numbered_lines(data), start=1):  # noqa: B007
+    for count, _ in enumerate(numbered_lines(data), start=1):
         if count > MAX_BATCH_LINES:
             raise InvalidRequest(
                 f"The file has more than {MAX_BATCH_LINES} lines; split it into several batches.",
