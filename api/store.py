@@ -23,6 +23,7 @@ from rq.serializers import JSONSerializer
 from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
 from workers import keys
 from workers.protocol import (
+    AFFINITY_MAX_QUEUED,
     CANCEL_FLAG_TTL_SECONDS,
     CANCELLED,
     EVENT_ERROR,
@@ -34,6 +35,7 @@ from workers.protocol import (
     WorkerInfo,
     cancelled_error,
     encode_event,
+    prefix_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -123,25 +125,34 @@ def require_record(conn: redis.Redis, job_id: str) -> JobRecord:
     return record
 
 
-def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> None:
-    """Write the record and put its id on the model's RQ queue, atomically.
+def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
+    """Write the record and put its id on one of the model's RQ queues, atomically; returns
+    the queue's name.
 
-    The depth check and the push happen in one WATCHed transaction, so concurrent submits
-    from any number of API processes never push a queue past `max_queue` (RELIABILITY F10),
-    and a job id is on a queue only if its record exists.
+    A job whose prompt prefix a worker holds waits on that worker's own queue while it has
+    room (`_affine_queue`; see `workers.affinity`), any other on the shared queue; for RQ it
+    is a job of the shared queue either way. The depth check counts every queue of the model
+    and kind, and it and the push happen in one WATCHed transaction, so concurrent submits
+    from any number of API processes never push past `max_queue` (RELIABILITY F10), and a
+    job id is on a queue only if its record exists.
     """
-    queue = rq_queue(conn, record.model, record.kind)
+    shared = rq_queue(conn, record.model, record.kind)
+    affine, room = _affine_queue(conn, record)
     with conn.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(queue.key)
-                depth = pipe.llen(queue.key)
+                queue_keys = _queue_keys(conn, record, affine)
+                pipe.watch(Queue.redis_queues_keys, *queue_keys)  # a new own queue counts too
+                depths = _depths(conn, queue_keys)
+                depth = sum(depths.values())
                 if max_queue > 0 and depth >= max_queue:
-                    raise QueueFull(queue.name, depth)
+                    raise QueueFull(shared.name, depth)
+                own = affine if affine is not None and depths[affine.key] < room else None
+                record.queue = None if own is None else own.name
                 pipe.multi()
                 pipe.hset(keys.job(record.id), mapping=record.to_hash())
                 pipe.expire(keys.job(record.id), JOB_TTL_SECONDS)
-                queue.enqueue_call(
+                shared.enqueue_call(
                     func=JOB_FUNCTION,
                     args=[record.id],
                     job_id=record.id,
@@ -152,11 +163,61 @@ def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> None:
                     failure_ttl=JOB_TTL_SECONDS,
                     pipeline=pipe,
                 )
+                if own is not None:  # from the shared queue's tail to the own queue, unseen
+                    pipe.lrem(shared.key, -1, record.id)
+                    pipe.rpush(own.key, record.id)
+                    pipe.sadd(Queue.redis_queues_keys, own.key)  # where reapers find it
                 pipe.hincrby(keys.METRIC_JOBS, QUEUED, 1)
                 pipe.execute()
-                return
+                return (own or shared).name
             except redis.WatchError:
                 continue
+
+
+def _affine_queue(conn: redis.Redis, record: JobRecord) -> tuple[Queue | None, int]:
+    """The own queue of the worker that last ran this job's prompt prefix, and how many jobs
+    may wait there (so it can start them now); (None, 0) when that worker is unknown, gone,
+    draining or does not serve the queue."""
+    if record.kind != keys.INTERACTIVE:
+        return None, 0
+    digest = prefix_digest(record.endpoint, record.request)
+    if digest is None:
+        return None, 0
+    owner = conn.get(keys.affinity(record.model, digest))
+    if owner is None:
+        return None, 0
+    name = keys.personal_queue_name(record.model, _text(owner))
+    try:
+        info = WorkerInfo.from_hash(conn.hgetall(keys.worker(_text(owner))))
+    except (KeyError, ValueError):  # no hash (KeyError: name) or a malformed one
+        return None, 0
+    if not info.takes_own_queue(name):
+        return None, 0
+    room = AFFINITY_MAX_QUEUED
+    if info.max_batch > 0:  # beyond its batch a job would wait there while others idle
+        room = min(room, info.max_batch - len(info.current_jobs))
+    return Queue(name, connection=conn, serializer=JSONSerializer), room
+
+
+def _queue_keys(conn: redis.Redis, record: JobRecord, affine: Queue | None) -> list[str]:
+    """Keys of every queue that holds the model's jobs of this kind: the shared one and the
+    workers' own ones (from RQ's set of queues), and `affine`'s."""
+    found = {rq_queue(conn, record.model, record.kind).key}
+    if affine is not None:
+        found.add(affine.key)
+    if record.kind == keys.INTERACTIVE:
+        own = Queue(keys.personal_queue_name(record.model, ""), connection=conn).key
+        found |= {
+            k for k in map(_text, conn.smembers(Queue.redis_queues_keys)) if k.startswith(own)
+        }
+    return sorted(found)
+
+
+def _depths(conn: redis.Redis, queue_keys: list[str]) -> dict[str, int]:
+    with conn.pipeline(transaction=False) as pipe:
+        for key in queue_keys:
+            pipe.llen(key)
+        return dict(zip(queue_keys, pipe.execute(), strict=True))
 
 
 def idempotency_key(scope: str, key: str) -> str:
@@ -191,16 +252,17 @@ def submit(
                 )
             return Submission(existing, created=False)
     try:
-        enqueue(conn, record, max_queue)
+        queue_name = enqueue(conn, record, max_queue)
     except BaseException:
         if idempotency is not None:
             conn.delete(idempotency)  # the first attempt failed: let a retry create the job
         raise
     log.info(
-        "job %s queued: endpoint=%s model=%s request_chars=%d",
+        "job %s queued: endpoint=%s model=%s queue=%s request_chars=%d",
         record.id,
         endpoint,
         model,
+        queue_name,
         len(json.dumps(request)),
     )
     return Submission(record, created=True)
@@ -237,10 +299,20 @@ def cancel(conn: redis.Redis, job_id: str) -> JobRecord:
         raise Conflict(f"Job {job_id} is already {record.status}.", code="job_finished")
     conn.set(keys.job_cancel(job_id), "1", ex=CANCEL_FLAG_TTL_SECONDS)
     if record.status == QUEUED:
-        queue = rq_queue(conn, record.model, record.kind)
-        if conn.lrem(queue.key, 1, job_id):
-            _mark_cancelled(conn, record)
+        for queue_key in _waiting_on(conn, record):
+            if conn.lrem(queue_key, 1, job_id):
+                _mark_cancelled(conn, record)
+                break
     return record
+
+
+def _waiting_on(conn: redis.Redis, record: JobRecord) -> list[str]:
+    """Keys of the queues a queued job may be on: the worker's own queue it was routed to,
+    if any, then the shared one (jobs only ever move from an own queue to the shared one)."""
+    shared = rq_queue(conn, record.model, record.kind).key
+    if record.queue is None:
+        return [shared]
+    return [Queue(record.queue, connection=conn).key, shared]
 
 
 def _mark_cancelled(conn: redis.Redis, record: JobRecord) -> None:

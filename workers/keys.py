@@ -18,7 +18,12 @@ Layout:
 - `llmq:idempotency:{key}`   string job id, for `Idempotency-Key` resubmits
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
                              (the `METRIC_*` names below; no TTL, never any prompt text)
-- RQ queues `llmq-{model}-interactive` and `llmq-{model}-batch`
+- `llmq:affinity:{model}:{digest}` string: the worker that last ran a request with this
+                             `protocol.prefix_digest` (TTL `protocol.AFFINITY_TTL_SECONDS`)
+- RQ queues `llmq-{model}-interactive` and `llmq-{model}-batch` (shared by every worker that
+  serves the model), and `llmq-{model}-interactive@{worker}`: that worker's own queue, where
+  the API routes jobs whose prefix it holds (`workers.affinity`); for RQ those are still
+  jobs of the shared queue (their origin), the own queue only decides who takes them
 
 Offline batches (OpenAI's Files and Batch APIs; `workers.protocol` has the record types):
 - `llmq:file:{id}`            hash: a file's metadata (`workers.protocol.FileRecord`)
@@ -44,6 +49,7 @@ PREFIX = "llmq"
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # RQ's own id alphabet, bounded
 INTERACTIVE, BATCH = "interactive", "batch"
 QUEUE_KINDS = (INTERACTIVE, BATCH)  # workers serve them in this order
+OWNER_SEPARATOR = "@"  # between a queue's name and its worker in `personal_queue_name`
 
 # Lua scripts that learn a job id inside Redis build its keys from these parts, so the
 # layout is still named only here: job(id) == JOB_KEY_PREFIX + id, job_lease(id) ==
@@ -144,6 +150,12 @@ def is_valid_batch_id(batch_id: str) -> bool:
     return bool(BATCH_ID_PATTERN.match(batch_id))
 
 
+def affinity(model: str, digest: str) -> str:
+    """Which worker holds a prompt prefix: one key per digest, so each entry has its own TTL
+    and the set of them needs no size bookkeeping."""
+    return f"{PREFIX}:affinity:{model}:{digest}"
+
+
 def metric(name: str) -> str:
     return f"{PREFIX}:metrics:{name}"
 
@@ -166,10 +178,35 @@ def queue_name(model: str, kind: str = INTERACTIVE) -> str:
     return f"{PREFIX}-{model}-{kind}"
 
 
+def personal_queue_name(model: str, worker: str) -> str:
+    """A worker's own interactive queue for a model: served before the shared one."""
+    return f"{queue_name(model, INTERACTIVE)}{OWNER_SEPARATOR}{worker}"
+
+
 def parse_queue_name(name: str) -> tuple[str, str]:
-    """(model, kind) of a queue named by `queue_name`; ValueError for any other name."""
+    """(model, kind) of a queue named by `queue_name` or `personal_queue_name`; ValueError
+    for any other name."""
+    base, _ = _split_owner(name)
     for kind in QUEUE_KINDS:
         head, suffix = f"{PREFIX}-", f"-{kind}"
-        if name.startswith(head) and name.endswith(suffix) and len(name) > len(head + suffix):
-            return name[len(head) : -len(suffix)], kind
+        if base.startswith(head) and base.endswith(suffix) and len(base) > len(head + suffix):
+            return base[len(head) : -len(suffix)], kind
     raise ValueError(f"not an llmq queue name (llmq-{{model}}-{{kind}}): {name!r}")
+
+
+def queue_owner(name: str) -> str | None:
+    """The worker whose own queue this is, or None for a shared queue."""
+    return _split_owner(name)[1]
+
+
+def shared_queue_name(name: str) -> str:
+    """The shared queue of the model and kind of any llmq queue (itself if shared)."""
+    return queue_name(*parse_queue_name(name))
+
+
+def _split_owner(name: str) -> tuple[str, str | None]:
+    marker = f"-{INTERACTIVE}{OWNER_SEPARATOR}"
+    at = name.find(marker)
+    if at < 0 or at + len(marker) == len(name):
+        return name, None
+    return name[: at + len(marker) - 1], name[at + len(marker) :]

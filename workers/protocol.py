@@ -41,6 +41,7 @@ then failed with a 500 instead of being retried forever.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -73,6 +74,10 @@ LEASE_RENEW_SECONDS = 2
 WORKER_HEARTBEAT_SECONDS = 5  # a worker rewrites its hash this often ...
 WORKER_TTL_SECONDS = 15  # ... with this TTL; a missing or stale hash means a dead worker
 CANCEL_FLAG_TTL_SECONDS = 3600  # keys.job_cancel lives this long once set
+AFFINITY_TTL_SECONDS = 600  # a keys.affinity entry; a worker's prefix cache may evict sooner
+AFFINITY_MAX_QUEUED = 4  # jobs waiting in one worker's own queue before the rest go shared
+PREFIX_DIGEST_CHARS = 1000  # of a prompt's head that another prompt may share ...
+PREFIX_DIGEST_MIN_CHARS = 200  # ... and below which routing for a cache hit does not pay
 
 # Histogram buckets shared by workers (which write) and the API (which renders /metrics).
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -99,6 +104,7 @@ class JobRecord:
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     batch_id: str | None = None  # set for the requests of an offline batch
+    queue: str | None = None  # a worker's own queue the API routed it to (prefix affinity)
 
     def to_hash(self) -> dict[str, str]:
         """Every field as a string (JSON for structured values); None fields are omitted."""
@@ -129,6 +135,7 @@ class JobRecord:
             result=json.loads(h["result"]) if "result" in h else None,
             error=json.loads(h["error"]) if "error" in h else None,
             batch_id=h.get("batch_id"),
+            queue=h.get("queue"),
         )
 
 
@@ -136,6 +143,53 @@ def response_id(endpoint: str, job_id: str) -> str:
     """The `id` of a job's response body and of its stream chunks (the same for both)."""
     prefix = {CHAT_COMPLETIONS: "chatcmpl", COMPLETIONS: "cmpl"}.get(endpoint, "embd")
     return f"{prefix}-{job_id}"
+
+
+def prefix_digest(endpoint: str, request: dict[str, Any]) -> str | None:
+    """A short hash of the part of a request that later requests are likely to share, so
+    the API can send them to the worker whose prefix cache holds it (`workers.affinity`).
+
+    Chat: the messages before the last user message (system prompt and history), or the
+    head of the first message when nothing comes before it. Completions: the head of the
+    prompt. None where routing would not pay: embeddings, lists of prompts, short prefixes.
+    """
+    if endpoint == CHAT_COMPLETIONS:
+        material = _chat_prefix(request.get("messages"))
+    elif endpoint == COMPLETIONS and isinstance(request.get("prompt"), str):
+        material = [["prompt", request["prompt"][:PREFIX_DIGEST_CHARS], None]]
+    else:
+        return None
+    if material is None or sum(len(text) for _, text, _ in material) < PREFIX_DIGEST_MIN_CHARS:
+        return None
+    # ensure_ascii (the default) keeps lone surrogates, which JSON bodies may carry, hashable
+    canonical = json.dumps([endpoint, material], separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def continuation_digest(endpoint: str, request: dict[str, Any], reply: str) -> str | None:
+    """The `prefix_digest` of this conversation's next turn, if the client sends `reply` back
+    as the assistant message (the worker's prefix cache then holds that whole history)."""
+    if endpoint != CHAT_COMPLETIONS or not isinstance(request.get("messages"), list):
+        return None
+    turn = [{"role": "assistant", "content": reply}, {"role": "user", "content": ""}]
+    return prefix_digest(endpoint, {"messages": [*request["messages"], *turn]})
+
+
+def _chat_prefix(messages: Any) -> list[list[Any]] | None:
+    """[role, content, name] of the messages before the last user message."""
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) for m in messages)
+    ):
+        return None
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    last = users[-1] if users else len(messages) - 1
+    shared = messages[:last] or [messages[0]]
+    out = [[m.get("role"), str(m.get("content") or ""), m.get("name")] for m in shared]
+    if not messages[:last]:
+        out[0][1] = out[0][1][:PREFIX_DIGEST_CHARS]
+    return out
 
 
 def cancelled_error() -> dict[str, Any]:
@@ -162,6 +216,7 @@ class WorkerInfo:
     pool: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)
+    max_batch: int = 0  # sequences it steps together (0: not published)
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -183,10 +238,15 @@ class WorkerInfo:
             pool=json.loads(h.get("pool", "{}")),
             started_at=float(h.get("started_at", 0)),
             heartbeat=float(h.get("heartbeat", 0)),
+            max_batch=int(h.get("max_batch", 0)),
         )
 
     def is_alive(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) - self.heartbeat <= WORKER_TTL_SECONDS
+
+    def takes_own_queue(self, queue: str, now: float | None = None) -> bool:
+        """Whether jobs in its own `queue` will be run by it: alive, not draining, serving it."""
+        return self.is_alive(now) and self.state != "stopping" and queue in self.queues
 
 
 COMMAND_LOAD, COMMAND_UNLOAD = "load", "unload"

@@ -22,7 +22,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from workers import keys, scripts
+from workers import affinity, keys, scripts
 from workers.protocol import FAILED, TERMINAL_STATUSES, error_body
 
 log = logging.getLogger("llmq.recovery")
@@ -61,8 +61,14 @@ class Reaper:
 
     def __init__(self, connection: Any, worker_name: str, lease_ms: int) -> None:
         self.connection = connection
+        self.worker = worker_name
         self.lease = f"reaper:{worker_name}"
         self.lease_ms = lease_ms
+
+    def release_queues(self) -> dict[str, int]:
+        """Move the jobs waiting on the own queue of a worker that will not run them (dead,
+        draining) to the shared queue: queue name -> jobs moved."""
+        return affinity.release_orphaned(self.connection, self.worker)
 
     def run(self) -> list[str]:
         """One sweep; the ids of the jobs it requeued."""

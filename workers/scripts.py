@@ -99,6 +99,17 @@ return 1
 """
 
 
+# KEYS: source queue, destination queue, RQ's set of queue keys. Moves every id, in order,
+# to the front of the destination, then drops the emptied source from RQ's queue set; all
+# at once, so no job is ever on neither queue (or on both).
+_RELEASE = """
+local moved = 0
+while redis.call('RPOPLPUSH', KEYS[1], KEYS[2]) do moved = moved + 1 end
+redis.call('SREM', KEYS[3], KEYS[1])
+return moved
+"""
+
+
 def claim(
     client: Any, queue_keys: Sequence[str], worker: str, lease_ms: int
 ) -> tuple[int, str, int] | None:
@@ -150,3 +161,8 @@ def renew(client: Any, job_id: str, lease: str, lease_ms: int) -> Any:
 def requeue(client: Any, job_id: str, lease: str, queue_key: str, rq_job_key: str) -> Any:
     job_keys = [keys.job_lease(job_id), queue_key, keys.RUNNING, rq_job_key, keys.job(job_id)]
     return client.eval(_REQUEUE, len(job_keys), *job_keys, lease, job_id)
+
+
+def release(client: Any, source_key: str, target_key: str, queues_key: str) -> int:
+    """Move every job id of one queue to the front of another (`_RELEASE`); how many."""
+    return int(client.eval(_RELEASE, 3, source_key, target_key, queues_key))

@@ -37,7 +37,7 @@ from rq.suspension import is_suspended
 from rq.worker import WorkerStatus
 
 from runtime.registry import load_registry
-from workers import batches, keys, metrics, scripts
+from workers import affinity, batches, keys, metrics, scripts
 from workers.config import WorkerConfig, serving
 from workers.errors import JobFailure, JobRefused, PoolFull
 from workers.events import read_progress, terminal_event
@@ -96,7 +96,8 @@ class LLMQWorker(ConcurrentWorker):
         pool: EnginePool | None = None,
     ) -> None:
         self.config = config
-        sources, queue_names = serving(config)
+        sources, shared_queues = serving(config)
+        queue_names = affinity.personal_queues(shared_queues, config.worker_name)
         super().__init__(
             queue_names,
             name=config.worker_name,
@@ -116,10 +117,15 @@ class LLMQWorker(ConcurrentWorker):
             host=socket.gethostname(),
             models=list(sources),
             queues=queue_names,
+            max_batch=config.max_batch,
         )
         self.presence = Presence(self.connection, info, _describe_models(sources))
-        self._queues_by_key = {q.key: q for q in self.queues}
+        # a job on this worker's own queue is a job of the shared queue for RQ (its origin)
+        self._queues_by_key = {q.key: self._rq_queue(q) for q in self.queues}
         self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in self.queues}
+        # models whose jobs the API may route here: only these record prefix affinity
+        self._own_models = {keys.parse_queue_name(n)[0] for n in queue_names if keys.queue_owner(n)}
+        self._released = False  # own queues handed back to the shared ones (draining)
         self._due: dict[str, float] = {}
         self._drain_deadline: float | None = None
         self._stop_now = False
@@ -239,6 +245,10 @@ class LLMQWorker(ConcurrentWorker):
             self._flush()  # events a Redis outage kept from being written go out first
         self._chores()
         if self._drain_deadline is not None:
+            if not self._released:
+                self._publish()  # "stopping" first: the API routes nothing more here
+                self._release_own_queues()
+                self._released = True
             if not self.batcher.jobs:
                 self._done = True
                 return
@@ -275,6 +285,7 @@ class LLMQWorker(ConcurrentWorker):
         if self._due_now("reap", self.config.reap_interval):
             for job_id in self.reaper.run():
                 log.info("worker %s: requeued abandoned job %s", self.name, job_id)
+            self.reaper.release_queues()
         if self._due_now("batches", batches.TICK_SECONDS):
             self.batch_driver.tick()  # offline batches: feed, collect, finalize (any worker)
         if self._due_now("suspension", SUSPENSION_CHECK_SECONDS):
@@ -359,6 +370,12 @@ class LLMQWorker(ConcurrentWorker):
         except PoolFull:
             self._checkpoint(job)
 
+    def _rq_queue(self, queue: Queue) -> Queue:
+        if keys.queue_owner(queue.name) is None:
+            return queue
+        shared = keys.shared_queue_name(queue.name)
+        return Queue(shared, connection=self.connection, serializer=JSONSerializer)
+
     def _fetch_rq_job(self, job_id: str) -> Job | None:
         try:
             return Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
@@ -399,6 +416,7 @@ class LLMQWorker(ConcurrentWorker):
             for job in checked:
                 pipe.exists(keys.job_cancel(job.id))
             self._record_metrics(pipe, writes, tokens if step else {}, step)
+            self._remember_replies(pipe, writes)
             results = pipe.execute()
         for (job, events, final), written in zip(writes, results, strict=False):
             if written is None:
@@ -425,6 +443,11 @@ class LLMQWorker(ConcurrentWorker):
             if job.attempt == 1 and job.first_token_at is not None and not job.ttft_recorded:
                 metrics.record_ttft(pipe, job.model, max(0.0, time.time() - job.record.created_at))
                 job.ttft_recorded = True
+
+    def _remember_replies(self, pipe: Any, writes: list) -> None:
+        for job, _, final in writes:
+            if final and job.result is not None and job.model in self._own_models:
+                affinity.remember_reply(pipe, self.name, job.record, job.result)
 
     def _end(
         self,
@@ -542,6 +565,19 @@ class LLMQWorker(ConcurrentWorker):
                 pipe.execute()
         self.sync_state()
 
+    def _release_own_queues(self) -> None:
+        """Jobs routed to this worker's own queues go back to the shared ones (it is leaving)."""
+        for name in self.queue_names():
+            if keys.queue_owner(name) == self.name:
+                moved = affinity.release(self.connection, name)
+                if moved:
+                    log.info(
+                        "worker %s: moved %d job(s) from %s to the shared queue",
+                        self.name,
+                        moved,
+                        name,
+                    )
+
     def _checkpoint_all(self) -> None:
         if self._has_output():
             self._flush()
@@ -559,6 +595,7 @@ class LLMQWorker(ConcurrentWorker):
         self.pool.close()
         try:
             self.presence.withdraw()
+            self._release_own_queues()
             self.teardown()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.error("worker %s: could not unregister (%s)", self.name, exc)
@@ -574,6 +611,8 @@ class LLMQWorker(ConcurrentWorker):
             pipe.hset(keys.job(job.id), mapping={"status": STARTED, "worker": self.name})
             pipe.hsetnx(keys.job(job.id), "started_at", time.time())
             metrics.count_job(pipe, "started")
+            if job.model in self._own_models:
+                affinity.remember_start(pipe, self.name, job.record)
             pipe.execute()
         self.sync_state()
 

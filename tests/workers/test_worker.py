@@ -270,7 +270,9 @@ def test_worker_publishes_itself_and_obeys_admin_load_and_unload(conn, start_wor
     raw = wait_for(lambda: conn.hgetall(keys.worker(worker.name)), what="worker hash")
     info = WorkerInfo.from_hash(raw)
     assert info.models == [TINY] and info.is_alive() and info.state == "idle"
-    assert info.queues == [keys.queue_name(TINY), keys.queue_name(TINY, keys.BATCH)]
+    own = keys.personal_queue_name(TINY, worker.name)  # prefix-affinity routing's own queue
+    assert info.queues == [own, keys.queue_name(TINY), keys.queue_name(TINY, keys.BATCH)]
+    assert info.max_batch == worker.config.max_batch
     assert conn.sismember(keys.WORKERS, worker.name)
     assert json.loads(conn.hget(keys.MODELS, TINY))["id"] == TINY
 

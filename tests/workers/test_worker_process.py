@@ -114,7 +114,7 @@ def test_rq_info_shows_the_worker_its_queues_and_its_jobs_and_logs_no_prompt(
     assert keys.queue_name(TINY) in out.stdout and keys.queue_name(TINY, keys.BATCH) in out.stdout
     [line] = [line for line in out.stdout.splitlines() if line.startswith("visible ")]
     assert "idle" in line and "1 finished, 1 failed" in line
-    assert "1 workers, 2 queues" in out.stdout
+    assert "1 workers, 3 queues" in out.stdout  # its own queue (prefix affinity) and 2 shared
     assert job_id in worker.output() and "CANARY" not in worker.output()  # RELIABILITY F17
 
 
