@@ -1,0 +1,577 @@
+"""Benchmark llmq's numpy engine against llama.cpp (llama-cpp-python) on the same GGUF file.
+
+    python bench/engine.py [--models smollm2-135m-instruct,gemma-3-270m] [--repeat 3]
+                           [--quick] [--json FILE]
+
+Per model it prints prefill speed (512-token prompt), single-stream decode speed at ~600
+tokens of context, load time and peak RSS for both engines, and for ours the memory
+bandwidth numpy reaches on this machine and the float32 decode limit that implies.
+
+How it measures, and why:
+- Every measurement runs in a fresh child process, so peak RSS is that of a process that
+  only loads one model and runs the measurements (the child reads its own `VmHWM`),
+  and so the OpenBLAS environment can be changed for that child alone.
+- Both engines get the same token ids (our tokenizer's) and a short warm-up on other tokens
+  (a server answers warm). The warm-up shares no prefix with the measured prompts, and the
+  512-token prompt is the first to be prefilled with those tokens, so no prefix cache can
+  shorten it (the decode prompt, measured after it, may hit the cache: only its decode
+  steps are timed).
+- Prefill is the time to the first token: the whole prompt in one batch plus the LM head
+  on the last position and one greedy sample (argmax over llama.cpp's last logits).
+- Decode: prefill `DECODE_CONTEXT` tokens, then time `--decode-tokens` greedy steps, each
+  one forward pass over one token plus an argmax; EOS is ignored.
+- Other processes share this machine and only ever slow a run down, so the best of the
+  repetitions is the headline figure and targets are judged on it; the median is printed
+  beside it to show the spread. Our runs and llama.cpp's alternate, so a noisy spell hits
+  both.
+- `OPENBLAS_CORETYPE` / `OPENBLAS_L2_SIZE` can make OpenBLAS pick a slower sgemm kernel.
+  When either is set, our engine and the bandwidth probe also run in children with both
+  removed, and the table shows both. llama.cpp does not use OpenBLAS: it runs as-is only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from anywhere: `runtime` lives in the repo root
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
+OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+PREFILL_TOKENS = 512
+DECODE_CONTEXT = 540  # prompt before decoding; with 64 generated tokens, ~600 of context
+DECODE_TOKENS = 64
+QUICK_DECODE_TOKENS = 16
+WARMUP_TOKENS, WARMUP_GENERATED = 16, 4
+BANDWIDTH_MIB = 512
+BANDWIDTH_REPS = 10
+MIB = 2**20
+TARGET_DECODE_OF_LIMIT = 0.9
+TARGET_PREFILL_VS_LLAMA = 1.5
+TARGET_RSS_MIB = {"smollm2-135m-instruct": 1024.0}
+
+# Prose written for this bench; repeated in numbered sections until long enough.
+_TEXT = (
+    "The harbour town woke slowly. Fishing boats came in with the tide, gulls argued over "
+    "the nets, and the baker on the corner opened her shutters to let out the smell of warm "
+    "bread. Children ran along the sea wall counting ships, while the old ferryman repaired "
+    "a rope and explained, to anyone who would listen, why the weather would change by noon."
+)
+_WARMUP_TEXT = "Warm-up: seven quick questions about lighthouses, tides and maps."
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def _openblas_info() -> dict[str, Any]:
+    """Which OpenBLAS numpy loaded and which kernel it picked (threadpoolctl's view)."""
+    from threadpoolctl import threadpool_info
+
+    for pool in threadpool_info():
+        if pool.get("internal_api") == "openblas":
+            keys = ("architecture", "version", "num_threads", "threading_layer")
+            return {k: pool.get(k) for k in keys}
+    return {"architecture": None}
+
+
+def _peak_rss_mib() -> float:
+    """Peak RSS of this process. Linux's `VmHWM` belongs to this address space alone:
+    `ru_maxrss` would carry the parent's peak across fork and exec (the bench parent
+    holds a tokenizer, ~200 MiB)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def child_ours(job: dict[str, Any]) -> dict[str, Any]:
+    """Load our engine, warm up, time prefill and decode; one process, one model."""
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    rss_before = _peak_rss_mib()
+    started = time.perf_counter()
+    engine = Engine.load(job["model_path"])  # a path is a model id: same file as llama.cpp
+    load_s = time.perf_counter() - started
+
+    for _ in engine.generate(job["warmup_ids"], greedy(WARMUP_GENERATED)):
+        pass
+
+    events = engine.generate(job["prefill_ids"], greedy(1))
+    started = time.perf_counter()
+    next(events)  # arrives once the whole prompt is in and one token is sampled
+    ttft_s = time.perf_counter() - started
+    for _ in events:
+        pass
+
+    stamps: list[float] = []
+    tokens: list[int] = []
+    for event in engine.generate(job["decode_ids"], greedy(job["decode_tokens"] + 1)):
+        stamps.append(time.perf_counter())
+        tokens.append(event.token_id)
+    return {
+        "load_s": load_s,
+        "engine_load_seconds": engine.load_seconds,
+        "ttft_s": ttft_s,
+        "decode_s": stamps[-1] - stamps[0],  # decode_tokens steps after the first token
+        "tokens": tokens,
+        "weight_bytes_f32": int(engine.model.nbytes),
+        "rss_before_load_mib": rss_before,
+        "peak_rss_mib": _peak_rss_mib(),
+        "openblas": _openblas_info(),
+    }
+
+
+def child_llama(job: dict[str, Any]) -> dict[str, Any]:
+    """The same measurements through llama-cpp-python, with the configuration of the brief."""
+    import llama_cpp
+    import numpy as np
+
+    rss_before = _peak_rss_mib()
+    n_threads = os.cpu_count() or 1
+    started = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=job["model_path"],
+        n_ctx=2048,
+        n_threads=n_threads,
+        n_batch=512,
+        verbose=False,
+    )
+    load_s = time.perf_counter() - started
+    n_vocab = llm.n_vocab()
+
+    def argmax_last() -> int:
+        # logits_all=False keeps only the last position's logits, and only in the context
+        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(n_vocab,)).argmax())
+
+    def prefill(ids: Sequence[int]) -> int:
+        llm.reset()  # n_tokens = 0: eval drops every cached position before evaluating
+        llm.eval(ids)
+        return argmax_last()
+
+    token = prefill(job["warmup_ids"])
+    for _ in range(WARMUP_GENERATED - 1):
+        llm.eval([token])
+        token = argmax_last()
+
+    started = time.perf_counter()
+    prefill(job["prefill_ids"])
+    ttft_s = time.perf_counter() - started
+
+    tokens = [prefill(job["decode_ids"])]
+    started = time.perf_counter()
+    for _ in range(job["decode_tokens"]):
+        llm.eval([tokens[-1]])
+        tokens.append(argmax_last())
+    decode_s = time.perf_counter() - started
+    return {
+        "load_s": load_s,
+        "ttft_s": ttft_s,
+        "decode_s": decode_s,
+        "tokens": tokens,
+        "n_threads": n_threads,
+        "llama_cpp_version": llama_cpp.__version__,
+        "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        "rss_before_load_mib": rss_before,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def child_bandwidth(job: dict[str, Any]) -> dict[str, Any]:
+    """Bytes per second numpy streams from memory: float32 matrix @ vector, and np.sum.
+
+    The matrix-vector product is what decode does with every weight, so it sets the limit;
+    `np.sum` runs on one thread and is printed only for reference.
+    """
+    import numpy as np
+
+    cols = 4096
+    rows = job["mib"] * MIB // 4 // cols
+    matrix = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    vector = np.ones(cols, np.float32)
+
+    def best_seconds(run: Callable[[], object]) -> float:
+        run()  # first touch, thread start-up
+        times = []
+        for _ in range(job["reps"]):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return {
+        "bytes": int(matrix.nbytes),
+        "shape": [rows, cols],
+        "matvec_gbps": matrix.nbytes / best_seconds(lambda: matrix @ vector) / 1e9,
+        "sum_gbps": matrix.nbytes / best_seconds(matrix.sum) / 1e9,
+        "openblas": _openblas_info(),
+    }
+
+
+CHILDREN: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "ours": child_ours,
+    "llama": child_llama,
+    "bandwidth": child_bandwidth,
+}
+
+
+def run_child(kind: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter; the job goes in and the result comes
+    back as JSON (the result is the last stdout line: libraries may print before it)."""
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", kind],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        check=False,
+    )
+    if proc.returncode != 0:
+        hint = ""
+        if kind == "llama" and proc.returncode == -signal.SIGSEGV:
+            hint = (
+                "\nA llama-cpp-python built with GGML_NATIVE=ON enables AMX, which crashes in "
+                "some VMs; rebuild with -DGGML_NATIVE=OFF and AMX off (see bench/RESULTS.md)."
+            )
+        raise RuntimeError(
+            f"{kind} child for {job.get('model_path', '-')} exited with {proc.returncode}:\n"
+            f"{proc.stderr[-3000:]}{hint}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def env_variants() -> list[tuple[str, dict[str, str]]]:
+    """The environments our engine runs under: as-is, plus OpenBLAS variables unset if set."""
+    as_is = dict(os.environ)
+    if not any(name in as_is for name in OPENBLAS_VARS):
+        return [("as-is", as_is)]
+    unset = {k: v for k, v in as_is.items() if k not in OPENBLAS_VARS}
+    return [("as-is", as_is), ("unset", unset)]
+
+
+def prompt_ids(model_path: Path) -> dict[str, list[int]]:
+    """Token ids for both engines, from our tokenizer: the prompt starts with BOS if the
+    model wants one, and the measured prompts are prefixes of one long text."""
+    from runtime.gguf_file import GGUFFile
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_metadata(GGUFFile(model_path).metadata)
+    need = max(PREFILL_TOKENS, DECODE_CONTEXT)
+    text, section = "", 0
+    ids: list[int] = []
+    while len(ids) < need:
+        section += 1
+        text += f"\n\n{section}. {_TEXT}"
+        ids = tokenizer.encode(text, add_special=True, parse_special=True)
+    warmup = tokenizer.encode(_WARMUP_TEXT, add_special=True, parse_special=True)
+    return {
+        "prefill_ids": ids[:PREFILL_TOKENS],
+        "decode_ids": ids[:DECODE_CONTEXT],
+        "warmup_ids": warmup[:WARMUP_TOKENS],
+    }
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    """Every child run, interleaved: per repetition, bandwidth, then per model ours and
+    llama.cpp in alternating order."""
+    from runtime.registry import resolve
+
+    variants = env_variants()
+    models: dict[str, dict[str, Any]] = {}
+    for model_id in args.models:
+        path = resolve(model_id).path()
+        models[model_id] = {"path": str(path), "file_bytes": path.stat().st_size}
+        models[model_id]["jobs"] = {
+            "model_path": str(path),
+            "decode_tokens": args.decode_tokens,
+            **prompt_ids(path),
+        }
+    runs: list[dict[str, Any]] = []
+
+    def measure(kind: str, variant: str, model: str | None, job: dict[str, Any]) -> None:
+        load = os.getloadavg()[0]  # kept with the figures: a busy machine explains outliers
+        result = run_child(kind, job, dict(variants)[variant])
+        runs.append({"kind": kind, "env": variant, "model": model, "loadavg_1m": load, **result})
+        label = f"{kind:9s} {variant:6s} {model or '':24s} load {load:4.1f}"
+        print(f"  [{len(runs):3d}] {label} {_short(kind, result)}", file=sys.stderr, flush=True)
+
+    bandwidth_job = {"mib": args.bandwidth_mib, "reps": args.bandwidth_reps}
+    for rep in range(args.repeat):
+        print(f"repetition {rep + 1}/{args.repeat}", file=sys.stderr, flush=True)
+        for name, _ in variants:
+            measure("bandwidth", name, None, bandwidth_job)
+        for model_id, model in models.items():
+            order = ["ours", "llama"] if rep % 2 == 0 else ["llama", "ours"]
+            for kind in order:
+                for name, _ in variants if kind == "ours" else variants[:1]:
+                    measure(kind, name, model_id, model["jobs"])
+    return {"variants": [name for name, _ in variants], "models": models, "runs": runs}
+
+
+def _short(kind: str, r: dict[str, Any]) -> str:
+    if kind == "bandwidth":
+        return f"matvec {r['matvec_gbps']:.1f} GB/s, sum {r['sum_gbps']:.1f} GB/s"
+    decode = (len(r["tokens"]) - 1) / r["decode_s"]
+    return (
+        f"load {r['load_s']:.2f}s, prefill {PREFILL_TOKENS / r['ttft_s']:.1f} tok/s, "
+        f"decode {decode:.2f} tok/s, rss {r['peak_rss_mib']:.0f} MiB"
+    )
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    """Best and median of every figure, ratios and target verdicts, per env and model."""
+    runs = raw["runs"]
+
+    def pick(kind: str, env: str, model: str | None) -> list[dict[str, Any]]:
+        return [r for r in runs if r["kind"] == kind and r["env"] == env and r["model"] == model]
+
+    def stats(values: list[float], higher_is_better: bool) -> dict[str, float]:
+        best = max(values) if higher_is_better else min(values)
+        return {"best": best, "median": statistics.median(values), "n": len(values)}
+
+    def engine_stats(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "prefill_tps": stats([PREFILL_TOKENS / r["ttft_s"] for r in rs], True),
+            "ttft_s": stats([r["ttft_s"] for r in rs], False),
+            "decode_tps": stats([(len(r["tokens"]) - 1) / r["decode_s"] for r in rs], True),
+            "load_s": stats([r["load_s"] for r in rs], False),
+            "peak_rss_mib": {"best": max(r["peak_rss_mib"] for r in rs), "n": len(rs)},
+        }
+
+    summary: dict[str, Any] = {}
+    first_env = raw["variants"][0]
+    for env in raw["variants"]:
+        bw = pick("bandwidth", env, None)
+        per_env: dict[str, Any] = {
+            "openblas": bw[0]["openblas"],
+            "matvec_gbps": stats([r["matvec_gbps"] for r in bw], True),
+            "sum_gbps": stats([r["sum_gbps"] for r in bw], True),
+            "models": {},
+        }
+        for model in raw["models"]:
+            ours_runs, llama_runs = pick("ours", env, model), pick("llama", first_env, model)
+            ours, llama = engine_stats(ours_runs), engine_stats(llama_runs)
+            weight_bytes = ours_runs[0]["weight_bytes_f32"]
+            limit = per_env["matvec_gbps"]["best"] * 1e9 / weight_bytes
+            agree = _common_prefix(ours_runs[0]["tokens"], llama_runs[0]["tokens"])
+            per_env["models"][model] = {
+                "ours": ours,
+                "llama": llama,
+                "weight_bytes_f32": weight_bytes,
+                "decode_limit_tps": limit,
+                "decode_of_limit": ours["decode_tps"]["best"] / limit,
+                "prefill_vs_llama": ours["prefill_tps"]["best"] / llama["prefill_tps"]["best"],
+                "greedy_tokens_agreeing": agree,
+                "greedy_tokens_total": len(ours_runs[0]["tokens"]),
+            }
+        summary[env] = per_env
+    return summary
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _fmt(s: dict[str, float], digits: int) -> str:
+    if "median" not in s:
+        return f"{s['best']:.{digits}f}"
+    return f"{s['best']:.{digits}f} / {s['median']:.{digits}f}"
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The printed table: one block per environment variant and model."""
+    lines: list[str] = []
+    meta = raw["meta"]
+    lines.append(
+        f"llmq numpy engine vs llama.cpp {meta['llama_cpp_version']} | {meta['cpus']} CPUs | "
+        f"repeat {meta['repeat']} | commit {meta['commit']} | {meta['date']}"
+    )
+    start_load, end_load = meta["loadavg_1m_start_end"]
+    lines.append(
+        f"wall {meta['wall_s']:.0f} s; load average (1 min) {start_load:.2f} at start, "
+        f"{end_load:.2f} at end; per-run loads in --json"
+    )
+    lines.append(
+        "cells: best / median of the repetitions; ratio = ours / llama.cpp on best; "
+        "targets judged on best"
+    )
+    lines.append(
+        f"prefill = {PREFILL_TOKENS} / time to first token, which includes the LM head on the "
+        "last position and one greedy sample; decode = greedy steps after the first token"
+    )
+    set_vars = {k: os.environ[k] for k in OPENBLAS_VARS if k in os.environ}
+    if set_vars:
+        lines.append(f"OpenBLAS env as-is: {set_vars}; 'unset' = both removed for the child")
+    else:
+        lines.append(f"OpenBLAS env: {' and '.join(OPENBLAS_VARS)} not set here, so as-is = unset")
+    for env, per_env in summary.items():
+        ob = per_env["openblas"]
+        lines.append("")
+        lines.append(
+            f"== env {env}: numpy OpenBLAS {ob.get('version')} kernel {ob.get('architecture')}"
+            f", {ob.get('num_threads')} threads =="
+        )
+        lines.append(
+            f"numpy bandwidth ({raw['meta']['bandwidth_mib']} MiB float32): "
+            f"matvec {_fmt(per_env['matvec_gbps'], 1)} GB/s, "
+            f"np.sum (1 thread, reference) {_fmt(per_env['sum_gbps'], 1)} GB/s"
+        )
+        for model, m in per_env["models"].items():
+            lines.extend(_model_block(raw, model, m))
+    return "\n".join(lines)
+
+
+def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str]:
+    info = raw["models"][model]
+    ours, llama = m["ours"], m["llama"]
+    decode_tokens = raw["meta"]["decode_tokens"]
+
+    def row(name: str, ours_cell: str, llama_cell: str, ratio: str, target: str) -> str:
+        return f"{name:<34} {ours_cell:>19} {llama_cell:>19} {ratio:>7}  {target}".rstrip()
+
+    def line(name: str, key: str, digits: int, target: str = "") -> str:
+        ratio = ours[key]["best"] / llama[key]["best"]
+        return row(name, _fmt(ours[key], digits), _fmt(llama[key], digits), f"{ratio:.2f}x", target)
+
+    rss_target = TARGET_RSS_MIB.get(model)
+    rss_cell = ""
+    if rss_target is not None:
+        ok = ours["peak_rss_mib"]["best"] < rss_target
+        rss_cell = f"< {rss_target:.0f} MiB: {_verdict(ok)}"
+    prefill_ok = m["prefill_vs_llama"] >= TARGET_PREFILL_VS_LLAMA
+    decode_ok = m["decode_of_limit"] >= TARGET_DECODE_OF_LIMIT
+    ctx = raw["meta"]["decode_context"]
+    return [
+        "",
+        f"{model}: {Path(info['path']).name} ({info['file_bytes'] / 1e6:.0f} MB file, "
+        f"{m['weight_bytes_f32'] / 1e6:.0f} MB float32 weights in ours)",
+        row("", "ours", "llama.cpp", "ratio", "target"),
+        line(
+            f"prefill {PREFILL_TOKENS} tok (tok/s)",
+            "prefill_tps",
+            1,
+            f">= {TARGET_PREFILL_VS_LLAMA}x llama.cpp: {_verdict(prefill_ok)}",
+        ),
+        line("  time to first token (s)", "ttft_s", 3),
+        line(
+            f"decode {decode_tokens} tok @ {ctx}+ ctx (tok/s)",
+            "decode_tps",
+            2,
+            f">= {TARGET_DECODE_OF_LIMIT} x f32 limit: {_verdict(decode_ok)}",
+        ),
+        line("load (s)", "load_s", 2),
+        line("peak RSS (MiB)", "peak_rss_mib", 0, rss_cell),
+        f"  f32 decode limit {m['decode_limit_tps']:.2f} tok/s "
+        f"(= {m['weight_bytes_f32'] / 1e6:.0f} MB per token / best matvec bandwidth); "
+        f"ours reaches {m['decode_of_limit']:.2f} of it",
+        f"  greedy tokens identical in both engines: {m['greedy_tokens_agreeing']} of "
+        f"{m['greedy_tokens_total']} (first run)",
+    ]
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "runtime"], cwd=REPO, capture_output=True
+        )
+        return out.stdout.strip() + ("+dirty runtime" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated ids")
+    p.add_argument("--repeat", type=int, default=None, help="repetitions (default 3, quick 1)")
+    p.add_argument("--quick", action="store_true", help="1 repetition, 16 decode tokens")
+    p.add_argument("--json", type=Path, help="also write the raw figures and summary here")
+    p.add_argument("--bandwidth-mib", type=int, default=BANDWIDTH_MIB)
+    p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    args.decode_tokens = QUICK_DECODE_TOKENS if args.quick else DECODE_TOKENS
+    args.bandwidth_reps = 3 if args.quick else BANDWIDTH_REPS
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        result = CHILDREN[args.child](json.load(sys.stdin))
+        print(json.dumps(result))
+        return 0
+    from importlib.metadata import version
+
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    started, load_at_start = time.perf_counter(), os.getloadavg()[0]
+    raw = run_all(args)
+    raw["meta"] = {
+        "date": date,
+        "commit": _commit(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": version("numpy"),
+        "llama_cpp_version": version("llama-cpp-python"),
+        "openblas_env": {k: os.environ.get(k) for k in OPENBLAS_VARS},
+        "repeat": args.repeat,
+        "decode_tokens": args.decode_tokens,
+        "decode_context": DECODE_CONTEXT,
+        "prefill_tokens": PREFILL_TOKENS,
+        "bandwidth_mib": args.bandwidth_mib,
+        "loadavg_1m_start_end": [load_at_start, os.getloadavg()[0]],
+        "wall_s": time.perf_counter() - started,
+    }
+    summary = summarize(raw)
+    print(render(raw, summary))
+    if args.json:
+        args.json.write_text(json.dumps({"raw": raw, "summary": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
