@@ -20,7 +20,7 @@ from api.batch_lines import validate_lines
 from api.body import json_object
 from api.config import redis_conn
 from api.errors import InvalidRequest
-from api.files import int_arg
+from api.files import int_arg, list_page
 from workers.protocol import ENDPOINTS, FILE_PURPOSE_BATCH, MAX_COMPLETION_WINDOW_SECONDS
 
 log = logging.getLogger(__name__)
@@ -119,16 +119,7 @@ def _file_error(code: str, message: str) -> dict[str, Any]:
 def list_batches() -> Response:
     limit = int_arg("limit", 20, 1, 100)
     records, more = batch_store.list_batches(redis_conn(), limit, request.args.get("after"))
-    data = [r.to_object() for r in records]
-    return jsonify(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
-    )
+    return jsonify(list_page(records, more))
 
 
 @bp.get("/<batch_id>")

@@ -31,6 +31,18 @@ MIN_EXPIRES_SECONDS = 3600  # OpenAI's lower bound for expires_after[seconds]
 MAX_FILENAME_CHARS = 255
 
 
+def list_page(records: list, more: bool) -> dict:
+    """OpenAI's cursor-paged list object (files and batches share it)."""
+    data = [r.to_object() for r in records]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
+
+
 @bp.post("")
 def upload() -> Response:
     if request.mimetype != "multipart/form-data":
@@ -120,16 +132,7 @@ def list_files() -> Response:
     records, more = batch_store.list_files(
         redis_conn(), limit, request.args.get("after"), order == "asc", request.args.get("purpose")
     )
-    data = [r.to_object() for r in records]
-    return jsonify(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
-    )
+    return jsonify(list_page(records, more))
 
 
 @bp.get("/<file_id>")

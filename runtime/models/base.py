@@ -133,6 +133,26 @@ def attend(
     return out.reshape(n, n_heads * head_dim)
 
 
+def attend_layout(
+    layer: int,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    layout: BatchLayout,
+    window: int | None = None,
+) -> np.ndarray:
+    """Store each sequence's new keys/values in its cache and attend over it.
+
+    q `[T, H, Dh]`, k and v `[T, Hkv, Dh]` for the packed tokens -> `[T, H * Dh]`.
+    """
+    t, n_heads, head_dim = q.shape
+    out = np.empty((t, n_heads * head_dim), np.float32)
+    for lo, hi, chunk in layout.spans:
+        segments = chunk.cache.update_and_fetch(layer, chunk.start, k[lo:hi], v[lo:hi])
+        out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window)
+    return out
+
+
 def _from_position(
     segments: list[tuple[np.ndarray, np.ndarray]], first: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -16,7 +16,7 @@ from runtime.models.base import (
     BatchLayout,
     DecoderModel,
     apply_rope,
-    attend,
+    attend_layout,
     gelu_tanh_mul,
     pack_linear,
     rms_norm,
@@ -100,10 +100,7 @@ class Gemma3Layer:
         v = qkv[:, k_end:].reshape(t, a.n_kv_heads, a.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm, eps), *rope)  # [T, H, Dh]
         k = apply_rope(rms_norm(k, self.k_norm, eps), *rope)  # [T, Hkv, Dh]
-        out = np.empty((t, q_end), np.float32)
-        for lo, hi, chunk in layout.spans:
-            segments = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
-            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, self.window)
+        out = attend_layout(self.index, q, k, v, layout, self.window)
         return out @ self.wo  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray) -> np.ndarray:

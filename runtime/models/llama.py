@@ -15,7 +15,7 @@ from runtime.models.base import (
     BatchLayout,
     DecoderModel,
     apply_rope,
-    attend,
+    attend_layout,
     pack_linear,
     rms_norm,
     rms_normalize,
@@ -95,10 +95,7 @@ class LlamaLayer:
         qk = apply_rope(qkv[:, : n_qk * a.head_dim].reshape(t, n_qk, a.head_dim), *rope)
         q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]  # [T, H, Dh], [T, Hkv, Dh]
         v = qkv[:, n_qk * a.head_dim :].reshape(t, a.n_kv_heads, a.head_dim)
-        out = np.empty((t, a.n_heads * a.head_dim), np.float32)
-        for lo, hi, chunk in layout.spans:
-            segments = chunk.cache.update_and_fetch(self.index, chunk.start, k[lo:hi], v[lo:hi])
-            out[lo:hi] = attend(q[lo:hi], segments, chunk.start)
+        out = attend_layout(self.index, q, k, v, layout)
         return out @ self.wo  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray) -> np.ndarray:
