@@ -31,6 +31,9 @@ class GGUFFile:
             if key.startswith("GGUF."):
                 continue
             self.metadata[key] = field.contents()
+        # gguf-py keeps a numpy view per vocabulary string (~470 MB for Gemma's 262k
+        # tokens); the plain values above are all we need, so free them before the weights.
+        self._reader.fields.clear()
 
     @property
     def architecture(self) -> str:
