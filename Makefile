@@ -40,6 +40,8 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench: $(VENV)/.bench-installed
 	$(PY) bench/engine.py
+	$(PY) bench/system.py
+	$(PY) bench/throughput.py
 
 lint: install
 	$(VENV)/bin/ruff check .
