@@ -1,0 +1,446 @@
+"""What the system benches share: a running llmq (redis-server + API + workers), a streaming
+HTTP client that timestamps every chunk, child processes per measurement, and run metadata.
+
+`bench/system.py` and `bench/throughput.py` import this as `bench.harness` (the repo root is
+put on `sys.path` first, as `bench/engine.py` does for `runtime`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+MODEL = "smollm2-135m-instruct"
+
+# Prose written for these benches; numbered and repeated into prompts of any length.
+TEXT = (
+    "The lighthouse keeper kept a ledger of every ship that passed the point: its flag, its "
+    "cargo if he could guess it, and the weather that carried it. In winter the entries grew "
+    "short and the storms long, and he wrote by lamplight while the beam swept the rocks."
+)
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def env_variants() -> list[tuple[str, dict[str, str]]]:
+    """The environments our engine runs under: as-is, plus OpenBLAS variables unset if set."""
+    as_is = dict(os.environ)
+    if not any(name in as_is for name in OPENBLAS_VARS):
+        return [("as-is", as_is)]
+    unset = {k: v for k, v in as_is.items() if k not in OPENBLAS_VARS}
+    return [("as-is", as_is), ("unset", unset)]
+
+
+def openblas_note() -> str:
+    set_vars = {k: os.environ[k] for k in OPENBLAS_VARS if k in os.environ}
+    if set_vars:
+        return f"OpenBLAS env as-is: {set_vars}; 'unset' = both removed for our processes"
+    return f"OpenBLAS env: {' and '.join(OPENBLAS_VARS)} not set here, so as-is = unset"
+
+
+def openblas_info() -> dict[str, Any]:
+    """Which OpenBLAS numpy loaded and which kernel it picked (threadpoolctl's view)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return {}
+    for pool in threadpool_info():
+        if pool.get("internal_api") == "openblas":
+            return {k: pool.get(k) for k in ("architecture", "version", "num_threads")}
+    return {}
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "runtime", "workers", "api"],
+            cwd=REPO,
+            capture_output=True,
+        )
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def meta(argv: Sequence[str]) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": commit(),
+        "command": " ".join([Path(sys.executable).name, *argv]),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+    }
+
+
+def header(title: str, info: dict[str, Any]) -> list[str]:
+    load = " ".join(f"{x:.2f}" for x in info["load_average"])
+    return [
+        f"{title} | {info['cpus']} CPUs | commit {info['commit']} | {info['date']}",
+        f"load average at the end: {load} | {openblas_note()}",
+    ]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def run_child(
+    script: Path,
+    kind: str,
+    job: dict[str, Any],
+    env: dict[str, str] | None,
+    timeout: float = 900,
+) -> dict[str, Any]:
+    """Run `script --child kind` in a fresh interpreter; the job goes in on stdin and the
+    result comes back as the last stdout line (libraries may print before it)."""
+    proc = subprocess.run(
+        [sys.executable, str(script), "--child", kind],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        check=False,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} child exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def child_main(children: dict[str, Callable[[dict[str, Any]], dict[str, Any]]], kind: str) -> int:
+    result = children[kind](json.load(sys.stdin))
+    print(json.dumps(result))
+    return 0
+
+
+def peak_rss_mib() -> float:
+    """Peak RSS of this process (`VmHWM`: this address space alone)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def prose(n_words: int, tag: str = "") -> str:
+    """At least `n_words` words of the bench text in numbered sections, starting with `tag`."""
+    words, section, parts = 0, 0, [tag] if tag else []
+    while words < n_words:
+        section += 1
+        parts.append(f"{section}. {TEXT}")
+        words += len(TEXT.split()) + 1
+    return "\n".join(parts)
+
+
+def prompt_of_tokens(encode: Callable[[str], list[int]], n_tokens: int, tag: str = "") -> str:
+    """Bench prose cut to about `n_tokens` tokens (by words, then checked with `encode`)."""
+    text = prose(n_tokens, tag)
+    words = text.split(" ")
+    lo, hi = 1, len(words)
+    while lo < hi:  # the longest word prefix within n_tokens
+        mid = (lo + hi + 1) // 2
+        if len(encode(" ".join(words[:mid]))) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+# ----------------------------------------------------------------------------- the system
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
+
+
+FAKEREDIS_SERVER = """
+import sys
+from fakeredis import TcpFakeServer
+TcpFakeServer(("127.0.0.1", int(sys.argv[1])), server_type="redis").serve_forever()
+"""
+
+
+def broker() -> str:
+    """What `System` uses as its broker: redis-server if on PATH (as `llmq serve`), else an
+    embedded fakeredis server, whose figures say little about a real deployment."""
+    server = shutil.which("redis-server")
+    if server is None:
+        return "fakeredis (no redis-server on PATH: figures not representative)"
+    try:
+        out = subprocess.run([server, "--version"], capture_output=True, text=True).stdout
+        return f"redis-server {out.split('v=')[1].split()[0]}"
+    except (OSError, IndexError):
+        return "redis-server"
+
+
+def broker_argv(port: int, redis_args: Sequence[str]) -> list[str]:
+    server = shutil.which("redis-server")
+    if server is None:
+        return [sys.executable, "-c", FAKEREDIS_SERVER, str(port)]
+    argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    return [*argv, "--appendonly", "no", *redis_args]
+
+
+@dataclass
+class System:
+    """redis-server + `llmq api` + N `llmq worker`s, each its own process (as `llmq serve`
+    runs them), on free ports; their logs go to a temporary directory."""
+
+    models: list[str]
+    workers: int = 1
+    max_batch: int = 64
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    api_workers: int = 2
+    redis_args: list[str] = field(default_factory=list)  # e.g. ["--hz", "100"]
+    base_url: str = ""
+    redis_url: str = ""
+    _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    _logs: Path | None = None
+
+    def __enter__(self) -> System:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._logs = Path(tempfile.mkdtemp(prefix="llmq-bench-"))
+        redis_port, api_port = free_port(), free_port()
+        self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        self.base_url = f"http://127.0.0.1:{api_port}"
+        self._spawn("redis", broker_argv(redis_port, self.redis_args))
+        _wait_port(redis_port)
+        env = {**self.env, "REDIS_URL": self.redis_url}
+        llmq = [sys.executable, "-m", "workers.cli"]
+        worker = [*llmq, "worker", "--models", ",".join(self.models)]
+        worker += ["--max-batch", str(self.max_batch), "--log-level", "WARNING"]
+        for i in range(self.workers):
+            self._spawn(f"worker-{i}", worker, env)
+        api = [*llmq, "api", "--port", str(api_port), "--workers", str(self.api_workers)]
+        self._spawn("api", api, env)
+        _wait_port(api_port)
+        self._wait_ready()
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        assert self._logs is not None
+        out = open(self._logs / f"{name}.log", "wb")
+        proc = subprocess.Popen(
+            argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        out.close()
+        self._procs.append((name, proc))
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                ready = httpx.get(f"{self.base_url}/ready", timeout=2).json()
+                if ready.get("workers", 0) >= self.workers:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the system was not ready after {timeout}s; logs in {self._logs}")
+
+    def _check_alive(self) -> None:
+        for name, proc in self._procs:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with {proc.returncode}; its log: {self._logs}/{name}.log"
+                )
+
+    def stop(self) -> None:
+        """API and workers first (workers unregister through Redis), then redis-server."""
+        clients = [proc for name, proc in self._procs if name != "redis"]
+        broker = [proc for name, proc in self._procs if name == "redis"]
+        for group in (clients, broker):
+            for proc in group:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        self._procs.clear()
+        if self._logs is not None:
+            shutil.rmtree(self._logs, ignore_errors=True)
+
+    def redis(self) -> Any:
+        import redis
+
+        return redis.Redis.from_url(self.redis_url)
+
+    def worker_pids(self) -> list[int]:
+        return [proc.pid for name, proc in self._procs if name.startswith("worker")]
+
+
+# ----------------------------------------------------------------------------- client
+
+
+@dataclass
+class Stream:
+    """One streamed response: when it was sent, and when each content chunk arrived."""
+
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    completion_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.sent
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first over the time from the first chunk to the last. A token
+        whose text is empty (part of a UTF-8 character) sends no chunk, so the count comes
+        from `usage` when the stream reported it."""
+        tokens = self.completion_tokens or len(self.chunks)
+        return (tokens - 1) / (self.chunks[-1] - self.chunks[0])
+
+
+def stream(client: Any, path: str, body: dict[str, Any]) -> Stream:
+    """POST a streaming request; timestamps every chunk that carries generated text."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    chat = path.endswith("/chat/completions")
+    out = Stream(time.perf_counter())
+    with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            out.error = f"{response.status_code}: {response.text[:300]}"
+            return out
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                out.completion_tokens = chunk["usage"]["completion_tokens"]
+            if "error" in chunk:
+                out.error = str(chunk["error"])
+            for choice in chunk.get("choices") or []:
+                text = choice.get("delta", {}).get("content") if chat else choice.get("text")
+                if text:
+                    out.chunks.append(time.perf_counter())
+    return out
+
+
+def http_client(base_url: str, connections: int = 8) -> Any:
+    import httpx
+
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.Client(base_url=base_url, timeout=600, limits=limits)
+
+
+def concurrent_streams(base_url: str, path: str, bodies: Sequence[dict[str, Any]]) -> list[Stream]:
+    """One thread per request, released together; returns when every stream has ended."""
+    results: list[Stream | None] = [None] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
+    with http_client(base_url, len(bodies)) as client:
+
+        def run(i: int) -> None:
+            barrier.wait()
+            try:
+                results[i] = stream(client, path, bodies[i])
+            except Exception as exc:  # reported with the figures, never hidden
+                results[i] = Stream(time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    out = [r for r in results if r is not None]
+    errors = [r.error for r in out if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(out)} streams failed, e.g. {errors[0]}")
+    return out
+
+
+def steady_rate(streams: Sequence[Stream]) -> tuple[float, float, int]:
+    """Aggregate decode rate while every stream is decoding: chunks that arrive after the
+    last stream's first token and up to the first stream's last token, over that window.
+    A stream whose tokens did not all send a chunk (empty text) has its count scaled by
+    tokens / chunks. Returns (tokens/s, window seconds, tokens in it)."""
+    start = max(s.chunks[0] for s in streams)
+    end = min(s.chunks[-1] for s in streams)
+    if end <= start:
+        return float("nan"), 0.0, 0
+    n = 0.0
+    for s in streams:
+        per_chunk = (s.completion_tokens or len(s.chunks)) / len(s.chunks)
+        n += per_chunk * sum(1 for t in s.chunks if start < t <= end)
+    return n / (end - start), end - start, round(n)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def best(values: Sequence[float], higher_is_better: bool = True) -> float:
+    return max(values) if higher_is_better else min(values)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"

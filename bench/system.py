@@ -1,0 +1,520 @@
+"""Benchmark the job system around the engine: API + Redis + worker + SSE.
+
+    python bench/system.py [--quick] [--rounds 3] [--jobs 300] [--json FILE]
+
+It starts its own system (redis-server on a free port, or an embedded fakeredis server
+when there is none, which the table says; `llmq worker` processes and `llmq api`, as
+`llmq serve` runs them) and prints three tables:
+
+1. One client, SmolLM2: time to first token and decode tokens/s of a streaming
+   `/v1/completions` request (`ignore_eos`, greedy, `cache_prompt: false`) against the engine
+   in-process on the same prompt and max_tokens (`Engine.new_batch()`, one sequence, same
+   `cache_prompt=False`), measured in alternating rounds of the same run. TTFT through the
+   API is from sending the POST to receiving the first text chunk; decode is the tokens
+   after the first (`usage`) over the time from the first chunk to the last (a token whose
+   text is empty sends no chunk). Goals: the queue path adds
+   < 10 ms to TTFT at p50 and costs < 5% of decode tokens/s (best of the runs, as
+   `bench/engine.py` judges speed).
+2. Jobs per second with a no-op engine and 1, 2, 4 workers: the "no-op engine" is a tiny
+   random llama GGUF (`tests/tiny_models.py`, 2 layers of width 64; a forward pass costs
+   well under a millisecond) served under its path, with `max_tokens: 1`, so a job is all
+   system: HTTP submit, RQ enqueue, claim, lease, engine step, stream write, RQ bookkeeping.
+   Jobs go in with `Prefer: respond-async` from 8 client threads. `submit` is the API's
+   202 rate; `drain` queues the jobs while workers are suspended (`rq suspend`), resumes
+   them, and divides by (last finished_at - first started_at) of the job records;
+   `end-to-end` submits while workers run: jobs / (last finished - first POST).
+3. Aggregate decode tokens/s with 1, 8 and 32 concurrent streaming clients (threads), each
+   with its own prompt: chunks that arrive while every stream is decoding (after the last
+   stream's first token, before the first stream's last) over that window.
+
+Every in-process measurement runs in a fresh child process. Other processes share this
+machine and only slow runs down, so speed figures are the best of the runs (median beside
+it) and TTFT differences use p50s. The worker runs with `--max-batch 64`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from anywhere: `bench`, `runtime` live here
+    sys.path.insert(0, str(REPO))
+
+from bench.harness import (  # noqa: E402
+    MODEL,
+    System,
+    best,
+    broker,
+    child_main,
+    concurrent_streams,
+    env_variants,
+    header,
+    http_client,
+    log,
+    median,
+    meta,
+    openblas_info,
+    prompt_of_tokens,
+    run_child,
+    steady_rate,
+    stream,
+    verdict,
+)
+
+SCRIPT = Path(__file__).resolve()
+PROMPT_TOKENS = 128
+MAX_TOKENS = 48
+REPS_PER_ROUND = 4
+CLIENTS = (1, 8, 32)
+CLIENT_MAX_TOKENS = 64
+WORKER_COUNTS = (1, 2, 4)
+NOOP_MODEL = "tiny-noop"
+SUBMIT_THREADS = 8
+SUBMIT_ATTEMPTS = 5
+TARGET_TTFT_MS = 10.0
+TARGET_DECODE_COST = 0.05
+WORKER_MAX_BATCH = 64
+NOOP_MAX_BATCH = 8  # `llmq worker`'s default
+
+
+# ----------------------------------------------------------------------------- child
+
+
+def child_single(job: dict[str, Any]) -> dict[str, Any]:
+    """The engine in-process: one sequence at a time, as the worker would run it alone."""
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.load(job["model"])
+    ids = engine.encode(job["prompt"])
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for _ in engine.generate(engine.encode("Warm-up: three short questions."), warm):
+        pass
+    runs = []
+    for rep in range(job["reps"]):
+        batch = engine.new_batch()
+        started = time.perf_counter()
+        batch.add(f"single-{rep}", ids, params, cache_prompt=False)
+        stamps = []
+        while len(batch):
+            stamps.extend(time.perf_counter() for _ in batch.step())
+        runs.append(
+            {
+                "ttft_s": stamps[0] - started,
+                "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+                "tokens": len(stamps),
+            }
+        )
+    return {"prompt_tokens": len(ids), "runs": runs, "openblas": openblas_info()}
+
+
+CHILDREN = {"single": child_single}
+
+
+# ----------------------------------------------------------------------------- system runs
+
+
+def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    """Rounds of in-process runs (a child) and API runs, alternating, on one prompt."""
+    prompt = prompt_of_tokens(_encoder(), PROMPT_TOKENS)
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+    job = {"model": MODEL, "prompt": prompt, "max_tokens": args.max_tokens, "reps": args.reps}
+    ours: list[dict[str, Any]] = []
+    api: list[dict[str, Any]] = []
+    prompt_tokens = 0
+    system = System([MODEL], max_batch=WORKER_MAX_BATCH, env=env, redis_args=args.redis_args)
+    with system:
+        with http_client(system.base_url) as client:
+            for _ in range(2):  # loads the model in the worker, warms both paths
+                stream(client, "/v1/completions", {**body, "max_tokens": 4})
+            for rnd in range(args.rounds):
+                for kind in ("ours", "api") if rnd % 2 == 0 else ("api", "ours"):
+                    load = os.getloadavg()[0]
+                    if kind == "ours":
+                        result = run_child(SCRIPT, "single", job, env)
+                        prompt_tokens = result["prompt_tokens"]
+                        ours.extend(result["runs"])
+                        runs = result["runs"]
+                    else:
+                        runs = []
+                        for _ in range(args.reps):
+                            s = stream(client, "/v1/completions", body)
+                            if s.error or s.completion_tokens != args.max_tokens:
+                                raise RuntimeError(f"API stream failed: {s.error or s}")
+                            runs.append({"ttft_s": s.ttft, "decode_tps": s.decode_tps})
+                        api.extend(runs)
+                    ttft = median([r["ttft_s"] for r in runs]) * 1000
+                    tps = best([r["decode_tps"] for r in runs])
+                    log(
+                        f"  single round {rnd + 1} {kind:4s} load {load:4.1f}: "
+                        f"ttft p50 {ttft:.1f} ms, decode best {tps:.2f} tok/s"
+                    )
+    return {"prompt_tokens": prompt_tokens, "ours": ours, "api": api}
+
+
+def aggregate_clients(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    encode = _encoder()
+    out: dict[str, Any] = {}
+    system = System([MODEL], max_batch=WORKER_MAX_BATCH, env=env, redis_args=args.redis_args)
+    with system:
+        with http_client(system.base_url) as client:
+            stream(client, "/v1/completions", _client_body(encode, 0, 4))
+        for rep in range(args.client_reps):
+            for n in args.clients:
+                bodies = [_client_body(encode, i, args.client_max_tokens) for i in range(n)]
+                load = os.getloadavg()[0]
+                streams = concurrent_streams(system.base_url, "/v1/completions", bodies)
+                rate, window, in_window = steady_rate(streams)
+                total = sum(s.completion_tokens or len(s.chunks) for s in streams)
+                wall = max(s.chunks[-1] for s in streams) - min(s.sent for s in streams)
+                ttft = median([s.ttft for s in streams])
+                entry = out.setdefault(str(n), [])
+                entry.append(
+                    {
+                        "steady_tps": rate,
+                        "window_s": window,
+                        "window_tokens": in_window,
+                        "overall_tps": total / wall,
+                        "ttft_p50_s": ttft,
+                        "loadavg_1m": load,
+                    }
+                )
+                log(
+                    f"  clients {n:3d} rep {rep + 1} load {load:4.1f}: steady {rate:.1f} tok/s "
+                    f"over {window:.1f} s, overall {total / wall:.1f} tok/s"
+                )
+    return out
+
+
+def _client_body(encode: Any, i: int, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt_of_tokens(encode, 48, tag=f"Reader {i} asks about the ledger."),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+
+
+def jobs_per_second(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.tiny_models import write_tiny_llama
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="llmq-bench-") as tmp:
+        model = write_tiny_llama(Path(tmp) / f"{NOOP_MODEL}.gguf")
+        for workers in args.worker_counts:
+            system = System(
+                [str(model)], workers=workers, max_batch=NOOP_MAX_BATCH, redis_args=args.redis_args
+            )
+            with system:
+                conn = system.redis()
+                _submit_and_wait(system, conn, 4 * workers)  # every worker loads the model
+                runs = []
+                for rep in range(args.job_reps):
+                    load = os.getloadavg()[0]
+                    drain = _drain(system, conn, args.jobs)
+                    e2e = _end_to_end(system, conn, args.jobs)
+                    runs.append({**drain, **e2e, "loadavg_1m": load})
+                    log(
+                        f"  no-op jobs, {workers} worker(s), rep {rep + 1}, load {load:4.1f}: "
+                        f"submit {drain['submit_rate']:.0f}/s, drain {drain['drain_rate']:.0f}"
+                        f"/s, end-to-end {e2e['e2e_rate']:.0f}/s"
+                    )
+                out[str(workers)] = runs
+                conn.close()
+    return out
+
+
+def _drain(system: System, conn: Any, n_jobs: int) -> dict[str, float]:
+    """Queue `n_jobs` while the workers are suspended, then time how fast they empty it."""
+    from rq.suspension import resume, suspend
+
+    suspend(conn)
+    time.sleep(1.2)  # workers look at the suspension flag once a second
+    started = time.perf_counter()
+    ids = _submit(system, n_jobs)
+    submit_s = time.perf_counter() - started
+    resume(conn)
+    records = _wait_finished(conn, ids)
+    first_start = min(float(r[b"started_at"]) for r in records)
+    last_finish = max(float(r[b"finished_at"]) for r in records)
+    return {"submit_rate": n_jobs / submit_s, "drain_rate": n_jobs / (last_finish - first_start)}
+
+
+def _end_to_end(system: System, conn: Any, n_jobs: int) -> dict[str, float]:
+    first_post = time.time()
+    ids = _submit(system, n_jobs)
+    records = _wait_finished(conn, ids)
+    last_finish = max(float(r[b"finished_at"]) for r in records)
+    return {"e2e_rate": n_jobs / (last_finish - first_post)}
+
+
+def _submit_and_wait(system: System, conn: Any, n_jobs: int) -> None:
+    _wait_finished(conn, _submit(system, n_jobs))
+
+
+def _submit(system: System, n_jobs: int) -> list[str]:
+    """POST `n_jobs` async completions from `SUBMIT_THREADS` threads; their job ids. A 429 or
+    503 is retried after a pause, as a client would (never seen with redis-server here)."""
+    body = {"model": NOOP_MODEL, "prompt": "the harbour", "max_tokens": 1, "temperature": 0}
+    ids: list[str] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    share, extra = divmod(n_jobs, SUBMIT_THREADS)
+    per_thread = [share + (i < extra) for i in range(SUBMIT_THREADS)]
+    with http_client(system.base_url, SUBMIT_THREADS) as client:
+
+        def post() -> str:
+            for _ in range(SUBMIT_ATTEMPTS):
+                response = client.post(
+                    "/v1/completions", json=body, headers={"Prefer": "respond-async"}
+                )
+                if response.status_code == 202:
+                    return response.json()["id"]
+                if response.status_code not in (429, 503):
+                    break
+                time.sleep(0.2)
+            raise RuntimeError(f"submit: {response.status_code} {response.text[:200]}")
+
+        def run(count: int) -> None:
+            try:
+                for _ in range(count):
+                    job_id = post()
+                    with lock:
+                        ids.append(job_id)
+            except Exception as exc:  # reported below, with the count
+                errors.append(str(exc))
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in per_thread]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if len(ids) != n_jobs:
+        raise RuntimeError(f"only {len(ids)} of {n_jobs} jobs were accepted: {errors[:1]}")
+    return ids
+
+
+def _wait_finished(conn: Any, ids: Sequence[str], timeout: float = 300) -> list[dict]:
+    """Poll the job records (one pipeline per look) until every job has finished."""
+    from workers import keys
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with conn.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hgetall(keys.job(job_id))
+            records = pipe.execute()
+        statuses = {r.get(b"status") for r in records}
+        if statuses == {b"finished"}:
+            return records
+        if statuses & {b"failed", b"cancelled"}:
+            raise RuntimeError(f"some no-op jobs did not finish: {statuses}")
+        time.sleep(0.05)
+    raise RuntimeError(f"{len(ids)} no-op jobs did not finish in {timeout}s")
+
+
+def _encoder() -> Any:
+    from runtime.gguf_file import GGUFFile
+    from runtime.registry import resolve
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_metadata(GGUFFile(resolve(MODEL).path()).metadata)
+    return lambda text: tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def render(raw: dict[str, Any]) -> str:
+    """The printed tables (parts left out with --skip are absent)."""
+    lines = header("llmq job system (API + Redis + worker + SSE)", raw["meta"])
+    lines.append(
+        f"worker: --max-batch {WORKER_MAX_BATCH} (no-op jobs: the default {NOOP_MAX_BATCH}); API: "
+        f"`llmq api` (2 gunicorn processes x 32 threads); broker: {raw['meta']['broker']} on "
+        f"loopback, no persistence, hz {raw['meta'].get('redis_hz') or 'default (10)'}"
+    )
+    for env, per_env in raw["envs"].items():
+        lines += ["", f"== env {env} =="]
+        if "single" in per_env:
+            lines += _single_block(raw, per_env["single"])
+        if "clients" in per_env:
+            lines += ["", *_clients_block(per_env["clients"])]
+    if "jobs" in raw:
+        lines += ["", *_jobs_block(raw)]
+    return "\n".join(lines)
+
+
+def _single_block(raw: dict[str, Any], single: dict[str, Any]) -> list[str]:
+    ours, api = single["ours"], single["api"]
+
+    def ms(runs: list[dict[str, Any]], pick: Any) -> float:
+        return pick([r["ttft_s"] for r in runs]) * 1000
+
+    p50_diff = ms(api, median) - ms(ours, median)
+    tps_ours, tps_api = best([r["decode_tps"] for r in ours]), best([r["decode_tps"] for r in api])
+    cost = 1 - tps_api / tps_ours
+
+    def row(name: str, a: str, b: str, c: str, target: str = "") -> str:
+        return f"{name:<30} {a:>14} {b:>14} {c:>12}  {target}".rstrip()
+
+    def tps(runs: list[dict[str, Any]]) -> str:
+        values = [r["decode_tps"] for r in runs]
+        return f"{best(values):.2f} / {median(values):.2f}"
+
+    m = raw["meta"]
+    return [
+        f"one client, {MODEL}: {single['prompt_tokens']}-token prompt, {m['max_tokens']} "
+        f"tokens, greedy, ignore_eos, cache_prompt off; {len(ours)} runs each, "
+        f"{m['rounds']} alternating rounds",
+        row("", "in-process", "via API", "API - ours", "target"),
+        row(
+            "TTFT p50 (ms)",
+            f"{ms(ours, median):.1f}",
+            f"{ms(api, median):.1f}",
+            f"{p50_diff:+.1f} ms",
+            f"< {TARGET_TTFT_MS:.0f} ms added: {verdict(p50_diff < TARGET_TTFT_MS)}",
+        ),
+        row(
+            "TTFT best (ms)",
+            f"{ms(ours, min):.1f}",
+            f"{ms(api, min):.1f}",
+            f"{ms(api, min) - ms(ours, min):+.1f} ms",
+        ),
+        row(
+            "decode tok/s (best / median)",
+            tps(ours),
+            tps(api),
+            f"{tps_api / tps_ours:.3f}x",
+            f"cost < {TARGET_DECODE_COST:.0%}: {verdict(cost < TARGET_DECODE_COST)} "
+            f"(cost {cost:.1%})",
+        ),
+    ]
+
+
+def _clients_block(clients: dict[str, list[dict[str, Any]]]) -> list[str]:
+    lines = [
+        f"aggregate decode through the API, concurrent streaming clients ({CLIENT_MAX_TOKENS} "
+        "tokens each, own ~48-token prompt each); best / median of the repetitions",
+        f"{'clients':>7} {'steady tok/s':>16} {'per client':>11} {'vs 1 client':>12} "
+        f"{'all tok / wall':>15} {'TTFT p50 ms':>12}",
+    ]
+    one = best([r["steady_tps"] for r in clients[min(clients, key=int)]])
+    for n, runs in sorted(clients.items(), key=lambda kv: int(kv[0])):
+        steady = [r["steady_tps"] for r in runs]
+        overall = best([r["overall_tps"] for r in runs])
+        ttft = median([r["ttft_p50_s"] for r in runs]) * 1000
+        lines.append(
+            f"{n:>7} {best(steady):>7.1f} / {median(steady):>6.1f} {best(steady) / int(n):>11.2f} "
+            f"{best(steady) / one:>11.2f}x {overall:>15.1f} {ttft:>12.0f}"
+        )
+    return lines
+
+
+def _jobs_block(raw: dict[str, Any]) -> list[str]:
+    jobs = raw["jobs"]
+    m = raw["meta"]
+    lines = [
+        f"jobs per second through the queue, no-op engine (tiny random llama GGUF, "
+        f"max_tokens 1), {m['jobs']} jobs per run, {SUBMIT_THREADS} submitting threads; "
+        "best / median",
+        f"{'workers':>7} {'submit (202/s)':>16} {'drain (jobs/s)':>16} "
+        f"{'end-to-end (jobs/s)':>20} {'drain vs 1':>11}",
+    ]
+    first = best([r["drain_rate"] for r in jobs[min(jobs, key=int)]])
+
+    def cell(runs: list[dict[str, Any]], key: str) -> str:
+        values = [r[key] for r in runs]
+        return f"{best(values):.0f} / {median(values):.0f}"
+
+    for n, runs in sorted(jobs.items(), key=lambda kv: int(kv[0])):
+        drain = best([r["drain_rate"] for r in runs])
+        lines.append(
+            f"{n:>7} {cell(runs, 'submit_rate'):>16} {cell(runs, 'drain_rate'):>16} "
+            f"{cell(runs, 'e2e_rate'):>20} {drain / first:>10.2f}x"
+        )
+    return lines
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer rounds, jobs and tokens")
+    p.add_argument("--rounds", type=int, help="single-client rounds (default 3, quick 1)")
+    p.add_argument("--jobs", type=int, help="no-op jobs per run (default 300, quick 100)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: single,clients,jobs")
+    p.add_argument(
+        "--redis-hz",
+        type=int,
+        help="start redis-server with --hz N (default: its own, 10: blocking-call timeouts "
+        "fire on its 100 ms cron, which sets how often an idle worker looks at its queues)",
+    )
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.redis_args = ["--hz", str(args.redis_hz)] if args.redis_hz else []
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.reps = 3 if args.quick else REPS_PER_ROUND
+    args.max_tokens = 24 if args.quick else MAX_TOKENS
+    args.jobs = args.jobs or (100 if args.quick else 300)
+    args.job_reps = 1 if args.quick else 2
+    args.client_reps = 1 if args.quick else 2
+    args.client_max_tokens = 32 if args.quick else CLIENT_MAX_TOKENS
+    args.clients = CLIENTS
+    args.worker_counts = WORKER_COUNTS
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(CHILDREN, args.child)
+    started = time.perf_counter()
+    raw: dict[str, Any] = {"envs": {}}
+    for name, env in env_variants():
+        per_env: dict[str, Any] = {}
+        if "single" not in args.skip:
+            per_env["single"] = single_client(args, env)
+        if "clients" not in args.skip:
+            per_env["clients"] = aggregate_clients(args, env)
+        raw["envs"][name] = per_env
+    if "jobs" not in args.skip:
+        raw["jobs"] = jobs_per_second(args)
+    raw["meta"] = {
+        **meta(sys.argv),
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "jobs": args.jobs,
+        "broker": broker(),
+        "redis_hz": args.redis_hz,
+        "wall_s": time.perf_counter() - started,
+    }
+    print(render(raw))
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,736 @@
+"""Benchmark llmq's throughput: batched decode, prefix cache, KV memory, offline batches.
+
+    python bench/throughput.py [--quick] [--repeat 3] [--only decode,prefix,offline]
+                               [--offline-requests 200] [--json FILE]
+
+Four tables, all with SmolLM2 (`smollm2-135m-instruct`, the Q4_1 GGUF both engines load):
+
+1. Aggregate decode tokens/s with 1, 4, 16, 32 and 64 concurrent sequences, each with its
+   own ~32-token prompt, greedy with EOS ignored:
+   - ours in-process: `engine.new_batch()`, every sequence added (`cache_prompt=False`),
+     stepped until each has its first token (prefill done), then `--steps` timed steps,
+     each one batched forward pass giving every sequence a token;
+   - llama.cpp (llama-cpp-python's low-level API, as llama.cpp's `batched` example):
+     one context with `n_seq_max = N`, the prompts decoded in <= 512-token batches with
+     a seq_id each, then `--steps` `llama_decode` calls of N tokens (one per sequence)
+     with a numpy argmax over each row's logits; the KV cache is one stream per sequence
+     (`kv_unified = false`), which was the faster layout here at 32 and 64 sequences
+     (`--llama-kv unified` for the other);
+   - through the API: N concurrent streaming `/v1/completions` clients against a running
+     system (one worker, `--max-batch 64`): chunks that arrive while every stream is
+     decoding, over that window (see bench/harness.py `steady_rate`).
+   Targets: ours at 32 sequences >= 6x ours at 1, and >= 2.0x llama.cpp at 32.
+2. Time to first token of a chat whose ~1,000-token system prompt is in the prefix cache
+   (a second question after a first request filled it) vs cold (cache cleared), in-process
+   and through the API (a fresh system prompt per repetition, asked twice). Target >= 20x.
+3. KV memory per token held: the pool's block size / 16, and `kv_pool.bytes_in_use` against
+   the tokens the sequences of table 1 hold after their decode steps.
+4. An offline batch of chat requests (64 tokens each, EOS ignored): requests/s through the
+   Batch API (`/v1/files` + `/v1/batches`, timed from creating the batch to seeing it
+   `completed`) and in-process through one `BatchGenerator`, against the same kind of
+   requests sent one at a time (a sample: the rate is requests / their total time).
+   The default batch is 128 requests; `--offline-requests 1000` runs the full size.
+
+Every in-process measurement runs in a fresh child process; ours and llama.cpp alternate,
+and the repetitions are interleaved so a noisy spell hits both. Speed figures are the best
+of the repetitions (median beside it). When OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are set,
+our engine (in-process and the system's worker) also runs with both removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from anywhere: `bench`, `runtime` live here
+    sys.path.insert(0, str(REPO))
+
+from bench.harness import (  # noqa: E402
+    MODEL,
+    System,
+    best,
+    broker,
+    child_main,
+    concurrent_streams,
+    env_variants,
+    header,
+    http_client,
+    log,
+    median,
+    meta,
+    openblas_info,
+    prompt_of_tokens,
+    rss_mib,
+    run_child,
+    steady_rate,
+    stream,
+    verdict,
+)
+
+SCRIPT = Path(__file__).resolve()
+SEQUENCES = (1, 4, 16, 32, 64)
+PROMPT_TOKENS = 32
+DECODE_STEPS = 32
+SYSTEM_PROMPT_TOKENS = 1000
+OFFLINE_TOKENS = 64
+OFFLINE_REQUESTS = 128
+SEQUENTIAL_SAMPLE = 3
+WORKER_MAX_BATCH = 64
+API_THREADS = 80  # per gunicorn process, so 64 streams never queue behind busy threads
+TARGET_VS_SINGLE, TARGET_VS_LLAMA, TARGET_PREFIX = 6.0, 2.0, 20.0
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def child_ours(job: dict[str, Any]) -> dict[str, Any]:
+    """Our engine: N sequences in one batch; timed decode steps after prefill."""
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.load(job["model"])
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for _ in engine.generate(job["warmup_ids"], warm):
+        pass
+    prompts, steps = job["prompts"], job["steps"]
+    # room for the tokens early sequences make while later ones prefill: none ends in the window
+    params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
+    pool = engine.kv_pool
+    kv_before, rss_before = pool.bytes_in_use, rss_mib()
+    batch = engine.new_batch()
+    tokens: dict[str, list[int]] = {f"seq-{i}": [] for i in range(len(prompts))}
+    started = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        batch.add(f"seq-{i}", ids, params, cache_prompt=False)
+    while not all(tokens.values()):  # prefill (decoding rows join as they finish it)
+        for e in batch.step():
+            tokens[e.request_id].append(e.token_id)
+    prefill_s = time.perf_counter() - started
+    step_s = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        events = batch.step()
+        step_s.append(time.perf_counter() - started)
+        if len(events) != len(prompts) or any(e.finish_reason for e in events):
+            raise RuntimeError(f"a decode step gave {len(events)} tokens for {len(prompts)}")
+        for e in events:
+            tokens[e.request_id].append(e.token_id)
+    # each sequence's cache holds its prompt and every sampled token but the last
+    held = sum(len(p) for p in prompts) + sum(len(t) - 1 for t in tokens.values())
+    return {
+        "n": len(prompts),
+        "decode_tps": len(prompts) * steps / sum(step_s),
+        "step_ms": [s * 1000 for s in step_s],
+        "prefill_s": prefill_s,
+        "tokens_held": held,
+        "kv_bytes_in_use": pool.bytes_in_use - kv_before,
+        "kv_block_nbytes": pool.block_nbytes,
+        "kv_block_size": pool.block_size,
+        "rss_growth_mib": rss_mib() - rss_before,
+        "first_tokens": tokens["seq-0"][:8],
+        "openblas": openblas_info(),
+    }
+
+
+def child_llama(job: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp with N sequences in one context, as its `batched` example drives it."""
+    import llama_cpp
+    import numpy as np
+
+    prompts, steps, n = job["prompts"], job["steps"], len(job["prompts"])
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(
+        job["model_path"].encode(), llama_cpp.llama_model_default_params()
+    )
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    per_seq = max(len(p) for p in prompts) + steps + 16
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n * per_seq
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max = n
+    params.n_threads = params.n_threads_batch = os.cpu_count() or 1
+    params.kv_unified = job["kv_unified"]
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    batch = llama_cpp.llama_batch_init(max(512, n), 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def outputs(rows: int) -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(rows, n_vocab))
+
+    def prefill() -> list[int]:
+        entries = [
+            (tok, pos, seq, pos == len(p) - 1)
+            for seq, p in enumerate(prompts)
+            for pos, tok in enumerate(p)
+        ]
+        first: list[int] = []
+        for start in range(0, len(entries), 512):
+            chunk = entries[start : start + 512]
+            decode(chunk)
+            wanted = sum(1 for e in chunk if e[3])
+            if wanted:
+                first.extend(int(t) for t in outputs(wanted).argmax(axis=1))
+        return first
+
+    def run(n_steps: int) -> tuple[float, list[float], list[int]]:
+        started = time.perf_counter()
+        current = prefill()
+        prefill_s = time.perf_counter() - started
+        positions = [len(p) for p in prompts]
+        seq0 = [current[0]]
+        step_s = []
+        for _ in range(n_steps):
+            started = time.perf_counter()
+            decode([(current[s], positions[s], s, True) for s in range(n)])
+            current = [int(t) for t in outputs(n).argmax(axis=1)]
+            step_s.append(time.perf_counter() - started)
+            positions = [p + 1 for p in positions]
+            seq0.append(current[0])
+        return prefill_s, step_s, seq0
+
+    warmups = [
+        [(prompts[s][0], 0, s, True) for s in range(n)],  # the shape of a decode step
+        [(tok, pos, 0, pos == len(prompts[0]) - 1) for pos, tok in enumerate(prompts[0])],
+    ]
+    for entries in warmups * 2:  # graph allocation, first touches; then forgotten
+        decode(entries)
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    prefill_s, step_s, seq0 = run(steps)
+    result = {
+        "n": n,
+        "decode_tps": n * steps / sum(step_s),
+        "step_ms": [s * 1000 for s in step_s],
+        "prefill_s": prefill_s,
+        "kv_unified": job["kv_unified"],
+        "n_ctx": llama_cpp.llama_n_ctx(ctx),
+        "first_tokens": seq0[:8],
+        "llama_cpp_version": llama_cpp.__version__,
+    }
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return result
+
+
+def child_prefix(job: dict[str, Any]) -> dict[str, Any]:
+    """TTFT of a chat with a long system prompt: cold (cache cleared) vs cached."""
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.load(job["model"])
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for _ in engine.generate(engine.encode("Warm-up: a short question."), params):
+        pass
+    runs = []
+    for rep in range(job["reps"]):
+        cold = _chat_ids(engine, job["system"], f"Question {rep}: what did the keeper record?")
+        warm = _chat_ids(engine, job["system"], f"Question {rep}: why did entries grow short?")
+        engine.prefix_cache.clear()
+        cold_s, cold_cached = _first_token(engine, cold, params)
+        warm_s, warm_cached = _first_token(engine, warm, params)
+        runs.append(
+            {
+                "cold_s": cold_s,
+                "warm_s": warm_s,
+                "cold_cached": cold_cached,
+                "warm_cached": warm_cached,
+                "prompt_tokens": len(warm),
+            }
+        )
+    return {"runs": runs, "openblas": openblas_info()}
+
+
+def _chat_ids(engine: Any, system: str, question: str) -> list[int]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return engine.encode_chat(messages)
+
+
+def _first_token(engine: Any, ids: list[int], params: Any) -> tuple[float, int]:
+    batch = engine.new_batch()
+    started = time.perf_counter()
+    batch.add("prefix", ids, params)  # cache_prompt defaults to True
+    while True:
+        events = batch.step()
+        if events:
+            return time.perf_counter() - started, events[0].cached_tokens
+
+
+def child_offline(job: dict[str, Any]) -> dict[str, Any]:
+    """R chat requests through one BatchGenerator, then a sample of them one at a time."""
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.load(job["model"])
+    params = SamplingParams(max_tokens=job["tokens"], temperature=0.0, ignore_eos=True)
+    requests = [engine.encode_chat(m) for m in job["messages"]]
+    for _ in engine.generate(requests[0], SamplingParams(max_tokens=2, temperature=0.0)):
+        pass
+    batch = engine.new_batch()
+    started = time.perf_counter()
+    for i, ids in enumerate(requests):
+        batch.add(f"offline-{i}", ids, params)
+    generated = 0
+    while len(batch):
+        generated += len(batch.step())
+    batched_s = time.perf_counter() - started
+    started = time.perf_counter()
+    one_generated = 0
+    for ids in requests[: job["sequential"]]:
+        one_generated += sum(1 for _ in engine.generate(ids, params))
+    sequential_s = time.perf_counter() - started
+    return {
+        "requests": len(requests),
+        "batched_s": batched_s,
+        "batched_tokens": generated,
+        "sequential_requests": job["sequential"],
+        "sequential_s": sequential_s,
+        "sequential_tokens": one_generated,
+        "openblas": openblas_info(),
+    }
+
+
+CHILDREN = {
+    "ours": child_ours,
+    "llama": child_llama,
+    "prefix": child_prefix,
+    "offline": child_offline,
+}
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def decode_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) -> dict[str, Any]:
+    """Per repetition and N: ours, llama.cpp and the API, in rotating order."""
+    encode = _encoder()
+    path = str(_model_path())
+    texts = [prompt_of_tokens(encode, PROMPT_TOKENS, tag=f"Ship {i}.") for i in range(max(args.ns))]
+    ids = [encode(t) for t in texts]
+    warmup = encode("Warm-up: seven quick questions about tides.")
+    runs: list[dict[str, Any]] = []
+    kv_layout = args.llama_kv == "unified"
+    with System([MODEL], max_batch=WORKER_MAX_BATCH, env=_api_env(env)) as system:
+        with http_client(system.base_url) as client:
+            for _ in range(2):
+                stream(client, "/v1/completions", _completion(texts[0], 4))
+        for rep in range(args.repeat):
+            for n in args.ns:
+                kinds = ["ours", "llama", "api"] if args.llama else ["ours", "api"]
+                shift = (rep + args.ns.index(n)) % len(kinds)
+                for kind in kinds[shift:] + kinds[:shift]:
+                    load = os.getloadavg()[0]
+                    if kind == "api":
+                        bodies = [_completion(t, args.steps + 16) for t in texts[:n]]
+                        streams = concurrent_streams(system.base_url, "/v1/completions", bodies)
+                        rate, window, _ = steady_rate(streams)
+                        result = {"decode_tps": rate, "window_s": window}
+                    else:
+                        job = {"prompts": ids[:n], "steps": args.steps}
+                        if kind == "ours":
+                            job |= {"model": path, "warmup_ids": warmup}
+                        else:
+                            job |= {"model_path": path, "kv_unified": kv_layout}
+                        result = run_child(SCRIPT, kind, job, env if kind == "ours" else None)
+                    runs.append({"kind": kind, "n": n, "loadavg_1m": load, **result})
+                    log(
+                        f"  [{env_name}] rep {rep + 1} n {n:2d} {kind:5s} load {load:4.1f}: "
+                        f"{result['decode_tps']:7.1f} tok/s"
+                    )
+    return {"runs": runs, "kv_unified": kv_layout}
+
+
+def prefix_runs(args: argparse.Namespace, _: str, env: dict[str, str]) -> dict[str, Any]:
+    encode = _encoder()
+    system = prompt_of_tokens(encode, SYSTEM_PROMPT_TOKENS, tag="You are the keeper's clerk.")
+    ours = run_child(
+        SCRIPT, "prefix", {"model": MODEL, "system": system, "reps": args.prefix_reps}, env
+    )
+    log(f"  prefix in-process: {[round(r['cold_s'] / r['warm_s'], 1) for r in ours['runs']]}")
+    api = []
+    with System([MODEL], max_batch=WORKER_MAX_BATCH, env=_api_env(env)) as sys_:
+        with http_client(sys_.base_url) as client:
+            stream(client, "/v1/completions", _completion("Warm-up.", 2))
+            for rep in range(args.prefix_reps):
+                fresh = f"Session {uuid.uuid4().hex[:8]}. {system}"  # nothing cached yet
+                cold = stream(client, "/v1/chat/completions", _chat(fresh, "What was recorded?"))
+                warm = stream(client, "/v1/chat/completions", _chat(fresh, "Why so short?"))
+                api.append({"cold_s": cold.ttft, "warm_s": warm.ttft})
+                log(f"  prefix API rep {rep + 1}: cold {cold.ttft:.3f} s, warm {warm.ttft:.3f} s")
+    return {"ours": ours["runs"], "api": api, "system_words": len(system.split())}
+
+
+def offline_runs(args: argparse.Namespace, _: str, env: dict[str, str]) -> dict[str, Any]:
+    messages = [_offline_messages(i) for i in range(args.offline_requests)]
+    out: dict[str, Any] = {}
+    if not args.no_api:
+        out["api"] = _offline_api(args, env, messages)
+    job = {
+        "model": MODEL,
+        "messages": messages,
+        "tokens": OFFLINE_TOKENS,
+        "sequential": args.sequential,
+    }
+    out["ours"] = run_child(SCRIPT, "offline", job, env, timeout=3600)
+    r = out["ours"]
+    log(
+        f"  offline in-process: {r['requests'] / r['batched_s']:.2f} req/s batched, "
+        f"{r['sequential_requests'] / r['sequential_s']:.3f} req/s one at a time"
+    )
+    return out
+
+
+def _offline_api(
+    args: argparse.Namespace, env: dict[str, str], messages: list[list[dict[str, str]]]
+) -> dict[str, Any]:
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"req-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": _chat_body(m, OFFLINE_TOKENS),
+            }
+        )
+        for i, m in enumerate(messages)
+    ]
+    with System([MODEL], max_batch=WORKER_MAX_BATCH, env=_api_env(env)) as system:
+        with http_client(system.base_url) as client:
+            client.post("/v1/chat/completions", json=_chat_body(messages[0], 2))  # warm
+            files = {"file": ("offline.jsonl", ("\n".join(lines) + "\n").encode())}
+            upload = client.post("/v1/files", data={"purpose": "batch"}, files=files)
+            upload.raise_for_status()
+            started = time.perf_counter()
+            created = client.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": upload.json()["id"],
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                },
+            )
+            created.raise_for_status()
+            batch = _wait_batch(client, created.json()["id"])
+            batch_s = time.perf_counter() - started
+            counts = batch["request_counts"]
+            log(f"  offline API batch: {counts} in {batch_s:.1f} s")
+            started = time.perf_counter()
+            for m in messages[: args.sequential]:
+                client.post("/v1/chat/completions", json=_chat_body(m, OFFLINE_TOKENS))
+            sequential_s = time.perf_counter() - started
+    return {
+        "requests": len(messages),
+        "completed": counts["completed"],
+        "failed": counts["failed"],
+        "batch_s": batch_s,
+        "server_s": batch["completed_at"] - batch["in_progress_at"],
+        "sequential_requests": args.sequential,
+        "sequential_s": sequential_s,
+    }
+
+
+def _wait_batch(client: Any, batch_id: str, timeout: float = 3600) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.get(f"/v1/batches/{batch_id}").json()
+        if batch["status"] in ("completed", "failed", "cancelled", "expired"):
+            if batch["status"] != "completed":
+                raise RuntimeError(f"the offline batch ended {batch['status']}: {batch}")
+            return batch
+        time.sleep(0.25)
+    raise RuntimeError(f"the offline batch did not finish in {timeout}s")
+
+
+def _offline_messages(i: int) -> list[dict[str, str]]:
+    topics = ("tides", "lamps", "storms", "ledgers", "gulls", "ropes", "charts", "fog")
+    return [
+        {
+            "role": "user",
+            "content": f"Request {i}: write a short note about {topics[i % len(topics)]} "
+            f"for ship number {i * 7 % 101}.",
+        }
+    ]
+
+
+def _completion(prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+
+
+def _chat(system: str, question: str) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return _chat_body(messages, 2)
+
+
+def _chat_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
+def _api_env(env: dict[str, str]) -> dict[str, str]:
+    return {**env, "LLMQ_API_THREADS": str(API_THREADS)}
+
+
+def _model_path() -> Path:
+    from runtime.registry import resolve
+
+    return resolve(MODEL).path()
+
+
+def _encoder() -> Any:
+    from runtime.gguf_file import GGUFFile
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_metadata(GGUFFile(_model_path()).metadata)
+    return lambda text: tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def render(raw: dict[str, Any]) -> str:
+    m = raw["meta"]
+    lines = header(f"llmq throughput, {MODEL}", m)
+    lines.append(
+        f"llama.cpp: llama-cpp-python {m['llama_cpp_version']}, {m['cpus']} threads; system: "
+        f"one worker --max-batch {WORKER_MAX_BATCH}, API 2 gunicorn processes x {API_THREADS} "
+        f"threads, broker {m['broker']} on loopback"
+    )
+    for env, per_env in raw["envs"].items():
+        lines += ["", f"== env {env} =="]
+        if "decode" in per_env:
+            lines += _decode_block(raw, per_env["decode"])
+            lines += ["", *_kv_block(per_env["decode"])]
+        if "prefix" in per_env:
+            lines += ["", *_prefix_block(per_env["prefix"])]
+        if "offline" in per_env:
+            lines += ["", *_offline_block(per_env["offline"])]
+    return "\n".join(lines)
+
+
+def _decode_block(raw: dict[str, Any], decode: dict[str, Any]) -> list[str]:
+    runs = decode["runs"]
+
+    def rates(kind: str, n: int) -> list[float]:
+        return [r["decode_tps"] for r in runs if r["kind"] == kind and r["n"] == n]
+
+    def cell(kind: str, n: int) -> str:
+        values = rates(kind, n)
+        return f"{best(values):.1f} / {median(values):.1f}" if values else "-"
+
+    ns = sorted({r["n"] for r in runs})
+    has_llama = any(r["kind"] == "llama" for r in runs)
+    layout = "unified" if decode.get("kv_unified") else "one per sequence"
+    lines = [
+        f"aggregate decode tok/s, {PROMPT_TOKENS}-token prompts, {raw['meta']['steps']} steps "
+        f"after prefill (best / median of {raw['meta']['repeat']})"
+        + (f"; llama.cpp KV cache: {layout}" if has_llama else ""),
+        f"{'seqs':>4} {'ours in-process':>17} {'via API':>17} {'llama.cpp':>17} "
+        f"{'ours/1 seq':>10} {'ours/llama':>10} {'API/ours':>8} {'ms/step':>8}",
+    ]
+    single = best(rates("ours", ns[0]))
+    for n in ns:
+        ours = best(rates("ours", n))
+        llama = best(rates("llama", n)) if has_llama else float("nan")
+        api = best(rates("api", n)) if rates("api", n) else float("nan")
+        lines.append(
+            f"{n:>4} {cell('ours', n):>17} {cell('api', n):>17} {cell('llama', n):>17} "
+            f"{ours / single:>9.2f}x {ours / llama:>9.2f}x {api / ours:>7.2f}x "
+            f"{n / ours * 1000:>8.1f}"
+        )
+    if 32 in ns:
+        vs_single = best(rates("ours", 32)) / single
+        lines.append(
+            f"targets at 32 sequences: >= {TARGET_VS_SINGLE:.0f}x single stream: "
+            f"{verdict(vs_single >= TARGET_VS_SINGLE)} ({vs_single:.2f}x)"
+        )
+        if has_llama:
+            vs_llama = best(rates("ours", 32)) / best(rates("llama", 32))
+            lines[-1] += (
+                f"; >= {TARGET_VS_LLAMA:.1f}x llama.cpp: {verdict(vs_llama >= TARGET_VS_LLAMA)} "
+                f"({vs_llama:.2f}x)"
+            )
+    agree = [
+        r["n"]
+        for r in runs
+        if r["kind"] == "ours"
+        and any(
+            q["kind"] == "llama" and q["n"] == r["n"] and q["first_tokens"] == r["first_tokens"]
+            for q in runs
+        )
+    ]
+    if has_llama:
+        lines.append(
+            "first 8 greedy tokens of sequence 0 identical in both engines at N = "
+            f"{sorted(set(agree)) or 'none'}"
+        )
+    return lines
+
+
+def _kv_block(decode: dict[str, Any]) -> list[str]:
+    ours = [r for r in decode["runs"] if r["kind"] == "ours"]
+    per_token = ours[0]["kv_block_nbytes"] / ours[0]["kv_block_size"]
+    lines = [
+        f"KV memory per token: {per_token:.0f} B ({per_token / 1024:.1f} KiB, float32 K and V "
+        f"of every layer; blocks of {ours[0]['kv_block_size']} tokens, "
+        f"{ours[0]['kv_block_nbytes'] / 2**20:.2f} MiB each); llama.cpp's default f16 cache: "
+        f"{per_token / 2:.0f} B/token, allocated for the whole n_ctx up front",
+        f"{'seqs':>4} {'tokens held':>11} {'bytes_in_use':>13} {'B/token held':>13} "
+        f"{'overhead':>9} {'RSS growth MiB':>15}",
+    ]
+    seen = set()
+    for r in ours:
+        if r["n"] in seen:
+            continue
+        seen.add(r["n"])
+        held, used = r["tokens_held"], r["kv_bytes_in_use"]
+        lines.append(
+            f"{r['n']:>4} {held:>11} {used / 2**20:>10.2f} MiB {used / held:>13.0f} "
+            f"{used / held / per_token - 1:>8.1%} {r['rss_growth_mib']:>15.1f}"
+        )
+    lines.append(
+        "overhead = partly filled last blocks; RSS growth also counts activations and "
+        "allocator caches of the batch, so it only bounds the KV pages from above"
+    )
+    return lines
+
+
+def _prefix_block(prefix: dict[str, Any]) -> list[str]:
+    lines = [
+        f"time to first token, chat with a ~{SYSTEM_PROMPT_TOKENS}-token system prompt: cold "
+        "(nothing cached) vs its prefix cached by a previous request; best / median"
+    ]
+
+    def row(name: str, runs: list[dict[str, Any]], extra: str = "") -> str:
+        cold = [r["cold_s"] * 1000 for r in runs]
+        warm = [r["warm_s"] * 1000 for r in runs]
+        ratio = best(cold, False) / best(warm, False)
+        return (
+            f"{name:<12} cold {best(cold, False):7.1f} / {median(cold):7.1f} ms   cached "
+            f"{best(warm, False):6.1f} / {median(warm):6.1f} ms   {ratio:5.1f}x faster  "
+            f">= {TARGET_PREFIX:.0f}x: {verdict(ratio >= TARGET_PREFIX)}{extra}"
+        )
+
+    ours = prefix["ours"]
+    cached = ours[0]["warm_cached"]
+    lines.append(
+        row(
+            "in-process",
+            ours,
+            f"   ({ours[0]['prompt_tokens']} prompt tokens, {cached} from the cache)",
+        )
+    )
+    if prefix.get("api"):
+        lines.append(row("via API", prefix["api"]))
+    return lines
+
+
+def _offline_block(offline: dict[str, Any]) -> list[str]:
+    lines = [f"offline batch of chat requests, {OFFLINE_TOKENS} tokens each (EOS ignored)"]
+    for name, r, batch_s in (
+        ("Batch API", offline.get("api"), "batch_s"),
+        ("in-process", offline.get("ours"), "batched_s"),
+    ):
+        if r is None:
+            continue
+        batched = r["requests"] / r[batch_s]
+        one = r["sequential_requests"] / r["sequential_s"]
+        lines.append(
+            f"{name:<11} {r['requests']} requests batched: {batched:6.2f} req/s "
+            f"({batched * OFFLINE_TOKENS:6.1f} tok/s, {r[batch_s]:.1f} s); one at a time "
+            f"({r['sequential_requests']} sent): {one:.3f} req/s; batched/sequential "
+            f"{batched / one:.1f}x"
+        )
+    return lines
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="1 repetition, fewer steps and requests")
+    p.add_argument("--repeat", type=int, help="decode repetitions (default 2, quick 1)")
+    p.add_argument("--steps", type=int, help=f"timed decode steps (default {DECODE_STEPS})")
+    p.add_argument("--only", default="decode,prefix,offline", help="parts to run")
+    p.add_argument("--sequences", default=",".join(map(str, SEQUENCES)), help="values of N")
+    p.add_argument("--no-llama", dest="llama", action="store_false", help="skip llama.cpp")
+    p.add_argument(
+        "--llama-kv",
+        choices=("per-seq", "unified"),
+        default="per-seq",
+        help="llama.cpp KV layout (default per-seq: the faster here at 32 and 64 sequences)",
+    )
+    p.add_argument("--no-api", action="store_true", help="offline: in-process only")
+    p.add_argument("--offline-requests", type=int, help=f"default {OFFLINE_REQUESTS}")
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.repeat = args.repeat or (1 if args.quick else 2)
+    args.steps = args.steps or (12 if args.quick else DECODE_STEPS)
+    args.only = {s.strip() for s in args.only.split(",") if s.strip()}
+    args.ns = [int(n) for n in args.sequences.split(",")]
+    args.offline_requests = args.offline_requests or (48 if args.quick else OFFLINE_REQUESTS)
+    args.sequential = 2 if args.quick else SEQUENTIAL_SAMPLE
+    args.prefix_reps = 3 if args.quick else 4
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(CHILDREN, args.child)
+    from importlib.metadata import version
+
+    started = time.perf_counter()
+    raw: dict[str, Any] = {"envs": {}}
+    parts = {"decode": decode_runs, "prefix": prefix_runs, "offline": offline_runs}
+    for name, env in env_variants():
+        per_env: dict[str, Any] = {}
+        for part, run in parts.items():
+            if part in args.only:
+                part_started = time.perf_counter()
+                per_env[part] = run(args, name, env)
+                log(f"  {part} ({name}) took {time.perf_counter() - part_started:.0f} s")
+        raw["envs"][name] = per_env
+    raw["meta"] = {
+        **meta(sys.argv),
+        "repeat": args.repeat,
+        "steps": args.steps,
+        "llama_cpp_version": version("llama-cpp-python"),
+        "broker": broker(),
+        "wall_s": time.perf_counter() - started,
+    }
+    print(render(raw))
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
