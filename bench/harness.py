@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -381,6 +382,16 @@ def stream(client: Any, path: str, body: dict[str, Any]) -> Stream:
                 if text:
                     out.chunks.append(time.perf_counter())
     return out
+
+
+THINK_SECONDS = (0.15, 0.35)
+_think = random.Random(0)
+
+
+def think() -> None:
+    """A pause of random length before a request, so requests reach an idle worker at any
+    moment of its polling loop, as independent users' would, not in step with it."""
+    time.sleep(_think.uniform(*THINK_SECONDS))
 
 
 def http_client(base_url: str, connections: int = 8) -> Any:

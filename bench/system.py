@@ -12,7 +12,8 @@ when there is none, which the table says; `llmq worker` processes and `llmq api`
    `cache_prompt=False`), measured in alternating rounds of the same run. TTFT through the
    API is from sending the POST to receiving the first text chunk; decode is the tokens
    after the first (`usage`) over the time from the first chunk to the last (a token whose
-   text is empty sends no chunk). Goals: the queue path adds
+   text is empty sends no chunk). Each API request waits a random 150-350 ms first, so it
+   reaches the idle worker at a random point of its polling loop. Goals: the queue path adds
    < 10 ms to TTFT at p50 and costs < 5% of decode tokens/s (best of the runs, as
    `bench/engine.py` judges speed).
 2. Jobs per second with a no-op engine and 1, 2, 4 workers: the "no-op engine" is a tiny
@@ -67,6 +68,7 @@ from bench.harness import (  # noqa: E402
     run_child,
     steady_rate,
     stream,
+    think,
     verdict,
 )
 
@@ -155,6 +157,7 @@ def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
                     else:
                         runs = []
                         for _ in range(args.reps):
+                            think()
                             s = stream(client, "/v1/completions", body)
                             if s.error or s.completion_tokens != args.max_tokens:
                                 raise RuntimeError(f"API stream failed: {s.error or s}")

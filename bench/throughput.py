@@ -22,7 +22,8 @@ Four tables, all with SmolLM2 (`smollm2-135m-instruct`, the Q4_1 GGUF both engin
    Targets: ours at 32 sequences >= 6x ours at 1, and >= 2.0x llama.cpp at 32.
 2. Time to first token of a chat whose ~1,000-token system prompt is in the prefix cache
    (a second question after a first request filled it) vs cold (cache cleared), in-process
-   and through the API (a fresh system prompt per repetition, asked twice). Target >= 20x.
+   and through the API (a fresh system prompt per repetition, asked twice, each request
+   after a random 150-350 ms pause). Target >= 20x.
 3. KV memory per token held: the pool's block size / 16, and `kv_pool.bytes_in_use` against
    the tokens the sequences of table 1 hold after their decode steps.
 4. An offline batch of chat requests (64 tokens each, EOS ignored): requests/s through the
@@ -72,6 +73,7 @@ from bench.harness import (  # noqa: E402
     run_child,
     steady_rate,
     stream,
+    think,
     verdict,
 )
 
@@ -367,7 +369,9 @@ def prefix_runs(args: argparse.Namespace, _: str, env: dict[str, str]) -> dict[s
             stream(client, "/v1/completions", _completion("Warm-up.", 2))
             for rep in range(args.prefix_reps):
                 fresh = f"Session {uuid.uuid4().hex[:8]}. {system}"  # nothing cached yet
+                think()
                 cold = stream(client, "/v1/chat/completions", _chat(fresh, "What was recorded?"))
+                think()
                 warm = stream(client, "/v1/chat/completions", _chat(fresh, "Why so short?"))
                 api.append({"cold_s": cold.ttft, "warm_s": warm.ttft})
                 log(f"  prefix API rep {rep + 1}: cold {cold.ttft:.3f} s, warm {warm.ttft:.3f} s")
