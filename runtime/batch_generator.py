@@ -113,14 +113,6 @@ class BatchGenerator:
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
 
-    @property
-    def request_ids(self) -> list[str]:
-        return [s.request_id for s in self._running + self._waiting]
-
-    @property
-    def n_running(self) -> int:
-        return len(self._running)
-
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise the error a request would get, without adding it."""
         if not prompt_ids:

@@ -74,10 +74,6 @@ class KVCache:
         self._values[layer][:, start:end] = values.transpose(1, 0, 2)  # -> [Hkv, n, Dh]
         return [(self._keys[layer][:, :, :end], self._values[layer][:, :end])]
 
-    def trim(self, length: int) -> None:
-        """Forget every position from `length` on (e.g. to re-run a suffix)."""
-        self.length = min(self.length, length)
-
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._keys + self._values)

@@ -156,9 +156,6 @@ class PagedKVCache:
         self.pool.release(self.blocks)
         self.blocks, self._runs, self.length = [], [], 0
 
-    def trim(self, length: int) -> None:
-        self.length = min(self.length, length)
-
     def update_and_fetch(
         self, layer: int, start: int, keys: np.ndarray, values: np.ndarray
     ) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -36,10 +36,6 @@ class BatchLayout:
         # (first row, end row, chunk) per sequence; layers walk this once each
         self.spans = [(int(offsets[i]), int(offsets[i + 1]), c) for i, c in enumerate(self.chunks)]
 
-    @property
-    def n_tokens(self) -> int:
-        return self.spans[-1][1] if self.spans else 0
-
     def positions(self) -> np.ndarray:
         return np.concatenate([np.arange(c.start, c.start + c.length) for c in self.chunks])
 
@@ -201,6 +197,15 @@ def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     out *= np.float32(0.5)
     out *= up
     return out
+
+
+def gated_mlp(
+    x: np.ndarray, w_gate_up: np.ndarray, w_down_t: np.ndarray, activation_mul
+) -> np.ndarray:
+    """down(act(gate(x)) * up(x)) with gate and up fused into one `[D, 2F]` matmul."""
+    gate_up = x @ w_gate_up  # [T, D] -> [T, 2F]
+    ffn_dim = w_gate_up.shape[1] // 2
+    return activation_mul(gate_up[:, :ffn_dim], gate_up[:, ffn_dim:]) @ w_down_t.T  # -> [T, D]
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

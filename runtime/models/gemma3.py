@@ -17,6 +17,7 @@ from runtime.models.base import (
     DecoderModel,
     apply_rope,
     attend_layout,
+    gated_mlp,
     gelu_tanh_mul,
     pack_linear,
     rms_norm,
@@ -104,9 +105,7 @@ class Gemma3Layer:
         return out @ self.wo  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray) -> np.ndarray:
-        gate_up = x @ self.w_gate_up  # [T, D] -> [T, 2F]
-        gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
-        return gelu_tanh_mul(gate, up) @ self.w_down_t.T  # [T, F] -> [T, D]
+        return gated_mlp(x, self.w_gate_up, self.w_down_t, gelu_tanh_mul)
 
 
 class Gemma3Model(DecoderModel):

@@ -16,6 +16,7 @@ from runtime.models.base import (
     DecoderModel,
     apply_rope,
     attend_layout,
+    gated_mlp,
     pack_linear,
     rms_norm,
     rms_normalize,
@@ -99,9 +100,7 @@ class LlamaLayer:
         return out @ self.wo  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray) -> np.ndarray:
-        gate_up = x @ self.w_gate_up  # [T, D] -> [T, 2F]
-        gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
-        return silu_mul(gate, up) @ self.w_down_t.T  # [T, F] -> [T, D]
+        return gated_mlp(x, self.w_gate_up, self.w_down_t, silu_mul)
 
 
 class LlamaModel(DecoderModel):
