@@ -162,40 +162,36 @@ class PagedKVCache:
         """Store `[n, Hkv, Dh]` keys/values at positions `start..start+n`.
 
         Returns the cache up to `start + n` as segments `(keys [Hkv, Dh, l], values [Hkv, l,
-        Dh])` in position order, one per run of consecutive blocks.
+        Dh])` in position order, one per run of consecutive blocks. (Batched forward passes
+        write every sequence's slots at once instead: see runtime/models/attention.py.)
         """
         end = start + keys.shape[0]
-        if end > self.capacity:
-            raise OutOfBlocksError(f"reserve {end} positions before writing them")
         pool_k, pool_v = self.pool.keys[layer], self.pool.values[layer]
-        slots = self._slots(start, end)  # a slice when the blocks are consecutive
+        slots = self.slot_ids(start, end)
         pool_k[:, :, slots] = keys.transpose(1, 2, 0)  # [n, Hkv, Dh] -> [Hkv, Dh, n]
         pool_v[:, slots] = values.transpose(1, 0, 2)  # -> [Hkv, n, Dh]
-        return self._segments(layer, end)
+        return [(pool_k[:, :, a : a + n], pool_v[:, a : a + n]) for a, n in self.runs(0, end)]
 
-    def _slots(self, start: int, end: int) -> slice | np.ndarray:
+    def slot_ids(self, start: int, end: int) -> np.ndarray:
+        """The pool slot of each position `start..end-1`; they must have been reserved."""
+        if end > self.capacity:
+            raise OutOfBlocksError(f"reserve {end} positions before writing them")
         bs = self.pool.block_size
-        first, last = start // bs, (end - 1) // bs
-        blocks = self.blocks[first : last + 1]
-        if blocks[-1] - blocks[0] == len(blocks) - 1:  # consecutive: one slice
-            offset = blocks[0] * bs + start % bs
-            return slice(offset, offset + end - start)
         positions = np.arange(start, end)
-        table = np.asarray(self.blocks)
-        return table[positions // bs] * bs + positions % bs
+        return np.asarray(self.blocks)[positions // bs] * bs + positions % bs
 
-    def _segments(self, layer: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def runs(self, first: int, end: int) -> list[tuple[int, int]]:
+        """Positions `first..end-1` as (first slot, count) runs of consecutive slots."""
         bs = self.pool.block_size
-        pool_k, pool_v = self.pool.keys[layer], self.pool.values[layer]
-        segments, covered = [], 0
-        for first, count in self._runs:
-            n = min(count * bs, end - covered)
-            if n <= 0:
+        out, covered = [], 0  # covered: positions before the current run
+        for block, count in self._runs:
+            lo, hi = max(first, covered), min(end, covered + count * bs)
+            if lo < hi:
+                out.append((block * bs + lo - covered, hi - lo))
+            covered += count * bs
+            if covered >= end:
                 break
-            lo = first * bs
-            segments.append((pool_k[:, :, lo : lo + n], pool_v[:, lo : lo + n]))
-            covered += n
-        return segments
+        return out
 
     def _append_block(self, block: int) -> None:
         self.blocks.append(block)

@@ -12,7 +12,8 @@ import pytest
 from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.models import load_model
-from runtime.models.base import BatchLayout, SequenceChunk, attend
+from runtime.models.attention import attend
+from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.models.llama import unpermute_rows
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -144,10 +145,10 @@ def test_loaded_weights_match_the_file(tiny_llama_path):
     f = GGUFFile(tiny_llama_path)
     model = load_model(f)
     down = f.tensor("blk.1.ffn_down.weight")  # [out, in]
-    np.testing.assert_array_equal(model.layers[1].w_down_t, down)
-    gate = f.tensor("blk.1.ffn_gate.weight")  # the norm weight is folded into its rows
+    np.testing.assert_array_equal(model.layers[1].w_down, down)
+    gate = f.tensor("blk.1.ffn_gate.weight")  # the norm weight is folded into its columns
     norm = f.tensor("blk.1.ffn_norm.weight")
-    np.testing.assert_allclose(model.layers[1].w_gate_up[:, :96], gate.T * norm[:, None])
+    np.testing.assert_allclose(model.layers[1].w_gate_up[:96], gate * norm[None, :])
     assert model.embed.shape == (model.vocab_size, 64)
     assert model.nbytes > 0
 

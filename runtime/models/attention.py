@@ -1,0 +1,247 @@
+"""Attention over the KV cache for a packed batch of sequences.
+
+Two paths. Sequences on a paged pool (every batch the scheduler builds) store the step's
+keys/values with one scatter per layer, and decode rows - one new token per sequence, the
+bulk of a busy step - attend in length-sorted groups: per sequence only two small matmuls
+write into a shared padded score buffer, and one softmax covers the whole group. Prefill
+chunks, and caches outside a pool (single-sequence helpers), attend one sequence at a time
+over their cache segments.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.kv_pool import BlockPool, PagedKVCache
+from runtime.models.base import BatchLayout
+
+# a decode group's padded score rows are at most this many times its shortest sequence, so
+# sequences of very different lengths do not spend the step on padding
+MAX_PADDING_FACTOR = 2
+
+
+def attend(
+    q: np.ndarray,
+    segments: list[tuple[np.ndarray, np.ndarray]],
+    start: int,
+    window: int | None = None,
+) -> np.ndarray:
+    """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
+
+    q `[n, H, Dh]` (already scaled by 1/sqrt(Dh)); the cache as segments in position order,
+    each keys `[Hkv, Dh, l]` (transposed, so q @ K is a plain matmul) and values `[Hkv, l,
+    Dh]`, together L = start + n positions -> `[n, H * Dh]`. `window` limits each query to
+    the keys less than `window` positions behind it.
+    """
+    n, n_heads, head_dim = q.shape
+    n_kv = segments[0][0].shape[0]
+    group = n_heads // n_kv
+    if n == 1 and window is None and len(segments) == 1:  # the common decode case, lean
+        keys_t, values = segments[0]
+        scores = np.matmul(q.reshape(n_kv, group, head_dim), keys_t)  # [Hkv, G, L]
+        _softmax_inplace(scores)
+        return np.matmul(scores, values).reshape(1, n_heads * head_dim)
+    total = sum(k.shape[-1] for k, _ in segments)
+    first = 0 if window is None else max(0, start + 1 - window)
+    segments = _from_position(segments, first)
+    if n == 1:  # decode: no query transposes, no mask beyond the window
+        qg = q.reshape(n_kv, group, head_dim)
+    else:
+        qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, Dh]
+        qg = qg.reshape(n_kv, group * n, head_dim)
+    parts = [np.matmul(qg, keys_t) for keys_t, _ in segments]  # [Hkv, G*n, l] each
+    scores = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    if n > 1:
+        scores = scores.reshape(n_kv, group, n, -1)
+        scores += _mask_bias(n, start, first, total, window)  # [n, L'] over heads
+        scores = scores.reshape(n_kv, group * n, -1)
+    _softmax_inplace(scores)
+    out, offset = None, 0
+    for _, values in segments:
+        part = np.matmul(scores[..., offset : offset + values.shape[1]], values)  # [Hkv, G*n, Dh]
+        out = part if out is None else out + part
+        offset += values.shape[1]
+    if n == 1:
+        return out.reshape(1, n_heads * head_dim)
+    out = out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3)  # [n, Hkv, G, Dh]
+    return out.reshape(n, n_heads * head_dim)
+
+
+def attend_layout(
+    layer: int,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    layout: BatchLayout,
+    window: int | None = None,
+) -> np.ndarray:
+    """Store each sequence's new keys/values in its cache and attend over it.
+
+    q `[T, H, Dh]`, k and v `[T, Hkv, Dh]` for the packed tokens -> `[T, H * Dh]`.
+    """
+    t, n_heads, head_dim = q.shape
+    out = np.empty((t, n_heads * head_dim), np.float32)
+    pool = _shared_pool(layout)
+    if pool is None:
+        for lo, hi, chunk in layout.spans:
+            segments = chunk.cache.update_and_fetch(layer, chunk.start, k[lo:hi], v[lo:hi])
+            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window)
+        return out
+    keys, values = pool.keys[layer], pool.values[layer]
+    slots = _plan(layout, "slots", _slot_ids)
+    keys[:, :, slots] = k.transpose(1, 2, 0)  # [T, Hkv, Dh] -> [Hkv, Dh, T]
+    values[:, slots] = v.transpose(1, 0, 2)  # -> [Hkv, T, Dh]
+    groups = _plan(layout, ("decode", window), lambda lay: _decode_groups(lay, window, n_heads))
+    for group in groups:
+        group.attend(q, keys, values, out)
+    for lo, hi, chunk in layout.spans:
+        if hi - lo > 1:  # prefill chunks; decode rows were done in groups
+            runs = chunk.cache.runs(0, chunk.start + hi - lo)
+            segments = [(keys[:, :, a : a + n], values[:, a : a + n]) for a, n in runs]
+            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window)
+    return out
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows of similar cache length attended together.
+
+    `rows` are the packed-token rows; `runs[m]` lists, for member m, `(slot, n, offset)`:
+    n consecutive pool slots from `slot` land at `offset` in its score row. `scores` keeps
+    -inf wherever a member has no key (the padding), so only the runs are rewritten per
+    layer; `probs` is the softmax's scratch.
+    """
+
+    rows: np.ndarray
+    runs: list[list[tuple[int, int, int]]]
+    scores: np.ndarray  # [members, Hkv, G, L_max]
+    probs: np.ndarray
+
+    @classmethod
+    def build(
+        cls, rows: list[int], runs: list[list[tuple[int, int, int]]], shape: tuple[int, int, int]
+    ) -> DecodeGroup:
+        n_kv, group, width = shape
+        scores = np.full((len(rows), n_kv, group, width), -np.inf, np.float32)
+        return cls(np.asarray(rows), runs, scores, np.empty_like(scores))
+
+    def attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.ndarray) -> None:
+        members, n_kv, group, _ = self.scores.shape
+        head_dim = q.shape[-1]
+        qg = q[self.rows].reshape(members, n_kv, group, head_dim)
+        scores, probs = self.scores, self.probs
+        for m, runs in enumerate(self.runs):
+            for slot, n, offset in runs:
+                np.matmul(
+                    qg[m], keys[:, :, slot : slot + n], out=scores[m, :, :, offset : offset + n]
+                )
+        np.subtract(scores, scores.max(axis=-1, keepdims=True), out=probs)
+        np.exp(probs, out=probs)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        result = np.empty((members, n_kv, group, head_dim), np.float32)
+        for m, runs in enumerate(self.runs):
+            slot, n, offset = runs[0]
+            np.matmul(
+                probs[m, :, :, offset : offset + n], values[:, slot : slot + n], out=result[m]
+            )
+            for slot, n, offset in runs[1:]:
+                result[m] += probs[m, :, :, offset : offset + n] @ values[:, slot : slot + n]
+        out[self.rows] = result.reshape(members, -1)
+
+
+def _shared_pool(layout: BatchLayout) -> BlockPool | None:
+    """The pool every chunk's cache lives in, or None (mixed or unpooled caches)."""
+    return _plan(layout, "pool", _find_pool)
+
+
+def _find_pool(layout: BatchLayout) -> BlockPool | None:
+    caches = [chunk.cache for chunk in layout.chunks]
+    if not caches or not all(isinstance(c, PagedKVCache) for c in caches):
+        return None
+    pool = caches[0].pool
+    return pool if all(c.pool is pool for c in caches) else None
+
+
+def _plan(layout: BatchLayout, key, build):
+    """What every layer of one forward pass derives from the layout, computed once."""
+    if key not in layout.plans:
+        layout.plans[key] = build(layout)
+    return layout.plans[key]
+
+
+def _slot_ids(layout: BatchLayout) -> np.ndarray:
+    """Pool slot of every packed token, in row order."""
+    return np.concatenate(
+        [chunk.cache.slot_ids(chunk.start, chunk.start + chunk.length) for chunk in layout.chunks]
+    )
+
+
+def _decode_groups(layout: BatchLayout, window: int | None, n_heads: int) -> list[DecodeGroup]:
+    """Decode rows sorted by how many keys they see, cut into groups whose longest member
+    is at most MAX_PADDING_FACTOR times the shortest."""
+    n_kv = _shared_pool(layout).n_kv_heads
+    rows = []
+    for lo, hi, chunk in layout.spans:
+        if hi - lo == 1:
+            end = chunk.start + 1
+            first = 0 if window is None else max(0, end - window)
+            rows.append((end - first, lo, chunk.cache.runs(first, end)))
+    rows.sort(key=lambda row: -row[0])
+    groups, i = [], 0
+    while i < len(rows):
+        width, j = rows[i][0], i
+        while j < len(rows) and rows[j][0] * MAX_PADDING_FACTOR >= width:
+            j += 1
+        members = rows[i:j]
+        runs = [_with_offsets(row[2]) for row in members]
+        shape = (n_kv, n_heads // n_kv, width)
+        groups.append(DecodeGroup.build([row[1] for row in members], runs, shape))
+        i = j
+    return groups
+
+
+def _with_offsets(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(slot, n) runs -> (slot, n, offset of the run within the sequence's keys)."""
+    out, offset = [], 0
+    for slot, n in runs:
+        out.append((slot, n, offset))
+        offset += n
+    return out
+
+
+def _from_position(
+    segments: list[tuple[np.ndarray, np.ndarray]], first: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The segments with every position before `first` cut off (sliding windows)."""
+    if first == 0:
+        return segments
+    kept, offset = [], 0
+    for keys_t, values in segments:
+        length = keys_t.shape[-1]
+        if offset + length > first:
+            cut = max(0, first - offset)
+            kept.append((keys_t[:, :, cut:], values[:, cut:]))
+        offset += length
+    return kept
+
+
+def _softmax_inplace(scores: np.ndarray) -> None:
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+
+
+@functools.lru_cache(maxsize=16)  # every layer of one forward pass asks for the same mask
+def _mask_bias(n: int, start: int, first: int, total: int, window: int | None) -> np.ndarray:
+    """-inf where query i (position start+i) must not see key j (position first+j), else 0."""
+    q_pos = np.arange(start, start + n)[:, None]  # [n, 1]
+    k_pos = np.arange(first, total)[None, :]  # [1, L']
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= (q_pos - k_pos) >= window
+    bias = np.where(hidden, np.float32(-np.inf), np.float32(0.0))
+    bias.flags.writeable = False
+    return bias
