@@ -157,7 +157,8 @@ class DecoderModel:
         return KVCache(*self.kv_shape, max_tokens)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return linear(hidden, self.output)  # [N, D] -> [N, V]
+        # row-major copy: the sampler's per-row reductions over a transposed view cost more
+        return np.ascontiguousarray(linear(hidden, self.output))  # [N, D] -> [N, V]
 
     @property
     def nbytes(self) -> int:

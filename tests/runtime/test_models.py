@@ -11,8 +11,9 @@ import pytest
 
 from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
+from runtime.kv_pool import BlockPool, PagedKVCache
 from runtime.models import load_model
-from runtime.models.attention import attend
+from runtime.models.attention import attend, attend_layout
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.models.llama import unpermute_rows
 
@@ -194,3 +195,49 @@ def test_truncated_file_is_a_clear_error(tmp_path, tiny_llama_path):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ModelFormatError, match="no such file"):
         GGUFFile(tmp_path / "absent.gguf")
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_batch_attention_matches_naive_per_sequence(window):
+    """The pooled path: fragmented block tables (several runs per sequence), decode rows of
+    very different lengths (several padded groups) mixed with a prefill chunk."""
+    n_kv, n_heads, head_dim, block = 2, 6, 8, 4
+    pool = BlockPool(1, n_kv, head_dim, n_blocks=64, block_size=block)
+    rng = np.random.default_rng(7)
+    lengths = [2, 3, 9, 14, 30]  # tokens each sequence will hold
+    caches = [PagedKVCache(pool) for _ in lengths]
+    for upto in range(block, max(lengths) + block, block):  # interleave their blocks
+        for cache, length in zip(caches, lengths, strict=True):
+            cache.reserve(min(upto, length))
+    assert any(len(cache.runs(0, cache.capacity)) > 1 for cache in caches)
+    keys = [rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for n in lengths]
+    values = [rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for n in lengths]
+    queries = [rng.standard_normal((n, n_heads, head_dim)).astype(np.float32) for n in lengths]
+
+    def step(spans: list[tuple[int, int]]) -> None:
+        """One batched call: sequence i gets positions spans[i] = (start, end)."""
+        chunks = [SequenceChunk(c, a, b - a) for c, (a, b) in zip(caches, spans, strict=True)]
+        pick = [(i, slice(a, b)) for i, (a, b) in enumerate(spans)]
+        got = attend_layout(
+            0,
+            np.concatenate([queries[i][s] for i, s in pick]),
+            np.concatenate([keys[i][s] for i, s in pick]),
+            np.concatenate([values[i][s] for i, s in pick]),
+            BatchLayout(chunks),
+            window,
+        )
+        row = 0
+        for i, s in pick:
+            k_all, v_all = (
+                keys[i][: s.stop].transpose(1, 0, 2),
+                values[i][: s.stop].transpose(1, 0, 2),
+            )
+            want = _naive_attention(queries[i][s], k_all, v_all, s.start, 1.0, window)
+            np.testing.assert_allclose(got[row : row + s.stop - s.start], want, **TOL)
+            row += s.stop - s.start
+        for chunk in chunks:
+            chunk.cache.length = chunk.start + chunk.length
+
+    step([(0, n - 1) for n in lengths[:-1]] + [(0, lengths[-1] - 3)])
+    # the last token of the others as decode rows (two padded groups), the longest prefills 3
+    step([(n - 1, n) for n in lengths[:-1]] + [(lengths[-1] - 3, lengths[-1])])
