@@ -273,7 +273,7 @@ class BatchGenerator:
 
     def _remember(self, seq: _Sequence, token_ids: list[int]) -> None:
         if seq.cache_prompt and seq.cache is not None:
-            self.prefix_cache.insert(token_ids, seq.cache.blocks)
+            self.prefix_cache.insert(token_ids, seq.cache.shared_blocks())
 
     # ------------------------------------------------------------------ output
 

@@ -54,7 +54,9 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(gguf_file.metadata)
         self.model = load_model(gguf_file)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
-        self.kv_pool = BlockPool.for_budget(*self.model.kv_shape, self.config.kv_memory_mb * 2**20)
+        self.kv_pool = BlockPool.for_budget(
+            *self.model.kv_shape, self.config.kv_memory_mb * 2**20, windows=self.model.kv_windows
+        )
         self.prefix_cache = (
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )

@@ -60,6 +60,10 @@ class KVCache:
             new[:, :n] = old[:, :n]
         self._keys, self._values, self._capacity = keys, values, new_capacity
 
+    def commit(self, length: int) -> None:
+        """A forward pass stored positions up to `length`."""
+        self.length = length
+
     def update_and_fetch(
         self, layer: int, start: int, keys: np.ndarray, values: np.ndarray
     ) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -6,6 +6,11 @@ with one matmul. A sequence holds a block table; attention walks its maximal run
 consecutive blocks (usually one or two: a shared cached prefix, then its own blocks), so
 paging costs a few extra small ops instead of a gather of the whole cache per layer.
 
+Layers that attend over a sliding window (gemma3's local layers) form their own group with
+its own blocks and block table: once a sequence moves past a block, no later query of
+those layers can see it, so the sequence gives it back at once and those layers hold only
+their window. Full-attention layers form group 0; a model without windows has one group.
+
 The arrays are anonymous memory maps with transparent huge pages turned off, so the
 operating system backs only the 4 KiB pages that blocks have been written to: resident KV
 memory grows with the tokens in use (lowest free blocks are handed out first), not with
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import mmap
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -30,8 +35,45 @@ class OutOfBlocksError(LLMQRuntimeError):
     """The pool has no free block left (the scheduler preempts a sequence and retries)."""
 
 
+class _BlockGroup:
+    """The blocks of the layers that share one attention window: free list and refcounts."""
+
+    def __init__(self, window: int | None, layers: list[int], n_blocks: int) -> None:
+        self.window, self.layers = window, layers
+        self.refcount = np.zeros(n_blocks, np.int32)
+        self.free = list(range(n_blocks))  # a heap: lowest ids first keeps touched pages dense
+        self.free_set = set(self.free)
+
+    def allocate(self, after: int | None) -> int:
+        if after is not None and after + 1 in self.free_set:
+            block = after + 1
+            self.free_set.discard(block)  # stays in the heap; skipped when popped
+        else:
+            block = self._pop_free()
+        self.refcount[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            self.free_set.add(block)
+            heapq.heappush(self.free, block)
+
+    def _pop_free(self) -> int:
+        while self.free:
+            block = heapq.heappop(self.free)
+            if block in self.free_set:
+                self.free_set.discard(block)
+                return block
+        raise OutOfBlocksError(f"all {len(self.refcount)} KV blocks are in use")
+
+
 class BlockPool:
-    """The KV blocks of one model: storage, a free list and a reference count per block."""
+    """The KV blocks of one model: storage, and per layer group a free list and refcounts.
+
+    `windows[layer]` is that layer's sliding window (None: full attention). Every group has
+    `n_blocks` blocks. Methods without a `group` argument act on group 0.
+    """
 
     def __init__(
         self,
@@ -40,66 +82,87 @@ class BlockPool:
         head_dim: int,
         n_blocks: int,
         block_size: int = BLOCK_SIZE,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         if n_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {n_blocks}")
+        windows = list(windows) if windows is not None else [None] * n_layers
+        if len(windows) != n_layers:
+            raise ValueError(f"{len(windows)} windows given for {n_layers} layers")
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.n_blocks, self.block_size = n_blocks, block_size
+        # full attention first, so that group 0 (the longest-lived blocks) always exists
+        order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        self.groups = [
+            _BlockGroup(w, [i for i, lw in enumerate(windows) if lw == w], n_blocks) for w in order
+        ]
+        self.group_of = [order.index(w) for w in windows]
         tokens = n_blocks * block_size
         self.keys = [_lazy_array((n_kv_heads, head_dim, tokens)) for _ in range(n_layers)]
         self.values = [_lazy_array((n_kv_heads, tokens, head_dim)) for _ in range(n_layers)]
-        self.refcount = np.zeros(n_blocks, np.int32)
-        self._free = list(range(n_blocks))  # a heap: lowest ids first keeps touched pages dense
-        self._free_set = set(self._free)
 
     @classmethod
     def for_budget(
-        cls, n_layers: int, n_kv_heads: int, head_dim: int, memory_bytes: int
+        cls,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        memory_bytes: int,
+        windows: Sequence[int | None] | None = None,
     ) -> BlockPool:
         per_block = n_layers * 2 * n_kv_heads * head_dim * BLOCK_SIZE * 4
-        return cls(n_layers, n_kv_heads, head_dim, max(1, memory_bytes // per_block))
+        n_blocks = max(1, memory_bytes // per_block)
+        return cls(n_layers, n_kv_heads, head_dim, n_blocks, windows=windows)
+
+    @property
+    def refcount(self) -> np.ndarray:
+        return self.groups[0].refcount
+
+    def group_nbytes(self, group: int) -> int:
+        """Bytes of one block of one group (its layers only)."""
+        n_layers = len(self.groups[group].layers)
+        return n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * 4
 
     @property
     def block_nbytes(self) -> int:
+        """Bytes of one block of every layer: the KV memory of `block_size` tokens."""
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * 4
 
     @property
     def n_free(self) -> int:
-        return len(self._free_set)
+        return len(self.groups[0].free_set)
 
     @property
     def bytes_in_use(self) -> int:
-        return (self.n_blocks - self.n_free) * self.block_nbytes
+        return sum(
+            (self.n_blocks - len(g.free_set)) * self.group_nbytes(i)
+            for i, g in enumerate(self.groups)
+        )
 
-    def allocate(self, after: int | None = None) -> int:
+    def allocate(self, after: int | None = None, group: int = 0) -> int:
         """One free block with refcount 1; the one right after `after` when it is free."""
-        if after is not None and after + 1 in self._free_set:
-            block = after + 1
-            self._free_set.discard(block)  # stays in the heap; skipped when popped
-        else:
-            block = self._pop_free()
-        self.refcount[block] = 1
-        return block
+        return self.groups[group].allocate(after)
 
-    def retain(self, blocks: Iterable[int]) -> None:
+    def retain(self, blocks: Iterable[int], group: int = 0) -> None:
+        refcount = self.groups[group].refcount
         for block in blocks:
-            self.refcount[block] += 1
+            refcount[block] += 1
 
-    def release(self, blocks: Iterable[int]) -> None:
+    def release(self, blocks: Iterable[int], group: int = 0) -> None:
         """Drop one reference to each block; blocks nobody holds go back to the free list."""
         for block in blocks:
-            self.refcount[block] -= 1
-            if self.refcount[block] == 0:
-                self._free_set.add(block)
-                heapq.heappush(self._free, block)
+            self.groups[group].release(block)
 
-    def _pop_free(self) -> int:
-        while self._free:
-            block = heapq.heappop(self._free)
-            if block in self._free_set:
-                self._free_set.discard(block)
-                return block
-        raise OutOfBlocksError(f"all {self.n_blocks} KV blocks are in use")
+
+def _runs_from(runs: list[tuple[int, int, int]], index: int) -> list[tuple[int, int, int]]:
+    """Runs (first block, count, table index) cut to the table entries from `index` on."""
+    kept = []
+    for first, count, at in runs:
+        if at + count <= index:
+            continue
+        cut = max(0, index - at)
+        kept.append((first + cut, count - cut, at + cut))
+    return kept
 
 
 def _lazy_array(shape: tuple[int, ...]) -> np.ndarray:
@@ -110,102 +173,134 @@ def _lazy_array(shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(buffer, np.float32).reshape(shape)
 
 
-class PagedKVCache:
-    """One sequence's view of the pool: a block table and the positions written so far.
+# One table entry per block of positions, one block id per group; None where a windowed
+# group has already given the block back.
+SharedBlock = tuple[int | None, ...]
 
-    Implements the cache protocol the models call (`update_and_fetch`, `length`, `nbytes`).
-    `reserve` must have made room before a forward pass writes; it raises
-    `OutOfBlocksError` when the pool is exhausted, before anything is written.
+
+class PagedKVCache:
+    """One sequence's view of the pool: a block table per layer group and the positions
+    written so far.
+
+    Attention (runtime/models/attention.py) writes and reads the pool through `slot_ids`
+    and `runs`; `commit` records what a forward pass wrote. `reserve` must have made room
+    before a forward pass writes; it raises `OutOfBlocksError` when the pool is exhausted,
+    before anything is written.
     """
 
-    def __init__(self, pool: BlockPool, shared_prefix: list[int] | None = None) -> None:
+    def __init__(self, pool: BlockPool, shared_prefix: Sequence[SharedBlock] | None = None) -> None:
         self.pool = pool
-        self.blocks: list[int] = []
+        self.tables: list[list[int | None]] = [[] for _ in pool.groups]
         self.length = 0
-        self._runs: list[tuple[int, int]] = []  # (first block, number of blocks) per run
-        if shared_prefix:
-            pool.retain(shared_prefix)
-            for block in shared_prefix:
-                self._append_block(block)
-            self.length = len(shared_prefix) * pool.block_size
+        # per group: (first block, number of blocks, index of the first in the table)
+        self._runs: list[list[tuple[int, int, int]]] = [[] for _ in pool.groups]
+        for entry in shared_prefix or ():
+            for group, block in enumerate(entry):
+                if block is not None:
+                    pool.retain([block], group)
+                self._append_block(group, block)
+        self.length = len(shared_prefix or ()) * pool.block_size
+
+    @property
+    def blocks(self) -> list[int | None]:
+        """Group 0's block table (full attention: never has holes)."""
+        return self.tables[0]
 
     @property
     def capacity(self) -> int:
-        return len(self.blocks) * self.pool.block_size
+        return len(self.tables[0]) * self.pool.block_size
 
     @property
     def nbytes(self) -> int:
-        return len(self.blocks) * self.pool.block_nbytes
+        return sum(
+            sum(b is not None for b in table) * self.pool.group_nbytes(group)
+            for group, table in enumerate(self.tables)
+        )
+
+    def shared_blocks(self) -> list[SharedBlock]:
+        """The table as one entry per block of positions (what the prefix cache keeps)."""
+        return list(zip(*self.tables, strict=True))
 
     def reserve(self, n_tokens: int) -> None:
-        """Own enough blocks for `n_tokens` positions; all or nothing."""
-        added: list[int] = []
+        """Own enough blocks for `n_tokens` positions in every group; all or nothing."""
+        missing = -(-n_tokens // self.pool.block_size) - len(self.tables[0])
+        added = [0] * len(self.tables)
         try:
-            while self.capacity < n_tokens:
-                last = self.blocks[-1] if self.blocks else None
-                block = self.pool.allocate(after=last)
-                added.append(block)
-                self._append_block(block)
+            for _ in range(missing):
+                for group, table in enumerate(self.tables):
+                    last = table[-1] if table else None
+                    self._append_block(group, self.pool.allocate(after=last, group=group))
+                    added[group] += 1
         except OutOfBlocksError:
-            self._drop_tail(len(added))
-            self.pool.release(added)
+            for group, n in enumerate(added):
+                self._drop_tail(group, n)
             raise
 
     def release(self) -> None:
         """Give every block back (shared ones lose one reference)."""
-        self.pool.release(self.blocks)
-        self.blocks, self._runs, self.length = [], [], 0
+        for group, table in enumerate(self.tables):
+            self.pool.release([b for b in table if b is not None], group)
+        self.tables = [[] for _ in self.pool.groups]
+        self._runs = [[] for _ in self.pool.groups]
+        self.length = 0
 
-    def update_and_fetch(
-        self, layer: int, start: int, keys: np.ndarray, values: np.ndarray
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Store `[n, Hkv, Dh]` keys/values at positions `start..start+n`.
+    def commit(self, length: int) -> None:
+        """`length` positions are written; windowed groups give back what no later query
+        can see (positions before `length + 1 - window`)."""
+        self.length = length
+        bs = self.pool.block_size
+        for group, table in enumerate(self.tables):
+            window = self.pool.groups[group].window
+            if window is None:
+                continue
+            dead = max(0, length + 1 - window) // bs  # blocks wholly before the window
+            freed = [b for b in table[:dead] if b is not None]
+            if freed:
+                self.pool.release(freed, group)
+                table[:dead] = [None] * dead
+                self._runs[group] = _runs_from(self._runs[group], dead)
 
-        Returns the cache up to `start + n` as segments `(keys [Hkv, Dh, l], values [Hkv, l,
-        Dh])` in position order, one per run of consecutive blocks. (Batched forward passes
-        write every sequence's slots at once instead: see runtime/models/attention.py.)
-        """
-        end = start + keys.shape[0]
-        pool_k, pool_v = self.pool.keys[layer], self.pool.values[layer]
-        slots = self.slot_ids(start, end)
-        pool_k[:, :, slots] = keys.transpose(1, 2, 0)  # [n, Hkv, Dh] -> [Hkv, Dh, n]
-        pool_v[:, slots] = values.transpose(1, 0, 2)  # -> [Hkv, n, Dh]
-        return [(pool_k[:, :, a : a + n], pool_v[:, a : a + n]) for a, n in self.runs(0, end)]
-
-    def slot_ids(self, start: int, end: int) -> np.ndarray:
+    def slot_ids(self, start: int, end: int, group: int = 0) -> np.ndarray:
         """The pool slot of each position `start..end-1`; they must have been reserved."""
         if end > self.capacity:
             raise OutOfBlocksError(f"reserve {end} positions before writing them")
         bs = self.pool.block_size
         positions = np.arange(start, end)
-        return np.asarray(self.blocks)[positions // bs] * bs + positions % bs
+        table = np.asarray(self.tables[group][start // bs : (end - 1) // bs + 1])
+        return table[positions // bs - start // bs] * bs + positions % bs
 
-    def runs(self, first: int, end: int) -> list[tuple[int, int]]:
+    def runs(self, first: int, end: int, group: int = 0) -> list[tuple[int, int]]:
         """Positions `first..end-1` as (first slot, count) runs of consecutive slots."""
         bs = self.pool.block_size
-        out, covered = [], 0  # covered: positions before the current run
-        for block, count in self._runs:
+        out = []
+        for block, count, index in self._runs[group]:
+            covered = index * bs  # the position the run starts at
             lo, hi = max(first, covered), min(end, covered + count * bs)
             if lo < hi:
                 out.append((block * bs + lo - covered, hi - lo))
-            covered += count * bs
-            if covered >= end:
+            if covered + count * bs >= end:
                 break
         return out
 
-    def _append_block(self, block: int) -> None:
-        self.blocks.append(block)
-        if self._runs and self._runs[-1][0] + self._runs[-1][1] == block:
-            first, count = self._runs[-1]
-            self._runs[-1] = (first, count + 1)
+    def _append_block(self, group: int, block: int | None) -> None:
+        table, runs = self.tables[group], self._runs[group]
+        index = len(table)
+        table.append(block)
+        if block is None:
+            return
+        if runs and runs[-1][0] + runs[-1][1] == block and runs[-1][2] + runs[-1][1] == index:
+            first, count, at = runs[-1]
+            runs[-1] = (first, count + 1, at)
         else:
-            self._runs.append((block, 1))
+            runs.append((block, 1, index))
 
-    def _drop_tail(self, n: int) -> None:
+    def _drop_tail(self, group: int, n: int) -> None:
+        """Give back the last `n` blocks of a group's table (a failed reserve)."""
+        table, runs = self.tables[group], self._runs[group]
         for _ in range(n):
-            self.blocks.pop()
-            first, count = self._runs[-1]
+            self.pool.release([table.pop()], group)
+            first, count, at = runs[-1]
             if count == 1:
-                self._runs.pop()
+                runs.pop()
             else:
-                self._runs[-1] = (first, count - 1)
+                runs[-1] = (first, count - 1, at)

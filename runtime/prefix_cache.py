@@ -7,6 +7,11 @@ matches its prompt and skips their prefill. The cache holds one reference on eac
 keeps; blocks that only the cache holds are evicted least recently used first, when the
 pool needs room or the cache exceeds its block budget. Shared blocks in use are never
 evicted (their reference count is above one).
+
+With sliding-window layers (runtime/kv_pool.py), an entry keeps one block per layer group,
+and a windowed group's block may be missing (its sequence had moved past it). A cached
+prefix is usable only where every windowed group still has the blocks the next query can
+see, so a lookup takes the longest prefix that ends on such a complete window.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.kv_pool import BlockPool
+from runtime.kv_pool import BlockPool, SharedBlock
 
 
 @dataclass
@@ -33,7 +38,7 @@ class PrefixCacheStats:
 
 @dataclass
 class _Entry:
-    block: int
+    blocks: SharedBlock  # one per layer group
     tokens: tuple[int, ...]  # kept to rule out hash collisions
 
 
@@ -61,50 +66,81 @@ class PrefixCache:
             keys.append(key)
         return keys
 
-    def lookup(self, prompt_ids: Sequence[int]) -> list[int]:
-        """Cached blocks for the longest prefix of the prompt, leaving at least one token
-        to compute (the last prompt position must run to produce logits)."""
+    def lookup(self, prompt_ids: Sequence[int]) -> list[SharedBlock]:
+        """Cached blocks for the longest usable prefix of the prompt, leaving at least one
+        token to compute (the last prompt position must run to produce logits)."""
         self.stats.queries += 1
         self.stats.prompt_tokens += len(prompt_ids)
         bs = self.pool.block_size
         usable = (len(prompt_ids) - 1) // bs
-        blocks = []
+        entries = []
         for i, key in enumerate(self.block_keys(prompt_ids[: usable * bs])):
             entry = self._entries.get(key)
             if entry is None or entry.tokens != tuple(prompt_ids[i * bs : (i + 1) * bs]):
                 break
+            entries.append((key, entry))
+        n = len(entries)
+        while n > 0 and not self._window_complete([e.blocks for _, e in entries[:n]]):
+            n -= 1
+        for key, _ in entries[:n]:
             self._entries.move_to_end(key)
-            blocks.append(entry.block)
-        if blocks:
+        if n:
             self.stats.hits += 1
-            self.stats.cached_tokens += len(blocks) * bs
-        return blocks
+            self.stats.cached_tokens += n * bs
+        return [entry.blocks for _, entry in entries[:n]]
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> None:
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[SharedBlock]) -> None:
         """Remember the full blocks of a sequence whose KV for `token_ids` is written."""
         bs = self.pool.block_size
         for i, key in enumerate(self.block_keys(token_ids)):
             if i >= len(blocks):
                 break
-            if key in self._entries:
+            entry = self._entries.get(key)
+            if entry is not None and None not in entry.blocks:
                 self._entries.move_to_end(key)
                 continue
-            self.pool.retain([blocks[i]])
-            self._entries[key] = _Entry(blocks[i], tuple(token_ids[i * bs : (i + 1) * bs]))
+            if entry is not None:  # fill in window blocks it lacked, drop the old entry
+                self._drop(key)
+            for group, block in enumerate(blocks[i]):
+                if block is not None:
+                    self.pool.retain([block], group)
+            self._entries[key] = _Entry(tuple(blocks[i]), tuple(token_ids[i * bs : (i + 1) * bs]))
         self._shrink(self.max_blocks)
 
     def evict(self, n_blocks: int) -> int:
-        """Free up to `n_blocks` blocks that only the cache holds, oldest first."""
+        """Free up to `n_blocks` entries that only the cache holds, oldest first."""
         freed = 0
         for key in list(self._entries):
             if freed >= n_blocks:
                 break
-            entry = self._entries[key]
-            if self.pool.refcount[entry.block] == 1:  # nobody but us: safe to drop
-                del self._entries[key]
-                self.pool.release([entry.block])
+            if self._only_ours(self._entries[key]):  # nobody but us: safe to drop
+                self._drop(key)
                 freed += 1
         return freed
+
+    def _only_ours(self, entry: _Entry) -> bool:
+        return all(
+            block is None or self.pool.groups[g].refcount[block] == 1
+            for g, block in enumerate(entry.blocks)
+        )
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key)
+        for group, block in enumerate(entry.blocks):
+            if block is not None:
+                self.pool.release([block], group)
+
+    def _window_complete(self, prefix: list[SharedBlock]) -> bool:
+        """Whether every windowed group has the blocks that a query right after `prefix`
+        can see."""
+        bs, end = self.pool.block_size, len(prefix) * self.pool.block_size
+        for group, layer_group in enumerate(self.pool.groups):
+            if layer_group.window is None:
+                continue
+            first = max(0, end + 1 - layer_group.window) // bs
+            if any(entry[group] is None for entry in prefix[first:]):
+                return False
+        return True
 
     def clear(self) -> None:
         self.evict(len(self._entries))
@@ -115,4 +151,9 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return len(self._entries) * self.pool.block_nbytes
+        return sum(
+            self.pool.group_nbytes(g)
+            for entry in self._entries.values()
+            for g, block in enumerate(entry.blocks)
+            if block is not None
+        )

@@ -28,25 +28,26 @@ def attend(
     segments: list[tuple[np.ndarray, np.ndarray]],
     start: int,
     window: int | None = None,
+    offset: int = 0,
 ) -> np.ndarray:
     """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
 
     q `[n, H, Dh]` (already scaled by 1/sqrt(Dh)); the cache as segments in position order,
     each keys `[Hkv, Dh, l]` (transposed, so q @ K is a plain matmul) and values `[Hkv, l,
-    Dh]`, together L = start + n positions -> `[n, H * Dh]`. `window` limits each query to
-    the keys less than `window` positions behind it.
+    Dh]`, together positions `offset .. start + n - 1` -> `[n, H * Dh]`. `window` limits
+    each query to the keys less than `window` positions behind it.
     """
     n, n_heads, head_dim = q.shape
     n_kv = segments[0][0].shape[0]
     group = n_heads // n_kv
-    if n == 1 and window is None and len(segments) == 1:  # the common decode case, lean
+    if n == 1 and window is None and len(segments) == 1 and offset == 0:  # lean decode
         keys_t, values = segments[0]
         scores = np.matmul(q.reshape(n_kv, group, head_dim), keys_t)  # [Hkv, G, L]
         _softmax_inplace(scores)
         return np.matmul(scores, values).reshape(1, n_heads * head_dim)
-    total = sum(k.shape[-1] for k, _ in segments)
-    first = 0 if window is None else max(0, start + 1 - window)
-    segments = _from_position(segments, first)
+    total = offset + sum(k.shape[-1] for k, _ in segments)
+    first = offset if window is None else max(offset, start + 1 - window)
+    segments = _from_position(segments, first - offset)
     if n == 1:  # decode: no query transposes, no mask beyond the window
         qg = q.reshape(n_kv, group, head_dim)
     else:
@@ -90,18 +91,24 @@ def attend_layout(
             segments = chunk.cache.update_and_fetch(layer, chunk.start, k[lo:hi], v[lo:hi])
             out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window)
         return out
+    group = pool.group_of[layer]
+    if pool.groups[group].window not in (None, window):
+        raise ValueError(f"layer {layer} attends over {window} positions, its KV pool keeps less")
     keys, values = pool.keys[layer], pool.values[layer]
-    slots = _plan(layout, "slots", _slot_ids)
+    slots = _plan(layout, ("slots", group), lambda lay: _slot_ids(lay, group))
     keys[:, :, slots] = k.transpose(1, 2, 0)  # [T, Hkv, Dh] -> [Hkv, Dh, T]
     values[:, slots] = v.transpose(1, 0, 2)  # -> [Hkv, T, Dh]
-    groups = _plan(layout, ("decode", window), lambda lay: _decode_groups(lay, window, n_heads))
-    for group in groups:
-        group.attend(q, keys, values, out)
+    plan = _plan(
+        layout, ("decode", group, window), lambda lay: _decode_groups(lay, group, window, n_heads)
+    )
+    for rows in plan:
+        rows.attend(q, keys, values, out)
     for lo, hi, chunk in layout.spans:
         if hi - lo > 1:  # prefill chunks; decode rows were done in groups
-            runs = chunk.cache.runs(0, chunk.start + hi - lo)
+            first = 0 if window is None else max(0, chunk.start + 1 - window)
+            runs = chunk.cache.runs(first, chunk.start + hi - lo, group)
             segments = [(keys[:, :, a : a + n], values[:, a : a + n]) for a, n in runs]
-            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window)
+            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window, offset=first)
     return out
 
 
@@ -172,23 +179,25 @@ def _plan(layout: BatchLayout, key, build):
     return layout.plans[key]
 
 
-def _slot_ids(layout: BatchLayout) -> np.ndarray:
-    """Pool slot of every packed token, in row order."""
+def _slot_ids(layout: BatchLayout, group: int) -> np.ndarray:
+    """Pool slot of every packed token in a layer group's blocks, in row order."""
     return np.concatenate(
-        [chunk.cache.slot_ids(chunk.start, chunk.start + chunk.length) for chunk in layout.chunks]
+        [c.cache.slot_ids(c.start, c.start + c.length, group) for c in layout.chunks]
     )
 
 
-def _decode_groups(layout: BatchLayout, window: int | None, n_heads: int) -> list[DecodeGroup]:
-    """Decode rows sorted by how many keys they see, cut into groups whose longest member
-    is at most MAX_PADDING_FACTOR times the shortest."""
+def _decode_groups(
+    layout: BatchLayout, group: int, window: int | None, n_heads: int
+) -> list[DecodeGroup]:
+    """A layer group's decode rows sorted by how many keys they see, cut into groups whose
+    longest member is at most MAX_PADDING_FACTOR times the shortest."""
     n_kv = _shared_pool(layout).n_kv_heads
     rows = []
     for lo, hi, chunk in layout.spans:
         if hi - lo == 1:
             end = chunk.start + 1
             first = 0 if window is None else max(0, end - window)
-            rows.append((end - first, lo, chunk.cache.runs(first, end)))
+            rows.append((end - first, lo, chunk.cache.runs(first, end, group)))
     rows.sort(key=lambda row: -row[0])
     groups, i = [], 0
     while i < len(rows):

@@ -43,7 +43,7 @@ class BatchLayout:
     def commit(self) -> None:
         """Record in each cache that the forward pass stored its tokens."""
         for chunk in self.chunks:
-            chunk.cache.length = chunk.start + chunk.length
+            chunk.cache.commit(chunk.start + chunk.length)
 
 
 def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
@@ -152,6 +152,11 @@ class DecoderModel:
     def kv_shape(self) -> tuple[int, int, int]:
         """(layers, KV heads, head dim): what a KV cache of this model holds per token."""
         return self.args.n_layers, self.args.n_kv_heads, self.args.head_dim
+
+    @property
+    def kv_windows(self) -> list[int | None]:
+        """Each layer's sliding attention window (None: it sees the whole context)."""
+        return [getattr(layer, "window", None) for layer in self.layers]
 
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(*self.kv_shape, max_tokens)

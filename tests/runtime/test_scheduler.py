@@ -65,7 +65,7 @@ def test_paged_cache_equals_contiguous_cache_even_when_fragmented(engine):
     expected = model.logits(model.forward(tokens, BatchLayout([SequenceChunk(contiguous, 0, 40)])))
     paged.reserve(30)
     got = model.logits(model.forward(tokens[:30], BatchLayout([SequenceChunk(paged, 0, 30)])))
-    assert len(paged._runs) == 2  # the table really is fragmented
+    assert len(paged.runs(0, 30)) == 2  # the table really is fragmented
     for pos in range(30, 40):
         paged.reserve(pos + 1)
         hidden = model.forward(tokens[pos : pos + 1], BatchLayout([SequenceChunk(paged, pos, 1)]))
@@ -82,12 +82,13 @@ def test_prefix_cache_finds_the_longest_cached_prefix():
     cache = PrefixCache(pool, "m")
     prompt = list(range(50))
     blocks = [pool.allocate() for _ in range(4)]
-    cache.insert(prompt, blocks)  # 3 full blocks of 16 are cached
+    entries = [(b,) for b in blocks]  # one layer group: one block per entry
+    cache.insert(prompt, entries)  # 3 full blocks of 16 are cached
     assert len(cache) == 3 and all(pool.refcount[b] == 2 for b in blocks[:3])
-    assert cache.lookup(prompt) == blocks[:3]
-    assert cache.lookup(prompt[:40] + [999] * 10) == blocks[:2]
+    assert cache.lookup(prompt) == entries[:3]
+    assert cache.lookup(prompt[:40] + [999] * 10) == entries[:2]
     assert cache.lookup([1] + prompt[1:]) == []  # the chain depends on every earlier token
-    assert cache.lookup(prompt[:32]) == blocks[:1]  # the last position is always computed
+    assert cache.lookup(prompt[:32]) == entries[:1]  # the last position is always computed
     assert PrefixCache(pool, "other-model").lookup(prompt) == []
     pool.release(blocks)  # the sequence is done: only the cache holds them now
     assert cache.evict(2) == 2 and len(cache) == 1
@@ -97,7 +98,7 @@ def test_prefix_cache_never_evicts_blocks_in_use():
     pool = BlockPool(n_layers=1, n_kv_heads=1, head_dim=2, n_blocks=4)
     cache = PrefixCache(pool, "m")
     blocks = [pool.allocate(), pool.allocate()]
-    cache.insert(list(range(32)), blocks)
+    cache.insert(list(range(32)), [(b,) for b in blocks])
     assert cache.evict(10) == 0  # the sequence still holds them
     pool.release(blocks[:1])
     assert cache.evict(10) == 1 and pool.refcount[blocks[1]] == 2
@@ -172,13 +173,52 @@ def test_kv_memory_grows_with_tokens_in_use(engine):
         "a", _tokens(40, seed=6), SamplingParams(max_tokens=100, **GREEDY), cache_prompt=False
     )
     batch.step()
-    after_prefill = pool.bytes_in_use - before
-    assert after_prefill == 3 * pool.block_nbytes  # 41 positions -> 3 blocks of 16, not 140
+    # 40 positions -> 3 blocks of 16, not 140; sliding-window layers keep only their window
+    assert pool.bytes_in_use - before == _kv_bytes(pool, 40, blocks=3)
     for _ in range(20):
         batch.step()
-    assert pool.bytes_in_use - before == 4 * pool.block_nbytes  # 61 positions
+    assert pool.bytes_in_use - before == _kv_bytes(pool, 60, blocks=4)
     batch.abort("a")
     assert pool.bytes_in_use == before
+
+
+def _kv_bytes(pool, length: int, blocks: int) -> int:
+    """KV bytes of one sequence of `length` written positions in `blocks` blocks: every
+    windowed layer group has given back the blocks wholly before its window."""
+    total = 0
+    for group, layers in enumerate(pool.groups):
+        dead = 0 if layers.window is None else max(0, length + 1 - layers.window) // 16
+        total += (blocks - dead) * pool.group_nbytes(group)
+    return total
+
+
+def test_sliding_window_layers_keep_only_their_window(tiny_gemma3_path):
+    """gemma3: local layers (window 8 in the tiny model) hold at most two blocks while the
+    global layers' table grows with the sequence; output equals the contiguous cache's."""
+    engine = Engine.load(str(tiny_gemma3_path))
+    pool = engine.kv_pool
+    assert [g.window for g in pool.groups] == [None, 8]
+    prompt = _tokens(37, seed=8, vocab=engine.model.vocab_size)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    batch = engine.new_batch()
+    batch.add("a", prompt, params, cache_prompt=False)
+    seq = batch._waiting[0]
+    tokens, held = [], []
+    while len(batch):
+        tokens += [e.token_id for e in batch.step()]
+        if seq.cache is not None and seq.cache.tables[0]:  # until it finished
+            held.append([sum(b is not None for b in table) for table in seq.cache.tables])
+    assert max(local for _, local in held) <= 2 and held[-1][0] == -(-(37 + 39) // 16)
+    cache = engine.model.new_cache(80)  # reference: contiguous cache, nothing freed
+    ids = list(prompt)
+    expected = []
+    for _ in range(40):
+        start = cache.length
+        chunk = np.asarray(ids[start:])
+        hidden = engine.model.forward(chunk, BatchLayout([SequenceChunk(cache, start, len(chunk))]))
+        expected.append(int(engine.model.logits(hidden[-1:])[0].argmax()))
+        ids.append(expected[-1])
+    assert tokens == expected
 
 
 def test_step_token_budget_bounds_prefill(tiny_llama_path):
@@ -199,8 +239,31 @@ def test_pool_memory_is_resident_only_where_blocks_were_written():
     pool = BlockPool(n_layers=30, n_kv_heads=3, head_dim=64, n_blocks=10_000)  # ~7 GiB mapped
     cache = PagedKVCache(pool)
     cache.reserve(BLOCK_SIZE)
-    token = np.ones((1, 3, 64), np.float32)
-    for layer in range(30):
-        cache.update_and_fetch(layer, 0, token, token)
+    slot = cache.slot_ids(0, 1)
+    for layer in range(30):  # one token written to every layer, as attention stores it
+        pool.keys[layer][:, :, slot] = 1.0
+        pool.values[layer][:, slot] = 1.0
     grown = process.memory_info().rss - before
     assert grown < 64 * 2**20, f"writing one token made {grown / 2**20:.0f} MiB resident"
+
+
+def test_prefix_cache_needs_the_whole_window_of_windowed_layers():
+    """An entry's windowed block may be gone (its sequence moved past it): a prefix is
+    usable only where the blocks a query right after it can see are all there."""
+    pool = BlockPool(n_layers=2, n_kv_heads=1, head_dim=2, n_blocks=16, windows=[None, 20])
+    cache = PrefixCache(pool, "m")
+    prompt = list(range(70))
+    full = [pool.allocate() for _ in range(4)]
+    local = [pool.allocate(group=1) for _ in range(2)]
+    # blocks 0 and 1 of the windowed layer were given back; 2 and 3 are held
+    cache.insert(
+        prompt, [(full[0], None), (full[1], None), (full[2], local[0]), (full[3], local[1])]
+    )
+    # after 4 blocks (64 positions) a query sees positions 45.. = blocks 2 and 3: usable
+    assert [entry[0] for entry in cache.lookup(prompt)] == full
+    # after 3 blocks it would need block 1 (positions 29..47): not there, nor for 2 or 1
+    assert cache.lookup(prompt[:49]) == []
+    assert pool.groups[1].refcount[local[0]] == 2 and pool.refcount[full[0]] == 2
+    pool.release(full)
+    pool.release(local, group=1)
+    assert cache.evict(10) == 4 and pool.n_free == 16 and len(pool.groups[1].free_set) == 16
