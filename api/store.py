@@ -36,6 +36,7 @@ from workers.protocol import (
     cancelled_error,
     encode_event,
     prefix_digest,
+    push_wake,
 )
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,8 @@ def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
     is a job of the shared queue either way. The depth check counts every queue of the model
     and kind, and it and the push happen in one WATCHed transaction, so concurrent submits
     from any number of API processes never push past `max_queue` (RELIABILITY F10), and a
-    job id is on a queue only if its record exists.
+    job id is on a queue only if its record exists. A wake token for that queue goes in the
+    same transaction, so an idle worker serving it starts the job now, not at its next poll.
     """
     shared = rq_queue(conn, record.model, record.kind)
     affine, room = _affine_queue(conn, record)
@@ -167,6 +169,7 @@ def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
                     pipe.lrem(shared.key, -1, record.id)
                     pipe.rpush(own.key, record.id)
                     pipe.sadd(Queue.redis_queues_keys, own.key)  # where reapers find it
+                push_wake(pipe, keys.queue_wake((own or shared).name))
                 pipe.hincrby(keys.METRIC_JOBS, QUEUED, 1)
                 pipe.execute()
                 return (own or shared).name

@@ -14,6 +14,11 @@ Layout:
                              (fields: `workers.protocol.WorkerInfo`)
 - `llmq:worker:{name}:commands` list of JSON admin commands for that worker (LPUSH by the
                              API, popped by the worker; `workers.protocol.encode_command`)
+- `llmq:wake:{queue}`        list of wake tokens for an RQ queue (`queue_wake`): whoever
+                             puts a job on the queue pushes one in the same transaction
+                             (`protocol.push_wake`), and an idle worker BLPOPs the wake lists
+                             of its queues with its commands, so it starts the job at once
+                             instead of at the end of its poll; bounded, with a short TTL
 - `llmq:models`              hash model id -> JSON of where its file is (published by workers)
 - `llmq:idempotency:{key}`   string job id, for `Idempotency-Key` resubmits
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
@@ -103,6 +108,13 @@ def idempotency(key: str) -> str:
 
 def worker_commands(name: str) -> str:
     return f"{PREFIX}:worker:{name}:commands"
+
+
+def queue_wake(queue: str) -> str:
+    """Wake list of an RQ queue (named by `queue_name` or `personal_queue_name`): one per
+    queue, so a token pushed for a shared queue wakes exactly one of the idle workers
+    blocked on it (BLPOP serves one client per element), and the API need not know them."""
+    return f"{PREFIX}:wake:{queue}"
 
 
 def file(file_id: str) -> str:

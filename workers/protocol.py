@@ -75,6 +75,8 @@ WORKER_HEARTBEAT_SECONDS = 5  # a worker rewrites its hash this often ...
 WORKER_TTL_SECONDS = 15  # ... with this TTL; a missing or stale hash means a dead worker
 CANCEL_FLAG_TTL_SECONDS = 3600  # keys.job_cancel lives this long once set
 AFFINITY_TTL_SECONDS = 600  # a keys.affinity entry; a worker's prefix cache may evict sooner
+WAKE_MAX_TOKENS = 4  # a queue's wake list keeps this many; more would only wake idle workers
+WAKE_TTL_SECONDS = 30  # ... for nothing, and a list nobody pops (its worker died) vanishes
 AFFINITY_MAX_QUEUED = 4  # jobs waiting in one worker's own queue before the rest go shared
 PREFIX_DIGEST_CHARS = 1000  # of a prompt's head that another prompt may share ...
 PREFIX_DIGEST_MIN_CHARS = 200  # ... and below which routing for a cache hit does not pay
@@ -274,6 +276,22 @@ def decode_command(raw: bytes | str) -> tuple[str, str]:
     if op not in (COMMAND_LOAD, COMMAND_UNLOAD) or not isinstance(model, str):
         raise ValueError(f"not an admin command: {_text(raw)[:80]!r}")
     return op, model
+
+
+WAKE_TOKEN = "1"
+
+
+def push_wake(pipe: Any, wake_key: str) -> None:
+    """Queue on `pipe` a wake token for `keys.queue_wake(queue)`, right after putting a job
+    on that queue (in the same transaction, so a worker woken by the token finds the job).
+
+    An idle worker blocks on the wake lists of its queues (`workers.presence`) and claims
+    at once when one is pushed, instead of at the end of its poll interval. Tokens carry no
+    data: a worker that finds the queue empty (someone else took the job) just waits again.
+    """
+    pipe.lpush(wake_key, WAKE_TOKEN)
+    pipe.ltrim(wake_key, 0, WAKE_MAX_TOKENS - 1)
+    pipe.expire(wake_key, WAKE_TTL_SECONDS)
 
 
 def format_bucket(bound: float) -> str:

@@ -17,6 +17,8 @@ from workers.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     EMBEDDINGS,
+    WAKE_MAX_TOKENS,
+    WAKE_TTL_SECONDS,
     JobRecord,
     WorkerInfo,
     continuation_digest,
@@ -150,3 +152,16 @@ def test_a_job_waiting_on_a_workers_own_queue_is_cancelled_there(fake_redis):
     store.cancel(fake_redis, job_id)
     assert fake_redis.llen(f"rq:queue:{own}") == 0
     assert store.get_record(fake_redis, job_id).status == CANCELLED
+
+
+def test_each_job_wakes_the_queue_it_waits_on_in_the_same_transaction(fake_redis):
+    own = holder(fake_redis)
+    shared = keys.queue_name(MODEL)
+    assert enqueue(fake_redis, chat(SYSTEM, "q"))[1] == own
+    assert fake_redis.llen(keys.queue_wake(own)) == 1
+    assert not fake_redis.exists(keys.queue_wake(shared))
+    for i in range(2 * WAKE_MAX_TOKENS):
+        assert enqueue(fake_redis, chat(f"Another system prompt {i}. " * 20, "q"))[1] == shared
+    assert fake_redis.llen(keys.queue_wake(shared)) == WAKE_MAX_TOKENS  # bounded
+    for name in (own, shared):
+        assert 0 < fake_redis.ttl(keys.queue_wake(name)) <= WAKE_TTL_SECONDS
