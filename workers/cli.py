@@ -80,6 +80,15 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "checkpointed and requeued (default: 25)",
     )
     worker.add_argument(
+        "--poll-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="longest idle wait between looks at the queues; a newly queued job wakes the "
+        "worker at once, so this only bounds jobs queued without a wake-up (default: 0.05, "
+        "at most 4)",
+    )
+    worker.add_argument(
         "--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0"
     )
     worker.add_argument(
@@ -105,6 +114,7 @@ def run_worker(args: argparse.Namespace) -> int:
         device=args.device,
         max_batch=args.max_batch,
         grace=args.grace,
+        poll_interval=args.poll_interval,
     )
     worker = _connected(lambda: LLMQWorker(config))
     try:

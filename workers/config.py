@@ -20,6 +20,9 @@ from workers.protocol import LEASE_RENEW_SECONDS, LEASE_TTL_SECONDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 STEP_DELAY_ENV = "LLMQ_WORKER_STEP_DELAY_MS"
+# The idle wait is one BLPOP, which must end before the worker's Redis socket timeout (5 s)
+# and leave its heartbeat (every 5 s, TTL 15 s) on time.
+MAX_POLL_INTERVAL = 4.0
 
 
 class ConfigError(WorkerError):
@@ -35,7 +38,8 @@ class WorkerConfig:
     device: str = "cpu"
     max_batch: int = 8  # sequences stepped together, across models
     grace: float = 25.0  # seconds a SIGTERM lets running jobs finish before checkpointing
-    poll_interval: float = 0.05  # idle wait between looks at the queues
+    poll_interval: float = 0.05  # idle wait between looks at the queues (a queued job's
+    # wake token ends it at once: the poll is the fallback for jobs queued without one)
     lease_ttl: float = LEASE_TTL_SECONDS
     lease_renew: float = LEASE_RENEW_SECONDS
     reap_interval: float = 2.0
@@ -48,6 +52,10 @@ class WorkerConfig:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.grace < 0:
             raise ConfigError(f"--grace must be non-negative, got {self.grace}")
+        if not 0 < self.poll_interval <= MAX_POLL_INTERVAL:
+            raise ConfigError(
+                f"--poll-interval must be in (0, {MAX_POLL_INTERVAL:g}], got {self.poll_interval}"
+            )
         if self.lease_renew >= self.lease_ttl:
             raise ConfigError("leases must be renewed more often than they expire")
 

@@ -2,7 +2,9 @@
 
 The API never talks to a worker directly: it reads `keys.worker(name)` (a `WorkerInfo`
 hash with a TTL, rewritten every heartbeat), `keys.WORKERS` and `keys.MODELS` for /admin,
-/ready and /v1/models, and pushes admin commands onto `keys.worker_commands(name)`.
+/ready and /v1/models, and pushes admin commands onto `keys.worker_commands(name)`. Whoever
+queues a job also pushes a token onto the queue's wake list (`keys.queue_wake`), which an
+idle worker waits on together with its commands.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from typing import Any
 
 from workers import keys
-from workers.protocol import WORKER_TTL_SECONDS, WorkerInfo, decode_command
+from workers.protocol import WORKER_TTL_SECONDS, WorkerInfo, decode_command, push_wake
 
 log = logging.getLogger("llmq.presence")
 
@@ -21,10 +23,17 @@ MAX_COMMANDS_PER_TICK = 16
 
 
 class Presence:
-    def __init__(self, connection: Any, info: WorkerInfo, models: dict[str, dict[str, Any]]):
+    def __init__(
+        self,
+        connection: Any,
+        info: WorkerInfo,
+        models: dict[str, dict[str, Any]],
+        wake_keys: list[str] | None = None,
+    ):
         self.connection = connection
         self.info = info
         self.models = models  # model id -> JSON-able description for keys.MODELS
+        self.wake_keys = wake_keys or []  # keys.queue_wake of every queue it takes jobs from
 
     def publish(self, state: str, current_jobs: list[str], pool: dict[str, Any]) -> None:
         """Rewrite this worker's hash (with its TTL), its name in the set, and the models."""
@@ -64,13 +73,10 @@ class Presence:
 
     def commands(self, wait: float = 0.0) -> list[tuple[str, str]]:
         """Admin commands waiting for this worker, as (op, model); with `wait`, block up to
-        that long for the first one (the idle loop's sleep, cut short by a command)."""
+        that long for the first one or for a wake token (a job was queued on one of its
+        queues): the idle loop's sleep, cut short by either."""
         key = keys.worker_commands(self.info.name)
-        raw: list[bytes] = []
-        if wait > 0:
-            popped = self.connection.blpop([key], timeout=wait)
-            if popped is not None:
-                raw.append(popped[1])
+        raw = self._wait(key, wait) if wait > 0 else []
         raw += self.connection.lpop(key, MAX_COMMANDS_PER_TICK) or []
         out = []
         for item in raw:
@@ -79,3 +85,28 @@ class Presence:
             except ValueError as exc:
                 log.warning("ignoring an admin command that is not valid: %s", exc)
         return out
+
+    def _wait(self, key: str, wait: float) -> list[bytes]:
+        """One BLPOP on the command list and the wake lists (commands first, so a stream of
+        jobs never starves them): a command is returned, a wake token only ends the wait.
+
+        Wake lists are not drained: a shared queue's list belongs to every worker serving the
+        queue, and each token should wake one of them; a token left over from busy times
+        costs one empty claim (`protocol.WAKE_MAX_TOKENS` at most per list).
+        """
+        popped = self.connection.blpop([key, *self.wake_keys], timeout=wait)
+        if popped is None or _text(popped[0]) != key:
+            return []
+        return [popped[1]]
+
+
+def wake(connection: Any, queue: str) -> None:
+    """Wake an idle worker serving `queue` for jobs just put (back) on it outside the API's
+    enqueue (a reaper's requeue, a released own queue), so they start now, not at a poll."""
+    with connection.pipeline(transaction=False) as pipe:
+        push_wake(pipe, keys.queue_wake(queue))
+        pipe.execute()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

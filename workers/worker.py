@@ -71,6 +71,7 @@ REDIS_SOCKET_TIMEOUT = 5
 BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
 PRUNE_SECONDS = 10
 SUSPENSION_CHECK_SECONDS = 1
+LOAD_CHECK_SECONDS = 0.005  # a job waiting for its model starts this soon after the load
 MAX_ATTEMPTS = 5  # a job whose workers keep dying with it is failed, not retried forever
 
 
@@ -119,7 +120,8 @@ class LLMQWorker(ConcurrentWorker):
             queues=queue_names,
             max_batch=config.max_batch,
         )
-        self.presence = Presence(self.connection, info, _describe_models(sources))
+        wake_keys = [keys.queue_wake(name) for name in queue_names]  # jobs queued wake it
+        self.presence = Presence(self.connection, info, _describe_models(sources), wake_keys)
         # a job on this worker's own queue is a job of the shared queue for RQ (its origin)
         self._queues_by_key = {q.key: self._rq_queue(q) for q in self.queues}
         self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in self.queues}
@@ -269,7 +271,16 @@ class LLMQWorker(ConcurrentWorker):
             if self.config.step_delay:
                 time.sleep(self.config.step_delay)
         else:
-            self._handle_commands(self.presence.commands(wait=self.config.poll_interval))
+            self._idle()
+
+    def _idle(self) -> None:
+        """Wait for work: a queued job's wake token or an admin command ends the wait at
+        once, the poll interval at the latest. Jobs waiting for their model to load (in the
+        pool's thread, whose end wakes nothing) are checked on every `LOAD_CHECK_SECONDS`."""
+        if self.batcher.jobs:
+            time.sleep(LOAD_CHECK_SECONDS)
+            return
+        self._handle_commands(self.presence.commands(wait=self.config.poll_interval))
 
     def _chores(self) -> None:
         """Periodic work, each at its own pace."""
@@ -294,7 +305,7 @@ class LLMQWorker(ConcurrentWorker):
             self.presence.prune()
             if not self.batcher.jobs and self.should_run_maintenance_tasks:
                 self.run_maintenance_tasks()
-        if self.batcher.has_work() and self._due_now("commands", 0.5):
+        if self.batcher.jobs and self._due_now("commands", 0.5):  # busy or loading
             self._handle_commands(self.presence.commands())
 
     def _due_now(self, chore: str, every: float) -> bool:

@@ -16,6 +16,7 @@ import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from api import store
 from tests.workers.conftest import (
     TINY,
     _pings,
@@ -27,7 +28,7 @@ from tests.workers.conftest import (
     wait_for,
 )
 from workers import keys
-from workers.protocol import COMPLETIONS, FINISHED, QUEUED
+from workers.protocol import COMPLETIONS, FINISHED, QUEUED, JobRecord
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -97,6 +98,24 @@ def test_sigterm_finishes_short_jobs_requeues_long_ones_and_exits_zero(conn, spa
     spawn_worker("successor")
     assert wait_done(conn, long, timeout=30).status == FINISHED
     assert_seamless(conn, long, 150)
+
+
+def test_an_idle_worker_starts_a_job_submitted_through_the_api_at_once_not_at_its_poll(
+    conn, spawn_worker
+):
+    worker = spawn_worker("sleeper", "--poll-interval", "4")
+    worker.wait_registered(conn)
+    warm = JobRecord(store.new_job_id(), COMPLETIONS, TINY, {**GREEDY, "prompt": "warm"})
+    store.enqueue(conn, warm, max_queue=0)  # the API's submit: the job and its wake token
+    assert wait_done(conn, warm.id, timeout=30).status == FINISHED  # the model is loaded
+    time.sleep(1.0)  # the worker is in its idle wait, which by the poll lasts 3 s more
+    job = JobRecord(store.new_job_id(), COMPLETIONS, TINY, {**GREEDY, "prompt": "now"})
+    submitted = time.monotonic()
+    assert store.enqueue(conn, job, max_queue=0) == keys.queue_name(TINY)
+    wait_for(lambda: tokens(conn, job.id), timeout=10, what="the first token")
+    assert time.monotonic() - submitted < 1.0, worker.output()
+    assert wait_done(conn, job.id).status == FINISHED
+    worker.assert_alive()
 
 
 def test_rq_info_shows_the_worker_its_queues_and_its_jobs_and_logs_no_prompt(
