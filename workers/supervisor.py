@@ -103,6 +103,7 @@ class Broker:
                 self.process.kill()
         if self._fake_server is not None:
             self._fake_server.shutdown()
+            self._fake_server.server_close()  # the listening socket, which shutdown() keeps
 
 
 @dataclass
