@@ -15,7 +15,8 @@ whose prefix cache holds that start, when several workers serve its model.
   while another is idle.
 - Jobs left on the own queue of a worker that drains are moved back to the shared queue
   by that worker (`release`); those of a worker that died or stopped serving the queue, by
-  every other worker's reaper (`release_orphaned`) once its heartbeat is stale.
+  every other worker's reaper (`release_orphaned`) once its heartbeat is stale; an idle
+  worker of the shared queue is woken for them (`presence.wake`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from rq.queue import Queue
 
 from workers import keys, scripts
+from workers.presence import wake
 from workers.protocol import (
     AFFINITY_TTL_SECONDS,
     CHAT_COMPLETIONS,
@@ -77,12 +79,16 @@ def release(connection: Any, name: str) -> int:
     """Move every job waiting on a worker's own queue to the front of the shared queue, in
     order, and drop the queue from RQ's queue set; how many jobs moved. (Their RQ origin is
     the shared queue already: the own queue only decides who takes them.)"""
-    return scripts.release(
+    shared = keys.shared_queue_name(name)
+    moved = scripts.release(
         connection,
         Queue(name, connection=connection).key,
-        Queue(keys.shared_queue_name(name), connection=connection).key,
+        Queue(shared, connection=connection).key,
         Queue.redis_queues_keys,
     )
+    if moved:
+        wake(connection, shared)
+    return moved
 
 
 def release_orphaned(connection: Any, worker: str) -> dict[str, int]:

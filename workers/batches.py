@@ -60,6 +60,7 @@ from workers.protocol import (
     cancelled_error,
     error_line,
     output_line,
+    push_wake,
 )
 
 log = logging.getLogger("llmq.batches")
@@ -268,6 +269,8 @@ class BatchDriver:
                         continue
                     self._enqueue_line(pipe, rec, line, item)
                     pipe.sadd(keys.batch_inflight(rec.id), line)
+                for model in {item["model"] for _, item in chunk if item is not None}:
+                    push_wake(pipe, keys.queue_wake(keys.queue_name(model, keys.BATCH)))
                 for line in missing:  # its request expired with the batch's keys
                     text = error_line(rec.id, line, None, "request_lost", "The request expired.")
                     self._record(pipe, rec, line, "errors", text, (0, 0, 0))

@@ -23,6 +23,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from workers import affinity, keys, scripts
+from workers.presence import wake
 from workers.protocol import FAILED, TERMINAL_STATUSES, error_body
 
 log = logging.getLogger("llmq.recovery")
@@ -53,7 +54,10 @@ def requeue(connection: Any, job_id: str, lease: str, rq_job: Job) -> bool:
         rq_job.failed_job_registry.remove(rq_job, pipeline=pipe)  # RQ may have given up on it
         pipe.execute()
     queue_key = Queue(rq_job.origin, connection=connection).key
-    return bool(scripts.requeue(connection, job_id, lease, queue_key, rq_job.key))
+    if not scripts.requeue(connection, job_id, lease, queue_key, rq_job.key):
+        return False
+    wake(connection, rq_job.origin)  # an idle worker resumes it now, not at its next poll
+    return True
 
 
 class Reaper:

@@ -66,6 +66,15 @@ def h() -> Iterator[Harness]:
     yield Harness()
 
 
+def test_feeding_wakes_an_idle_worker_of_the_batch_queue(h: Harness) -> None:
+    wake_key = keys.queue_wake(keys.queue_name("tiny", keys.BATCH))
+    h.submit("hi", "there")
+    h.driver.tick()
+    assert h.redis.llen(QUEUE) == 2
+    assert h.redis.lrange(wake_key, 0, -1) == [b"1"]  # one per chunk fed, not per line
+    assert h.redis.ttl(wake_key) > 0
+
+
 def test_a_batch_runs_through_validating_in_progress_completed(h: Harness) -> None:
     batch_id = h.submit(*["hi"] * 10, bad=1)
     assert h.batch(batch_id)["status"] == "validating"
