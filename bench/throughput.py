@@ -24,6 +24,10 @@ Four tables, all with SmolLM2 (`smollm2-135m-instruct`, the Q4_1 GGUF both engin
    (a second question after a first request filled it) vs cold (cache cleared), in-process
    and through the API (a fresh system prompt per repetition, asked twice, each request
    after a random 150-350 ms pause). Target >= 20x.
+   Mixed lengths (`--only mixed`): 32 sequences whose prompts run from 16 to ~1,000 tokens
+   (geometric), the same children for ours and llama.cpp; beside the rates, how many
+   attention scores our length-sorted decode groups compute per score needed, against one
+   padded group for all (runtime/models/attention.py `group_by_length`).
 3. KV memory per token held: the pool's block size / 16, and `kv_pool.bytes_in_use` against
    the tokens the sequences of table 1 hold after their decode steps.
 4. An offline batch of chat requests (64 tokens each, EOS ignored): requests/s through the
@@ -82,6 +86,7 @@ SEQUENCES = (1, 4, 16, 32, 64)
 PROMPT_TOKENS = 32
 DECODE_STEPS = 32
 SYSTEM_PROMPT_TOKENS = 1000
+MIXED_SEQUENCES = 32
 OFFLINE_TOKENS = 64
 OFFLINE_REQUESTS = 128
 SEQUENTIAL_SAMPLE = 3
@@ -356,6 +361,43 @@ def decode_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) ->
     return {"runs": runs, "kv_unified": kv_layout}
 
 
+def mixed_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) -> dict[str, Any]:
+    """Decode with contexts of very different lengths: ours and llama.cpp, alternating."""
+    encode = _encoder()
+    path = str(_model_path())
+    lengths = _mixed_lengths(MIXED_SEQUENCES)
+    ids = [encode(prompt_of_tokens(encode, n, tag=f"Log {i}."))[:n] for i, n in enumerate(lengths)]
+    warmup = encode("Warm-up: seven quick questions about tides.")
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeat):
+        kinds = ["ours", "llama"] if args.llama else ["ours"]
+        for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
+            job = {"prompts": ids, "steps": args.steps}
+            if kind == "ours":
+                job |= {"model": path, "warmup_ids": warmup}
+            else:
+                job |= {"model_path": path, "kv_unified": args.llama_kv == "unified"}
+            result = run_child(SCRIPT, kind, job, env if kind == "ours" else None)
+            runs.append({"kind": kind, **result})
+            log(f"  [{env_name}] mixed rep {rep + 1} {kind:5s}: {result['decode_tps']:7.1f} tok/s")
+    from runtime.models.attention import group_by_length
+
+    final = [len(p) + args.steps for p in ids]  # keys each row sees at the last step
+    grouped = sum(len(g) * max(final[i] for i in g) for g in group_by_length(final))
+    return {
+        "runs": runs,
+        "lengths": [len(p) for p in ids],
+        "needed_scores": sum(final),
+        "grouped_scores": grouped,
+        "one_group_scores": len(final) * max(final),
+    }
+
+
+def _mixed_lengths(n: int) -> list[int]:
+    """n prompt lengths spread geometrically from 16 to ~1,000 tokens."""
+    return [round(16 * (1000 / 16) ** (i / (n - 1))) for i in range(n)]
+
+
 def prefix_runs(args: argparse.Namespace, _: str, env: dict[str, str]) -> dict[str, Any]:
     encode = _encoder()
     system = prompt_of_tokens(encode, SYSTEM_PROMPT_TOKENS, tag="You are the keeper's clerk.")
@@ -530,11 +572,39 @@ def render(raw: dict[str, Any]) -> str:
         if "decode" in per_env:
             lines += _decode_block(raw, per_env["decode"])
             lines += ["", *_kv_block(per_env["decode"])]
+        if "mixed" in per_env:
+            lines += ["", *_mixed_block(per_env["mixed"])]
         if "prefix" in per_env:
             lines += ["", *_prefix_block(per_env["prefix"])]
         if "offline" in per_env:
             lines += ["", *_offline_block(per_env["offline"])]
     return "\n".join(lines)
+
+
+def _mixed_block(mixed: dict[str, Any]) -> list[str]:
+    def rates(kind: str) -> list[float]:
+        return [r["decode_tps"] for r in mixed["runs"] if r["kind"] == kind]
+
+    ours, llama = rates("ours"), rates("llama")
+    lengths = mixed["lengths"]
+    lines = [
+        f"decode with mixed contexts: {len(lengths)} sequences, prompts of {min(lengths)}.."
+        f"{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f}); best / median",
+        f"ours {best(ours):.1f} / {median(ours):.1f} tok/s"
+        + (
+            f"   llama.cpp {best(llama):.1f} / {median(llama):.1f} tok/s   "
+            f"ours/llama {best(ours) / best(llama):.2f}x"
+            if llama
+            else ""
+        ),
+    ]
+    need = mixed["needed_scores"]
+    grouped, one = mixed["grouped_scores"] / need, mixed["one_group_scores"] / need
+    lines.append(
+        f"attention scores computed per score needed at the last step: length-sorted groups "
+        f"{grouped:.2f}x, one padded group {one:.2f}x"
+    )
+    return lines
 
 
 def _decode_block(raw: dict[str, Any], decode: dict[str, Any]) -> list[str]:
@@ -681,7 +751,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 repetition, fewer steps and requests")
     p.add_argument("--repeat", type=int, help="decode repetitions (default 2, quick 1)")
     p.add_argument("--steps", type=int, help=f"timed decode steps (default {DECODE_STEPS})")
-    p.add_argument("--only", default="decode,prefix,offline", help="parts to run")
+    p.add_argument("--only", default="decode,mixed,prefix,offline", help="parts to run")
     p.add_argument("--sequences", default=",".join(map(str, SEQUENCES)), help="values of N")
     p.add_argument("--no-llama", dest="llama", action="store_false", help="skip llama.cpp")
     p.add_argument(
@@ -713,7 +783,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.perf_counter()
     raw: dict[str, Any] = {"envs": {}}
-    parts = {"decode": decode_runs, "prefix": prefix_runs, "offline": offline_runs}
+    parts = {
+        "decode": decode_runs,
+        "mixed": mixed_runs,
+        "prefix": prefix_runs,
+        "offline": offline_runs,
+    }
     for name, env in env_variants():
         per_env: dict[str, Any] = {}
         for part, run in parts.items():

@@ -198,17 +198,26 @@ def _decode_groups(
             end = chunk.start + 1
             first = 0 if window is None else max(0, end - window)
             rows.append((end - first, lo, chunk.cache.runs(first, end, group)))
-    rows.sort(key=lambda row: -row[0])
-    groups, i = [], 0
-    while i < len(rows):
-        width, j = rows[i][0], i
-        while j < len(rows) and rows[j][0] * MAX_PADDING_FACTOR >= width:
-            j += 1
-        members = rows[i:j]
-        runs = [_with_offsets(row[2]) for row in members]
+    groups = []
+    for members in group_by_length([row[0] for row in rows]):
+        width = rows[members[0]][0]
+        runs = [_with_offsets(rows[m][2]) for m in members]
         shape = (n_kv, n_heads // n_kv, width)
-        groups.append(DecodeGroup.build([row[1] for row in members], runs, shape))
-        i = j
+        groups.append(DecodeGroup.build([rows[m][1] for m in members], runs, shape))
+    return groups
+
+
+def group_by_length(lengths: list[int], factor: int = MAX_PADDING_FACTOR) -> list[list[int]]:
+    """Indices of `lengths`, longest first, cut into groups whose longest is at most
+    `factor` times the shortest: padded to its longest, a group computes at most `factor`x
+    the scores it needs."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] * factor >= lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
     return groups
 
 

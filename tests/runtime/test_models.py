@@ -241,3 +241,13 @@ def test_paged_batch_attention_matches_naive_per_sequence(window):
     step([(0, n - 1) for n in lengths[:-1]] + [(0, lengths[-1] - 3)])
     # the last token of the others as decode rows (two padded groups), the longest prefills 3
     step([(n - 1, n) for n in lengths[:-1]] + [(lengths[-1] - 3, lengths[-1])])
+
+
+def test_decode_rows_are_grouped_so_padding_stays_bounded():
+    from runtime.models.attention import group_by_length
+
+    lengths = [100, 10, 60, 45, 9, 200]
+    assert group_by_length(lengths) == [[5, 0], [2, 3], [1, 4]]
+    for group in group_by_length(lengths):
+        assert max(lengths[i] for i in group) <= 2 * min(lengths[i] for i in group)
+    assert group_by_length(lengths, factor=1000) == [[5, 0, 2, 3, 1, 4]]
