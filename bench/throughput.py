@@ -76,6 +76,7 @@ from bench.harness import (  # noqa: E402
     rss_mib,
     run_child,
     steady_rate,
+    stop_cleanly_on_sigterm,
     stream,
     think,
     verdict,
@@ -777,6 +778,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_cleanly_on_sigterm()
     if args.child:
         return child_main(CHILDREN, args.child)
     from importlib.metadata import version
