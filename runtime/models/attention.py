@@ -11,7 +11,9 @@ over their cache segments.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -21,6 +23,8 @@ from runtime.models.base import BatchLayout
 # a decode group's padded score rows are at most this many times its shortest sequence, so
 # sequences of very different lengths do not spend the step on padding
 MAX_PADDING_FACTOR = 2
+
+T = TypeVar("T")
 
 
 def attend(
@@ -172,7 +176,7 @@ def _find_pool(layout: BatchLayout) -> BlockPool | None:
     return pool if all(c.pool is pool for c in caches) else None
 
 
-def _plan(layout: BatchLayout, key, build):
+def _plan(layout: BatchLayout, key: Hashable, build: Callable[[BatchLayout], T]) -> T:
     """What every layer of one forward pass derives from the layout, computed once."""
     if key not in layout.plans:
         layout.plans[key] = build(layout)
