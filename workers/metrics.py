@@ -2,7 +2,9 @@
 worker sends anyway, so measuring costs no extra round trip. Never any prompt text.
 
 `METRIC_JOBS` fields counted here: `started`, `finished`, `failed`, `cancelled` (jobs a
-worker ended; the API counts the ones it cancels while queued) and `requeued`.
+worker ended; the API counts the ones it cancels while queued) and `requeued`. A job that
+ends through a fenced write is counted by that write itself (`scripts.append`), so each
+job's end is counted exactly once even if its worker dies right after.
 """
 
 from __future__ import annotations

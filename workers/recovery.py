@@ -22,7 +22,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from workers import affinity, keys, scripts
+from workers import affinity, keys, metrics, scripts
 from workers.presence import wake
 from workers.protocol import FAILED, TERMINAL_STATUSES, error_body
 
@@ -122,6 +122,7 @@ class Reaper:
                         "finished_at": time.time(),
                     },
                 )
+                metrics.count_job(pipe, FAILED)
             pipe.srem(keys.RUNNING, job_id)
             pipe.delete(keys.job_lease(job_id))
             pipe.execute()

@@ -42,12 +42,14 @@ end
 return false
 """
 
-# KEYS: lease, events stream, record, wake channel, running set.
+# KEYS: lease, events stream, record, wake channel, running set, jobs metric hash.
 # ARGV: expected lease, job id, ttl (s), "1" if this ends the job, stream length the writer
 # expects before its events, n record fields, 2n field/value strings, event kind/data pairs.
 # Returns nil if the lease is not the expected one or the stream is not as the writer left
 # it (nothing written), else the id of the last event ("" if none). A write retried after
 # its reply was lost finds its own last event already there and is not applied twice.
+# The write that ends a job also counts it under its final status, so each job's end is
+# counted exactly once, even when its worker dies right after.
 _APPEND = """
 local n = tonumber(ARGV[6])
 local first_event = 7 + 2 * n
@@ -76,6 +78,8 @@ end
 if ARGV[4] == '1' then
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[5], ARGV[2])
+  local status = redis.call('HGET', KEYS[3], 'status')
+  if status then redis.call('HINCRBY', KEYS[6], status, 1) end
 end
 return last
 """
@@ -136,8 +140,9 @@ def append(
     ttl: int = JOB_TTL_SECONDS,
 ) -> Any:
     """Fenced write: record fields, stream events (kind, JSON data) and a wake-up; `final`
-    also gives up the lease and leaves the running set. On a pipeline the result comes back
-    from `execute()`: None when the job is no longer this writer's."""
+    also gives up the lease, leaves the running set and counts the job in `METRIC_JOBS`
+    under the status `fields` give it. On a pipeline the result comes back from
+    `execute()`: None when the job is no longer this writer's."""
     fields = fields or {}
     argv: list[Any] = [lease, job_id, ttl, "1" if final else "0", expected_length, len(fields)]
     for name, value in fields.items():
@@ -150,6 +155,7 @@ def append(
         keys.job(job_id),
         keys.job_wake(job_id),
         keys.RUNNING,
+        keys.METRIC_JOBS,
     ]
     return client.eval(_APPEND, len(job_keys), *job_keys, *argv)
 

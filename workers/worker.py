@@ -509,7 +509,8 @@ class LLMQWorker(ConcurrentWorker):
 
     def _settle_ended(self, job: ActiveJob) -> None:
         """A claimed job that had already ended (an earlier worker died between its final
-        write and RQ's bookkeeping): give the claim back and make RQ agree."""
+        write and RQ's bookkeeping): give the claim back and make RQ agree. Its end was
+        counted by the write that ended it."""
         with self.connection.pipeline() as pipe:
             pipe.srem(keys.RUNNING, job.id)
             pipe.delete(keys.job_lease(job.id))
@@ -533,6 +534,7 @@ class LLMQWorker(ConcurrentWorker):
             pipe.xadd(keys.job_events(job_id), {"event": kind, "data": data})
             pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
             pipe.publish(keys.job_wake(job_id), "cancelled")
+            metrics.count_job(pipe, CANCELLED)
             pipe.execute()
         log.info("job %s: cancelled before it started", job_id)
         self._rq_cancelled(rq_job, queue)
@@ -543,6 +545,7 @@ class LLMQWorker(ConcurrentWorker):
         refusal = _refusal(rq_job, rq_job.id)
         message = str(refusal) if refusal else why
         log.error("job %s: not run: %s", rq_job.id, message)
+        self._count(FAILED)
         self._rq_failure(rq_job, queue, message)
 
     # ------------------------------------------------------------------ leases
@@ -627,18 +630,18 @@ class LLMQWorker(ConcurrentWorker):
             pipe.execute()
         self.sync_state()
 
+    # The three `_rq_*` only close RQ's execution: a job's end is counted in `METRIC_JOBS` by
+    # the write that ends it (`scripts.append`), or by `_count` where there is none.
+
     def _rq_success(self, job: ActiveJob) -> None:
-        self._count(FINISHED)
         if job.rq_job is not None:  # RQ keeps a stub result: the body stays in our record
             self.close_success(job.rq_job, job.queue, {"job_id": job.id, "status": FINISHED})
 
     def _rq_failure(self, rq_job: Job | None, queue: Queue, message: str) -> None:
-        self._count(FAILED)
         if rq_job is not None:
             self.close_failure(rq_job, queue, message)
 
     def _rq_cancelled(self, rq_job: Job | None, queue: Queue) -> None:
-        self._count(CANCELLED)
         if rq_job is not None:
             self.close_cancelled(rq_job, queue)
 

@@ -55,6 +55,19 @@ def test_a_retried_append_is_not_applied_twice(conn):
     assert not conn.exists(keys.job_lease(job_id)) and not conn.smembers(keys.RUNNING)
     retried = scripts.append(conn, job_id, "w:1", 0, events, {"status": "finished"}, final=True)
     assert retried == landed and len(stream(conn, job_id)) == 2
+    assert conn.hget(keys.METRIC_JOBS, "finished") == b"1"  # the end is counted once
+
+
+def test_only_the_write_that_ends_a_job_counts_it(conn):
+    job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
+    scripts.claim(conn, QUEUES, "w", 10_000)
+    scripts.append(conn, job_id, "w:1", 0, [("token", '{"index": 0}')], {"status": "started"})
+    assert not conn.exists(keys.METRIC_JOBS)
+    error = [("error", '{"error": {}}')]
+    assert scripts.append(conn, job_id, "x:1", 1, error, {"status": "failed"}, True) is None
+    assert not conn.exists(keys.METRIC_JOBS)  # a fenced-out end counts nothing
+    scripts.append(conn, job_id, "w:1", 1, error, {"status": "failed"}, final=True)
+    assert conn.hgetall(keys.METRIC_JOBS) == {b"failed": b"1"}
 
 
 def test_requeue_puts_the_job_back_in_front_only_for_the_lease_holder(conn):

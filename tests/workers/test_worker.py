@@ -309,6 +309,19 @@ def test_the_reaper_requeues_a_job_whose_worker_vanished(conn, start_worker):
     assert rq_job(conn, job_id).get_status() == JobStatus.FINISHED
 
 
+def test_a_job_that_ended_before_its_worker_died_is_settled_and_counted_once(conn, start_worker):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "ended", "max_tokens": 4})
+    queue_key = rq_queue(conn).key
+    assert scripts.claim(conn, [queue_key], "ghost", lease_ms=60_000) == (0, job_id, 1)
+    done = [("done", '{"id": "cmpl"}')]
+    assert scripts.append(conn, job_id, "ghost:1", 0, done, {"status": FINISHED}, final=True)
+    conn.lpush(queue_key, job_id)  # it died before RQ heard of the end; the job came back
+    start_worker()
+    wait_for(lambda: rq_job(conn, job_id).get_status() == JobStatus.FINISHED, what="RQ settled")
+    assert len(stream(conn, job_id)) == 1  # never run again
+    assert conn.hget(keys.METRIC_JOBS, FINISHED) == b"1"
+
+
 @pytest.mark.slow
 def test_smollm2_chat_job_matches_the_engine_run_in_process(conn, start_worker):
     from runtime.sampling import SamplingParams
