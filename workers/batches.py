@@ -2,8 +2,11 @@
 
 Why in the workers: a batch runs for hours and must not depend on any API process staying
 alive. Every worker calls `BatchDriver.tick()` a couple of times a second; a short Redis
-lock (`keys.BATCHES_LOCK`) lets one of them work at a time, and a worker killed mid-tick
-only leaves a lock that expires. Each tick, for each active batch, oldest first:
+lock (`keys.BATCHES_LOCK`, extended after each batch it moves on) lets one of them work at
+a time, and a worker killed mid-tick only leaves a lock that expires within `LOCK_MS`. Two
+drivers at once (a tick that outlived its lock) are harmless, only wasteful: collecting is
+idempotent, feeding is fenced by the cursor, and finalizing again writes the same files.
+Each tick, for each active batch, oldest first:
 
 1. past `expires_at`, the batch is wound down as `expired`;
 2. `validating` becomes `in_progress`;
@@ -66,7 +69,7 @@ from workers.protocol import (
 log = logging.getLogger("llmq.batches")
 
 TICK_SECONDS = 0.5  # how often each worker tries to run the driver
-LOCK_MS = 15_000  # a driver that dies holding the lock delays the others this long at most
+LOCK_MS = 5_000  # a driver that dies holding the lock delays the others this long at most
 QUEUE_DEPTH = 256  # batch jobs kept waiting per model's batch queue (feeds <= 512 lines/s)
 FEED_CHUNK = 64  # lines enqueued per transaction
 RQ_JOB_TIMEOUT_SECONDS = 3600
@@ -110,6 +113,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# KEYS: lock. ARGV: owner, TTL (ms). Extends the lock only if it is still ours.
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 
 class BatchDriver:
     def __init__(self, conn: redis.Redis, owner: str, queue_depth: int = QUEUE_DEPTH) -> None:
@@ -131,6 +140,7 @@ class BatchDriver:
                     raise
                 except Exception:  # one broken batch must not stall the others or the worker
                     log.exception("batch %s: the driver failed on it; retrying later", record.id)
+                self.conn.eval(_EXTEND, 1, keys.BATCHES_LOCK, self.owner, LOCK_MS)
         finally:
             self.conn.eval(_UNLOCK, 1, keys.BATCHES_LOCK, self.owner)
 
