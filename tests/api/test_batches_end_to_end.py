@@ -1,12 +1,13 @@
 """Offline batches end to end: the official `openai` client against the API on a real HTTP
 server, real `llmq worker` processes serving a tiny model, real Redis (db 11, flushed
-before and after each test). Includes RELIABILITY F13 at a small scale: a worker's whole
-process tree is killed half-way and every valid line is still answered exactly once."""
+before and after each test). Includes RELIABILITY F13 at full size: 10,000 lines, a worker's
+whole process tree killed half-way, and every valid line still answered exactly once."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 import redis
 from werkzeug.serving import make_server
@@ -30,6 +32,9 @@ pytestmark = pytest.mark.integration
 REDIS_URL = os.environ.get("LLMQ_BATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 MODEL = "tiny-batch"
 TOKENS = 8  # every line generates exactly this many tokens (ignore_eos)
+F13_LINES, F13_VALID = 10_000, 9_900  # RELIABILITY F13: 1% of the lines are invalid
+F13_TOKENS = 4  # short generations, so that 10,000 lines run in about a minute
+F13_MAX_BATCH = 64
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +72,9 @@ def server(conn: redis.Redis) -> Iterator[str]:
 def workers(conn: redis.Redis, model_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
-    def start(name: str, step_delay_ms: int = 0) -> WorkerProcess:
+    def start(name: str, *extra: str, step_delay_ms: int = 0) -> WorkerProcess:
         proc = WorkerProcess(
-            name, [str(model_path)], step_delay_ms=step_delay_ms, redis_url=REDIS_URL
+            name, [str(model_path)], *extra, step_delay_ms=step_delay_ms, redis_url=REDIS_URL
         )
         started.append(proc)
         proc.wait_registered(conn)
@@ -93,27 +98,115 @@ def write_input(path: Path, count: int, invalid_every: int = 0) -> tuple[set[str
     unknown model). Returns (valid custom_ids, invalid custom_ids or "" for no id)."""
     valid, invalid, lines = set(), set(), []
     for i in range(count):
-        custom_id = f"req-{i}"
-        body = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": f"say {i}"}],
-            "max_tokens": TOKENS,
-            "ignore_eos": True,
-            "temperature": 0,
-        }
-        item = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions"}
+        line = chat_line(i)
+        custom_id = line["custom_id"]
         if invalid_every and i % invalid_every == invalid_every - 1:
             if (i // invalid_every) % 2:
                 lines.append('{"custom_id": "' + custom_id + '", broken')
                 invalid.add("")
             else:
-                lines.append(json.dumps({**item, "body": {**body, "model": "no-such-model"}}))
+                lines.append(json.dumps({**line, "body": {**line["body"], "model": "no-such"}}))
                 invalid.add(custom_id)
             continue
-        lines.append(json.dumps({**item, "body": body}))
+        lines.append(json.dumps(line))
         valid.add(custom_id)
     path.write_text("\n".join(lines) + "\n")
     return valid, invalid
+
+
+def chat_line(i: int, tokens: int = TOKENS) -> dict[str, Any]:
+    """A valid chat line with custom_id req-{i}."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"say {i}"}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+# line -> (custom_id its error record carries, error code, HTTP status of the response it
+# carries: None for a line rejected when the batch was created, else the job's failure)
+Broken = dict[int, tuple[str | None, str, int | None]]
+
+
+def broken_line(kind: int, i: int, line: dict[str, Any]) -> tuple[str, str | None, str, int | None]:
+    """The valid line `line` (index i) broken in one of eleven ways (by `kind`): its text, and
+    the custom_id, code and response status its error record must have."""
+    cid, body = line["custom_id"], line["body"]
+    no_id = {k: v for k, v in line.items() if k != "custom_id"}
+    long_prompt = [{"role": "user", "content": "x" * 400}]  # over the 256-token context
+    cases: list[tuple[Any, str | None, str, int | None]] = [
+        (json.dumps(line)[:-9] + ", broken", None, "invalid_json_line", None),
+        ([cid], None, "invalid_json_line", None),  # JSON, but not an object
+        (no_id, None, "missing_custom_id", None),
+        ({**line, "custom_id": f"req-{i - 1}"}, f"req-{i - 1}", "duplicate_custom_id", None),
+        ({**line, "url": "/v1/completions"}, cid, "mismatched_url", None),
+        ({**line, "method": "GET"}, cid, "invalid_method", None),
+        ({**line, "body": {"model": MODEL}}, cid, "invalid_request", None),  # no messages
+        ({**line, "body": {**body, "max_tokens": 10**9}}, cid, "invalid_request", None),
+        ({**line, "body": "say hi"}, cid, "invalid_request", None),  # body not an object
+        ({**line, "body": {**body, "model": "no-such-model"}}, cid, "model_not_found", None),
+        # valid JSON and fields, but only the worker's tokenizer can tell it is too long
+        ({**line, "body": {**body, "messages": long_prompt}}, cid, "invalid_request_error", 400),
+    ]
+    data, custom_id, code, status = cases[kind % len(cases)]
+    return (data if isinstance(data, str) else json.dumps(data)), custom_id, code, status
+
+
+def write_f13_input(path: Path) -> tuple[dict[int, str], Broken]:
+    """F13's input: every 100th line broken, cycling through `broken_line`'s kinds. Returns
+    (line number -> custom_id of the valid lines, the broken lines)."""
+    valid: dict[int, str] = {}
+    invalid: Broken = {}
+    texts = []
+    for i in range(F13_LINES):
+        number, line = i + 1, chat_line(i, F13_TOKENS)
+        if i % 100 != 99:
+            texts.append(json.dumps(line))
+            valid[number] = line["custom_id"]
+            continue
+        text, custom_id, code, status = broken_line(i // 100, i, line)
+        texts.append(text)
+        invalid[number] = (custom_id, code, status)
+    path.write_text("\n".join(texts) + "\n")
+    return valid, invalid
+
+
+def line_number(record: dict[str, Any], batch_id: str) -> int:
+    """The input line a record answers: its id is batch_req_{batch}_{line}."""
+    prefix = f"batch_req_{batch_id.removeprefix('batch_')}_"
+    assert record["id"].startswith(prefix), record["id"]
+    return int(record["id"].removeprefix(prefix))
+
+
+def assert_output_exactly_once(
+    output: list[dict[str, Any]], batch_id: str, valid: dict[int, str]
+) -> None:
+    """One successful record per valid line (by line number and by custom_id), in order."""
+    numbers = [line_number(o, batch_id) for o in output]
+    assert numbers == sorted(valid), "output lines missing, repeated or out of order"
+    custom_ids = [o["custom_id"] for o in output]
+    assert len(set(custom_ids)) == len(custom_ids)
+    assert custom_ids == [valid[n] for n in numbers]
+    for item in output:
+        response = item["response"]
+        assert item["error"] is None and response["status_code"] == 200
+        assert response["body"]["usage"]["completion_tokens"] == F13_TOKENS
+
+
+def assert_error_records(errors: list[dict[str, Any]], batch_id: str, invalid: Broken) -> None:
+    """One error record per broken line, with its custom_id (None where it had no usable
+    one), its code and a message; a line that ran also carries its job's failure."""
+    by_line = {line_number(e, batch_id): e for e in errors}
+    assert len(by_line) == len(errors) and set(by_line) == set(invalid)
+    for number, (custom_id, code, status) in invalid.items():
+        record = by_line[number]
+        assert (record["custom_id"], record["error"]["code"]) == (custom_id, code), record
+        assert record["error"]["message"]
+        response = record["response"]
+        assert (response and response["status_code"]) == status, record
 
 
 def wait_status(
@@ -185,31 +278,44 @@ def test_cancel_midway_gives_partial_output(oai, workers, tmp_path) -> None:
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
 
 
-def test_worker_killed_halfway_every_valid_line_exactly_once(oai, workers, conn, tmp_path) -> None:
-    """RELIABILITY F13, smaller: 200 lines, 2% invalid, kill -9 a worker's tree at 50%."""
-    doomed = workers("batch-doomed", step_delay_ms=30)
-    survivor = workers("batch-survivor", step_delay_ms=30)
-    valid, invalid = write_input(tmp_path / "in.jsonl", 200, invalid_every=50)
+@pytest.mark.slow  # about 40 s on two cores
+def test_f13_worker_killed_halfway_every_valid_line_exactly_once(
+    oai, workers, conn, tmp_path
+) -> None:
+    """RELIABILITY F13 at full size: 10,000 lines, 1% invalid (11 kinds), kill -9 one
+    worker's whole process tree when half the valid lines are answered; a second worker
+    finishes. Every valid line is answered exactly once, every invalid one has its error
+    record, and nothing was generated twice (the workers' own counters say so)."""
+    doomed = workers("batch-doomed", "--max-batch", str(F13_MAX_BATCH))
+    survivor = workers("batch-survivor", "--max-batch", str(F13_MAX_BATCH))
+    valid, invalid = write_f13_input(tmp_path / "in.jsonl")
+    assert (len(valid), len(invalid)) == (F13_VALID, F13_LINES - F13_VALID)
+    ran = sum(1 for _, _, status in invalid.values() if status is not None)
     with open(tmp_path / "in.jsonl", "rb") as handle:
         file_id = oai.files.create(file=handle, purpose="batch").id
     batch = oai.batches.create(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    wait_status(oai, batch.id, set(), 60, until=lambda b: b.request_counts.completed >= 98)
-    doomed.kill_tree()
-    batch = wait_status(oai, batch.id, {"completed", "failed"}, 90)
+    counts = batch.request_counts  # lines only a worker can find invalid are not failed yet
+    assert (counts.total, counts.completed, counts.failed) == (F13_LINES, 0, len(invalid) - ran)
+    half = F13_VALID // 2
+    wait_status(oai, batch.id, set(), 300, until=lambda b: b.request_counts.completed >= half)
+    _, alive = psutil.wait_procs(doomed.kill_tree(), timeout=10)
+    assert not alive  # the whole tree is gone
+    batch = wait_status(oai, batch.id, {"completed", "failed"}, 300)
+
     assert batch.status == "completed"
-    assert (batch.request_counts.completed, batch.request_counts.failed) == (196, 4)
-    output = lines_of(oai, batch.output_file_id)
-    custom_ids = [o["custom_id"] for o in output]
-    assert len(custom_ids) == len(set(custom_ids)) == 196 and set(custom_ids) == valid
-    assert all(o["response"]["body"]["usage"]["completion_tokens"] == TOKENS for o in output)
-    assert {e["custom_id"] or "" for e in lines_of(oai, batch.error_file_id)} == invalid
-    # nothing was generated twice: resumed jobs continued from their streams
-    generated = int(conn.hget(keys.METRIC_TOKENS_GENERATED, MODEL) or 0)
-    assert 196 * TOKENS - 64 <= generated <= 196 * TOKENS
-    assert int(conn.hget(keys.METRIC_JOBS, "finished") or 0) <= 196
-    assert f"requeued abandoned job {batch.id}-" in survivor.output()  # the kill hit jobs
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (F13_LINES, F13_VALID, len(invalid))
+    assert_output_exactly_once(lines_of(oai, batch.output_file_id), batch.id, valid)
+    assert_error_records(lines_of(oai, batch.error_file_id), batch.id, invalid)
+    assert batch.usage.output_tokens == F13_VALID * F13_TOKENS
+    # generations = valid lines +- 0: each result written once, each token generated once
+    assert int(conn.hget(keys.METRIC_JOBS, "finished") or 0) == F13_VALID
+    assert int(conn.hget(keys.METRIC_JOBS, "failed") or 0) == ran  # too long: never generated
+    assert int(conn.hget(keys.METRIC_TOKENS_GENERATED, MODEL) or 0) == F13_VALID * F13_TOKENS
+    # the kill hit running jobs: the survivor's reaper requeued them to resume
+    assert re.search(rf"job {batch.id}-\d+ lost its worker", survivor.output())
 
 
 def test_llmq_batch_submit_wait_writes_results(server, workers, tmp_path) -> None:

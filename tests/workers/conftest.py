@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
 from rq import Queue
@@ -208,9 +209,14 @@ class WorkerProcess:
     def assert_alive(self) -> None:
         assert self.process.poll() is None, f"worker {self.name} exited:\n{self.output()}"
 
-    def kill_tree(self) -> None:
+    def kill_tree(self) -> list[psutil.Process]:
+        """kill -9 the worker and every process it started (RELIABILITY 2: the whole tree);
+        returns them, so a test can check that none survived (`psutil.wait_procs`)."""
+        root = psutil.Process(self.process.pid)
+        tree = [root, *root.children(recursive=True)]
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(10)
+        return tree
 
     def output(self) -> str:
         self.log.seek(0)
