@@ -5,6 +5,10 @@ reach them: an upload answered by one gunicorn process is read by another when t
 is created, and the worker that finalizes a batch writes its output file where any API
 process can serve it. Every key that holds prompt or output text has a TTL
 (`FILE_TTL_SECONDS` for files; the completion window plus that for a batch's lines).
+
+Files and batches carry their creator's `owner` digest (`api.auth.owner_of`); each lookup
+takes the caller's `scope` and treats another owner's object as missing (404). A batch's
+jobs and output files inherit its owner.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import redis
 
+from api.auth import visible
 from api.batch_lines import InvalidLine, ValidLine
 from api.errors import BatchNotFound, Conflict, FileNotFound
 from workers import keys
@@ -48,10 +53,15 @@ def new_batch_id() -> str:
 
 
 def create_file(
-    conn: redis.Redis, data: bytes, filename: str, purpose: str, ttl: int = FILE_TTL_SECONDS
+    conn: redis.Redis,
+    data: bytes,
+    filename: str,
+    purpose: str,
+    ttl: int = FILE_TTL_SECONDS,
+    owner: str | None = None,
 ) -> FileRecord:
     now = time.time()
-    record = FileRecord(new_file_id(), len(data), filename, purpose, now, now + ttl)
+    record = FileRecord(new_file_id(), len(data), filename, purpose, now, now + ttl, owner)
     with conn.pipeline() as pipe:
         pipe.set(keys.file_content(record.id), data, ex=ttl)
         pipe.hset(keys.file(record.id), mapping=record.to_hash())
@@ -62,23 +72,24 @@ def create_file(
     return record
 
 
-def get_file(conn: redis.Redis, file_id: str) -> FileRecord:
+def get_file(conn: redis.Redis, file_id: str, scope: str | None = None) -> FileRecord:
     raw = conn.hgetall(keys.file(file_id)) if keys.is_valid_file_id(file_id) else {}
-    if not raw:
+    record = FileRecord.from_hash(raw) if raw else None
+    if record is None or not visible(record.owner, scope):
         raise FileNotFound(file_id)
-    return FileRecord.from_hash(raw)
+    return record
 
 
-def file_content(conn: redis.Redis, file_id: str) -> bytes:
-    get_file(conn, file_id)
+def file_content(conn: redis.Redis, file_id: str, scope: str | None = None) -> bytes:
+    get_file(conn, file_id, scope)
     data = conn.get(keys.file_content(file_id))
     if data is None:
         raise FileNotFound(file_id)
     return data
 
 
-def delete_file(conn: redis.Redis, file_id: str) -> None:
-    get_file(conn, file_id)
+def delete_file(conn: redis.Redis, file_id: str, scope: str | None = None) -> None:
+    get_file(conn, file_id, scope)
     with conn.pipeline() as pipe:
         pipe.delete(keys.file(file_id), keys.file_content(file_id))
         pipe.zrem(keys.FILES, file_id)
@@ -87,12 +98,17 @@ def delete_file(conn: redis.Redis, file_id: str) -> None:
 
 
 def list_files(
-    conn: redis.Redis, limit: int, after: str | None, ascending: bool, purpose: str | None
+    conn: redis.Redis,
+    limit: int,
+    after: str | None,
+    ascending: bool,
+    purpose: str | None,
+    scope: str | None = None,
 ) -> tuple[list[FileRecord], bool]:
-    """A page of files (newest first unless `ascending`) and whether more follow."""
+    """A page of the caller's files (newest first unless `ascending`), whether more follow."""
 
     def keep(record: FileRecord) -> bool:
-        return purpose is None or record.purpose == purpose
+        return (purpose is None or record.purpose == purpose) and visible(record.owner, scope)
 
     return _page(conn, keys.FILES, keys.file, FileRecord.from_hash, keep, limit, after, ascending)
 
@@ -109,6 +125,7 @@ def create_batch(
     valid: Sequence[ValidLine],
     invalid: Sequence[InvalidLine],
     errors: list[dict[str, Any]] | None = None,
+    owner: str | None = None,
 ) -> BatchRecord:
     """Store a validated batch in one transaction: its record, its valid lines (for the
     batch driver to feed) and the error records of its invalid lines. `errors` (file-level
@@ -127,6 +144,7 @@ def create_batch(
         failed=len(invalid),
         valid=len(valid),
         metadata=metadata,
+        owner=owner,
     )
     if errors:
         record.status, record.failed_at, record.errors = BATCH_FAILED, now, errors
@@ -162,16 +180,17 @@ def create_batch(
     return record
 
 
-def get_batch(conn: redis.Redis, batch_id: str) -> BatchRecord:
+def get_batch(conn: redis.Redis, batch_id: str, scope: str | None = None) -> BatchRecord:
     raw = conn.hgetall(keys.batch(batch_id)) if keys.is_valid_batch_id(batch_id) else {}
-    if not raw:
+    record = BatchRecord.from_hash(raw) if raw else None
+    if record is None or not visible(record.owner, scope):
         raise BatchNotFound(batch_id)
-    return BatchRecord.from_hash(raw)
+    return record
 
 
-def cancel_batch(conn: redis.Redis, batch_id: str) -> BatchRecord:
+def cancel_batch(conn: redis.Redis, batch_id: str, scope: str | None = None) -> BatchRecord:
     """Mark the batch cancelling; the batch driver stops its jobs and finalizes it."""
-    get_batch(conn, batch_id)
+    get_batch(conn, batch_id, scope)
     with conn.pipeline() as pipe:
         while True:
             try:
@@ -201,11 +220,14 @@ def cancel_batch(conn: redis.Redis, batch_id: str) -> BatchRecord:
 
 
 def list_batches(
-    conn: redis.Redis, limit: int, after: str | None
+    conn: redis.Redis, limit: int, after: str | None, scope: str | None = None
 ) -> tuple[list[BatchRecord], bool]:
-    return _page(
-        conn, keys.BATCHES, keys.batch, BatchRecord.from_hash, lambda _: True, limit, after, False
-    )
+    """A page of the caller's batches (newest first) and whether more follow."""
+
+    def keep(record: BatchRecord) -> bool:
+        return visible(record.owner, scope)
+
+    return _page(conn, keys.BATCHES, keys.batch, BatchRecord.from_hash, keep, limit, after, False)
 
 
 def _page(

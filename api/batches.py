@@ -15,7 +15,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from api import batch_store, store
-from api.auth import require_api_key
+from api.auth import caller_scope, require_api_key
 from api.batch_lines import validate_lines
 from api.body import json_object
 from api.config import redis_conn
@@ -52,20 +52,20 @@ def create_batch() -> Response:
     file_id = body.get("input_file_id")
     if not isinstance(file_id, str):
         raise InvalidRequest("input_file_id is required (a file id).", param="input_file_id")
-    conn = redis_conn()
-    record = batch_store.get_file(conn, file_id)
+    conn, scope = redis_conn(), caller_scope()
+    record = batch_store.get_file(conn, file_id, scope)
     if record.purpose != FILE_PURPOSE_BATCH:
         raise InvalidRequest(
             f"input_file_id must be a file with purpose 'batch', got {record.purpose!r}.",
             param="input_file_id",
         )
-    content = batch_store.file_content(conn, file_id)
+    content = batch_store.file_content(conn, file_id, scope)
     valid, invalid = validate_lines(content, endpoint, _models(conn))
     errors = None
     if not valid and not invalid:
         errors = [_file_error("empty_file", "The input file has no requests.")]
     batch = batch_store.create_batch(
-        conn, endpoint, file_id, window, metadata, valid, invalid, errors
+        conn, endpoint, file_id, window, metadata, valid, invalid, errors, owner=scope
     )
     return jsonify(batch.to_object())
 
@@ -118,15 +118,16 @@ def _file_error(code: str, message: str) -> dict[str, Any]:
 @bp.get("")
 def list_batches() -> Response:
     limit = int_arg("limit", 20, 1, 100)
-    records, more = batch_store.list_batches(redis_conn(), limit, request.args.get("after"))
+    after = request.args.get("after")
+    records, more = batch_store.list_batches(redis_conn(), limit, after, caller_scope())
     return jsonify(list_page(records, more))
 
 
 @bp.get("/<batch_id>")
 def get_batch(batch_id: str) -> Response:
-    return jsonify(batch_store.get_batch(redis_conn(), batch_id).to_object())
+    return jsonify(batch_store.get_batch(redis_conn(), batch_id, caller_scope()).to_object())
 
 
 @bp.post("/<batch_id>/cancel")
 def cancel_batch(batch_id: str) -> Response:
-    return jsonify(batch_store.cancel_batch(redis_conn(), batch_id).to_object())
+    return jsonify(batch_store.cancel_batch(redis_conn(), batch_id, caller_scope()).to_object())

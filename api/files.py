@@ -11,7 +11,7 @@ from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from api import batch_store
-from api.auth import require_api_key
+from api.auth import caller_scope, require_api_key
 from api.batch_lines import numbered_lines
 from api.body import UnsupportedMediaType
 from api.config import redis_conn
@@ -69,7 +69,7 @@ def upload() -> Response:
     _check_jsonl(data)
     filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
     ttl = _expires_after(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
-    record = batch_store.create_file(redis_conn(), data, filename, purpose, ttl)
+    record = batch_store.create_file(redis_conn(), data, filename, purpose, ttl, caller_scope())
     return jsonify(record.to_object())
 
 
@@ -130,25 +130,30 @@ def list_files() -> Response:
     if order not in ("asc", "desc"):
         raise InvalidRequest(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
     records, more = batch_store.list_files(
-        redis_conn(), limit, request.args.get("after"), order == "asc", request.args.get("purpose")
+        redis_conn(),
+        limit,
+        request.args.get("after"),
+        order == "asc",
+        request.args.get("purpose"),
+        caller_scope(),
     )
     return jsonify(list_page(records, more))
 
 
 @bp.get("/<file_id>")
 def get_file(file_id: str) -> Response:
-    return jsonify(batch_store.get_file(redis_conn(), file_id).to_object())
+    return jsonify(batch_store.get_file(redis_conn(), file_id, caller_scope()).to_object())
 
 
 @bp.get("/<file_id>/content")
 def get_content(file_id: str) -> Response:
-    data = batch_store.file_content(redis_conn(), file_id)
+    data = batch_store.file_content(redis_conn(), file_id, caller_scope())
     return Response(data, mimetype="application/octet-stream")
 
 
 @bp.delete("/<file_id>")
 def delete_file(file_id: str) -> Response:
-    batch_store.delete_file(redis_conn(), file_id)
+    batch_store.delete_file(redis_conn(), file_id, caller_scope())
     return jsonify({"id": file_id, "object": "file", "deleted": True})
 
 

@@ -16,7 +16,7 @@ import redis
 from flask import Response, current_app, jsonify, request
 
 from api import store
-from api.auth import bearer_token
+from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream
 from api.config import redis_conn
 from api.errors import InvalidRequest, ServiceUnavailable
@@ -55,6 +55,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
         req.to_job_request(),
         max_queue=current_app.config["MAX_QUEUE"],
         idempotency=scoped,
+        owner=caller_scope(),
     )
 
 

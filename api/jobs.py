@@ -11,7 +11,7 @@ import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from api import store
-from api.auth import require_api_key
+from api.auth import caller_scope, require_api_key
 from api.body import json_object
 from api.config import redis_conn
 from api.errors import APIError, InvalidRequest, ServiceUnavailable
@@ -89,14 +89,16 @@ def job_view(conn: Any, record: JobRecord) -> dict[str, Any]:
 @bp.get("/<job_id>")
 def get_job(job_id: str) -> Response:
     conn = redis_conn()
-    return jsonify(job_view(conn, store.require_record(conn, _job_id(job_id))))
+    record = store.require_record(conn, _job_id(job_id), caller_scope())
+    return jsonify(job_view(conn, record))
 
 
 @bp.post("/<job_id>/cancel")
 def cancel_job(job_id: str) -> Response:
     conn = redis_conn()
-    store.cancel(conn, _job_id(job_id))
-    record = store.require_record(conn, job_id)
+    scope = caller_scope()
+    store.cancel(conn, _job_id(job_id), scope)
+    record = store.require_record(conn, job_id, scope)
     response = jsonify(job_view(conn, record))
     response.status_code = 202
     return response
@@ -111,7 +113,7 @@ def job_events(job_id: str) -> Response:
         after = parse_event_id(request.args["after"], "after")
     else:
         after = parse_event_id(request.headers.get("Last-Event-ID"))
-    store.require_record(conn, job_id)
+    store.require_record(conn, job_id, caller_scope())
     ping = current_app.config["PING_SECONDS"]
     retry_ms = current_app.config["SSE_RETRY_MS"]
 

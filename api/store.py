@@ -20,6 +20,7 @@ from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from api.auth import visible
 from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
 from workers import keys
 from workers.protocol import (
@@ -119,9 +120,11 @@ def get_record(conn: redis.Redis, job_id: str) -> JobRecord | None:
         return None
 
 
-def require_record(conn: redis.Redis, job_id: str) -> JobRecord:
+def require_record(conn: redis.Redis, job_id: str, scope: str | None = None) -> JobRecord:
+    """The job's record; 404 if there is none, or if it is another API key's (`scope`: the
+    caller's owner digest, None for an unscoped caller)."""
     record = get_record(conn, job_id)
-    if record is None:
+    if record is None or not visible(record.owner, scope):
         raise JobNotFound(job_id)
     return record
 
@@ -243,8 +246,11 @@ def submit(
     *,
     max_queue: int,
     idempotency: str | None = None,
+    owner: str | None = None,
 ) -> Submission:
-    record = JobRecord(id=new_job_id(), endpoint=endpoint, model=model, request=request)
+    record = JobRecord(
+        id=new_job_id(), endpoint=endpoint, model=model, request=request, owner=owner
+    )
     if idempotency is not None:
         existing = _claim(conn, idempotency, record.id)
         if existing is not None:
@@ -290,14 +296,14 @@ def _claim(conn: redis.Redis, key: str, job_id: str) -> JobRecord | None:
         time.sleep(0.05)
 
 
-def cancel(conn: redis.Redis, job_id: str) -> JobRecord:
+def cancel(conn: redis.Redis, job_id: str, scope: str | None = None) -> JobRecord:
     """Ask for a job to stop; a job still on its queue is removed and cancelled here.
 
     Removing the id from the RQ queue (LREM) is atomic against a worker popping it, so
     exactly one side owns the job: if we removed it, we write its terminal state; if not, a
     worker has it and stops at the next step when it sees the cancel flag.
     """
-    record = require_record(conn, job_id)
+    record = require_record(conn, job_id, scope)
     if record.status in TERMINAL_STATUSES:
         raise Conflict(f"Job {job_id} is already {record.status}.", code="job_finished")
     conn.set(keys.job_cancel(job_id), "1", ex=CANCEL_FLAG_TTL_SECONDS)

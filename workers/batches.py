@@ -302,6 +302,7 @@ class BatchDriver:
             request=item["request"],
             kind=keys.BATCH,
             batch_id=rec.id,
+            owner=rec.owner,
         )
         pipe.hset(keys.job(job_id), mapping=record.to_hash())
         pipe.expire(keys.job(job_id), JOB_TTL_SECONDS)
@@ -364,7 +365,8 @@ class BatchDriver:
             for kind, text in (("output", output), ("error", errors)):
                 if text:
                     file_id = _file_id(rec.id, kind)
-                    self._write_file(pipe, file_id, f"{rec.id}_{kind}.jsonl", text, now)
+                    name = f"{rec.id}_{kind}.jsonl"
+                    self._write_file(pipe, file_id, name, text, now, rec.owner)
                     fields[f"{kind}_file_id"] = file_id
             pipe.hset(keys.batch(rec.id), mapping=fields)
             pipe.expire(keys.batch(rec.id), FILE_TTL_SECONDS)
@@ -404,9 +406,11 @@ class BatchDriver:
         entries = sorted((int(k), v) for k, v in self.conn.hgetall(key).items())
         return b"".join(v + b"\n" for _, v in entries)
 
-    def _write_file(self, pipe: Any, file_id: str, name: str, text: bytes, now: float) -> None:
+    def _write_file(
+        self, pipe: Any, file_id: str, name: str, text: bytes, now: float, owner: str | None
+    ) -> None:
         expires = now + FILE_TTL_SECONDS
-        record = FileRecord(file_id, len(text), name, FILE_PURPOSE_OUTPUT, now, expires)
+        record = FileRecord(file_id, len(text), name, FILE_PURPOSE_OUTPUT, now, expires, owner)
         pipe.set(keys.file_content(file_id), text, ex=FILE_TTL_SECONDS)
         pipe.hset(keys.file(file_id), mapping=record.to_hash())
         pipe.expire(keys.file(file_id), FILE_TTL_SECONDS)

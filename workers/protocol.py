@@ -107,6 +107,7 @@ class JobRecord:
     error: dict[str, Any] | None = None
     batch_id: str | None = None  # set for the requests of an offline batch
     queue: str | None = None  # a worker's own queue the API routed it to (prefix affinity)
+    owner: str | None = None  # digest of the API key that created it (`api.auth.owner_of`)
 
     def to_hash(self) -> dict[str, str]:
         """Every field as a string (JSON for structured values); None fields are omitted."""
@@ -138,6 +139,7 @@ class JobRecord:
             error=json.loads(h["error"]) if "error" in h else None,
             batch_id=h.get("batch_id"),
             queue=h.get("queue"),
+            owner=h.get("owner"),
         )
 
 
@@ -373,6 +375,7 @@ class FileRecord:
     purpose: str
     created_at: float = field(default_factory=time.time)
     expires_at: float | None = None
+    owner: str | None = None  # digest of the API key that created it (or its batch)
 
     def to_hash(self) -> dict[str, str]:
         return {k: str(v) for k, v in asdict(self).items() if v is not None}
@@ -387,6 +390,7 @@ class FileRecord:
             purpose=h["purpose"],
             created_at=float(h["created_at"]),
             expires_at=_float(h.get("expires_at")),
+            owner=h.get("owner"),
         )
 
     def to_object(self) -> dict[str, Any]:
@@ -452,6 +456,7 @@ class BatchRecord:
     metadata: dict[str, str] | None = None
     errors: list[dict[str, Any]] | None = None
     ending: str | None = None
+    owner: str | None = None  # digest of the API key that created it; its jobs and files inherit it
 
     def to_hash(self) -> dict[str, str]:
         out = {}
@@ -478,6 +483,7 @@ class BatchRecord:
             metadata=json.loads(h["metadata"]) if "metadata" in h else None,
             errors=json.loads(h["errors"]) if "errors" in h else None,
             ending=h.get("ending"),
+            owner=h.get("owner"),
         )
         for name in _BATCH_TIMES:
             setattr(record, name, _float(h.get(name)))
