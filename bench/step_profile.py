@@ -1,0 +1,109 @@
+"""Where one batched decode step of our engine spends its time.
+
+    python bench/step_profile.py [--model smollm2-135m-instruct] [--sequences 1,4,32]
+                                 [--prompt-tokens 32] [--steps 20]
+
+For each N: N sequences with their own random prompts are prefilled, then `--steps` decode
+steps are timed, first plainly (the step time), then with the weight products and the
+attention wrapped in timers (which adds a little overhead of its own). The table gives
+milliseconds per step: each weight product by shape, attention (K/V store and the
+attention itself), and the rest (norms, rope, activations, sampling, scheduling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from runtime import models  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+from runtime.models import attention, base  # noqa: E402
+from runtime.sampling import SamplingParams  # noqa: E402
+
+
+def timed(totals: dict[str, float], name_of: Callable[..., str], fn: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = fn(*args, **kwargs)
+        totals[name_of(*args)] += time.perf_counter() - started
+        return out
+
+    return wrapper
+
+
+def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str, float]:
+    rng = np.random.default_rng(n)
+    params = SamplingParams(max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True)
+    batch = engine.new_batch()
+    for i in range(n):
+        prompt = [int(t) for t in rng.integers(100, engine.model.vocab_size - 100, prompt_tokens)]
+        batch.add(f"seq-{i}", prompt, params, cache_prompt=False)
+    started: set[str] = set()
+    while len(started) < n:
+        started.update(e.request_id for e in batch.step())
+    plain = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        batch.step()
+        plain.append(time.perf_counter() - t)
+    totals: dict[str, float] = defaultdict(float)
+    patched = {
+        (base, "linear"): lambda x, w: f"x @ W{list(w.shape)}",
+        (attention, "attend_layout"): lambda *a, **k: "attention",
+    }
+    saved = {}
+    for (module, name), label in patched.items():
+        saved[(module, name)] = getattr(module, name)
+        wrapper = timed(totals, label, saved[(module, name)])
+        setattr(module, name, wrapper)
+        for arch in (models.llama, models.gemma3):  # modules that imported the names
+            if hasattr(arch, name):
+                setattr(arch, name, wrapper)
+    try:
+        t = time.perf_counter()
+        for _ in range(steps):
+            batch.step()
+        wrapped = time.perf_counter() - t
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
+            for arch in (models.llama, models.gemma3):
+                if hasattr(arch, name):
+                    setattr(arch, name, fn)
+    out = {name: seconds / steps for name, seconds in sorted(totals.items())}
+    out["rest"] = wrapped / steps - sum(out.values())
+    out["step (unwrapped, median)"] = float(np.median(plain))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--sequences", default="1,4,32")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args(argv)
+    engine = Engine.load(args.model)
+    ns = [int(n) for n in args.sequences.split(",")]
+    results = {n: profile(engine, n, args.prompt_tokens, args.steps) for n in ns}
+    rows = list(next(iter(results.values())))
+    print(f"ms per decode step, {args.model}, {args.prompt_tokens}-token prompts")
+    print(f"{'':28s}" + "".join(f"{f'N={n}':>10s}" for n in ns))
+    for row in rows:
+        print(f"{row:28s}" + "".join(f"{results[n][row] * 1000:10.2f}" for n in ns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
