@@ -36,9 +36,7 @@ import datetime
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -49,8 +47,20 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: `runtime` lives in the repo root
     sys.path.insert(0, str(REPO))
 
+from bench.harness import (  # noqa: E402
+    OPENBLAS_VARS,
+    child_main,
+    commit,
+    env_variants,
+    openblas_info,
+    openblas_note,
+    peak_rss_mib,
+    run_child,
+    verdict,
+)
+
+SCRIPT = Path(__file__).resolve()
 DEFAULT_MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
-OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 PREFILL_TOKENS = 512
 DECODE_CONTEXT = 540  # prompt before decoding; with 64 generated tokens, ~600 of context
 DECODE_TOKENS = 64
@@ -76,33 +86,6 @@ _WARMUP_TEXT = "Warm-up: seven quick questions about lighthouses, tides and maps
 # ----------------------------------------------------------------------------- children
 
 
-def _openblas_info() -> dict[str, Any]:
-    """Which OpenBLAS numpy loaded and which kernel it picked (threadpoolctl's view)."""
-    from threadpoolctl import threadpool_info
-
-    for pool in threadpool_info():
-        if pool.get("internal_api") == "openblas":
-            keys = ("architecture", "version", "num_threads", "threading_layer")
-            return {k: pool.get(k) for k in keys}
-    return {"architecture": None}
-
-
-def _peak_rss_mib() -> float:
-    """Peak RSS of this process. Linux's `VmHWM` belongs to this address space alone:
-    `ru_maxrss` would carry the parent's peak across fork and exec (the bench parent
-    holds a tokenizer, ~200 MiB)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def child_ours(job: dict[str, Any]) -> dict[str, Any]:
     """Load our engine, warm up, time prefill and decode; one process, one model."""
     from runtime.engine import Engine
@@ -111,7 +94,7 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
-    rss_before = _peak_rss_mib()
+    rss_before = peak_rss_mib()
     started = time.perf_counter()
     engine = Engine.load(job["model_path"])  # a path is a model id: same file as llama.cpp
     load_s = time.perf_counter() - started
@@ -139,8 +122,8 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
         "tokens": tokens,
         "weight_bytes_f32": int(engine.model.nbytes),
         "rss_before_load_mib": rss_before,
-        "peak_rss_mib": _peak_rss_mib(),
-        "openblas": _openblas_info(),
+        "peak_rss_mib": peak_rss_mib(),
+        "openblas": openblas_info(),
     }
 
 
@@ -149,7 +132,7 @@ def child_llama(job: dict[str, Any]) -> dict[str, Any]:
     import llama_cpp
     import numpy as np
 
-    rss_before = _peak_rss_mib()
+    rss_before = peak_rss_mib()
     n_threads = os.cpu_count() or 1
     started = time.perf_counter()
     llm = llama_cpp.Llama(
@@ -196,7 +179,7 @@ def child_llama(job: dict[str, Any]) -> dict[str, Any]:
         "llama_cpp_version": llama_cpp.__version__,
         "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
         "rss_before_load_mib": rss_before,
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": peak_rss_mib(),
     }
 
 
@@ -227,7 +210,7 @@ def child_bandwidth(job: dict[str, Any]) -> dict[str, Any]:
         "shape": [rows, cols],
         "matvec_gbps": matrix.nbytes / best_seconds(lambda: matrix @ vector) / 1e9,
         "sum_gbps": matrix.nbytes / best_seconds(matrix.sum) / 1e9,
-        "openblas": _openblas_info(),
+        "openblas": openblas_info(),
     }
 
 
@@ -236,44 +219,6 @@ CHILDREN: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": child_llama,
     "bandwidth": child_bandwidth,
 }
-
-
-def run_child(kind: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """Run one measurement in a fresh interpreter; the job goes in and the result comes
-    back as JSON (the result is the last stdout line: libraries may print before it)."""
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", kind],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )
-    if proc.returncode != 0:
-        hint = ""
-        if kind == "llama" and proc.returncode == -signal.SIGSEGV:
-            hint = (
-                "\nA llama-cpp-python built with GGML_NATIVE=ON enables AMX, which crashes in "
-                "some VMs; rebuild with -DGGML_NATIVE=OFF and AMX off (see bench/RESULTS.md)."
-            )
-        raise RuntimeError(
-            f"{kind} child for {job.get('model_path', '-')} exited with {proc.returncode}:\n"
-            f"{proc.stderr[-3000:]}{hint}"
-        )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-# ----------------------------------------------------------------------------- planning
-
-
-def env_variants() -> list[tuple[str, dict[str, str]]]:
-    """The environments our engine runs under: as-is, plus OpenBLAS variables unset if set."""
-    as_is = dict(os.environ)
-    if not any(name in as_is for name in OPENBLAS_VARS):
-        return [("as-is", as_is)]
-    unset = {k: v for k, v in as_is.items() if k not in OPENBLAS_VARS}
-    return [("as-is", as_is), ("unset", unset)]
 
 
 def prompt_ids(model_path: Path) -> dict[str, list[int]]:
@@ -317,7 +262,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 
     def measure(kind: str, variant: str, model: str | None, job: dict[str, Any]) -> None:
         load = os.getloadavg()[0]  # kept with the figures: a busy machine explains outliers
-        result = run_child(kind, job, dict(variants)[variant])
+        result = run_child(SCRIPT, kind, job, dict(variants)[variant])
         runs.append({"kind": kind, "env": variant, "model": model, "loadavg_1m": load, **result})
         label = f"{kind:9s} {variant:6s} {model or '':24s} load {load:4.1f}"
         print(f"  [{len(runs):3d}] {label} {_short(kind, result)}", file=sys.stderr, flush=True)
@@ -413,10 +358,6 @@ def _fmt(s: dict[str, float], digits: int) -> str:
     return f"{s['best']:.{digits}f} / {s['median']:.{digits}f}"
 
 
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     """The printed table: one block per environment variant and model."""
     lines: list[str] = []
@@ -438,11 +379,7 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         f"prefill = {PREFILL_TOKENS} / time to first token, which includes the LM head on the "
         "last position and one greedy sample; decode = greedy steps after the first token"
     )
-    set_vars = {k: os.environ[k] for k in OPENBLAS_VARS if k in os.environ}
-    if set_vars:
-        lines.append(f"OpenBLAS env as-is: {set_vars}; 'unset' = both removed for the child")
-    else:
-        lines.append(f"OpenBLAS env: {' and '.join(OPENBLAS_VARS)} not set here, so as-is = unset")
+    lines.append(openblas_note())
     for env, per_env in summary.items():
         ob = per_env["openblas"]
         lines.append("")
@@ -476,7 +413,7 @@ def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str
     rss_cell = ""
     if rss_target is not None:
         ok = ours["peak_rss_mib"]["best"] < rss_target
-        rss_cell = f"< {rss_target:.0f} MiB: {_verdict(ok)}"
+        rss_cell = f"< {rss_target:.0f} MiB: {verdict(ok)}"
     prefill_ok = m["prefill_vs_llama"] >= TARGET_PREFILL_VS_LLAMA
     decode_ok = m["decode_of_limit"] >= TARGET_DECODE_OF_LIMIT
     ctx = raw["meta"]["decode_context"]
@@ -489,14 +426,14 @@ def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str
             f"prefill {PREFILL_TOKENS} tok (tok/s)",
             "prefill_tps",
             1,
-            f">= {TARGET_PREFILL_VS_LLAMA}x llama.cpp: {_verdict(prefill_ok)}",
+            f">= {TARGET_PREFILL_VS_LLAMA}x llama.cpp: {verdict(prefill_ok)}",
         ),
         line("  time to first token (s)", "ttft_s", 3),
         line(
             f"decode {decode_tokens} tok @ {ctx}+ ctx (tok/s)",
             "decode_tps",
             2,
-            f">= {TARGET_DECODE_OF_LIMIT} x f32 limit: {_verdict(decode_ok)}",
+            f">= {TARGET_DECODE_OF_LIMIT} x f32 limit: {verdict(decode_ok)}",
         ),
         line("load (s)", "load_s", 2),
         line("peak RSS (MiB)", "peak_rss_mib", 0, rss_cell),
@@ -506,19 +443,6 @@ def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str
         f"  greedy tokens identical in both engines: {m['greedy_tokens_agreeing']} of "
         f"{m['greedy_tokens_total']} (first run)",
     ]
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "runtime"], cwd=REPO, capture_output=True
-        )
-        return out.stdout.strip() + ("+dirty runtime" if dirty.stdout.strip() else "")
-    except OSError:
-        return "unknown"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -540,9 +464,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        result = CHILDREN[args.child](json.load(sys.stdin))
-        print(json.dumps(result))
-        return 0
+        return child_main(CHILDREN, args.child)
     from importlib.metadata import version
 
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -550,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = run_all(args)
     raw["meta"] = {
         "date": date,
-        "commit": _commit(),
+        "commit": commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),

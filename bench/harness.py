@@ -14,7 +14,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from workers.supervisor import free_port, wait_for_port
 
 REPO = Path(__file__).resolve().parent.parent
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
@@ -65,7 +66,8 @@ def openblas_info() -> dict[str, Any]:
         return {}
     for pool in threadpool_info():
         if pool.get("internal_api") == "openblas":
-            return {k: pool.get(k) for k in ("architecture", "version", "num_threads")}
+            keys = ("architecture", "version", "num_threads", "threading_layer")
+            return {k: pool.get(k) for k in keys}
     return {}
 
 
@@ -137,7 +139,15 @@ def run_child(
         timeout=timeout,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"{kind} child exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+        hint = ""
+        if kind == "llama" and proc.returncode == -signal.SIGSEGV:
+            hint = (
+                "\nA llama-cpp-python built with GGML_NATIVE=ON enables AMX, which crashes in "
+                "some VMs; rebuild with -DGGML_NATIVE=OFF and AMX off (see bench/RESULTS.md)."
+            )
+        raise RuntimeError(
+            f"{kind} child exited with {proc.returncode}:\n{proc.stderr[-3000:]}{hint}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -148,19 +158,20 @@ def child_main(children: dict[str, Callable[[dict[str, Any]], dict[str, Any]]], 
 
 
 def peak_rss_mib() -> float:
-    """Peak RSS of this process (`VmHWM`: this address space alone)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    """Peak RSS of this process (`VmHWM`: this address space alone; `ru_maxrss` would carry
+    the parent's peak across fork and exec)."""
+    return _status_mib("VmHWM")
 
 
 def rss_mib() -> float:
+    return _status_mib("VmRSS")
+
+
+def _status_mib(field: str) -> float:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
     return 0.0
 
 
@@ -192,22 +203,6 @@ def prompt_of_tokens(encode: Callable[[str], list[int]], n_tokens: int, tag: str
 
 
 # ----------------------------------------------------------------------------- the system
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_port(port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
 
 
 FAKEREDIS_SERVER = """
@@ -267,7 +262,7 @@ class System:
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self.base_url = f"http://127.0.0.1:{api_port}"
         self._spawn("redis", broker_argv(redis_port, self.redis_args))
-        _wait_port(redis_port)
+        wait_for_port(redis_port, timeout=15)
         env = {**self.env, "REDIS_URL": self.redis_url}
         llmq = [sys.executable, "-m", "workers.cli"]
         worker = [*llmq, "worker", "--models", ",".join(self.models)]
@@ -276,7 +271,7 @@ class System:
             self._spawn(f"worker-{i}", worker, env)
         api = [*llmq, "api", "--port", str(api_port), "--workers", str(self.api_workers)]
         self._spawn("api", api, env)
-        _wait_port(api_port)
+        wait_for_port(api_port, timeout=15)
         self._wait_ready()
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:

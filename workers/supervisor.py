@@ -91,7 +91,7 @@ class Broker:
                 port,
             )
         self.url = f"redis://127.0.0.1:{port}/0"
-        _wait_for_port(port)
+        wait_for_port(port)
         return self.url
 
     def stop(self) -> None:
@@ -200,14 +200,15 @@ def _stop_children(children: list[Child]) -> None:
             child.process.wait()
 
 
-def _wait_for_port(port: int, timeout: float = 10.0) -> None:
+def wait_for_port(port: int, timeout: float = 10.0) -> None:
+    """Block until something accepts connections on 127.0.0.1:`port`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.05)
-    raise RuntimeError(f"the broker did not start listening on port {port}")
+    raise RuntimeError(f"nothing listens on port {port} after {timeout:g}s")
 
 
 def _redact(url: str) -> str:
