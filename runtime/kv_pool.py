@@ -202,11 +202,6 @@ class PagedKVCache:
         self.length = len(shared_prefix or ()) * pool.block_size
 
     @property
-    def blocks(self) -> list[int | None]:
-        """Group 0's block table (full attention: never has holes)."""
-        return self.tables[0]
-
-    @property
     def capacity(self) -> int:
         return len(self.tables[0]) * self.pool.block_size
 

@@ -79,8 +79,9 @@ class PrefixCache:
             if entry is None or entry.tokens != tuple(prompt_ids[i * bs : (i + 1) * bs]):
                 break
             entries.append((key, entry))
-        n = len(entries)
-        while n > 0 and not self._window_complete([e.blocks for _, e in entries[:n]]):
+        found = [entry.blocks for _, entry in entries]
+        n = len(found)
+        while n > 0 and not self._window_complete(found, n):
             n -= 1
         for key, _ in entries[:n]:
             self._entries.move_to_end(key)
@@ -130,15 +131,15 @@ class PrefixCache:
             if block is not None:
                 self.pool.release([block], group)
 
-    def _window_complete(self, prefix: list[SharedBlock]) -> bool:
-        """Whether every windowed group has the blocks that a query right after `prefix`
-        can see."""
-        bs, end = self.pool.block_size, len(prefix) * self.pool.block_size
+    def _window_complete(self, found: list[SharedBlock], n: int) -> bool:
+        """Whether every windowed group has the blocks that a query right after the first
+        `n` blocks of `found` can see."""
+        bs, end = self.pool.block_size, n * self.pool.block_size
         for group, layer_group in enumerate(self.pool.groups):
             if layer_group.window is None:
                 continue
             first = max(0, end + 1 - layer_group.window) // bs
-            if any(entry[group] is None for entry in prefix[first:]):
+            if any(found[i][group] is None for i in range(first, n)):
                 return False
         return True
 

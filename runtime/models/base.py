@@ -181,7 +181,7 @@ def pack_linear(parts: list[np.ndarray], input_scale: np.ndarray | None = None) 
     `input_scale` `[in]` folds a preceding elementwise scale (an RMSNorm weight) into the
     columns, saving a pass over the activations at every step.
     """
-    fused = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    fused = np.concatenate(parts, axis=0, dtype=np.float32)  # the one copy loading makes
     if input_scale is not None:
-        fused = fused * input_scale[None, :]
-    return np.ascontiguousarray(fused, np.float32)
+        fused *= input_scale[None, :]
+    return fused
