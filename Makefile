@@ -25,13 +25,11 @@ serve: install
 test: install
 	$(PY) -m pytest
 
-# llama.cpp is built from source without AMX: a native build enables AMX_INT8, which crashes
-# in llama_decode on VMs that advertise AMX (seen here); --no-binary/--no-cache-dir keep pip
-# from reusing such a wheel.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
-	-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-	-DGGML_AMX_BF16=OFF
+# llama.cpp is built from source with the x86 extensions this CPU reports and never AMX: a
+# native build enables AMX_INT8, which crashes in llama_decode on VMs that advertise AMX, and a
+# fixed list dies with SIGILL where one is missing (bench/llama_cmake_args.py says why).
+# --no-binary/--no-cache-dir keep pip from reusing a wheel built for another CPU.
+LLAMA_CMAKE_ARGS = $(shell $(PYTHON) bench/llama_cmake_args.py)
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir \
