@@ -100,8 +100,8 @@ def attend_layout(
         raise ValueError(f"layer {layer} attends over {window} positions, its KV pool keeps less")
     keys, values = pool.keys[layer], pool.values[layer]
     slots = _plan(layout, ("slots", group), lambda lay: _slot_ids(lay, group))
-    keys[:, :, slots] = k.transpose(1, 2, 0)  # [T, Hkv, Dh] -> [Hkv, Dh, T]
-    values[:, slots] = v.transpose(1, 0, 2)  # -> [Hkv, T, Dh]
+    keys[:, slots] = k.transpose(1, 0, 2)  # [T, Hkv, Dh] -> [Hkv, T, Dh]
+    values[:, slots] = v.transpose(1, 0, 2)
     plan = _plan(
         layout, ("decode", group, window), lambda lay: _decode_groups(lay, group, window, n_heads)
     )
@@ -111,7 +111,9 @@ def attend_layout(
         if hi - lo > 1:  # prefill chunks; decode rows were done in groups
             first = 0 if window is None else max(0, chunk.start + 1 - window)
             runs = chunk.cache.runs(first, chunk.start + hi - lo, group)
-            segments = [(keys[:, :, a : a + n], values[:, a : a + n]) for a, n in runs]
+            segments = [
+                (keys[:, a : a + n].transpose(0, 2, 1), values[:, a : a + n]) for a, n in runs
+            ]
             out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window, offset=first)
     return out
 
@@ -146,9 +148,8 @@ class DecodeGroup:
         scores, probs = self.scores, self.probs
         for m, runs in enumerate(self.runs):
             for slot, n, offset in runs:
-                np.matmul(
-                    qg[m], keys[:, :, slot : slot + n], out=scores[m, :, :, offset : offset + n]
-                )
+                keys_t = keys[:, slot : slot + n].transpose(0, 2, 1)  # [Hkv, Dh, n] view
+                np.matmul(qg[m], keys_t, out=scores[m, :, :, offset : offset + n])
         np.subtract(scores, scores.max(axis=-1, keepdims=True), out=probs)
         np.exp(probs, out=probs)
         probs /= probs.sum(axis=-1, keepdims=True)

@@ -206,9 +206,12 @@ def test_paged_batch_attention_matches_naive_per_sequence(window):
     rng = np.random.default_rng(7)
     lengths = [2, 3, 9, 14, 30]  # tokens each sequence will hold
     caches = [PagedKVCache(pool) for _ in lengths]
-    for upto in range(block, max(lengths) + block, block):  # interleave their blocks
+    for upto in range(block, max(lengths) + block, block):
         for cache, length in zip(caches, lengths, strict=True):
             cache.reserve(min(upto, length))
+            last = cache.tables[0][-1]
+            if last + 1 < pool.n_blocks and pool.refcount[last + 1] == 0:
+                pool.allocate(after=last)  # taken: the cache's next block starts a new run
     assert any(len(cache.runs(0, cache.capacity)) > 1 for cache in caches)
     keys = [rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for n in lengths]
     values = [rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for n in lengths]

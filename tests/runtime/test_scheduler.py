@@ -53,13 +53,34 @@ def test_pool_hands_out_consecutive_blocks_and_counts_references():
         pool.allocate()
 
 
+def test_new_runs_start_mid_gap_so_sequences_decoding_in_step_stay_consecutive():
+    pool = BlockPool(n_layers=1, n_kv_heads=1, head_dim=2, n_blocks=64)
+    caches = [PagedKVCache(pool) for _ in range(4)]
+    for cache in caches:
+        cache.reserve(BLOCK_SIZE)
+    # the first opens the pool; each next one halves the largest gap
+    assert [c.tables[0][0] for c in caches] == [0, 32, 16, 48]
+    for tokens in range(2 * BLOCK_SIZE, 16 * BLOCK_SIZE + 1, BLOCK_SIZE):
+        for cache in caches:  # one block each per round, as a decode batch grows them
+            cache.reserve(tokens)
+    assert [len(c.runs(0, c.capacity)) for c in caches] == [1, 1, 1, 1]
+    assert pool.n_free == 0
+    caches[1].release()
+    caches[0].reserve(17 * BLOCK_SIZE)  # block 16 is taken: a new run mid the freed 32..47
+    assert caches[0].tables[0][-1] == 40 and len(caches[0].runs(0, caches[0].capacity)) == 2
+    for cache in caches:
+        cache.release()
+    assert pool.n_free == 64 and not pool.refcount.any()
+
+
 def test_paged_cache_equals_contiguous_cache_even_when_fragmented(engine):
     model = engine.model
     pool = BlockPool(*model.kv_shape, n_blocks=16)
     blockers = [pool.allocate() for _ in range(3)]
     paged = PagedKVCache(pool)
-    paged.reserve(BLOCK_SIZE)  # block 3
-    pool.allocate()  # block 4 taken: the next block of `paged` cannot be consecutive
+    paged.reserve(BLOCK_SIZE)
+    # the block right after it taken: the next block of `paged` cannot be consecutive
+    blockers.append(pool.allocate(after=paged.tables[0][-1]))
     tokens = np.asarray(_tokens(40, seed=1, vocab=model.vocab_size))
     contiguous = KVCache(*model.kv_shape, 64)
     expected = model.logits(model.forward(tokens, BatchLayout([SequenceChunk(contiguous, 0, 40)])))
@@ -74,7 +95,7 @@ def test_paged_cache_equals_contiguous_cache_even_when_fragmented(engine):
     assert paged.nbytes == 3 * pool.block_nbytes
     paged.release()
     pool.release(blockers)
-    assert pool.n_free == 16 - 1  # only block 4 is still taken
+    assert pool.n_free == 16
 
 
 def test_prefix_cache_finds_the_longest_cached_prefix():
@@ -241,7 +262,7 @@ def test_pool_memory_is_resident_only_where_blocks_were_written():
     cache.reserve(BLOCK_SIZE)
     slot = cache.slot_ids(0, 1)
     for layer in range(30):  # one token written to every layer, as attention stores it
-        pool.keys[layer][:, :, slot] = 1.0
+        pool.keys[layer][:, slot] = 1.0
         pool.values[layer][:, slot] = 1.0
     grown = process.memory_info().rss - before
     assert grown < 64 * 2**20, f"writing one token made {grown / 2**20:.0f} MiB resident"
@@ -266,4 +287,4 @@ def test_prefix_cache_needs_the_whole_window_of_windowed_layers():
     assert pool.groups[1].refcount[local[0]] == 2 and pool.refcount[full[0]] == 2
     pool.release(full)
     pool.release(local, group=1)
-    assert cache.evict(10) == 4 and pool.n_free == 16 and len(pool.groups[1].free_set) == 16
+    assert cache.evict(10) == 4 and pool.n_free == 16 and pool.groups[1].n_free == 16
