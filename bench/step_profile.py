@@ -7,7 +7,8 @@ For each N: N sequences with their own random prompts are prefilled, then `--ste
 steps are timed, first plainly (the step time), then with the weight products and the
 attention wrapped in timers (which adds a little overhead of its own). The table gives
 milliseconds per step: each weight product by shape, attention (K/V store and the
-attention itself), and the rest (norms, rope, activations, sampling, scheduling).
+attention itself), norms, rope, activations, sampling, and the rest (residual adds,
+embedding, scheduling).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np  # noqa: E402
 from runtime import models  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.models import attention, base  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
+from runtime.sampling import Sampler, SamplingParams  # noqa: E402
 
 
 def timed(totals: dict[str, float], name_of: Callable[..., str], fn: Callable) -> Callable:
@@ -60,7 +61,13 @@ def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str,
     totals: dict[str, float] = defaultdict(float)
     patched = {
         (base, "linear"): lambda x, w: f"x @ W{list(w.shape)}",
+        (base.DecoderModel, "logits"): lambda model, h: f"logits x @ W{list(model.output.shape)}^T",
         (attention, "attend_layout"): lambda *a, **k: "attention",
+        (base, "rms_normalize"): lambda *a: "norms",
+        (base, "apply_rope"): lambda *a: "rope",
+        (base, "silu_mul"): lambda *a: "activation",
+        (base, "gelu_tanh_mul"): lambda *a: "activation",
+        (Sampler, "sample"): lambda *a: "sampling",
     }
     saved = {}
     for (module, name), label in patched.items():

@@ -61,7 +61,7 @@ class TokenEvent:
     index: int  # 0 for the first generated token
     token_id: int
     text: str
-    logprob: float
+    logprob: float | None  # None unless the request asked for logprobs
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (first event only)

@@ -227,10 +227,11 @@ class SamplingParams:
 
 @dataclass
 class SampleResult:
-    """One sampled token: its logprob and the top alternatives, all from the raw logits."""
+    """One sampled token: its logprob and the top alternatives, all from the raw logits
+    (logprob None where the sequence did not ask for logprobs)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -463,10 +464,17 @@ class Sampler:
             tokens = logits.argmax(axis=1)  # [B]
         else:
             tokens = self._sample_rows(logits, states)
-        normalizers = _log_normalizers(logits)  # [B]
+        # a logsumexp over the vocabulary costs as much as the argmax: only rows that
+        # report logprobs pay for it
+        scored = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        rows = logits if len(scored) == len(states) else logits[scored]
+        normalizers = dict(zip(scored, _log_normalizers(rows), strict=True))
         results = []
         for i, state in enumerate(states):
             token = int(tokens[i])
+            if i not in normalizers:
+                results.append(SampleResult(token, None))
+                continue
             logprob = float(logits[i, token]) - float(normalizers[i])
             top: list[tuple[int, float]] = []
             if state.params.logprobs:

@@ -67,7 +67,7 @@ def token_event(
     index: int,
     text: str,
     token_id: int,
-    logprob: float,
+    logprob: float | None,
     finish_reason: str | None,
     attempt: int,
     logprobs: dict[str, Any] | None = None,

@@ -4,7 +4,8 @@ Shared by `api/` and `workers/`; imports only the standard library. Nothing here
 pickled: a job record is a Redis hash of strings, an event is a stream entry with the
 fields `event` (token | done | error) and `data` (JSON).
 
-Token event data: `{"choice": c, "index": i, "text": "...", "token_id": t, "logprob": lp,
+Token event data: `{"choice": c, "index": i, "text": "...", "token_id": t, "logprob": lp (null
+unless the request asked for logprobs),
 "top_logprobs": [[id, lp], ...], "finish_reason": null | "stop" | "length", "attempt": a}`
 where `index` counts the generated tokens of choice `c` from 0. A job with several choices
 (`n`, or a list of prompts) interleaves their tokens. `attempt` is the execution that wrote

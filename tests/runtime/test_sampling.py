@@ -250,14 +250,15 @@ def test_logprobs_come_from_raw_logits_and_top_n_is_sorted() -> None:
     assert values == pytest.approx(expected[ids].tolist(), abs=1e-6)
 
 
-def test_logprobs_zero_and_none_return_only_the_chosen_token() -> None:
-    logits = random_logits(1, 10, seed=4)
+def test_logprobs_zero_returns_only_the_chosen_token_and_none_returns_nothing() -> None:
+    logits = random_logits(2, 10, seed=4)
     sampler = Sampler(10)
-    for logprobs in (None, 0):
-        state = sampler.new_state(SamplingParams(temperature=0, logprobs=logprobs))
-        result = sampler.sample(logits, [state])[0]
-        assert result.top_logprobs == []
-        assert result.logprob == pytest.approx(log_softmax(logits[0]).max(), abs=1e-6)
+    states = [sampler.new_state(SamplingParams(temperature=0, logprobs=n)) for n in (0, None)]
+    with_zero, without = sampler.sample(logits, states)
+    assert with_zero.top_logprobs == [] and without.top_logprobs == []
+    assert with_zero.logprob == pytest.approx(log_softmax(logits[0]).max(), abs=1e-6)
+    assert without.logprob is None  # not asked for: the logsumexp is skipped
+    assert without.token_id == int(logits[1].argmax())
 
 
 def test_logprobs_above_vocab_size_return_the_whole_vocab() -> None:
