@@ -28,6 +28,10 @@ Four tables, all with SmolLM2 (`smollm2-135m-instruct`, the Q4_1 GGUF both engin
    (geometric), the same children for ours and llama.cpp; beside the rates, how many
    attention scores our length-sorted decode groups compute per score needed, against one
    padded group for all (runtime/models/attention.py `group_by_length`).
+   Shared prefix (`--only shared`): 32 chats whose ~1,000-token system prompt is in the
+   prefix cache decode together, ours only: decode groups meet the shared blocks in one
+   matmul for all chats (runtime/models/attention.py `SharedRun`), against the ablation
+   where each chat attends over them alone (children alternate).
 3. KV memory per token held: the pool's block size / 16, and `kv_pool.bytes_in_use` against
    the tokens the sequences of table 1 hold after their decode steps.
 4. An offline batch of chat requests (64 tokens each, EOS ignored): requests/s through the
@@ -88,6 +92,7 @@ PROMPT_TOKENS = 32
 DECODE_STEPS = 32
 SYSTEM_PROMPT_TOKENS = 1000
 MIXED_SEQUENCES = 32
+SHARED_CHATS = 32
 OFFLINE_TOKENS = 64
 OFFLINE_REQUESTS = 128
 SEQUENTIAL_SAMPLE = 3
@@ -278,6 +283,47 @@ def _first_token(engine: Any, ids: list[int], params: Any) -> tuple[float, int]:
             return time.perf_counter() - started, events[0].cached_tokens
 
 
+def child_shared(job: dict[str, Any]) -> dict[str, Any]:
+    """N chats whose system prompt is in the prefix cache, decoding together."""
+    from runtime.engine import Engine
+    from runtime.models import attention
+    from runtime.sampling import SamplingParams
+
+    if not job["batch_shared"]:  # the ablation: every member meets the shared prefix alone
+        attention._split_shared = lambda runs: (runs, [])
+    engine = Engine.load(job["model"])
+    prompts = [_chat_ids(engine, job["system"], q) for q in job["questions"]]
+    for _ in engine.generate(prompts[0], SamplingParams(max_tokens=1, temperature=0.0)):
+        pass  # fills the prefix cache with the system prompt
+    params = SamplingParams(max_tokens=job["steps"] + 32, temperature=0.0, ignore_eos=True)
+    batch = engine.new_batch()
+    for i, ids in enumerate(prompts):
+        batch.add(f"chat-{i}", ids, params)
+    cached: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {f"chat-{i}": [] for i in range(len(prompts))}
+    while len(cached) < len(prompts):
+        for e in batch.step():
+            cached.setdefault(e.request_id, e.cached_tokens)
+            tokens[e.request_id].append(e.token_id)
+    step_s = []
+    for _ in range(job["steps"]):
+        started = time.perf_counter()
+        events = batch.step()
+        step_s.append(time.perf_counter() - started)
+        if len(events) != len(prompts):
+            raise RuntimeError(f"a decode step gave {len(events)} tokens for {len(prompts)}")
+        for e in events:
+            tokens[e.request_id].append(e.token_id)
+    return {
+        "batch_shared": job["batch_shared"],
+        "decode_tps": len(prompts) * job["steps"] / sum(step_s),
+        "prompt_tokens": sum(len(p) for p in prompts) / len(prompts),
+        "cached_tokens": sum(cached.values()) / len(prompts),
+        "first_tokens": tokens["chat-0"][:8],
+        "openblas": openblas_info(),
+    }
+
+
 def child_offline(job: dict[str, Any]) -> dict[str, Any]:
     """R chat requests through one BatchGenerator, then a sample of them one at a time."""
     from runtime.engine import Engine
@@ -316,6 +362,7 @@ CHILDREN = {
     "ours": child_ours,
     "llama": child_llama,
     "prefix": child_prefix,
+    "shared": child_shared,
     "offline": child_offline,
 }
 
@@ -419,6 +466,31 @@ def prefix_runs(args: argparse.Namespace, _: str, env: dict[str, str]) -> dict[s
                 api.append({"cold_s": cold.ttft, "warm_s": warm.ttft})
                 log(f"  prefix API rep {rep + 1}: cold {cold.ttft:.3f} s, warm {warm.ttft:.3f} s")
     return {"ours": ours["runs"], "api": api, "system_words": len(system.split())}
+
+
+def shared_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) -> dict[str, Any]:
+    """Decode over a cached shared system prompt, with and without batching the shared run."""
+    encode = _encoder()
+    system = prompt_of_tokens(encode, SYSTEM_PROMPT_TOKENS, tag="You are the harbour's clerk.")
+    questions = [f"Question {i}: what did ship {i} carry, and why?" for i in range(SHARED_CHATS)]
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeat):
+        order = [True, False] if rep % 2 == 0 else [False, True]
+        for batch_shared in order:
+            job = {
+                "model": MODEL,
+                "system": system,
+                "questions": questions,
+                "steps": args.steps,
+                "batch_shared": batch_shared,
+            }
+            result = run_child(SCRIPT, "shared", job, env)
+            runs.append(result)
+            label = "batched" if batch_shared else "alone"
+            log(
+                f"  [{env_name}] shared rep {rep + 1} {label:7s}: {result['decode_tps']:7.1f} tok/s"
+            )
+    return {"runs": runs}
 
 
 def offline_runs(args: argparse.Namespace, _: str, env: dict[str, str]) -> dict[str, Any]:
@@ -577,6 +649,8 @@ def render(raw: dict[str, Any]) -> str:
             lines += ["", *_mixed_block(per_env["mixed"])]
         if "prefix" in per_env:
             lines += ["", *_prefix_block(per_env["prefix"])]
+        if "shared" in per_env:
+            lines += ["", *_shared_block(per_env["shared"])]
         if "offline" in per_env:
             lines += ["", *_offline_block(per_env["offline"])]
     return "\n".join(lines)
@@ -606,6 +680,22 @@ def _mixed_block(mixed: dict[str, Any]) -> list[str]:
         f"{grouped:.2f}x, one padded group {one:.2f}x"
     )
     return lines
+
+
+def _shared_block(shared: dict[str, Any]) -> list[str]:
+    runs = shared["runs"]
+    batched = [r["decode_tps"] for r in runs if r["batch_shared"]]
+    alone = [r["decode_tps"] for r in runs if not r["batch_shared"]]
+    same = len({tuple(r["first_tokens"]) for r in runs}) == 1
+    return [
+        f"decode over a shared cached prefix: {SHARED_CHATS} chats, ~{SYSTEM_PROMPT_TOKENS}-token "
+        f"system prompt ({runs[0]['prompt_tokens']:.0f} prompt tokens per chat, "
+        f"{runs[0]['cached_tokens']:.0f} from the cache); best / median",
+        f"shared run batched {best(batched):.1f} / {median(batched):.1f} tok/s   "
+        f"each chat alone {best(alone):.1f} / {median(alone):.1f} tok/s   "
+        f"batched/alone {best(batched) / best(alone):.2f}x   "
+        f"first 8 greedy tokens {'identical' if same else 'DIFFERENT'} both ways",
+    ]
 
 
 def _decode_block(raw: dict[str, Any], decode: dict[str, Any]) -> list[str]:
@@ -752,7 +842,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 repetition, fewer steps and requests")
     p.add_argument("--repeat", type=int, help="decode repetitions (default 2, quick 1)")
     p.add_argument("--steps", type=int, help=f"timed decode steps (default {DECODE_STEPS})")
-    p.add_argument("--only", default="decode,mixed,prefix,offline", help="parts to run")
+    p.add_argument("--only", default="decode,mixed,prefix,shared,offline", help="parts to run")
     p.add_argument("--sequences", default=",".join(map(str, SEQUENCES)), help="values of N")
     p.add_argument("--no-llama", dest="llama", action="store_false", help="skip llama.cpp")
     p.add_argument(
@@ -789,6 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "decode": decode_runs,
         "mixed": mixed_runs,
         "prefix": prefix_runs,
+        "shared": shared_runs,
         "offline": offline_runs,
     }
     for name, env in env_variants():

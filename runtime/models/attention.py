@@ -3,7 +3,9 @@
 Two paths. Sequences on a paged pool (every batch the scheduler builds) store the step's
 keys/values with one scatter per layer, and decode rows - one new token per sequence, the
 bulk of a busy step - attend in length-sorted groups: per sequence only two small matmuls
-write into a shared padded score buffer, and one softmax covers the whole group. Prefill
+write into a shared padded score buffer, and one softmax covers the whole group. Members
+that hold the same cached prefix (a shared system prompt) meet its keys and values in one
+matmul for all of them, instead of one small matmul each over the same blocks. Prefill
 chunks, and caches outside a pool (single-sequence helpers), attend one sequence at a time
 over their cache segments.
 """
@@ -119,17 +121,29 @@ def attend_layout(
 
 
 @dataclass
+class SharedRun:
+    """Pool slots `slot .. slot + n` that several members of a decode group see first (a
+    cached prefix they all hold): their queries meet those keys in one matmul."""
+
+    slot: int
+    n: int
+    members: np.ndarray  # indices into the group's members
+
+
+@dataclass
 class DecodeGroup:
     """Decode rows of similar cache length attended together.
 
     `rows` are the packed-token rows; `runs[m]` lists, for member m, `(slot, n, offset)`:
-    n consecutive pool slots from `slot` land at `offset` in its score row. `scores` keeps
-    -inf wherever a member has no key (the padding), so only the runs are rewritten per
-    layer; `probs` is the softmax's scratch.
+    n consecutive pool slots from `slot` land at `offset` in its score row. `shared` runs
+    (at offset 0) are done for all their members at once and are not in `runs`. `scores`
+    keeps -inf wherever a member has no key (the padding), so only the runs are rewritten
+    per layer; `probs` is the softmax's scratch.
     """
 
     rows: np.ndarray
     runs: list[list[tuple[int, int, int]]]
+    shared: list[SharedRun]
     scores: np.ndarray  # [members, Hkv, G, L_max]
     probs: np.ndarray
 
@@ -139,13 +153,20 @@ class DecodeGroup:
     ) -> DecodeGroup:
         n_kv, group, width = shape
         scores = np.full((len(rows), n_kv, group, width), -np.inf, np.float32)
-        return cls(np.asarray(rows), runs, scores, np.empty_like(scores))
+        own, shared = _split_shared(runs)
+        return cls(np.asarray(rows), own, shared, scores, np.empty_like(scores))
 
     def attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, out: np.ndarray) -> None:
         members, n_kv, group, _ = self.scores.shape
         head_dim = q.shape[-1]
         qg = q[self.rows].reshape(members, n_kv, group, head_dim)
         scores, probs = self.scores, self.probs
+        for run in self.shared:  # [Hkv, S*G, Dh] @ [Hkv, Dh, n]: one matmul for S members
+            qs = qg[run.members].transpose(1, 0, 2, 3).reshape(n_kv, -1, head_dim)
+            part = np.matmul(qs, keys[:, run.slot : run.slot + run.n].transpose(0, 2, 1))
+            scores[run.members, :, :, : run.n] = part.reshape(
+                n_kv, len(run.members), group, run.n
+            ).transpose(1, 0, 2, 3)
         for m, runs in enumerate(self.runs):
             for slot, n, offset in runs:
                 keys_t = keys[:, slot : slot + n].transpose(0, 2, 1)  # [Hkv, Dh, n] view
@@ -154,14 +175,49 @@ class DecodeGroup:
         np.exp(probs, out=probs)
         probs /= probs.sum(axis=-1, keepdims=True)
         result = np.empty((members, n_kv, group, head_dim), np.float32)
+        if self.shared:
+            result[:] = 0.0
+            for run in self.shared:
+                ps = probs[run.members, :, :, : run.n].transpose(1, 0, 2, 3)
+                part = np.matmul(
+                    ps.reshape(n_kv, -1, run.n), values[:, run.slot : run.slot + run.n]
+                )
+                result[run.members] += part.reshape(
+                    n_kv, len(run.members), group, head_dim
+                ).transpose(1, 0, 2, 3)
         for m, runs in enumerate(self.runs):
-            slot, n, offset = runs[0]
-            np.matmul(
-                probs[m, :, :, offset : offset + n], values[:, slot : slot + n], out=result[m]
-            )
-            for slot, n, offset in runs[1:]:
-                result[m] += probs[m, :, :, offset : offset + n] @ values[:, slot : slot + n]
+            for i, (slot, n, offset) in enumerate(runs):
+                part_probs, part_values = (
+                    probs[m, :, :, offset : offset + n],
+                    values[:, slot : slot + n],
+                )
+                if i == 0 and not self.shared:
+                    np.matmul(part_probs, part_values, out=result[m])
+                else:
+                    result[m] += part_probs @ part_values
         out[self.rows] = result.reshape(members, -1)
+
+
+def _split_shared(
+    runs: list[list[tuple[int, int, int]]],
+) -> tuple[list[list[tuple[int, int, int]]], list[SharedRun]]:
+    """Take out the leading slots that several members share (they start at the same pool
+    slot, so the first min(n) slots are the same blocks: a prefix they all hold)."""
+    by_first_slot: dict[int, list[int]] = {}
+    for m, member_runs in enumerate(runs):
+        if member_runs and member_runs[0][2] == 0:
+            by_first_slot.setdefault(member_runs[0][0], []).append(m)
+    own = [list(member_runs) for member_runs in runs]
+    shared = []
+    for slot, members in by_first_slot.items():
+        if len(members) < 2:
+            continue
+        n = min(runs[m][0][1] for m in members)
+        shared.append(SharedRun(slot, n, np.asarray(members)))
+        for m in members:
+            _, length, _ = own[m][0]
+            own[m] = ([(slot + n, length - n, n)] if length > n else []) + own[m][1:]
+    return own, shared
 
 
 def _shared_pool(layout: BatchLayout) -> BlockPool | None:

@@ -246,6 +246,61 @@ def test_paged_batch_attention_matches_naive_per_sequence(window):
     step([(n - 1, n) for n in lengths[:-1]] + [(lengths[-1] - 3, lengths[-1])])
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_rows_sharing_a_cached_prefix_attend_it_together(window):
+    """Sequences that hold the same cached prefix blocks meet those keys in one matmul
+    (a SharedRun); the result must equal naive attention over each sequence's keys."""
+    n_kv, n_heads, head_dim, block = 2, 6, 8, 4
+    pool = BlockPool(1, n_kv, head_dim, n_blocks=64, block_size=block)
+    rng = np.random.default_rng(11)
+    prefix = 12  # three full blocks, written by the first sequence
+    lengths = [20, 15, 13, 22]  # tokens each sequence holds before its decode row
+    keys = [rng.standard_normal((n + 1, n_kv, head_dim)).astype(np.float32) for n in lengths]
+    values = [rng.standard_normal((n + 1, n_kv, head_dim)).astype(np.float32) for n in lengths]
+    queries = [rng.standard_normal((n + 1, n_heads, head_dim)).astype(np.float32) for n in lengths]
+    for i in range(1, len(lengths)):  # the same prefix: the same keys and values
+        keys[i][:prefix], values[i][:prefix] = keys[0][:prefix], values[0][:prefix]
+
+    def store(cache, i, start, end):
+        cache.reserve(end)
+        chunk = SequenceChunk(cache, start, end - start)
+        rows = slice(start, end)
+        attend_layout(0, queries[i][rows], keys[i][rows], values[i][rows], BatchLayout([chunk]))
+        cache.length = end
+
+    owner = PagedKVCache(pool)
+    store(owner, 0, 0, lengths[0])
+    caches = [owner]
+    for i in range(1, len(lengths)):
+        cache = PagedKVCache(pool, shared_prefix=owner.shared_blocks()[: prefix // block])
+        store(cache, i, prefix, lengths[i])
+        caches.append(cache)
+    for cache in caches:
+        cache.reserve(cache.length + 1)
+    layout = BatchLayout([SequenceChunk(c, n, 1) for c, n in zip(caches, lengths, strict=True)])
+    got = attend_layout(
+        0,
+        np.concatenate([q[n : n + 1] for q, n in zip(queries, lengths, strict=True)]),
+        np.concatenate([k[n : n + 1] for k, n in zip(keys, lengths, strict=True)]),
+        np.concatenate([v[n : n + 1] for v, n in zip(values, lengths, strict=True)]),
+        layout,
+        window,
+    )
+    groups = layout.plans[("decode", 0, window)]
+    if window is None:  # within a window the prefix is out of sight: nothing to share
+        assert sum(len(run.members) for g in groups for run in g.shared) == len(lengths)
+    for row, n in enumerate(lengths):
+        want = _naive_attention(
+            queries[row][n : n + 1],
+            keys[row].transpose(1, 0, 2),
+            values[row].transpose(1, 0, 2),
+            n,
+            1.0,
+            window,
+        )
+        np.testing.assert_allclose(got[row : row + 1], want, **TOL)
+
+
 def test_decode_rows_are_grouped_so_padding_stays_bounded():
     from runtime.models.attention import group_by_length
 
