@@ -22,6 +22,9 @@ The arrays are anonymous memory maps with transparent huge pages turned off, so 
 operating system backs only the 4 KiB pages that blocks have been written to: one block
 of one head is 16 x Dh floats, whole pages for Dh >= 64, so resident KV memory grows with
 the blocks written wherever they lie in the pool, not with max context x max sequences.
+Pages of freed blocks stay resident (giving them back would cost a system call per block
+and head); as runs start at different places over a server's life, resident KV memory can
+therefore grow toward the pool's budget (`kv_memory_mb`), never past it.
 """
 
 from __future__ import annotations
