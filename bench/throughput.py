@@ -55,6 +55,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,23 +120,12 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
     pool = engine.kv_pool
     kv_before, rss_before = pool.bytes_in_use, rss_mib()
     batch = engine.new_batch()
-    tokens: dict[str, list[int]] = {f"seq-{i}": [] for i in range(len(prompts))}
     started = time.perf_counter()
     for i, ids in enumerate(prompts):
         batch.add(f"seq-{i}", ids, params, cache_prompt=False)
-    while not all(tokens.values()):  # prefill (decoding rows join as they finish it)
-        for e in batch.step():
-            tokens[e.request_id].append(e.token_id)
-    prefill_s = time.perf_counter() - started
-    step_s = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        events = batch.step()
-        step_s.append(time.perf_counter() - started)
-        if len(events) != len(prompts) or any(e.finish_reason for e in events):
-            raise RuntimeError(f"a decode step gave {len(events)} tokens for {len(prompts)}")
-        for e in events:
-            tokens[e.request_id].append(e.token_id)
+    run = _prefill_then_decode(batch, len(prompts), steps)
+    tokens, step_s = run.tokens, run.step_s
+    prefill_s = run.decode_started - started
     # each sequence's cache holds its prompt and every sampled token but the last
     held = sum(len(p) for p in prompts) + sum(len(t) - 1 for t in tokens.values())
     return {
@@ -298,30 +288,44 @@ def child_shared(job: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=job["steps"] + 32, temperature=0.0, ignore_eos=True)
     batch = engine.new_batch()
     for i, ids in enumerate(prompts):
-        batch.add(f"chat-{i}", ids, params)
-    cached: dict[str, int] = {}
-    tokens: dict[str, list[int]] = {f"chat-{i}": [] for i in range(len(prompts))}
-    while len(cached) < len(prompts):
-        for e in batch.step():
-            cached.setdefault(e.request_id, e.cached_tokens)
-            tokens[e.request_id].append(e.token_id)
-    step_s = []
-    for _ in range(job["steps"]):
-        started = time.perf_counter()
-        events = batch.step()
-        step_s.append(time.perf_counter() - started)
-        if len(events) != len(prompts):
-            raise RuntimeError(f"a decode step gave {len(events)} tokens for {len(prompts)}")
-        for e in events:
-            tokens[e.request_id].append(e.token_id)
+        batch.add(f"seq-{i}", ids, params)
+    run = _prefill_then_decode(batch, len(prompts), job["steps"])
     return {
         "batch_shared": job["batch_shared"],
-        "decode_tps": len(prompts) * job["steps"] / sum(step_s),
+        "decode_tps": len(prompts) * job["steps"] / sum(run.step_s),
         "prompt_tokens": sum(len(p) for p in prompts) / len(prompts),
-        "cached_tokens": sum(cached.values()) / len(prompts),
-        "first_tokens": tokens["chat-0"][:8],
+        "cached_tokens": sum(run.cached.values()) / len(prompts),
+        "first_tokens": run.tokens["seq-0"][:8],
         "openblas": openblas_info(),
     }
+
+
+@dataclass
+class DecodeRun:
+    tokens: dict[str, list[int]]  # request id -> its tokens, prefill's first one included
+    cached: dict[str, int]  # request id -> prompt tokens its prefix-cache lookup served
+    decode_started: float  # perf_counter when every sequence had its first token
+    step_s: list[float]  # each timed decode step
+
+
+def _prefill_then_decode(batch: Any, n: int, steps: int) -> DecodeRun:
+    """Step sequences `seq-0 .. seq-{n-1}` (already added) until each has its first token,
+    then time `steps` decode steps, each of which must give every sequence a token."""
+    run = DecodeRun({f"seq-{i}": [] for i in range(n)}, {}, 0.0, [])
+    while len(run.cached) < n:  # prefill (decoding rows join as they finish it)
+        for e in batch.step():
+            run.cached.setdefault(e.request_id, e.cached_tokens)
+            run.tokens[e.request_id].append(e.token_id)
+    run.decode_started = time.perf_counter()
+    for _ in range(steps):
+        started = time.perf_counter()
+        events = batch.step()
+        run.step_s.append(time.perf_counter() - started)
+        if len(events) != n or any(e.finish_reason for e in events):
+            raise RuntimeError(f"a decode step gave {len(events)} tokens for {n}")
+        for e in events:
+            run.tokens[e.request_id].append(e.token_id)
+    return run
 
 
 def child_offline(job: dict[str, Any]) -> dict[str, Any]:

@@ -39,9 +39,10 @@ def attend(
     """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
 
     q `[n, H, Dh]` (already scaled by 1/sqrt(Dh)); the cache as segments in position order,
-    each keys `[Hkv, Dh, l]` (transposed, so q @ K is a plain matmul) and values `[Hkv, l,
-    Dh]`, together positions `offset .. start + n - 1` -> `[n, H * Dh]`. `window` limits
-    each query to the keys less than `window` positions behind it.
+    each keys `[Hkv, Dh, l]` (the contiguous KVCache stores them so; the pool's slot-major
+    keys come as transposed views) and values `[Hkv, l, Dh]`, together positions `offset ..
+    start + n - 1` -> `[n, H * Dh]`. `window` limits each query to the keys less than
+    `window` positions behind it.
     """
     n, n_heads, head_dim = q.shape
     n_kv = segments[0][0].shape[0]

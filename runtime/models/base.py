@@ -168,8 +168,8 @@ class DecoderModel:
         operand: measured with cold caches at 32 rows, that costs 27 ms where `linear` and
         a row-major copy of its transposed result cost 37 ms (26 vs 49 ms at 64 rows).
         """
-        if hidden.shape[0] == 1:
-            return (self.output @ hidden[0])[None]
+        if hidden.shape[0] == 1:  # a gemv either way
+            return linear(hidden, self.output)
         return hidden @ self.output.T
 
     @property
