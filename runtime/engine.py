@@ -19,6 +19,7 @@ from runtime.batch_generator import BatchGenerator, SchedulerConfig, TokenEvent
 from runtime.chat_template import ChatTemplate
 from runtime.errors import EmptyPromptError
 from runtime.gguf_file import GGUFFile
+from runtime.kernels import get_backend
 from runtime.kv_pool import BlockPool
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
@@ -38,6 +39,7 @@ class EngineConfig:
     max_batch: int = 64  # sequences decoding together
     max_batch_tokens: int = 2048  # tokens in one forward pass
     prefix_cache: bool = True
+    backend: str | None = None  # "numpy" | "torch"; None: torch where installed, else numpy
 
 
 class Engine:
@@ -52,7 +54,8 @@ class Engine:
         self.metadata = gguf_file.metadata
         self.architecture = gguf_file.architecture
         self.tokenizer = Tokenizer.from_metadata(gguf_file.metadata)
-        self.model = load_model(gguf_file)
+        self.backend = get_backend(self.config.backend)
+        self.model = load_model(gguf_file, self.backend)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
         self.kv_pool = BlockPool.for_budget(
             *self.model.kv_shape, self.config.kv_memory_mb * 2**20, windows=self.model.kv_windows
@@ -145,7 +148,7 @@ class Engine:
 
     def _pooled(self, ids: list[int]) -> np.ndarray:
         cache = self.model.new_cache(len(ids))
-        pooled = np.zeros(self.model.embed.shape[1], np.float64)
+        pooled = np.zeros(self.model.hidden_size, np.float64)
         for start in range(0, len(ids), self.config.prefill_chunk):
             piece = ids[start : start + self.config.prefill_chunk]
             layout = BatchLayout([SequenceChunk(cache, start, len(piece))])

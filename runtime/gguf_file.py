@@ -1,13 +1,13 @@
 """Open a GGUF file and hand out its metadata and its tensors as float32 arrays.
 
-The `gguf` package does the parsing and the dequantization; this module only turns its
-failures into one-line errors that name the file, and lays tensors out the way the model
+runtime/gguf_header.py reads the header, the `gguf` package dequantizes; this module turns
+their failures into one-line errors that name the file, and lays tensors out the way the model
 code wants them (numpy row-major, `[rows, cols]` = GGUF `ne` reversed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 
 from runtime.errors import ModelFormatError
+from runtime.gguf_header import GGUFHeader, TensorInfo
 
 _MAGIC = b"GGUF"
 
@@ -24,16 +25,9 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._reader = _open_reader(self.path)
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            self.metadata[key] = field.contents()
-        # gguf-py keeps a numpy view per vocabulary string (~470 MB for Gemma's 262k
-        # tokens); the plain values above are all we need, so free them before the weights.
-        self._reader.fields.clear()
+        header = _read_header(self.path)
+        self._tensors = header.tensors
+        self.metadata: dict[str, Any] = header.metadata
 
     @property
     def architecture(self) -> str:
@@ -64,39 +58,50 @@ class GGUFFile:
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 
-    def tensor_names(self) -> Iterator[str]:
-        return iter(self._tensors)
-
     def tensor(self, name: str) -> np.ndarray:
         """The tensor as float32, shape `ne` reversed (for a weight: `[out, in]`)."""
+        info = self._info(name)
+        return self._dequantize(name, info.data, info.tensor_type).reshape(info.shape)
+
+    def rows(self, name: str, index: np.ndarray | slice) -> np.ndarray:
+        """Some rows of a 2-D tensor as float32 `[n, cols]`, dequantizing only those."""
+        info = self._info(name)
+        values = self._dequantize(name, info.data[index], info.tensor_type)
+        return values.reshape(-1, info.shape[-1])
+
+    def _info(self, name: str) -> TensorInfo:
         info = self._tensors.get(name)
         if info is None:
             raise ModelFormatError(f"{self.path.name}: tensor {name!r} is missing")
-        shape = tuple(int(n) for n in reversed(info.shape))
-        qtype = info.tensor_type
+        return info
+
+    def _dequantize(self, name: str, data: np.ndarray, qtype) -> np.ndarray:
         try:
             if qtype == gguf.GGMLQuantizationType.F32:
-                values = np.asarray(info.data, dtype=np.float32)
+                values = np.asarray(data, dtype=np.float32)
             else:
-                values = gguf.quants.dequantize(info.data, qtype)
+                values = gguf.quants.dequantize(data, qtype)
         except NotImplementedError as exc:
             raise ModelFormatError(
                 f"{self.path.name}: tensor {name!r} has type {qtype.name}, "
                 "which this gguf version cannot dequantize"
             ) from exc
-        return values.reshape(shape).astype(np.float32, copy=False)
+        return values.astype(np.float32, copy=False)
 
-    def tensor_bytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self._tensors.values())
+    def blocks(self, name: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType, tuple[int, ...]]:
+        """The tensor as stored: raw data (a view of the mapped file), its GGML type, and its
+        shape `ne` reversed; for backends that keep weights in their quantized form."""
+        info = self._info(name)
+        return info.data, info.tensor_type, info.shape
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
+def _read_header(path: Path) -> GGUFHeader:
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such file")
     with path.open("rb") as handle:
         if handle.read(4) != _MAGIC:
             raise ModelFormatError(f"{path.name}: not a GGUF file (bad magic)")
     try:
-        return gguf.GGUFReader(path, "r")
-    except (ValueError, IndexError, OSError, KeyError, TypeError) as exc:
+        return GGUFHeader(path)
+    except (ValueError, IndexError, OSError, KeyError, TypeError, struct.error) as exc:
         raise ModelFormatError(f"{path.name}: corrupt or truncated GGUF file ({exc})") from exc

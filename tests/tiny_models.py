@@ -81,9 +81,14 @@ def _weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
 
 
 def write_tiny_llama(
-    path: Path, shape: TinyShape | None = None, seed: int = 0, int_embeddings: bool = False
+    path: Path,
+    shape: TinyShape | None = None,
+    seed: int = 0,
+    int_embeddings: bool = False,
+    layer_type: gguf.GGMLQuantizationType | None = None,
 ) -> Path:
-    """A tiny llama; `int_embeddings` stores token_embd as I32, a type no loader accepts."""
+    """A tiny llama; `int_embeddings` stores token_embd as I32, a type no loader accepts;
+    `layer_type` stores every layer weight in that one type (default: a Q8_0/F16 mix)."""
     s, rng = shape or TinyShape(), np.random.default_rng(seed)
     tokens, types, merges = _gpt2_vocab()
     w = gguf.GGUFWriter(str(path), "llama")
@@ -111,19 +116,20 @@ def write_tiny_llama(
         _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
     w.add_tensor("output_norm.weight", _norm(rng, s.dim))
     _add_quantized(w, "output.weight", _weights(rng, vocab, s.dim), Q8_0)
+    q8, f16 = layer_type or Q8_0, layer_type or F16
     for i in range(s.n_layers):
         p = f"blk.{i}."
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
-        _add_quantized(w, p + "attn_q.weight", _weights(rng, q_dim, s.dim), Q8_0)
-        _add_quantized(w, p + "attn_k.weight", _weights(rng, kv, s.dim), Q8_0)
-        _add_quantized(w, p + "attn_v.weight", _weights(rng, kv, s.dim), F16)
+        _add_quantized(w, p + "attn_q.weight", _weights(rng, q_dim, s.dim), q8)
+        _add_quantized(w, p + "attn_k.weight", _weights(rng, kv, s.dim), q8)
+        _add_quantized(w, p + "attn_v.weight", _weights(rng, kv, s.dim), f16)
         _add_quantized(
-            w, p + "attn_output.weight", _weights(rng, s.dim, s.n_heads * s.head_dim), Q8_0
+            w, p + "attn_output.weight", _weights(rng, s.dim, s.n_heads * s.head_dim), q8
         )
-        _add_quantized(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
-        _add_quantized(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), F16)
-        _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+        _add_quantized(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), q8)
+        _add_quantized(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), f16)
+        _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), q8)
     _finish(w)
     return path
 

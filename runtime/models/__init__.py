@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
+from runtime.kernels import Backend, get_backend
 from runtime.models.gemma3 import Gemma3Model
 from runtime.models.llama import LlamaModel
 
 ARCHITECTURES = {"llama": LlamaModel, "gemma3": Gemma3Model}
 
 
-def load_model(gguf_file: GGUFFile) -> LlamaModel | Gemma3Model:
-    """Build the architecture's model from the file, dequantizing its tensors to float32."""
+def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> LlamaModel | Gemma3Model:
+    """Build the architecture's model from the file, its weights stored as `backend` keeps
+    them (default: `get_backend()`, torch where installed)."""
     arch = gguf_file.architecture
     model_class = ARCHITECTURES.get(arch)
     if model_class is None:
@@ -20,4 +22,4 @@ def load_model(gguf_file: GGUFFile) -> LlamaModel | Gemma3Model:
             f"{gguf_file.path.name}: architecture {arch!r} is not supported "
             f"(supported: {supported})"
         )
-    return model_class(gguf_file)
+    return model_class(gguf_file, backend or get_backend())

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.kernels import Backend, Embedding, Weight
 from runtime.kv_cache import KVCache
 
 
@@ -98,21 +99,12 @@ def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
-def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """`x` `[T, in]` through `weight` `[out, in]` -> `[T, out]` (possibly a transposed view).
-
-    Computed as `(weight @ x.T).T` so that the weight is BLAS's left operand: measured here,
-    OpenBLAS's sgemm is up to 2x faster that way for the few rows of a batched decode step
-    (and no slower for prefill), and a single row takes the gemv path.
-    """
-    if x.shape[0] == 1:
-        return (weight @ x[0])[None]
-    return (weight @ x.T).T
+def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
+    """`x` `[T, in]` through `weight` `[out, in]` -> `[T, out]`, however the backend stores it."""
+    return weight(x)
 
 
-def gated_mlp(
-    x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, activation_mul
-) -> np.ndarray:
+def gated_mlp(x: np.ndarray, w_gate_up: Weight, w_down: Weight, activation_mul) -> np.ndarray:
     """down(act(gate(x)) * up(x)) with gate and up fused into one `[2F, D]` weight."""
     gate_up = linear(x, w_gate_up)  # [T, D] -> [T, 2F]
     ffn_dim = w_gate_up.shape[0] // 2
@@ -131,12 +123,15 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 class DecoderModel:
     """What every architecture shares around its layers: the cache it needs, the LM head
-    (`output`, which is `embed` when tied), and its size. Subclasses set `args` (with
-    n_layers, n_kv_heads, head_dim, context_length), `embed`, `output`, `norm`, `layers`."""
+    (`output`, which shares the embedding's storage when tied), and its size. Subclasses set
+    `args` (with n_layers, n_kv_heads, head_dim, context_length, dim), `backend`, `embed`,
+    `output`, `norm`, `layers` (each with the `Weight`s `wqkv`, `wo`, `w_gate_up`, `w_down`).
+    """
 
     args: Any
-    embed: np.ndarray  # [V, D]
-    output: np.ndarray  # [V, D]
+    backend: Backend
+    embed: Embedding  # [V, D]
+    output: Weight  # [V, D]
     norm: np.ndarray
     layers: list[Any]
 
@@ -147,6 +142,10 @@ class DecoderModel:
     @property
     def vocab_size(self) -> int:
         return self.output.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed.shape[1]
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -162,33 +161,14 @@ class DecoderModel:
         return KVCache(*self.kv_shape, max_tokens)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """`[N, D]` -> row-major `[N, V]`, as the sampler's per-row reductions want it.
-
-        Unlike the layers' `linear`, the head multiplies with the weight as BLAS's right
-        operand: measured with cold caches at 32 rows, that costs 27 ms where `linear` and
-        a row-major copy of its transposed result cost 37 ms (26 vs 49 ms at 64 rows).
-        """
-        if hidden.shape[0] == 1:  # a gemv either way
-            return linear(hidden, self.output)
-        return hidden @ self.output.T
+        """`[N, D]` -> row-major `[N, V]`, as the sampler's per-row reductions want it."""
+        return self.output(hidden)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of float32 weights (a tied head counted once)."""
-        arrays = {id(a): a for a in (self.embed, self.output, self.norm)}
+        """Bytes of the weights as the backend keeps them (a head sharing the embedding's
+        storage counts 0)."""
+        total = self.embed.nbytes + self.output.nbytes + self.norm.nbytes
         for layer in self.layers:
-            for weight in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-                arrays[id(weight)] = weight
-        return sum(a.nbytes for a in arrays.values())
-
-
-def pack_linear(parts: list[np.ndarray], input_scale: np.ndarray | None = None) -> np.ndarray:
-    """Fuse weights given as `[out_i, in]` into one `[sum(out_i), in]` weight for `linear`.
-
-    `input_scale` `[in]` folds a preceding elementwise scale (an RMSNorm weight) into the
-    columns, saving a pass over the activations at every step.
-    """
-    fused = np.concatenate(parts, axis=0, dtype=np.float32)  # the one copy loading makes
-    if input_scale is not None:
-        fused *= input_scale[None, :]
-    return fused
+            total += sum(w.nbytes for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+        return total

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.gguf_file import GGUFFile
+from runtime.kernels import Backend, TensorPart
 from runtime.models.attention import attend_layout
 from runtime.models.base import (
     BatchLayout,
@@ -20,7 +21,6 @@ from runtime.models.base import (
     gated_mlp,
     gelu_tanh_mul,
     linear,
-    pack_linear,
     rms_norm,
     rms_normalize,
     rope_inv_freq,
@@ -69,7 +69,7 @@ class Gemma3Args:
 
 
 class Gemma3Layer:
-    def __init__(self, f: GGUFFile, i: int, args: Gemma3Args) -> None:
+    def __init__(self, f: GGUFFile, i: int, args: Gemma3Args, backend: Backend) -> None:
         p = f"blk.{i}."
         self.index, self.args = i, args
         self.sliding = args.is_sliding(i)  # picks the local rope base as well as the window
@@ -79,12 +79,12 @@ class Gemma3Layer:
         # the 1/sqrt(Dh) attention scale goes into q's norm, the pre-norms into the matmuls
         self.q_norm = f.tensor(p + "attn_q_norm.weight") / np.sqrt(args.head_dim)
         self.k_norm = f.tensor(p + "attn_k_norm.weight")
-        qkv = [f.tensor(p + f"attn_{n}.weight") for n in "qkv"]
-        self.wqkv = pack_linear(qkv, f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
-        self.wo = f.tensor(p + "attn_output.weight")  # [D, H*Dh]
-        gate_up = [f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")]
-        self.w_gate_up = pack_linear(gate_up, f.tensor(p + "ffn_norm.weight"))  # [2F, D]
-        self.w_down = f.tensor(p + "ffn_down.weight")  # [D, F]
+        qkv = [TensorPart(p + f"attn_{n}.weight") for n in "qkv"]
+        self.wqkv = backend.linear(f, qkv, f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
+        self.wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
+        gate_up = [TensorPart(p + f"ffn_{n}.weight") for n in ("gate", "up")]
+        self.w_gate_up = backend.linear(f, gate_up, f.tensor(p + "ffn_norm.weight"))  # [2F, D]
+        self.w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict[bool, tuple]) -> np.ndarray:
         eps = self.args.norm_eps
@@ -111,17 +111,19 @@ class Gemma3Layer:
 class Gemma3Model(DecoderModel):
     """The whole decoder; `forward` returns final-normed hidden states, `logits` projects."""
 
-    def __init__(self, f: GGUFFile) -> None:
+    def __init__(self, f: GGUFFile, backend: Backend) -> None:
         self.args = a = Gemma3Args.from_gguf(f)
-        self.embed = self.output = f.tensor("token_embd.weight")  # [V, D], tied output head
+        self.backend = backend
+        self.embed = backend.embedding(f, "token_embd.weight")  # [V, D]
+        self.output = backend.head(f, "token_embd.weight", tied=self.embed)  # tied output head
         self.norm = f.tensor("output_norm.weight")
         self.embed_scale = np.float32(np.sqrt(a.dim))
         self.global_inv_freq = rope_inv_freq(a.head_dim, a.rope_base)
         self.local_inv_freq = rope_inv_freq(a.head_dim, a.local_rope_base)
-        self.layers = [Gemma3Layer(f, i, a) for i in range(a.n_layers)]
+        self.layers = [Gemma3Layer(f, i, a, backend) for i in range(a.n_layers)]
 
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray:
-        x = self.embed[tokens] * self.embed_scale  # [T] -> [T, D]
+        x = self.embed(tokens) * self.embed_scale  # [T] -> [T, D]
         positions = layout.positions()
         ropes = {
             False: rope_tables(positions, self.global_inv_freq, self.args.rope_scale),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.gguf_file import GGUFFile
+from runtime.kernels import Backend, TensorPart
 from runtime.models.attention import attend_layout
 from runtime.models.base import (
     BatchLayout,
@@ -18,7 +19,6 @@ from runtime.models.base import (
     apply_rope,
     gated_mlp,
     linear,
-    pack_linear,
     rms_norm,
     rms_normalize,
     rope_inv_freq,
@@ -62,26 +62,37 @@ class LlamaArgs:
         )
 
 
-def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo the GGUF converter's q/k row interleave: rows (2i, 2i+1) -> (i, i + half)."""
-    out_dim, in_dim = w.shape
+def unpermute_order(out_dim: int, n_heads: int) -> np.ndarray:
+    """Row order undoing the GGUF converter's q/k interleave: rows (2i, 2i+1) -> (i, i + half)
+    within each head. A row order applies to float rows and to quantized rows alike."""
     half = out_dim // n_heads // 2
-    return w.reshape(n_heads, half, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+    return np.arange(out_dim).reshape(n_heads, half, 2).swapaxes(1, 2).reshape(out_dim)
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    return w[unpermute_order(w.shape[0], n_heads)]
 
 
 class LlamaLayer:
-    def __init__(self, f: GGUFFile, i: int, args: LlamaArgs) -> None:
+    def __init__(self, f: GGUFFile, i: int, args: LlamaArgs, backend: Backend) -> None:
         p = f"blk.{i}."
         self.index, self.args = i, args
         # the 1/sqrt(Dh) attention scale goes into q's rows, the norm weights into the inputs
-        q = unpermute_rows(f.tensor(p + "attn_q.weight"), args.n_heads) / np.sqrt(args.head_dim)
-        k = unpermute_rows(f.tensor(p + "attn_k.weight"), args.n_kv_heads)
-        v = f.tensor(p + "attn_v.weight")
-        self.wqkv = pack_linear([q, k, v], f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
-        self.wo = f.tensor(p + "attn_output.weight")  # [D, H*Dh]
-        gate_up = [f.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up")]
-        self.w_gate_up = pack_linear(gate_up, f.tensor(p + "ffn_norm.weight"))  # [2F, D]
-        self.w_down = f.tensor(p + "ffn_down.weight")  # [D, F]
+        q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        qkv = [
+            TensorPart(
+                p + "attn_q.weight",
+                unpermute_order(q_rows, args.n_heads),
+                1 / float(np.sqrt(args.head_dim)),
+            ),
+            TensorPart(p + "attn_k.weight", unpermute_order(kv_rows, args.n_kv_heads)),
+            TensorPart(p + "attn_v.weight"),
+        ]
+        self.wqkv = backend.linear(f, qkv, f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
+        self.wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
+        gate_up = [TensorPart(p + f"ffn_{n}.weight") for n in ("gate", "up")]
+        self.w_gate_up = backend.linear(f, gate_up, f.tensor(p + "ffn_norm.weight"))  # [2F, D]
+        self.w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         eps = self.args.norm_eps
@@ -106,17 +117,21 @@ class LlamaLayer:
 class LlamaModel(DecoderModel):
     """The whole decoder; `forward` returns final-normed hidden states, `logits` projects."""
 
-    def __init__(self, f: GGUFFile) -> None:
+    def __init__(self, f: GGUFFile, backend: Backend) -> None:
         self.args = a = LlamaArgs.from_gguf(f)
-        self.embed = f.tensor("token_embd.weight")  # [V, D]
-        self.output = f.tensor("output.weight") if f.has_tensor("output.weight") else self.embed
+        self.backend = backend
+        self.embed = backend.embedding(f, "token_embd.weight")  # [V, D]
+        if f.has_tensor("output.weight"):
+            self.output = backend.head(f, "output.weight")
+        else:
+            self.output = backend.head(f, "token_embd.weight", tied=self.embed)
         self.norm = f.tensor("output_norm.weight")
         factors = f.tensor("rope_freqs.weight") if f.has_tensor("rope_freqs.weight") else None
         self.inv_freq = rope_inv_freq(a.n_rot, a.rope_base, factors)
-        self.layers = [LlamaLayer(f, i, a) for i in range(a.n_layers)]
+        self.layers = [LlamaLayer(f, i, a, backend) for i in range(a.n_layers)]
 
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray:
-        x = self.embed[tokens]  # [T] -> [T, D]
+        x = self.embed(tokens)  # [T] -> [T, D]
         rope = rope_tables(layout.positions(), self.inv_freq, self.args.rope_scale)
         for layer in self.layers:
             x = layer(x, layout, rope)

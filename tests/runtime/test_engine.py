@@ -19,7 +19,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path: Path) -> Engine:
-    return Engine.load(str(tiny_model_path))
+    # the engine's logic on the exact backend: tiny random models have near-ties that bf16
+    # outputs break arbitrarily (tests/runtime/test_kernels.py covers the torch backend)
+    return Engine.load(str(tiny_model_path), EngineConfig(backend="numpy"))
 
 
 def _prompt(engine: Engine, n: int, seed: int) -> list[int]:

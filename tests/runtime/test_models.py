@@ -11,6 +11,7 @@ import pytest
 
 from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
+from runtime.kernels import get_backend
 from runtime.kv_pool import BlockPool, PagedKVCache
 from runtime.models import load_model
 from runtime.models.attention import attend, attend_layout
@@ -22,7 +23,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path: Path):
-    return load_model(GGUFFile(tiny_model_path))
+    return load_model(GGUFFile(tiny_model_path), get_backend("numpy"))
 
 
 def _tokens(model, n: int, seed: int) -> np.ndarray:
@@ -122,7 +123,7 @@ def test_attend_over_several_segments_equals_one(window, start, n):
 
 
 def test_gemma3_sliding_window_changes_only_local_layers(tiny_gemma3_path):
-    model = load_model(GGUFFile(tiny_gemma3_path))
+    model = load_model(GGUFFile(tiny_gemma3_path), get_backend("numpy"))
     windows = [layer.window for layer in model.layers]
     assert windows == [8, 8, 8, 8, 8, None]  # every 6th layer is global
     tokens = np.arange(20) % model.vocab_size
@@ -144,12 +145,12 @@ def test_unpermute_rows_pairs_adjacent_rows_into_halves():
 
 def test_loaded_weights_match_the_file(tiny_llama_path):
     f = GGUFFile(tiny_llama_path)
-    model = load_model(f)
+    model = load_model(f, get_backend("numpy"))
     down = f.tensor("blk.1.ffn_down.weight")  # [out, in]
-    np.testing.assert_array_equal(model.layers[1].w_down, down)
+    np.testing.assert_array_equal(model.layers[1].w_down.array, down)
     gate = f.tensor("blk.1.ffn_gate.weight")  # the norm weight is folded into its columns
     norm = f.tensor("blk.1.ffn_norm.weight")
-    np.testing.assert_allclose(model.layers[1].w_gate_up[:96], gate * norm[None, :])
+    np.testing.assert_allclose(model.layers[1].w_gate_up.array[:96], gate * norm[None, :])
     assert model.embed.shape == (model.vocab_size, 64)
     assert model.nbytes > 0
 

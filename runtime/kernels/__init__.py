@@ -1,0 +1,51 @@
+"""The kernel layer: how a weight is stored and multiplied, chosen per tensor at load.
+
+Model files build their weights through a `Backend` (`backend.linear(file, parts)`) and
+apply them with `linear(x, w)`; they never see the storage. Two backends:
+
+- `numpy`: float32 weights and OpenBLAS, exact; the reference every faster path is tested
+  against, and what runs where torch is not installed.
+- `torch`: weights kept quantized (GGUF's 4-bit types as torch's group-wise int4, the
+  rest as int8 per row or bf16, per CPU) and multiplied by torch's compiled CPU kernels.
+
+`get_backend(None)` picks torch when it is importable, else numpy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from runtime.kernels.base import Backend, Embedding, TensorPart, Weight
+
+BACKENDS = ("numpy", "torch")
+BACKEND_ENV = "LLMQ_BACKEND"
+
+__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "Embedding", "TensorPart", "Weight"]
+
+
+def torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def default_backend_name() -> str:
+    return "torch" if torch_available() else "numpy"
+
+
+def get_backend(name: str | None = None, device: str = "cpu") -> Backend:
+    """The backend called `name` (None: the default); a clear error for an unknown one."""
+    name = name or default_backend_name()
+    if name == "numpy":
+        if device != "cpu":
+            raise ValueError(f"the numpy backend runs on the CPU only, got device {device!r}")
+        from runtime.kernels.numpy_backend import NumpyBackend
+
+        return NumpyBackend()
+    if name == "torch":
+        if not torch_available():
+            raise ValueError(
+                "backend 'torch' needs torch: pip install torch==2.13.0 (make install does this)"
+            )
+        from runtime.kernels.torch_backend import TorchBackend
+
+        return TorchBackend(device)
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")

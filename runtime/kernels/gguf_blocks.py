@@ -1,0 +1,88 @@
+"""GGUF's 4-bit block formats read as group-wise codes, scales and mins, without floats.
+
+Q4_0, Q4_1 and Q4_K all describe each run of 32 weights along a row as `code * scale + min`
+with a 4-bit code: Q4_0 with `min = -8 * scale`, Q4_K with a 6-bit scale and min per
+32-weight sub-block times the super-block's two float16 factors. Reading them as that one
+form lets a backend build its own int4 layout straight from the file's nibbles; gguf's
+`dequantize` (float32 for the whole tensor) stays the reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+GROUP_SIZE = 32  # weights per (scale, min) pair in every 4-bit type below
+Q = gguf.GGMLQuantizationType
+FOUR_BIT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+
+
+@dataclass
+class GroupQuantized:
+    """Rows of `code * scale + min`: codes `[N, K]` uint8 in 0..15, scales/mins `[N, K/32]`."""
+
+    codes: np.ndarray
+    scales: np.ndarray  # float32
+    mins: np.ndarray  # float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def dequantize(self) -> np.ndarray:
+        """float32 `[N, K]` (for tests and for backends that want dense weights)."""
+        n, k = self.codes.shape
+        grouped = self.codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
+        return (grouped * self.scales[..., None] + self.mins[..., None]).reshape(n, k)
+
+    def take_rows(self, order: np.ndarray) -> GroupQuantized:
+        return GroupQuantized(self.codes[order], self.scales[order], self.mins[order])
+
+    def scaled(self, factor: float) -> GroupQuantized:
+        """Every value times `factor` (exact up to float32 rounding of scale and min)."""
+        f = np.float32(factor)
+        return GroupQuantized(self.codes, self.scales * f, self.mins * f)
+
+    @staticmethod
+    def concat(parts: list[GroupQuantized]) -> GroupQuantized:
+        return GroupQuantized(
+            np.concatenate([p.codes for p in parts]),
+            np.concatenate([p.scales for p in parts]),
+            np.concatenate([p.mins for p in parts]),
+        )
+
+
+def read_four_bit(blocks: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupQuantized:
+    """Decode a 4-bit tensor's raw bytes (`[N, bytes per row]` uint8) into `GroupQuantized`."""
+    n, k = shape
+    if qtype == Q.Q4_K:
+        return _read_q4_k(np.asarray(blocks, np.uint8).reshape(n, k // 256, 144), n, k)
+    if qtype in (Q.Q4_0, Q.Q4_1):
+        block_bytes = 18 if qtype == Q.Q4_0 else 20
+        raw = np.asarray(blocks, np.uint8).reshape(n, k // GROUP_SIZE, block_bytes)
+        scales = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, G]
+        if qtype == Q.Q4_0:
+            mins = scales * np.float32(-8)
+        else:
+            mins = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = raw[..., block_bytes - 16 :]  # [N, G, 16]: weight j low, weight j+16 high
+        codes = np.concatenate([packed & 15, packed >> 4], axis=-1)  # [N, G, 32]
+        return GroupQuantized(codes.reshape(n, k), scales, mins)
+    raise ValueError(f"{qtype.name} is not a 4-bit block type")
+
+
+def _read_q4_k(raw: np.ndarray, n: int, k: int) -> GroupQuantized:
+    """Q4_K super-blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) x 8, 128
+    bytes of nibbles where each 32 bytes hold sub-block 2c in low and 2c+1 in high nibbles."""
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, S]
+    dmin = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    a, b, c = raw[..., 4:8], raw[..., 8:12], raw[..., 12:16]  # the 12 scale bytes [N, S, 4] x 3
+    low = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], -1)  # sub-block scales
+    high = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], -1)  # sub-block mins
+    scales = d[..., None] * low.astype(np.float32)  # [N, S, 8]
+    mins = -dmin[..., None] * high.astype(np.float32)
+    qs = raw[..., 16:].reshape(n, -1, 4, 32)  # [N, S, chunk, 32]
+    codes = np.stack([qs & 15, qs >> 4], axis=3)  # [N, S, chunk, 2, 32]: sub-block 2c, 2c+1
+    return GroupQuantized(codes.reshape(n, k), scales.reshape(n, -1), mins.reshape(n, -1))

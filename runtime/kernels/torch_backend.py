@@ -1,0 +1,227 @@
+"""The fast backend: weights kept quantized, multiplied by torch's compiled CPU kernels.
+
+GGUF's 4-bit types become torch's group-wise int4 layout (group 32, one bf16 scale and
+zero per group) built straight from the file's nibbles; other types become int8 per row or
+bf16 (per CPU, see cpu.py). Activations enter the kernels as bf16: torch's int4 kernel with
+float32 activations takes a path ~20x slower. Inputs and outputs stay float32 numpy arrays,
+so the model files and attention are shared with the numpy backend; a CUDA device would keep
+the whole forward pass in torch tensors instead, which this module leaves to the GPU worker
+work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.gguf_file import GGUFFile
+from runtime.kernels.base import TensorPart
+from runtime.kernels.cpu import KernelPlan, cpu_features, plan_for
+from runtime.kernels.gguf_blocks import FOUR_BIT_TYPES, GROUP_SIZE, GroupQuantized, read_four_bit
+
+INNER_K_TILES = 2  # what the CPU int4 packing accepts (2, 4 or 8); the CPU kernel ignores it
+HEAD_CHUNK_ROWS = 8192  # rows dequantized at a time while building a head
+# int8 per row is used only where it is accurate enough: the 99th percentile over rows of
+# the relative RMS error of the requantized row. Measured: SmolLM2's Q8_0 embedding 1.4%
+# (teacher-forced top-1 vs llama.cpp 96.5% with an int8 head), Gemma 3's 4.2% (94.9% with
+# int8, 96.0% with bf16): its rows have outliers that one scale per row cannot hold.
+MAX_INT8_ROW_ERROR = 0.02
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor over `a`, copied when `a` is a read-only view (of the mapped file)."""
+    return torch.from_numpy(a if a.flags.writeable else np.array(a))
+
+
+def _scale(input_scale: np.ndarray | None) -> torch.Tensor | None:
+    return None if input_scale is None else _tensor(input_scale.astype(np.float32))
+
+
+def _to_torch(x: np.ndarray, input_scale: torch.Tensor | None) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    if input_scale is not None:
+        t = t * input_scale
+    return t.to(torch.bfloat16)
+
+
+class Int4Weight:
+    """torch's int4 layout: value = (code - 8) * scale + zero, per 32 weights of a row."""
+
+    kind = "int4"
+
+    def __init__(self, q: GroupQuantized, input_scale: np.ndarray | None) -> None:
+        self.shape: tuple[int, int] = q.shape
+        codes = torch.from_numpy(q.codes).to(torch.int32)  # [N, K], one tensor at a time
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
+        zeros = q.mins + np.float32(8) * q.scales
+        pairs = np.stack([q.scales, zeros], axis=-1).transpose(1, 0, 2)  # [K/32, N, 2]
+        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(pairs)).to(torch.bfloat16)
+        self.input_scale = _scale(input_scale)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            _to_torch(x, self.input_scale), self.packed, GROUP_SIZE, self.scales_zeros
+        )  # [T, K] -> [T, N] bf16
+        return out.float().numpy()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+class Int8Weight:
+    """int8 per row, symmetric: value = code * scale[row], the scale rounded to bf16 first
+    so that the codes are chosen for the scale the kernel will use."""
+
+    kind = "int8"
+
+    def __init__(self, dense: np.ndarray, input_scale: np.ndarray | None = None) -> None:
+        self.shape: tuple[int, int] = dense.shape
+        self.codes = torch.empty(dense.shape, dtype=torch.int8)
+        self.scales = torch.empty(dense.shape[0], dtype=torch.bfloat16)
+        self.fill(0, dense)
+        self.input_scale = _scale(input_scale)
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int]) -> Int8Weight:
+        weight = cls(np.zeros((0, shape[1]), np.float32))
+        weight.shape = shape
+        weight.codes = torch.empty(shape, dtype=torch.int8)
+        weight.scales = torch.empty(shape[0], dtype=torch.bfloat16)
+        return weight
+
+    def fill(self, start: int, rows: np.ndarray) -> None:
+        """Quantize float32 `rows` into rows `start ..` (a head is built in chunks)."""
+        t = _tensor(rows)
+        peak = t.abs().amax(dim=1).clamp_min(1e-30)
+        scales = (peak / 127).to(torch.bfloat16)
+        codes = torch.round(t / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.codes[start : start + len(rows)] = codes
+        self.scales[start : start + len(rows)] = scales
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = torch.ops.aten._weight_int8pack_mm(
+            _to_torch(x, self.input_scale), self.codes, self.scales
+        )
+        return out.float().numpy()
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+def int8_row_error(dense: np.ndarray) -> float:
+    """99th percentile over rows of |requantized - dense| / |dense| (RMS) for int8 per row."""
+    t = torch.from_numpy(np.ascontiguousarray(dense, np.float32))
+    scales = (t.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127).to(torch.bfloat16).float()
+    error = torch.linalg.vector_norm(torch.round(t / scales).clamp(-127, 127) * scales - t, dim=1)
+    relative = error / torch.linalg.vector_norm(t, dim=1).clamp_min(1e-30)
+    return float(torch.quantile(relative, 0.99))
+
+
+class Bf16Weight:
+    kind = "bf16"
+
+    def __init__(self, dense: np.ndarray, input_scale: np.ndarray | None = None) -> None:
+        self.shape: tuple[int, int] = dense.shape
+        self.weight = _tensor(dense).to(torch.bfloat16)
+        self.input_scale = _scale(input_scale)
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int]) -> Bf16Weight:
+        weight = cls(np.zeros((0, shape[1]), np.float32))
+        weight.shape = shape
+        weight.weight = torch.empty(shape, dtype=torch.bfloat16)
+        return weight
+
+    def fill(self, start: int, rows: np.ndarray) -> None:
+        self.weight[start : start + len(rows)] = _tensor(rows).to(torch.bfloat16)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = torch.nn.functional.linear(_to_torch(x, self.input_scale), self.weight)
+        return out.float().numpy()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+class BlockEmbedding:
+    """Embedding rows dequantized from the file's own blocks on lookup: the table stays in
+    the mapped file, and only the rows a step uses are ever turned into floats."""
+
+    def __init__(self, f: GGUFFile, name: str) -> None:
+        self.file, self.name = f, name
+        blocks, _, shape = f.blocks(name)
+        self.shape: tuple[int, int] = (shape[0], shape[1])
+        self._nbytes = int(blocks.nbytes)
+        f.rows(name, slice(0, 1))  # a type gguf cannot dequantize fails at load, not later
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        return self.file.rows(self.name, np.asarray(tokens))
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, device: str = "cpu", plan: KernelPlan | None = None) -> None:
+        if device != "cpu":
+            raise ValueError(f"the torch backend runs on the CPU here; device {device!r} is not")
+        self.device = device
+        self.plan = plan or plan_for(cpu_features())
+        torch.set_num_threads(self.plan.threads)
+
+    def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
+        if self.plan.four_bit == "int4" and all(
+            f.blocks(p.name)[1] in FOUR_BIT_TYPES for p in parts
+        ):
+            fused = GroupQuantized.concat([_group_part(f, p) for p in parts])
+            return Int4Weight(fused, input_scale)
+        dense = np.concatenate([p.dense(f) for p in parts], axis=0, dtype=np.float32)
+        return self._dense(self.plan.other, dense, input_scale)
+
+    def embedding(self, f: GGUFFile, name: str) -> BlockEmbedding:
+        return BlockEmbedding(f, name)
+
+    def head(self, f: GGUFFile, name: str, tied: object | None = None):
+        """Built a chunk of rows at a time, so no float32 copy of the whole head exists; the
+        first chunk decides whether int8 per row is accurate enough for this head."""
+        shape = f.blocks(name)[2]
+        chunks = (
+            f.rows(name, slice(start, start + HEAD_CHUNK_ROWS))
+            for start in range(0, shape[0], HEAD_CHUNK_ROWS)
+        )
+        first = next(chunks)
+        kind = self.plan.head
+        if kind == "int8" and int8_row_error(first) > MAX_INT8_ROW_ERROR:
+            kind = "bf16"
+        head = Int8Weight.empty(shape) if kind == "int8" else Bf16Weight.empty(shape)
+        head.fill(0, first)
+        start = len(first)
+        for rows in chunks:
+            head.fill(start, rows)
+            start += len(rows)
+        return head
+
+    def describe(self) -> dict[str, str]:
+        return {"cpu": cpu_features().level, **self.plan.describe()}
+
+    @staticmethod
+    def _dense(kind: str, dense: np.ndarray, input_scale: np.ndarray | None):
+        if kind == "int8" and int8_row_error(dense) <= MAX_INT8_ROW_ERROR:
+            return Int8Weight(dense, input_scale)
+        if kind in ("int8", "bf16"):
+            return Bf16Weight(dense, input_scale)
+        raise ValueError(f"unknown dense kernel {kind!r}")
+
+
+def _group_part(f: GGUFFile, part: TensorPart) -> GroupQuantized:
+    blocks, qtype, shape = f.blocks(part.name)
+    q = read_four_bit(blocks, qtype, (shape[0], shape[1]))
+    if part.row_order is not None:
+        q = q.take_rows(part.row_order)
+    return q.scaled(part.scale) if part.scale != 1.0 else q
