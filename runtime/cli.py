@@ -14,6 +14,7 @@ import sys
 import time
 
 from runtime.errors import LLMQRuntimeError
+from runtime.kernels import BACKENDS
 from runtime.registry import DEFAULT_MODEL, load_registry
 
 
@@ -37,10 +38,16 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, help="makes sampling reproducible")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="kernel backend: numpy (exact float32) or torch (quantized weights, compiled "
+        "kernels); default: the registry entry's, else torch where installed",
+    )
+    gen.add_argument(
         "--stats",
         action="store_true",
         help="print one JSON line on stderr at the end: prompt_tokens, completion_tokens, "
-        "prefill_tok_s, decode_tok_s, ttft_ms, load_s",
+        "prefill_tok_s, decode_tok_s, ttft_ms, load_s, backend",
     )
     gen.set_defaults(handler=run_generate)
 
@@ -49,7 +56,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from runtime.engine import Engine
+    from runtime.engine import Engine, EngineConfig
     from runtime.sampling import SamplingParams
 
     prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
@@ -63,7 +70,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
     )
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, EngineConfig(backend=args.backend))
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": prompt}])
@@ -91,6 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
             else None,
             "ttft_ms": round(ttft * 1000, 2),
             "load_s": round(engine.load_seconds, 3),
+            "backend": engine.backend.name,
         }
         print(json.dumps(stats), file=sys.stderr)
     return 0
@@ -98,16 +106,30 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_models(args: argparse.Namespace) -> int:
     from runtime.gguf_file import GGUFFile
+    from runtime.kernels import get_backend
+    from runtime.models import estimate_weight_bytes
 
-    rows = [("ID", "ARCH", "SIZE", "PATH")]
+    rows = [("ID", "ARCH", "FILE", "BACKEND", "RESIDENT", "PATH")]
     for spec in load_registry().values():
         try:
             path = spec.path()
-            arch = GGUFFile(path).architecture
-            rows.append((spec.id, arch, f"{path.stat().st_size / 2**20:.0f} MiB", str(path)))
+            f = GGUFFile(path)
+            backend = get_backend(spec.backend)
+            resident = estimate_weight_bytes(f, backend)
+            size = f"{path.stat().st_size / 2**20:.0f} MiB"
+            rows.append(
+                (
+                    spec.id,
+                    f.architecture,
+                    size,
+                    backend.name,
+                    f"{resident / 2**20:.0f} MiB",
+                    str(path),
+                )
+            )
         except LLMQRuntimeError as exc:
-            rows.append((spec.id, "-", "-", f"unavailable: {exc}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+            rows.append((spec.id, "-", "-", "-", "-", f"unavailable: {exc}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3])
+        print("  ".join(c.ljust(w) for c, w in zip(row[:5], widths, strict=True)), row[5])
     return 0

@@ -39,7 +39,8 @@ class EngineConfig:
     max_batch: int = 64  # sequences decoding together
     max_batch_tokens: int = 2048  # tokens in one forward pass
     prefix_cache: bool = True
-    backend: str | None = None  # "numpy" | "torch"; None: torch where installed, else numpy
+    # "numpy" | "torch"; None: the registry entry's, else torch where installed, else numpy
+    backend: str | None = None
 
 
 class Engine:
@@ -54,7 +55,7 @@ class Engine:
         self.metadata = gguf_file.metadata
         self.architecture = gguf_file.architecture
         self.tokenizer = Tokenizer.from_metadata(gguf_file.metadata)
-        self.backend = get_backend(self.config.backend)
+        self.backend = get_backend(self.config.backend or spec.backend)
         self.model = load_model(gguf_file, self.backend)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
         self.kv_pool = BlockPool.for_budget(

@@ -58,6 +58,9 @@ class GGUFFile:
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
     def tensor(self, name: str) -> np.ndarray:
         """The tensor as float32, shape `ne` reversed (for a weight: `[out, in]`)."""
         info = self._info(name)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import ModelNotFoundError
+from runtime.kernels import BACKENDS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MODELS_ENV = "LLMQ_MODELS"
@@ -33,6 +34,7 @@ class ModelSpec:
     source: str  # human-readable: package name or file path
     locate: Callable[[], Path] = field(repr=False, compare=False)
     chat_template: str | None = None  # overrides the GGUF's own template when set
+    backend: str | None = None  # the kernel backend this model runs on unless told otherwise
 
     def path(self) -> Path:
         return self.locate()
@@ -106,8 +108,14 @@ def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]
         path = Path(entry["path"]).expanduser()
         if not path.is_absolute():
             path = toml_path.parent / path
+        backend = entry.get("backend")
+        if backend is not None and backend not in BACKENDS:
+            raise ModelNotFoundError(
+                f"{toml_path}: [models.{model_id}] backend must be one of "
+                f"{', '.join(BACKENDS)}, got {backend!r}"
+            )
         registry[model_id] = ModelSpec(
-            model_id, str(path), _file_locator(path), entry.get("chat_template")
+            model_id, str(path), _file_locator(path), entry.get("chat_template"), backend
         )
     return registry
 

@@ -76,3 +76,8 @@ class Backend(Protocol):
     def describe(self) -> dict[str, str]:
         """Which kernel each kind of tensor gets on this machine, for logs and benches."""
         ...
+
+    def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
+        """Bytes tensor `name` takes once loaded as `role` ("linear", "embedding", "head",
+        "tied head" or "vector"), without loading it: what `llmq models` shows."""
+        ...

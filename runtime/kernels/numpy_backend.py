@@ -82,3 +82,6 @@ class NumpyBackend:
 
     def describe(self) -> dict[str, str]:
         return {"all weights": "float32 (numpy, OpenBLAS)"}
+
+    def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
+        return 0 if role == "tied head" else 4 * int(np.prod(f.blocks(name)[2]))

@@ -196,9 +196,7 @@ class TorchBackend:
             for start in range(0, shape[0], HEAD_CHUNK_ROWS)
         )
         first = next(chunks)
-        kind = self.plan.head
-        if kind == "int8" and int8_row_error(first) > MAX_INT8_ROW_ERROR:
-            kind = "bf16"
+        kind = self._head_kind(first)
         head = Int8Weight.empty(shape) if kind == "int8" else Bf16Weight.empty(shape)
         head.fill(0, first)
         start = len(first)
@@ -209,6 +207,24 @@ class TorchBackend:
 
     def describe(self) -> dict[str, str]:
         return {"cpu": cpu_features().level, **self.plan.describe()}
+
+    def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
+        blocks, qtype, shape = f.blocks(name)
+        n = int(np.prod(shape))
+        if role == "embedding":
+            return int(blocks.nbytes)
+        if role in ("head", "tied head"):
+            if self._head_kind(f.rows(name, slice(0, HEAD_CHUNK_ROWS))) == "int8":
+                return n + 2 * shape[0]
+            return 2 * n
+        if role == "linear" and self.plan.four_bit == "int4" and qtype in FOUR_BIT_TYPES:
+            return n // 2 + 4 * (n // GROUP_SIZE)  # nibbles, then a bf16 scale and zero a group
+        return 2 * n if role == "linear" else 4 * n
+
+    def _head_kind(self, first_rows: np.ndarray) -> str:
+        if self.plan.head == "int8" and int8_row_error(first_rows) > MAX_INT8_ROW_ERROR:
+            return "bf16"
+        return self.plan.head
 
     @staticmethod
     def _dense(kind: str, dense: np.ndarray, input_scale: np.ndarray | None):

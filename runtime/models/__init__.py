@@ -23,3 +23,26 @@ def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> LlamaMode
             f"(supported: {supported})"
         )
     return model_class(gguf_file, backend or get_backend())
+
+
+LINEAR_SUFFIXES = ("_q.weight", "_k.weight", "_v.weight", "_output.weight", "_gate.weight")
+LINEAR_SUFFIXES += ("_up.weight", "_down.weight")
+
+
+def estimate_weight_bytes(gguf_file: GGUFFile, backend: Backend) -> int:
+    """Bytes the model's weights would take on `backend`, from the tensor table (and the
+    head's first rows), without loading: what `llmq models` shows."""
+    total = 0
+    tied = not gguf_file.has_tensor("output.weight")
+    for name in gguf_file.tensor_names():
+        if name == "token_embd.weight":
+            total += backend.stored_bytes(gguf_file, name, "embedding")
+            if tied:
+                total += backend.stored_bytes(gguf_file, name, "tied head")
+        elif name == "output.weight":
+            total += backend.stored_bytes(gguf_file, name, "head")
+        elif name.startswith("blk.") and name.endswith(LINEAR_SUFFIXES):
+            total += backend.stored_bytes(gguf_file, name, "linear")
+        else:
+            total += backend.stored_bytes(gguf_file, name, "vector")
+    return total

@@ -164,6 +164,18 @@ class DecoderModel:
         """`[N, D]` -> row-major `[N, V]`, as the sampler's per-row reductions want it."""
         return self.output(hidden)
 
+    def weight_kinds(self) -> dict[str, int]:
+        """How many weights each kernel got, e.g. {"int4": 120, "int8": 1}."""
+        kinds: dict[str, int] = {}
+        weights = [self.output] + [
+            w
+            for layer in self.layers
+            for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+        ]
+        for weight in weights:
+            kinds[weight.kind] = kinds.get(weight.kind, 0) + 1
+        return kinds
+
     @property
     def nbytes(self) -> int:
         """Bytes of the weights as the backend keeps them (a head sharing the embedding's
