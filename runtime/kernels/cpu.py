@@ -43,16 +43,18 @@ class KernelPlan:
     """The storage and product of each kind of weight, and up to how many rows a step uses
     the quantized product before taking the dense path (where a dense copy exists)."""
 
-    four_bit: str  # GGUF Q4_0 / Q4_1 / Q4_K
+    four_bit: str  # GGUF Q4_0 / Q4_1 / Q4_K; "a|b": a up to max_small_rows rows, b above
     other: str  # Q5_*, Q6_K, Q8_0, F16, BF16, F32 weights
     head: str  # the LM head (and Gemma's tied 262k-row embedding)
     threads: int
+    head_fallback: str = "bf16"  # the head's kind where int8 per row is not accurate enough
+    max_small_rows: int = 1
 
     def describe(self) -> dict[str, str]:
         return {
             "4-bit weights": self.four_bit,
             "other weights": self.other,
-            "lm head": self.head,
+            "lm head": f"{self.head} (else {self.head_fallback})",
             "threads": str(self.threads),
         }
 
@@ -71,9 +73,20 @@ def cpu_features() -> CpuFeatures:
 
 
 def plan_for(features: CpuFeatures) -> KernelPlan:
-    """int4 for the 4-bit types (an eighth of float32's bytes per step); bf16 for the other
-    types: int8 per row there cost Gemma 3 (Q5_0/Q6_K/Q8_0 layers) teacher-forced top-1
-    against the float32 reference, 96.6% vs 97.7% with bf16; int8 for the LM head where its
-    rows allow it (torch_backend.MAX_INT8_ROW_ERROR), which is 2-4x faster than bf16 for one
-    row on AVX2. The same on every CPU level today: measured only on AVX2 and AVX-512."""
-    return KernelPlan(four_bit="int4", other="bf16", head="int8", threads=features.cores)
+    """The kernels for this CPU (bench/RESULTS.md has the measurements behind them).
+
+    - AVX-512: GGUF's 4-bit types as torch's int4 (an eighth of float32's bytes; all 210
+      SmolLM2 layer products took 4.5 ms at 1 row and 42.6 ms at 32, against float32
+      BLAS's 21.7 / 58.9); the other types bf16 where the CPU multiplies it natively, else
+      fp16.
+    - AVX2 only: torch's int4 and int8 kernels convert every weight for every row, so at 32
+      rows they took 144 ms where float32 BLAS took 78; fbgemm's fp16 gemm (weights
+      converted in registers) took 55 ms and 17.9 ms at 1 row (int4: 14.1). So fp16.
+    - The LM head int8 per row wherever its rows allow it (torch_backend.MAX_INT8_ROW_ERROR),
+      else the plan's dense kind: int8 per row cost Gemma 3 (rows with outliers) 1-2 points
+      of teacher-forced top-1.
+    """
+    if features.level in ("amx", "avx512_bf16", "avx512"):
+        dense = "bf16" if features.native_bf16 else "fp16"
+        return KernelPlan("int4", dense, "int8", features.cores, head_fallback=dense)
+    return KernelPlan("fp16", "fp16", "int8", features.cores, head_fallback="fp16")

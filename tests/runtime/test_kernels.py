@@ -10,11 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.engine import Engine, EngineConfig
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import TensorPart, get_backend
+from runtime.kernels.cpu import KernelPlan
 from runtime.kernels.gguf_blocks import GroupQuantized, read_four_bit
-from runtime.kernels.torch_backend import MAX_INT8_ROW_ERROR, Int4Weight, int8_row_error
+from runtime.kernels.torch_backend import (
+    MAX_INT8_ROW_ERROR,
+    Int4Weight,
+    TorchBackend,
+    int8_row_error,
+)
+from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.sampling import SamplingParams
 from tests.tiny_models import write_tiny_llama
@@ -99,31 +105,69 @@ def test_four_bit_row_operations_commute_with_dequantization():
 
 
 ALL_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FOUR_BIT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+# every kernel, whatever this CPU's own plan is: AVX-512's, AVX2's, and a row split
+PLANS = {
+    "int4-bf16": KernelPlan("int4", "bf16", "int8", 2, head_fallback="bf16"),
+    "fp16": KernelPlan("fp16", "fp16", "int8", 2, head_fallback="fp16"),
+    "split": KernelPlan("int4|fp16", "int8", "int8", 2, head_fallback="fp16", max_small_rows=2),
+}
+KIND_OF_FOUR_BIT = {"int4-bf16": "int4", "fp16": "fp16", "split": "int4|fp16"}
 
 
+@pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-def test_every_type_through_the_torch_backend_matches_the_numpy_backend(tmp_path, qtype):
+def test_every_type_on_every_plan_matches_the_numpy_backend(tmp_path, qtype, plan):
     f = GGUFFile(write_types(tmp_path / "types.gguf", [qtype]))
     numpy_w = get_backend("numpy").linear(f, [TensorPart("w0")])
-    torch_w = get_backend("torch").linear(f, [TensorPart("w0")])
-    assert torch_w.kind == ("int4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else torch_w.kind)
-    assert torch_w.nbytes < numpy_w.nbytes
-    x = np.random.default_rng(3).standard_normal((3, COLS)).astype(np.float32)
-    exact, fast = numpy_w(x), torch_w(x)
+    torch_w = TorchBackend(plan=PLANS[plan]).linear(f, [TensorPart("w0")])
+    if qtype in FOUR_BIT:
+        assert torch_w.kind == KIND_OF_FOUR_BIT[plan]
+    if plan != "split":
+        assert torch_w.nbytes < numpy_w.nbytes
     rms = lambda a: float(np.sqrt(np.mean(a**2)))  # noqa: E731
-    assert rms(fast - exact) < 0.02 * rms(exact)
+    for rows in (1, 3):  # a split plan takes each store once
+        x = np.random.default_rng(rows).standard_normal((rows, COLS)).astype(np.float32)
+        exact, fast = numpy_w(x), torch_w(x)
+        assert rms(fast - exact) < 0.02 * rms(exact)
 
 
-def test_fused_parts_with_row_operations_match_the_numpy_backend(tmp_path):
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_fused_parts_with_row_operations_match_the_numpy_backend(tmp_path, plan):
     f = GGUFFile(write_types(tmp_path / "fused.gguf", [Q.Q4_1, Q.Q4_0]))
     order = np.random.default_rng(4).permutation(ROWS)
     parts = [TensorPart("w0", order, 0.5), TensorPart("w1")]
     scale = np.random.default_rng(5).uniform(0.5, 1.5, COLS).astype(np.float32)
     exact = get_backend("numpy").linear(f, parts, scale)
-    fast = get_backend("torch").linear(f, parts, scale)
-    assert fast.kind == "int4" and fast.shape == exact.shape == (2 * ROWS, COLS)
-    x = np.random.default_rng(6).standard_normal((4, COLS)).astype(np.float32)
-    assert np.abs(fast(x) - exact(x)).max() < 0.02 * np.abs(exact(x)).max()
+    fast = TorchBackend(plan=PLANS[plan]).linear(f, parts, scale)
+    assert fast.kind == KIND_OF_FOUR_BIT[plan] and fast.shape == exact.shape == (2 * ROWS, COLS)
+    for rows in (1, 4):
+        x = np.random.default_rng(6).standard_normal((rows, COLS)).astype(np.float32)
+        assert np.abs(fast(x) - exact(x)).max() < 0.02 * np.abs(exact(x)).max()
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_head_is_int8_only_where_accurate_enough(tmp_path, plan):
+    smooth = np.random.default_rng(8).standard_normal((ROWS, COLS)).astype(np.float32)
+    spiky = smooth.copy()
+    spiky[:, 0] = 200.0
+    path = tmp_path / "heads.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("smooth", smooth)
+    writer.add_tensor("spiky", spiky)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f, backend = GGUFFile(path), TorchBackend(plan=PLANS[plan])
+    assert backend.head(f, "smooth").kind == "int8"
+    fallback = backend.head(f, "spiky")
+    assert fallback.kind == PLANS[plan].head_fallback
+    for name, head in (("smooth", backend.head(f, "smooth")), ("spiky", fallback)):
+        assert backend.stored_bytes(f, name, "head") == head.nbytes
+        x = np.random.default_rng(9).standard_normal((2, COLS)).astype(np.float32)
+        exact = x @ f.tensor(name).T
+        assert np.abs(head(x) - exact).max() < 0.02 * np.abs(exact).max()
 
 
 def test_int8_is_taken_only_where_its_row_error_is_small():
@@ -135,44 +179,51 @@ def test_int8_is_taken_only_where_its_row_error_is_small():
     assert int8_row_error(spiky) > MAX_INT8_ROW_ERROR
 
 
-@pytest.fixture(scope="module")
-def tiny_int4_engine(tmp_path_factory) -> Engine:
+@pytest.fixture(scope="module", params=sorted(PLANS))
+def tiny_q4_model(request, tmp_path_factory):
+    """A tiny llama whose layers are all Q4_1, on each plan's kernels."""
     path = write_tiny_llama(tmp_path_factory.mktemp("int4") / "q4.gguf", layer_type=Q.Q4_1)
-    return Engine.load(str(path), EngineConfig(backend="torch"))
+    model = load_model(GGUFFile(path), TorchBackend(plan=PLANS[request.param]))
+    return request.param, model
 
 
-def _logits(engine: Engine, tokens: list[int]) -> np.ndarray:
-    layout = BatchLayout([SequenceChunk(engine.model.new_cache(len(tokens)), 0, len(tokens))])
-    return engine.model.logits(engine.model.forward(np.asarray(tokens), layout))
+def _logits(model, tokens: list[int]) -> np.ndarray:
+    layout = BatchLayout([SequenceChunk(model.new_cache(len(tokens)), 0, len(tokens))])
+    return model.logits(model.forward(np.asarray(tokens), layout))
 
 
-def test_tiny_int4_model_runs_on_int4_kernels(tiny_int4_engine):
-    kinds = {layer.wqkv.kind for layer in tiny_int4_engine.model.layers}
-    assert kinds == {"int4"}
+def test_tiny_q4_model_runs_on_the_plans_kernels(tiny_q4_model):
+    plan, model = tiny_q4_model
+    assert {layer.wqkv.kind for layer in model.layers} == {KIND_OF_FOUR_BIT[plan]}
 
 
-def test_torch_batched_rows_equal_one_by_one(tiny_int4_engine):
-    """Every product is row-independent, so a row's logits do not depend on its batch."""
-    engine = tiny_int4_engine
-    prompts = [[5, 9, 30, 41], [7, 8], [100, 3, 4, 5, 6, 7]]
-    caches = [engine.model.new_cache(len(p)) for p in prompts]
+def test_torch_batched_rows_equal_one_by_one(tiny_q4_model):
+    """A row's logits do not depend on the other rows of its batch: exactly for int4, to
+    float32 rounding for fp16 (fbgemm blocks rows); a split plan is checked on one store."""
+    plan, model = tiny_q4_model
+    prompts = [[5, 9, 30, 41], [7, 8, 9], [100, 3, 4, 5, 6, 7]]
+    caches = [model.new_cache(len(p)) for p in prompts]
     chunks = [SequenceChunk(c, 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
-    layout = BatchLayout(chunks)
-    together = engine.model.logits(engine.model.forward(np.concatenate(prompts), layout))
+    together = model.logits(model.forward(np.concatenate(prompts), BatchLayout(chunks)))
     rows = np.cumsum([0] + [len(p) for p in prompts])
     for i, prompt in enumerate(prompts):
-        np.testing.assert_array_equal(together[rows[i] : rows[i + 1]], _logits(engine, prompt))
+        alone = _logits(model, prompt)
+        if plan == "int4-bf16":
+            np.testing.assert_array_equal(together[rows[i] : rows[i + 1]], alone)
+        else:
+            np.testing.assert_allclose(together[rows[i] : rows[i + 1]], alone, atol=1e-4)
 
 
-def test_torch_cached_decode_equals_recompute(tiny_int4_engine):
-    engine, tokens = tiny_int4_engine, [11, 12, 13, 14, 15, 16, 17]
-    cache = engine.model.new_cache(len(tokens))
-    model = engine.model
+def test_torch_cached_decode_equals_recompute(tiny_q4_model):
+    _, model = tiny_q4_model
+    tokens = [11, 12, 13, 14, 15, 16, 17]
+    cache = model.new_cache(len(tokens))
     model.forward(np.asarray(tokens[:-1]), BatchLayout([SequenceChunk(cache, 0, 6)]))
     hidden = model.forward(np.asarray(tokens[-1:]), BatchLayout([SequenceChunk(cache, 6, 1)]))
-    stepped = engine.model.logits(hidden)[0]
-    recomputed = _logits(engine, tokens)[-1]
-    # prefill and decode attention sum in different orders before the bf16 products
+    stepped = model.logits(hidden)[0]
+    recomputed = _logits(model, tokens)[-1]
+    # prefill and decode attention sum in different orders, and a split plan takes its
+    # int4 store for the one decode row: both within the kernels' bf16 rounding
     assert np.abs(stepped - recomputed).max() < 0.05 * np.abs(recomputed).max()
 
 
