@@ -1,16 +1,29 @@
-"""Benchmark llmq's numpy engine against llama.cpp (llama-cpp-python) on the same GGUF file.
+"""Benchmark llmq's engine, on each kernel backend, against llama.cpp (llama-cpp-python) on
+the same GGUF file.
 
-    python bench/engine.py [--models smollm2-135m-instruct,gemma-3-270m] [--repeat 3]
-                           [--quick] [--json FILE]
+    python bench/engine.py [--models smollm2-135m-instruct,gemma-3-270m]
+                           [--backends numpy,torch] [--repeat 3] [--quick] [--json FILE]
 
 Per model it prints prefill speed (512-token prompt), single-stream decode speed at ~600
-tokens of context, load time and peak RSS for both engines, and for ours the memory
-bandwidth numpy reaches on this machine and the float32 decode limit that implies.
+tokens of context, load time and peak RSS for each of our backends (`numpy`: float32 and
+OpenBLAS, the reference; `torch`: weights kept quantized, torch's CPU kernels) and for
+llama.cpp, with each backend's ratio to llama.cpp; above the tables, each backend's kernel
+plan (`engine.backend.describe()`) and, per model, how many weights each kernel got and the
+bytes they take. The memory bandwidth numpy reaches on this machine, and the float32 decode
+limit it implies for the numpy backend, are printed for reference.
+
+Targets (issue 9), judged on the torch backend's best figures:
+- SmolLM2-135M: decode >= 1.0x llama.cpp (moonshot 1.5x), prefill >= 3x llama.cpp,
+  load <= 0.5 s, peak RSS <= 2x llama.cpp's;
+- Gemma 3 270M: decode >= 0.8x llama.cpp, prefill >= 1.5x llama.cpp.
 
 How it measures, and why:
 - Every measurement runs in a fresh child process, so peak RSS is that of a process that
   only loads one model and runs the measurements (the child reads its own `VmHWM`),
   and so the OpenBLAS environment can be changed for that child alone.
+- Load time is the model's load alone: our child imports its backend's libraries first
+  (`runtime.kernels.get_backend`, which imports torch for the torch backend), as llama.cpp's
+  child imports `llama_cpp` before its timer starts. Peak RSS counts those libraries.
 - Both engines get the same token ids (our tokenizer's) and a short warm-up on other tokens
   (a server answers warm). The warm-up shares no prefix with the measured prompts, and the
   512-token prompt is the first to be prefilled with those tokens, so no prefix cache can
@@ -22,11 +35,12 @@ How it measures, and why:
   one forward pass over one token plus an argmax; EOS is ignored.
 - Other processes share this machine and only ever slow a run down, so the best of the
   repetitions is the headline figure and targets are judged on it; the median is printed
-  beside it to show the spread. Our runs and llama.cpp's alternate, so a noisy spell hits
-  both.
+  beside it to show the spread. Our backends' runs and llama.cpp's take turns (the order
+  rotates per repetition), so a noisy spell hits all of them.
 - `OPENBLAS_CORETYPE` / `OPENBLAS_L2_SIZE` can make OpenBLAS pick a slower sgemm kernel.
-  When either is set, our engine and the bandwidth probe also run in children with both
-  removed, and the table shows both. llama.cpp does not use OpenBLAS: it runs as-is only.
+  When either is set, our engine (every backend: attention runs in numpy on both) and the
+  bandwidth probe also run in children with both removed, and the table shows both.
+  llama.cpp does not use OpenBLAS: it runs as-is only.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +84,41 @@ WARMUP_TOKENS, WARMUP_GENERATED = 16, 4
 BANDWIDTH_MIB = 512
 BANDWIDTH_REPS = 10
 MIB = 2**20
-TARGET_DECODE_OF_LIMIT = 0.9
-TARGET_PREFILL_VS_LLAMA = 1.5
-TARGET_RSS_MIB = {"smollm2-135m-instruct": 1024.0}
+BACKENDS = ("numpy", "torch")
+TARGET_BACKEND = "torch"  # the backend issue 9's targets are judged on
+
+
+@dataclass(frozen=True)
+class Target:
+    """A bound on one figure of `TARGET_BACKEND`: its ratio to llama.cpp's (`vs_llama`), or
+    the figure itself; `at_least` for speeds, else at most. `moonshot` is printed, not
+    judged."""
+
+    bound: float
+    at_least: bool = True
+    vs_llama: bool = True
+    moonshot: float | None = None
+
+    def met(self, value: float) -> bool:
+        return value >= self.bound if self.at_least else value <= self.bound
+
+    def text(self) -> str:
+        op = ">=" if self.at_least else "<="
+        return f"{op} {self.bound:g}x llama.cpp" if self.vs_llama else f"{op} {self.bound:g}"
+
+
+TARGETS: dict[str, dict[str, Target]] = {
+    "smollm2-135m-instruct": {
+        "prefill_tps": Target(3.0),
+        "decode_tps": Target(1.0, moonshot=1.5),
+        "load_s": Target(0.5, at_least=False, vs_llama=False),
+        "peak_rss_mib": Target(2.0, at_least=False),
+    },
+    "gemma-3-270m": {
+        "prefill_tps": Target(1.5),
+        "decode_tps": Target(0.8),
+    },
+}
 
 # Prose written for this bench; repeated in numbered sections until long enough.
 _TEXT = (
@@ -87,8 +134,10 @@ _WARMUP_TEXT = "Warm-up: seven quick questions about lighthouses, tides and maps
 
 
 def child_ours(job: dict[str, Any]) -> dict[str, Any]:
-    """Load our engine, warm up, time prefill and decode; one process, one model."""
-    from runtime.engine import Engine
+    """Load our engine on one backend, warm up, time prefill and decode; one process, one
+    model."""
+    from runtime.engine import Engine, EngineConfig
+    from runtime.kernels import get_backend
     from runtime.sampling import SamplingParams
 
     def greedy(n: int) -> SamplingParams:
@@ -96,7 +145,12 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
 
     rss_before = peak_rss_mib()
     started = time.perf_counter()
-    engine = Engine.load(job["model_path"])  # a path is a model id: same file as llama.cpp
+    get_backend(job["backend"])  # imports its libraries (torch): not part of the load
+    import_s = time.perf_counter() - started
+    rss_imported = peak_rss_mib()
+    config = EngineConfig(backend=job["backend"])
+    started = time.perf_counter()
+    engine = Engine.load(job["model_path"], config)  # a path is a model id: llama.cpp's file
     load_s = time.perf_counter() - started
 
     for _ in engine.generate(job["warmup_ids"], greedy(WARMUP_GENERATED)):
@@ -115,13 +169,18 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
         stamps.append(time.perf_counter())
         tokens.append(event.token_id)
     return {
+        "backend": engine.backend.name,
+        "kernels": engine.backend.describe(),
+        "weight_kinds": engine.model.weight_kinds(),
+        "weight_bytes": int(engine.model.nbytes),  # as the backend keeps them
+        "import_s": import_s,
         "load_s": load_s,
         "engine_load_seconds": engine.load_seconds,
         "ttft_s": ttft_s,
         "decode_s": stamps[-1] - stamps[0],  # decode_tokens steps after the first token
         "tokens": tokens,
-        "weight_bytes_f32": int(engine.model.nbytes),
         "rss_before_load_mib": rss_before,
+        "rss_after_import_mib": rss_imported,
         "peak_rss_mib": peak_rss_mib(),
         "openblas": openblas_info(),
     }
@@ -244,8 +303,8 @@ def prompt_ids(model_path: Path) -> dict[str, list[int]]:
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    """Every child run, interleaved: per repetition, bandwidth, then per model ours and
-    llama.cpp in alternating order."""
+    """Every child run, interleaved: per repetition, bandwidth, then per model each of our
+    backends and llama.cpp, in an order that rotates per repetition."""
     from runtime.registry import resolve
 
     variants = env_variants()
@@ -260,24 +319,35 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         }
     runs: list[dict[str, Any]] = []
 
-    def measure(kind: str, variant: str, model: str | None, job: dict[str, Any]) -> None:
+    def measure(engine: str, variant: str, model: str | None, job: dict[str, Any]) -> None:
+        kind = engine if engine in ("llama", "bandwidth") else "ours"
         load = os.getloadavg()[0]  # kept with the figures: a busy machine explains outliers
         result = run_child(SCRIPT, kind, job, dict(variants)[variant])
-        runs.append({"kind": kind, "env": variant, "model": model, "loadavg_1m": load, **result})
-        label = f"{kind:9s} {variant:6s} {model or '':24s} load {load:4.1f}"
+        run = {"kind": kind, "engine": engine, "env": variant, "model": model, "loadavg_1m": load}
+        runs.append({**run, **result})
+        label = f"{engine:9s} {variant:6s} {model or '':24s} load {load:4.1f}"
         print(f"  [{len(runs):3d}] {label} {_short(kind, result)}", file=sys.stderr, flush=True)
 
     bandwidth_job = {"mib": args.bandwidth_mib, "reps": args.bandwidth_reps}
+    engines = [*args.backends, "llama"]
     for rep in range(args.repeat):
         print(f"repetition {rep + 1}/{args.repeat}", file=sys.stderr, flush=True)
         for name, _ in variants:
             measure("bandwidth", name, None, bandwidth_job)
         for model_id, model in models.items():
-            order = ["ours", "llama"] if rep % 2 == 0 else ["llama", "ours"]
-            for kind in order:
-                for name, _ in variants if kind == "ours" else variants[:1]:
-                    measure(kind, name, model_id, model["jobs"])
-    return {"variants": [name for name, _ in variants], "models": models, "runs": runs}
+            shift = rep % len(engines)
+            for engine in engines[shift:] + engines[:shift]:
+                if engine == "llama":
+                    measure(engine, variants[0][0], model_id, model["jobs"])
+                    continue
+                for name, _ in variants:
+                    measure(engine, name, model_id, {**model["jobs"], "backend": engine})
+    return {
+        "variants": [name for name, _ in variants],
+        "backends": list(args.backends),
+        "models": models,
+        "runs": runs,
+    }
 
 
 def _short(kind: str, r: dict[str, Any]) -> str:
@@ -294,11 +364,14 @@ def _short(kind: str, r: dict[str, Any]) -> str:
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
-    """Best and median of every figure, ratios and target verdicts, per env and model."""
+    """Best and median of every figure, ratios to llama.cpp and target verdicts, per env,
+    model and backend; each backend's kernel plan."""
     runs = raw["runs"]
 
-    def pick(kind: str, env: str, model: str | None) -> list[dict[str, Any]]:
-        return [r for r in runs if r["kind"] == kind and r["env"] == env and r["model"] == model]
+    def pick(engine: str, env: str, model: str | None) -> list[dict[str, Any]]:
+        return [
+            r for r in runs if r["engine"] == engine and r["env"] == env and r["model"] == model
+        ]
 
     def stats(values: list[float], higher_is_better: bool) -> dict[str, float]:
         best = max(values) if higher_is_better else min(values)
@@ -313,7 +386,11 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "peak_rss_mib": {"best": max(r["peak_rss_mib"] for r in rs), "n": len(rs)},
         }
 
-    summary: dict[str, Any] = {}
+    kernels = {}
+    for backend in raw["backends"]:
+        first = next(r for r in runs if r["engine"] == backend)
+        kernels[backend] = first["kernels"]
+    summary: dict[str, Any] = {"kernels": kernels, "envs": {}}
     first_env = raw["variants"][0]
     for env in raw["variants"]:
         bw = pick("bandwidth", env, None)
@@ -324,23 +401,55 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "models": {},
         }
         for model in raw["models"]:
-            ours_runs, llama_runs = pick("ours", env, model), pick("llama", first_env, model)
-            ours, llama = engine_stats(ours_runs), engine_stats(llama_runs)
-            weight_bytes = ours_runs[0]["weight_bytes_f32"]
-            limit = per_env["matvec_gbps"]["best"] * 1e9 / weight_bytes
-            agree = _common_prefix(ours_runs[0]["tokens"], llama_runs[0]["tokens"])
-            per_env["models"][model] = {
-                "ours": ours,
-                "llama": llama,
-                "weight_bytes_f32": weight_bytes,
-                "decode_limit_tps": limit,
-                "decode_of_limit": ours["decode_tps"]["best"] / limit,
-                "prefill_vs_llama": ours["prefill_tps"]["best"] / llama["prefill_tps"]["best"],
-                "greedy_tokens_agreeing": agree,
-                "greedy_tokens_total": len(ours_runs[0]["tokens"]),
-            }
-        summary[env] = per_env
+            llama_runs = pick("llama", first_env, model)
+            m: dict[str, Any] = {"llama": engine_stats(llama_runs), "backends": {}}
+            for backend in raw["backends"]:
+                m["backends"][backend] = _backend_summary(
+                    pick(backend, env, model), engine_stats, m["llama"], llama_runs[0]["tokens"]
+                )
+            if "numpy" in m["backends"]:  # the float32 limit, for reference
+                numpy = m["backends"]["numpy"]
+                limit = per_env["matvec_gbps"]["best"] * 1e9 / numpy["weight_bytes"]
+                m["numpy_decode_limit_tps"] = limit
+                m["numpy_decode_of_limit"] = numpy["stats"]["decode_tps"]["best"] / limit
+            if TARGET_BACKEND in m["backends"] and model in TARGETS:
+                m["targets"] = _judge(m["backends"][TARGET_BACKEND], TARGETS[model])
+            per_env["models"][model] = m
+        summary["envs"][env] = per_env
     return summary
+
+
+def _backend_summary(
+    rs: list[dict[str, Any]],
+    engine_stats: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    llama: dict[str, Any],
+    llama_tokens: list[int],
+) -> dict[str, Any]:
+    """One backend's figures on one model, and their ratios to llama.cpp's best."""
+    s = engine_stats(rs)
+    return {
+        "stats": s,
+        "vs_llama": {key: s[key]["best"] / llama[key]["best"] for key in s},
+        "weight_kinds": rs[0]["weight_kinds"],
+        "weight_bytes": rs[0]["weight_bytes"],
+        "import_s": {"best": min(r["import_s"] for r in rs)},
+        "greedy_tokens_agreeing": _common_prefix(rs[0]["tokens"], llama_tokens),
+        "greedy_tokens_total": len(rs[0]["tokens"]),
+    }
+
+
+def _judge(backend: dict[str, Any], targets: dict[str, Target]) -> dict[str, Any]:
+    out = {}
+    for key, target in targets.items():
+        value = backend["vs_llama"][key] if target.vs_llama else backend["stats"][key]["best"]
+        out[key] = {
+            "target": target.text(),
+            "value": value,
+            "met": target.met(value),
+            "moonshot": target.moonshot,
+            "moonshot_met": None if target.moonshot is None else value >= target.moonshot,
+        }
+    return out
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -359,12 +468,13 @@ def _fmt(s: dict[str, float], digits: int) -> str:
 
 
 def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
-    """The printed table: one block per environment variant and model."""
+    """The printed table: kernel plans, then one block per environment variant and model."""
     lines: list[str] = []
     meta = raw["meta"]
     lines.append(
-        f"llmq numpy engine vs llama.cpp {meta['llama_cpp_version']} | {meta['cpus']} CPUs | "
-        f"repeat {meta['repeat']} | commit {meta['commit']} | {meta['date']}"
+        f"llmq engine ({', '.join(raw['backends'])} backends) vs llama.cpp "
+        f"{meta['llama_cpp_version']} | {meta['cpus']} CPUs | repeat {meta['repeat']} | "
+        f"commit {meta['commit']} | {meta['date']}"
     )
     start_load, end_load = meta["loadavg_1m_start_end"]
     lines.append(
@@ -372,15 +482,19 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{end_load:.2f} at end; per-run loads in --json"
     )
     lines.append(
-        "cells: best / median of the repetitions; ratio = ours / llama.cpp on best; "
-        "targets judged on best"
+        "cells: best / median of the repetitions; ratio = backend / llama.cpp on best; "
+        f"targets (issue 9) judged on the {TARGET_BACKEND} backend's best"
     )
     lines.append(
         f"prefill = {PREFILL_TOKENS} / time to first token, which includes the LM head on the "
-        "last position and one greedy sample; decode = greedy steps after the first token"
+        "last position and one greedy sample; decode = greedy steps after the first token; "
+        "load excludes importing the backend's libraries (shown below it, untimed in load)"
     )
     lines.append(openblas_note())
-    for env, per_env in summary.items():
+    lines.append("kernel plans (engine.backend.describe()):")
+    for backend, plan in summary["kernels"].items():
+        lines.append(f"  {backend}: " + "; ".join(f"{k}: {v}" for k, v in plan.items()))
+    for env, per_env in summary["envs"].items():
         ob = per_env["openblas"]
         lines.append("")
         lines.append(
@@ -388,9 +502,9 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
             f", {ob.get('num_threads')} threads =="
         )
         lines.append(
-            f"numpy bandwidth ({raw['meta']['bandwidth_mib']} MiB float32): "
+            f"numpy bandwidth ({raw['meta']['bandwidth_mib']} MiB float32, reference): "
             f"matvec {_fmt(per_env['matvec_gbps'], 1)} GB/s, "
-            f"np.sum (1 thread, reference) {_fmt(per_env['sum_gbps'], 1)} GB/s"
+            f"np.sum (1 thread) {_fmt(per_env['sum_gbps'], 1)} GB/s"
         )
         for model, m in per_env["models"].items():
             lines.extend(_model_block(raw, model, m))
@@ -399,50 +513,72 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
 
 def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str]:
     info = raw["models"][model]
-    ours, llama = m["ours"], m["llama"]
-    decode_tokens = raw["meta"]["decode_tokens"]
+    backends, llama = m["backends"], m["llama"]
+    targets = m.get("targets", {})
+    decode_tokens, ctx = raw["meta"]["decode_tokens"], raw["meta"]["decode_context"]
 
-    def row(name: str, ours_cell: str, llama_cell: str, ratio: str, target: str) -> str:
-        return f"{name:<34} {ours_cell:>19} {llama_cell:>19} {ratio:>7}  {target}".rstrip()
+    def row(name: str, cells: list[str], ratios: list[str], target: str) -> str:
+        out = f"{name:<32}" + "".join(f" {c:>16}" for c in cells)
+        return (out + "".join(f" {r:>11}" for r in ratios) + f"  {target}").rstrip()
 
-    def line(name: str, key: str, digits: int, target: str = "") -> str:
-        ratio = ours[key]["best"] / llama[key]["best"]
-        return row(name, _fmt(ours[key], digits), _fmt(llama[key], digits), f"{ratio:.2f}x", target)
+    def line(name: str, key: str, digits: int) -> str:
+        cells = [_fmt(b["stats"][key], digits) for b in backends.values()]
+        ratios = [f"{b['vs_llama'][key]:.2f}x" for b in backends.values()]
+        return row(name, [*cells, _fmt(llama[key], digits)], ratios, _target_cell(targets, key))
 
-    rss_target = TARGET_RSS_MIB.get(model)
-    rss_cell = ""
-    if rss_target is not None:
-        ok = ours["peak_rss_mib"]["best"] < rss_target
-        rss_cell = f"< {rss_target:.0f} MiB: {verdict(ok)}"
-    prefill_ok = m["prefill_vs_llama"] >= TARGET_PREFILL_VS_LLAMA
-    decode_ok = m["decode_of_limit"] >= TARGET_DECODE_OF_LIMIT
-    ctx = raw["meta"]["decode_context"]
-    return [
+    weights = "; ".join(
+        f"{name} {_kinds(b['weight_kinds'])} {b['weight_bytes'] / 1e6:.0f} MB"
+        for name, b in backends.items()
+    )
+    imports = [f"{b['import_s']['best']:.2f}" for b in backends.values()]
+    lines = [
         "",
-        f"{model}: {Path(info['path']).name} ({info['file_bytes'] / 1e6:.0f} MB file, "
-        f"{m['weight_bytes_f32'] / 1e6:.0f} MB float32 weights in ours)",
-        row("", "ours", "llama.cpp", "ratio", "target"),
-        line(
-            f"prefill {PREFILL_TOKENS} tok (tok/s)",
-            "prefill_tps",
-            1,
-            f">= {TARGET_PREFILL_VS_LLAMA}x llama.cpp: {verdict(prefill_ok)}",
+        f"{model}: {Path(info['path']).name} ({info['file_bytes'] / 1e6:.0f} MB file)",
+        f"  weights per kernel and resident bytes: {weights}",
+        row(
+            "",
+            [*backends, "llama.cpp"],
+            [f"{name}/llama" for name in backends],
+            f"target ({TARGET_BACKEND})" if targets else "",
         ),
+        line(f"prefill {PREFILL_TOKENS} tok (tok/s)", "prefill_tps", 1),
         line("  time to first token (s)", "ttft_s", 3),
-        line(
-            f"decode {decode_tokens} tok @ {ctx}+ ctx (tok/s)",
-            "decode_tps",
-            2,
-            f">= {TARGET_DECODE_OF_LIMIT} x f32 limit: {verdict(decode_ok)}",
-        ),
+        line(f"decode {decode_tokens} tok @ {ctx}+ ctx (tok/s)", "decode_tps", 2),
         line("load (s)", "load_s", 2),
-        line("peak RSS (MiB)", "peak_rss_mib", 0, rss_cell),
-        f"  f32 decode limit {m['decode_limit_tps']:.2f} tok/s "
-        f"(= {m['weight_bytes_f32'] / 1e6:.0f} MB per token / best matvec bandwidth); "
-        f"ours reaches {m['decode_of_limit']:.2f} of it",
-        f"  greedy tokens identical in both engines: {m['greedy_tokens_agreeing']} of "
-        f"{m['greedy_tokens_total']} (first run)",
+        row("  library import, not in load (s)", [*imports, "-"], [], ""),
+        line("peak RSS (MiB)", "peak_rss_mib", 0),
     ]
+    if "numpy_decode_limit_tps" in m:
+        lines.append(
+            f"  numpy f32 decode limit {m['numpy_decode_limit_tps']:.2f} tok/s "
+            f"(= {backends['numpy']['weight_bytes'] / 1e6:.0f} MB per token / best matvec "
+            f"bandwidth); numpy reaches {m['numpy_decode_of_limit']:.2f} of it (reference)"
+        )
+    agree = ", ".join(
+        f"{name} {b['greedy_tokens_agreeing']} of {b['greedy_tokens_total']}"
+        for name, b in backends.items()
+    )
+    lines.append(f"  greedy tokens identical to llama.cpp's (first run): {agree}")
+    if model not in TARGETS:
+        lines.append("  no targets for this model")
+    elif not targets:
+        lines.append(f"  targets not judged: the {TARGET_BACKEND} backend was not run")
+    return lines
+
+
+def _kinds(kinds: dict[str, int]) -> str:
+    return "{" + ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) + "}"
+
+
+def _target_cell(targets: dict[str, Any], key: str) -> str:
+    t = targets.get(key)
+    if t is None:
+        return ""
+    unit = "x" if "llama" in t["target"] else ""
+    cell = f"{t['target']}: {verdict(t['met'])} ({t['value']:.2f}{unit})"
+    if t["moonshot"] is not None:
+        cell += f"; moonshot {t['moonshot']:g}x: {verdict(t['moonshot_met'])}"
+    return cell
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -106,13 +106,12 @@ def test_four_bit_row_operations_commute_with_dequantization():
 
 ALL_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 FOUR_BIT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-# every kernel, whatever this CPU's own plan is: AVX-512's, AVX2's, and a row split
+# every kernel, whatever this CPU's own plan is: AVX-512's and AVX2's
 PLANS = {
     "int4-bf16": KernelPlan("int4", "bf16", "int8", 2, head_fallback="bf16"),
     "fp16": KernelPlan("fp16", "fp16", "int8", 2, head_fallback="fp16"),
-    "split": KernelPlan("int4|fp16", "int8", "int8", 2, head_fallback="fp16", max_small_rows=2),
 }
-KIND_OF_FOUR_BIT = {"int4-bf16": "int4", "fp16": "fp16", "split": "int4|fp16"}
+KIND_OF_FOUR_BIT = {"int4-bf16": "int4", "fp16": "fp16"}
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
@@ -123,10 +122,9 @@ def test_every_type_on_every_plan_matches_the_numpy_backend(tmp_path, qtype, pla
     torch_w = TorchBackend(plan=PLANS[plan]).linear(f, [TensorPart("w0")])
     if qtype in FOUR_BIT:
         assert torch_w.kind == KIND_OF_FOUR_BIT[plan]
-    if plan != "split":
-        assert torch_w.nbytes < numpy_w.nbytes
+    assert torch_w.nbytes < numpy_w.nbytes
     rms = lambda a: float(np.sqrt(np.mean(a**2)))  # noqa: E731
-    for rows in (1, 3):  # a split plan takes each store once
+    for rows in (1, 3):
         x = np.random.default_rng(rows).standard_normal((rows, COLS)).astype(np.float32)
         exact, fast = numpy_w(x), torch_w(x)
         assert rms(fast - exact) < 0.02 * rms(exact)
@@ -199,7 +197,7 @@ def test_tiny_q4_model_runs_on_the_plans_kernels(tiny_q4_model):
 
 def test_torch_batched_rows_equal_one_by_one(tiny_q4_model):
     """A row's logits do not depend on the other rows of its batch: exactly for int4, to
-    float32 rounding for fp16 (fbgemm blocks rows); a split plan is checked on one store."""
+    float32 rounding for fp16 (fbgemm blocks rows)."""
     plan, model = tiny_q4_model
     prompts = [[5, 9, 30, 41], [7, 8, 9], [100, 3, 4, 5, 6, 7]]
     caches = [model.new_cache(len(p)) for p in prompts]
@@ -222,8 +220,7 @@ def test_torch_cached_decode_equals_recompute(tiny_q4_model):
     hidden = model.forward(np.asarray(tokens[-1:]), BatchLayout([SequenceChunk(cache, 6, 1)]))
     stepped = model.logits(hidden)[0]
     recomputed = _logits(model, tokens)[-1]
-    # prefill and decode attention sum in different orders, and a split plan takes its
-    # int4 store for the one decode row: both within the kernels' bf16 rounding
+    # prefill and decode attention sum in different orders before the products round
     assert np.abs(stepped - recomputed).max() < 0.05 * np.abs(recomputed).max()
 
 
