@@ -184,7 +184,7 @@ class WorkerProcess:
         env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
         if step_delay_ms:
             env["LLMQ_WORKER_STEP_DELAY_MS"] = str(step_delay_ms)
-        argv = [sys.executable, "-m", "workers.cli", "worker", "--name", name]
+        argv = [sys.executable, "-m", "llmq", "worker", "--name", name]
         argv += ["--models", ",".join(models), *extra]
         self.name = name
         self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could block the worker
