@@ -3,13 +3,12 @@
 `ActiveJob` knows nothing of Redis: the worker hands it the record, the RQ job and the
 stream progress of earlier attempts, feeds it engine events, and writes out the events it
 queues in `pending`. `run_job` is the one function name RQ jobs may carry (the allowlist in
-`workers.protocol.JOB_FUNCTION`); llmq workers never call it, they run jobs in batches.
+`workers.wire.job.JOB_FUNCTION`); llmq workers never call it, they run jobs in batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,16 +18,7 @@ from runtime.errors import LLMQRuntimeError
 from runtime.sampling import SamplingParams
 from workers import keys
 from workers.errors import InvalidJobRequest, JobRefused
-from workers.events import StreamProgress, terminal_event, token_event
-from workers.protocol import (
-    CHAT_COMPLETIONS,
-    EMBEDDINGS,
-    EVENT_DONE,
-    EVENT_ERROR,
-    FAILED,
-    JobRecord,
-    error_body,
-)
+from workers.progress import StreamProgress
 from workers.requests import ChoicePlan, JobPlan, embedding_inputs, plan_generation
 from workers.responses import (
     ChoiceOutput,
@@ -38,6 +28,9 @@ from workers.responses import (
     embeddings_body,
 )
 from workers.text import FINISH_LENGTH, TextAssembler
+from workers.wire.errors import error_body
+from workers.wire.events import token_event, write_ending
+from workers.wire.job import CHAT_COMPLETIONS, EMBEDDINGS, FAILED, JobRecord
 
 
 def run_job(job_id: str) -> None:
@@ -50,11 +43,8 @@ def run_job(job_id: str) -> None:
     body = error_body(message, "server_error", code="wrong_worker", status=500)
     current = get_current_job()
     if current is not None and keys.is_valid_job_id(job_id):
-        kind, data = terminal_event(EVENT_ERROR, body)
         with current.connection.pipeline() as pipe:
-            pipe.hset(keys.job(job_id), mapping={"status": FAILED, "error": json.dumps(body)})
-            pipe.xadd(keys.job_events(job_id), {"event": kind, "data": data})
-            pipe.publish(keys.job_wake(job_id), "failed")
+            write_ending(pipe, job_id, FAILED, body)
             pipe.execute()
     raise JobRefused(message)
 
@@ -177,10 +167,6 @@ class ActiveJob:
             self.plan.logprobs is not None,
             self.cached_tokens,
         )
-
-    def done_event(self) -> tuple[str, str]:
-        assert self.result is not None
-        return terminal_event(EVENT_DONE, self.result)
 
     def _maybe_done(self) -> None:
         if self.result is None and self.choices and not self.running:

@@ -22,7 +22,7 @@ from runtime.errors import (
 )
 from runtime.sampling import SamplingParams
 from workers.errors import InvalidJobRequest
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 
 MAX_CHOICES = 64  # n x prompts per job; each choice is a sequence in the batch
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions

@@ -40,28 +40,27 @@ from runtime.registry import load_registry
 from workers import affinity, batches, keys, metrics, scripts
 from workers.config import WorkerConfig, serving
 from workers.errors import JobFailure, JobRefused, PoolFull
-from workers.events import read_progress, terminal_event
 from workers.executions import ConcurrentWorker
 from workers.jobs import ActiveJob
 from workers.pool import EnginePool
 from workers.presence import Presence
-from workers.protocol import (
+from workers.progress import read_progress
+from workers.recovery import Reaper, requeue
+from workers.scheduler import Scheduler
+from workers.wire.commands import COMMAND_LOAD
+from workers.wire.defaults import JOB_TTL_SECONDS, MAX_ATTEMPTS, WORKER_HEARTBEAT_SECONDS
+from workers.wire.errors import cancelled_error
+from workers.wire.events import ending, write_ending
+from workers.wire.job import (
     CANCELLED,
-    COMMAND_LOAD,
-    EVENT_ERROR,
     FAILED,
     FINISHED,
     JOB_FUNCTION,
-    JOB_TTL_SECONDS,
     STARTED,
     TERMINAL_STATUSES,
-    WORKER_HEARTBEAT_SECONDS,
     JobRecord,
-    WorkerInfo,
-    cancelled_error,
 )
-from workers.recovery import Reaper, requeue
-from workers.scheduler import Scheduler
+from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger("llmq.worker")
 
@@ -72,7 +71,6 @@ BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
 PRUNE_SECONDS = 10
 SUSPENSION_CHECK_SECONDS = 1
 LOAD_CHECK_SECONDS = 0.005  # a job waiting for its model starts this soon after the load
-MAX_ATTEMPTS = 5  # a job whose workers keep dying with it is failed, not retried forever
 
 
 def connect(url: str) -> redis.Redis:
@@ -411,12 +409,12 @@ class LLMQWorker(ConcurrentWorker):
             for job in jobs:
                 if not job.pending and job.result is None:
                     continue
-                events, final, fields = list(job.pending), job.result is not None, {}
-                fields["completion_tokens"] = str(job.completion_tokens)
+                events, final = list(job.pending), job.result is not None
+                fields = {"completion_tokens": str(job.completion_tokens)}
                 if final:
-                    events.append(job.done_event())
-                    fields.update(status=FINISHED, finished_at=str(time.time()))
-                    fields["result"] = json.dumps(job.result, ensure_ascii=False)
+                    end_fields, end_event = ending(FINISHED, job.result)
+                    events.append(end_event)
+                    fields.update(end_fields)
                     fields["prompt_tokens"] = str(job.result["usage"]["prompt_tokens"])
                 scripts.append(
                     pipe, job.id, job.lease, job.written, events, fields, final, JOB_TTL_SECONDS
@@ -468,13 +466,9 @@ class LLMQWorker(ConcurrentWorker):
     ) -> bool:
         """Fenced terminal write of a failed or cancelled job; False if it was not ours."""
         self.batcher.remove(job)
-        events = [*job.pending, terminal_event(EVENT_ERROR, body)]
-        fields = {
-            "status": status,
-            "error": json.dumps(body),
-            "finished_at": str(time.time()),
-            "completion_tokens": str(job.completion_tokens),
-        }
+        end_fields, end_event = ending(status, body)
+        events = [*job.pending, end_event]
+        fields = {**end_fields, "completion_tokens": str(job.completion_tokens)}
         written = scripts.append(
             self.connection, job.id, job.lease, job.written, events, fields, True, JOB_TTL_SECONDS
         )
@@ -526,15 +520,8 @@ class LLMQWorker(ConcurrentWorker):
     def _cancel_queued(self, job_id: str, rq_job: Job | None, queue: Queue) -> None:
         """Its cancel flag was set while it waited: it never runs. No worker holds it (the
         claim gave no lease), so the write needs no fence."""
-        body = cancelled_error()
-        kind, data = terminal_event(EVENT_ERROR, body)
-        fields = {"status": CANCELLED, "error": json.dumps(body), "finished_at": time.time()}
         with self.connection.pipeline() as pipe:
-            pipe.hset(keys.job(job_id), mapping=fields)
-            pipe.xadd(keys.job_events(job_id), {"event": kind, "data": data})
-            pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
-            pipe.publish(keys.job_wake(job_id), "cancelled")
-            metrics.count_job(pipe, CANCELLED)
+            write_ending(pipe, job_id, CANCELLED, cancelled_error())
             pipe.execute()
         log.info("job %s: cancelled before it started", job_id)
         self._rq_cancelled(rq_job, queue)

@@ -27,7 +27,8 @@ from rq.serializers import JSONSerializer
 from tests.tiny_models import write_tiny_llama
 from workers import keys
 from workers.config import WorkerConfig
-from workers.protocol import JOB_FUNCTION, TERMINAL_STATUSES, JobRecord, decode_event
+from workers.wire.events import decode_event
+from workers.wire.job import JOB_FUNCTION, TERMINAL_STATUSES, JobRecord
 from workers.worker import LLMQWorker, connect
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from runtime.engine import Engine
-from workers.events import StreamedChoice, StreamProgress
 from workers.jobs import ActiveJob
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
+from workers.progress import StreamedChoice, StreamProgress
 from workers.text import TextAssembler
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
 
 
 @pytest.fixture(scope="module")

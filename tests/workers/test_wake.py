@@ -27,7 +27,8 @@ from tests.workers.conftest import (
 )
 from workers import affinity, keys, recovery, scripts, supervisor
 from workers.presence import wake
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, FINISHED, JobRecord, WorkerInfo
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, FINISHED, JobRecord
+from workers.wire.worker_info import WorkerInfo
 from workers.worker import LLMQWorker
 
 pytestmark = pytest.mark.integration

@@ -17,17 +17,10 @@ from rq.serializers import JSONSerializer
 
 from tests.workers.conftest import TINY, record, stream, submit, tokens, wait_done, wait_for
 from workers import keys, scripts
-from workers.protocol import (
-    CANCELLED,
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    EMBEDDINGS,
-    FAILED,
-    FINISHED,
-    WorkerInfo,
-    cancelled_error,
-    encode_command,
-)
+from workers.wire.commands import encode_command
+from workers.wire.errors import cancelled_error
+from workers.wire.job import CANCELLED, CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, FAILED, FINISHED
+from workers.wire.worker_info import WorkerInfo
 
 pytestmark = pytest.mark.integration
 
