@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rq.job import Job
+from rq.queue import Queue
+
 from runtime.batch_generator import TokenEvent
 from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
@@ -67,8 +70,8 @@ class ActiveJob:
     record: JobRecord
     attempt: int
     lease: str
-    rq_job: Any
-    queue: Any
+    rq_job: Job | None
+    queue: Queue | None
     progress: StreamProgress = field(default_factory=StreamProgress)
     plan: JobPlan | None = None
     choices: list[ChoiceState] = field(default_factory=list)

@@ -3,7 +3,7 @@
 The API validated the body already (pydantic); this module still treats it as untrusted
 input from Redis, so anything it cannot use becomes a 400 for that job, never a crash.
 Every engine error a user can cause (empty prompt, bad sampling values, no chat template)
-is found here, and the context check when the choices join the batch (`workers.scheduler`),
+is found here, and the context check when the choices join the batch (`workers.running`),
 both before the first token; each becomes `InvalidJobRequest` with the field the engine's
 error names (`LLMQRuntimeError.param`).
 """
@@ -48,7 +48,7 @@ class JobPlan:
 def plan_generation(engine: Engine, endpoint: str, body: dict[str, Any]) -> JobPlan:
     """The choices of a completions or chat completions request. Raises InvalidJobRequest
     with the field the engine named; the context check comes when the choices join the
-    batch (`workers.scheduler`), against the generator that will run them."""
+    batch (`workers.running`), against the generator that will run them."""
     if endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
         raise InvalidJobRequest(f"endpoint {endpoint!r} does not generate text")
     try:

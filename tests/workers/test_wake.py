@@ -60,7 +60,7 @@ def idle_worker(conn: redis.Redis, start_worker: Callable[..., LLMQWorker]) -> I
 
 
 def settle(worker: LLMQWorker) -> None:
-    wait_for(lambda: not worker.batcher.jobs, what="the worker to be idle")
+    wait_for(lambda: not worker.running.jobs, what="the worker to be idle")
     time.sleep(0.5)  # in its idle wait, which now lasts until a wake-up or POLL s from now
 
 

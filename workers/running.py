@@ -1,4 +1,5 @@
-"""Continuous batching across the jobs of one worker: which sequences run, step by step.
+"""The jobs a worker is running, and continuous batching across them: which sequences run,
+step by step (each model's `BatchGenerator` does the batching within one model).
 
 Jobs join between steps (`add`), each model with running sequences gets one batched forward
 pass per `step`, and jobs leave when their choices end or when they are removed (cancelled,
@@ -12,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
-from runtime.batch_generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY
+from runtime.batch_generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY, BatchGenerator
+from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
 from workers import keys
 from workers.errors import JobFailure
@@ -22,16 +23,18 @@ from workers.jobs import ActiveJob
 from workers.pool import FAILED, LOADING, EnginePool, PoolEntry
 from workers.requests import invalid_request
 
-log = logging.getLogger("llmq.scheduler")
+log = logging.getLogger("llmq.running")
 
 
 @dataclass
 class _Batch:
-    engine: Any
-    generator: Any  # runtime.batch_generator.BatchGenerator
+    engine: Engine
+    generator: BatchGenerator
 
 
-class Scheduler:
+class RunningJobs:
+    """A worker's running jobs (`jobs`) and their sequences in one generator per model."""
+
     def __init__(self, pool: EnginePool, max_batch: int) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
