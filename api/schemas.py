@@ -73,6 +73,15 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _reject_priority(priority: int) -> None:
+    """`priority` is in the contract but orders nothing yet: interactive jobs run before
+    batch ones and in arrival order. Only the default (0) is accepted, never ignored."""
+    if priority != 0:
+        raise UnsupportedFeature(
+            f"priority other than 0 is not supported yet, got {priority}.", param="priority"
+        )
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -184,6 +193,7 @@ class SamplingRequest(StrictModel):
 
     def reject_unsupported(self) -> None:
         """Raise `UnsupportedFeature` for any contract feature the engine lacks."""
+        _reject_priority(self.priority)
         if self.lora:
             raise UnsupportedFeature("lora adapters are not supported yet.", param="lora")
         if self.json_schema is not None:
@@ -392,6 +402,7 @@ class EmbeddingRequest(StrictModel):
     def reject_unsupported(self) -> None:
         if self.input is None:
             raise InvalidRequest("input is required.", param="input")
+        _reject_priority(self.priority)
         if self.dimensions is not None:
             raise UnsupportedFeature("dimensions is not supported yet.", param="dimensions")
 
