@@ -27,7 +27,7 @@ from api.body import json_object
 from api.config import redis_conn
 from api.errors import InvalidRequest, ModelNotFound, NotImplementedYet, ServiceUnavailable
 from workers import keys
-from workers.protocol import COMMAND_LOAD, COMMAND_UNLOAD, encode_command
+from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, encode_command
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
 bp.before_request(require_admin)

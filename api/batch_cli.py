@@ -23,7 +23,8 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from workers.protocol import BATCH_COMPLETED, BATCH_TERMINAL, ENDPOINTS
+from workers.wire.batches import BATCH_COMPLETED, BATCH_TERMINAL
+from workers.wire.job import ENDPOINTS
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_ENDPOINT = "/v1/chat/completions"

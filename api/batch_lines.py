@@ -18,7 +18,7 @@ from api.body import json_type, parse_json
 from api.errors import APIError
 from api.flow import check_context
 from api.schemas import parse_request
-from workers.protocol import MAX_LINE_BYTES
+from workers.wire.defaults import MAX_LINE_BYTES
 
 BOM = b"\xef\xbb\xbf"
 MAX_CUSTOM_ID_CHARS = 512

@@ -25,16 +25,17 @@ from api.auth import visible
 from api.batch_lines import InvalidLine, ValidLine
 from api.errors import BatchNotFound, Conflict, FileNotFound
 from workers import keys
-from workers.protocol import (
+from workers.wire.batch_output import error_line
+from workers.wire.batches import (
     BATCH_CANCELLING,
     BATCH_FAILED,
     BATCH_IN_PROGRESS,
     BATCH_VALIDATING,
-    FILE_TTL_SECONDS,
     BatchRecord,
     FileRecord,
-    error_line,
 )
+from workers.wire.defaults import FILE_TTL_SECONDS
+from workers.wire.text import as_str
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ def _page(
     ascending: bool,
 ) -> tuple[list[Any], bool]:
     """Cursor pagination over an index sorted set; ids whose hash expired are pruned."""
-    ids = [_text(i) for i in (conn.zrange if ascending else conn.zrevrange)(index, 0, -1)]
+    ids = [as_str(i) for i in (conn.zrange if ascending else conn.zrevrange)(index, 0, -1)]
     if after is not None:
         ids = ids[ids.index(after) + 1 :] if after in ids else []
     found: list[Any] = []
@@ -263,7 +264,3 @@ def _page(
     if gone:
         conn.zrem(index, *gone)
     return found[:limit], len(found) > limit
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -21,7 +21,9 @@ from api.body import json_object
 from api.config import redis_conn
 from api.errors import InvalidRequest
 from api.files import int_arg, list_page
-from workers.protocol import ENDPOINTS, FILE_PURPOSE_BATCH, MAX_COMPLETION_WINDOW_SECONDS
+from workers.wire.batches import FILE_PURPOSE_BATCH
+from workers.wire.defaults import MAX_COMPLETION_WINDOW_SECONDS
+from workers.wire.job import ENDPOINTS
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.protocol import CHAT_COMPLETIONS, JobRecord, response_id
+from workers.wire.job import CHAT_COMPLETIONS, JobRecord, response_id
 
 
 class ChunkStream:
@@ -82,7 +82,7 @@ class ChunkStream:
         return self._chunk([self._choice(index, text, None, logprobs)])
 
     def _logprobs(self, index: int, data: dict[str, Any], text: str) -> dict[str, Any]:
-        """The chunk's `logprobs`: the worker's ready-made entry (protocol), else a minimal one."""
+        """The chunk's `logprobs`: the worker's ready-made entry, else a minimal one."""
         entry = data.get("logprobs")
         if self.chat:
             if not isinstance(entry, dict):

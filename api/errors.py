@@ -15,6 +15,8 @@ import redis
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
+from workers.wire.errors import openai_error
+
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 2
@@ -43,7 +45,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return error_json(self.message, self.type, self.param, self.code)
+        return openai_error(self.message, self.type, self.param, self.code)
 
 
 class InvalidRequest(APIError):
@@ -120,6 +122,17 @@ class NotImplementedYet(APIError):
     code = "not_implemented"
 
 
+class InternalError(APIError):
+    """Anything unexpected: logged with its traceback, answered without it."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self) -> None:
+        super().__init__("Internal server error.")
+
+
 class QueueFull(APIError):
     status = 429
     type = "rate_limit_error"
@@ -150,12 +163,6 @@ class NoWorker(ServiceUnavailable):
         )
 
 
-def error_json(
-    message: str, type_: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def error_response(error: APIError) -> Response:
     response = jsonify(error.body())
     response.status_code = error.status
@@ -172,7 +179,7 @@ def _http_error(exc: HTTPException) -> Response:
     if status == 413:
         message = f"Request body too large; the limit is {_max_content_length() or 0} bytes."
     type_ = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    response = jsonify(error_json(message, type_, None, exc.name.lower().replace(" ", "_")))
+    response = jsonify(openai_error(message, type_, None, exc.name.lower().replace(" ", "_")))
     response.status_code = status
     for name, value in exc.get_headers():
         if name.lower() not in ("content-type", "content-length"):
@@ -204,8 +211,4 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:
         log.exception("unhandled error")
-        response = jsonify(
-            error_json("Internal server error.", "server_error", None, "internal_error")
-        )
-        response.status_code = 500
-        return response
+        return error_response(InternalError())

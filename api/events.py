@@ -21,16 +21,10 @@ import redis
 
 from api.errors import InvalidRequest
 from workers import keys
-from workers.protocol import (
-    EVENT_DONE,
-    EVENT_ERROR,
-    FAILED,
-    FINISHED,
-    TERMINAL_STATUSES,
-    cancelled_error,
-    decode_event,
-    error_body,
-)
+from workers.wire.errors import cancelled_error, error_body
+from workers.wire.events import EVENT_DONE, EVENT_ERROR, decode_event
+from workers.wire.job import FAILED, FINISHED, TERMINAL_STATUSES
+from workers.wire.text import as_str
 
 BLOCK_MS = 500  # below the client's 2 s socket timeout, short enough to notice disconnects
 LOST_GRACE_SECONDS = 5.0  # a terminal record without a terminal event after this is repaired
@@ -78,7 +72,7 @@ def follow(conn: redis.Redis, job_id: str, after: str = "0") -> Iterator[Event |
             continue
         idle_since = time.monotonic()
         for entry_id, fields in reply[0][1]:
-            last = _text(entry_id)
+            last = as_str(entry_id)
             kind, data = decode_event(fields)
             event = Event(last, kind, data)
             yield event
@@ -88,7 +82,7 @@ def follow(conn: redis.Redis, job_id: str, after: str = "0") -> Iterator[Event |
 
 def _repair(conn: redis.Redis, job_id: str, last: str, idle: float) -> Event | None:
     raw = conn.hmget(keys.job(job_id), ["status", "result", "error"])
-    status = _text(raw[0]) if raw[0] is not None else None
+    status = as_str(raw[0]) if raw[0] is not None else None
     if status is None:
         error = error_body(
             f"Job {job_id} no longer exists (expired or lost).",
@@ -162,7 +156,3 @@ SSE_HEADERS = {
 
 def _json(raw: bytes | str) -> dict[str, Any]:
     return json.loads(raw)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

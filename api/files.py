@@ -16,12 +16,8 @@ from api.batch_lines import numbered_lines
 from api.body import UnsupportedMediaType
 from api.config import redis_conn
 from api.errors import InvalidRequest, PayloadTooLarge
-from workers.protocol import (
-    FILE_PURPOSE_BATCH,
-    FILE_TTL_SECONDS,
-    MAX_BATCH_LINES,
-    MAX_FILE_BYTES,
-)
+from workers.wire.batches import FILE_PURPOSE_BATCH
+from workers.wire.defaults import FILE_TTL_SECONDS, MAX_BATCH_LINES, MAX_FILE_BYTES
 
 bp = Blueprint("files", __name__, url_prefix="/v1/files")
 bp.before_request(require_api_key)

@@ -19,9 +19,10 @@ from api import store
 from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream
 from api.config import redis_conn
-from api.errors import InvalidRequest, ServiceUnavailable
+from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
-from workers.protocol import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN, JobRecord
+from workers.wire.events import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN
+from workers.wire.job import JobRecord
 
 log = logging.getLogger(__name__)
 
@@ -151,16 +152,7 @@ def stream(record: JobRecord, req: Any) -> Response:
         except Exception:
             log.exception("stream for job %s failed", record.id)
             finished = True
-            yield _data(
-                {
-                    "error": {
-                        "message": "Internal server error.",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "internal_error",
-                    }
-                }
-            )
+            yield _data(InternalError().body())
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # client went away (GeneratorExit or a failed peek)

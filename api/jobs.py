@@ -19,7 +19,8 @@ from api.events import SSE_HEADERS, follow, parse_event_id, sse
 from api.flow import accepted, submit_request
 from api.schemas import parse_request
 from workers import keys
-from workers.protocol import ENDPOINTS, EVENT_ERROR, EVENT_TOKEN, TERMINAL_STATUSES, JobRecord
+from workers.wire.events import EVENT_ERROR, EVENT_TOKEN
+from workers.wire.job import ENDPOINTS, TERMINAL_STATUSES, JobRecord
 
 BROKER_DOWN = ServiceUnavailable("The job broker is unavailable; reconnect.", code="broker_down")
 

@@ -3,7 +3,7 @@
 Counters live in Redis hashes (`keys.METRIC_*`) rather than in process memory: gunicorn
 runs several API processes and the workers are other processes (or machines), and each
 scrape must see the sum of all of them. The API increments request counts; workers
-increment token counts and histogram buckets (`protocol.histogram_fields`). A scrape costs
+increment token counts and histogram buckets (`wire.histograms.histogram_fields`). A scrape costs
 one pipelined round trip.
 """
 
@@ -26,7 +26,8 @@ from prometheus_client.registry import Collector
 from rq import Queue
 
 from workers import keys
-from workers.protocol import BATCH_SIZE_BUCKETS, TTFT_BUCKETS, WorkerInfo, format_bucket
+from workers.wire.histograms import BATCH_SIZE_BUCKETS, TTFT_BUCKETS, format_bucket
+from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from api.body import json_object
 from api.config import redis_conn
 from api.flow import respond
 from api.schemas import parse_request
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 bp.before_request(require_api_key)

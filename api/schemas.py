@@ -20,14 +20,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api.errors import InvalidRequest, UnsupportedFeature
+from runtime.limits import (  # the engine's own numbers (stdlib only: no engine import)
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+)
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request; choices = prompts * n <= MAX_CHOICES
-MAX_CHOICES = 64
 MAX_EMBEDDING_INPUTS = 256
-MAX_STOP_STRINGS = 16  # the engine's limits (runtime.sampling), repeated: api never imports it
-MAX_STOP_STRING_CHARS = 1000
-MAX_LOGPROBS = 20
 MAX_TOKENS_LIMIT = 131072  # absolute cap; the model's context length is checked when known
 MAX_MODEL_ID_CHARS = 256
 MAX_USER_CHARS = 256
@@ -67,6 +71,15 @@ def _text_list(name: str, value: Any, *, max_items: int, allow_empty: bool = Fal
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _reject_priority(priority: int) -> None:
+    """`priority` is in the contract but orders nothing yet: interactive jobs run before
+    batch ones and in arrival order. Only the default (0) is accepted, never ignored."""
+    if priority != 0:
+        raise UnsupportedFeature(
+            f"priority other than 0 is not supported yet, got {priority}.", param="priority"
+        )
 
 
 class StreamOptions(StrictModel):
@@ -134,7 +147,7 @@ class SamplingRequest(StrictModel):
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalty(cls, v: float, info: Any) -> float:
-        return _in_range(info.field_name, v, -2, 2)
+        return _in_range(info.field_name, v, -MAX_PENALTY, MAX_PENALTY)
 
     @field_validator("logit_bias")
     @classmethod
@@ -142,7 +155,7 @@ class SamplingRequest(StrictModel):
         for key, bias in (v or {}).items():
             if not key.isdigit():
                 raise ValueError(f"logit_bias keys must be token ids, got {_short(key)}.")
-            _in_range(f"logit_bias[{key}]", bias, -100, 100)
+            _in_range(f"logit_bias[{key}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         return v
 
     @field_validator("seed", "priority")
@@ -180,6 +193,7 @@ class SamplingRequest(StrictModel):
 
     def reject_unsupported(self) -> None:
         """Raise `UnsupportedFeature` for any contract feature the engine lacks."""
+        _reject_priority(self.priority)
         if self.lora:
             raise UnsupportedFeature("lora adapters are not supported yet.", param="lora")
         if self.json_schema is not None:
@@ -388,6 +402,7 @@ class EmbeddingRequest(StrictModel):
     def reject_unsupported(self) -> None:
         if self.input is None:
             raise InvalidRequest("input is required.", param="input")
+        _reject_priority(self.priority)
         if self.dimensions is not None:
             raise UnsupportedFeature("dimensions is not supported yet.", param="dimensions")
 

@@ -1,6 +1,6 @@
 """The API's view of Redis: workers and models, job records, enqueueing and cancelling.
 
-Every key comes from `workers.keys`; every record and event from `workers.protocol`. The API
+Every key comes from `workers.keys`; every record and event from `workers.wire`. The API
 keeps no per-job state in memory, so any API process can answer for any job.
 """
 
@@ -23,22 +23,14 @@ from rq.serializers import JSONSerializer
 from api.auth import visible
 from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
 from workers import keys
-from workers.protocol import (
-    AFFINITY_MAX_QUEUED,
-    CANCEL_FLAG_TTL_SECONDS,
-    CANCELLED,
-    EVENT_ERROR,
-    JOB_FUNCTION,
-    JOB_TTL_SECONDS,
-    QUEUED,
-    TERMINAL_STATUSES,
-    JobRecord,
-    WorkerInfo,
-    cancelled_error,
-    encode_event,
-    prefix_digest,
-    push_wake,
-)
+from workers.wire.defaults import AFFINITY_MAX_QUEUED, CANCEL_FLAG_TTL_SECONDS, JOB_TTL_SECONDS
+from workers.wire.errors import cancelled_error
+from workers.wire.events import write_ending
+from workers.wire.job import CANCELLED, JOB_FUNCTION, QUEUED, TERMINAL_STATUSES, JobRecord
+from workers.wire.prefix import prefix_digest
+from workers.wire.text import as_str
+from workers.wire.wake import push_wake
+from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +51,7 @@ def rq_queue(conn: redis.Redis, model: str, kind: str = keys.INTERACTIVE) -> Que
 
 def all_workers(conn: redis.Redis) -> list[WorkerInfo]:
     """Every registered worker whose hash still exists (alive or stale)."""
-    names = sorted(_text(n) for n in conn.smembers(keys.WORKERS))
+    names = sorted(as_str(n) for n in conn.smembers(keys.WORKERS))
     pipe = conn.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(keys.worker(name))
@@ -87,7 +79,7 @@ def known_models(conn: redis.Redis) -> dict[str, dict[str, Any]]:
             info = json.loads(raw)
         except ValueError:
             info = {}
-        models[_text(model)] = info if isinstance(info, dict) else {}
+        models[as_str(model)] = info if isinstance(info, dict) else {}
     return models
 
 
@@ -192,9 +184,9 @@ def _affine_queue(conn: redis.Redis, record: JobRecord) -> tuple[Queue | None, i
     owner = conn.get(keys.affinity(record.model, digest))
     if owner is None:
         return None, 0
-    name = keys.personal_queue_name(record.model, _text(owner))
+    name = keys.personal_queue_name(record.model, as_str(owner))
     try:
-        info = WorkerInfo.from_hash(conn.hgetall(keys.worker(_text(owner))))
+        info = WorkerInfo.from_hash(conn.hgetall(keys.worker(as_str(owner))))
     except (KeyError, ValueError):  # no hash (KeyError: name) or a malformed one
         return None, 0
     if not info.takes_own_queue(name):
@@ -214,7 +206,7 @@ def _queue_keys(conn: redis.Redis, record: JobRecord, affine: Queue | None) -> l
     if record.kind == keys.INTERACTIVE:
         own = Queue(keys.personal_queue_name(record.model, ""), connection=conn).key
         found |= {
-            k for k in map(_text, conn.smembers(Queue.redis_queues_keys)) if k.startswith(own)
+            k for k in map(as_str, conn.smembers(Queue.redis_queues_keys)) if k.startswith(own)
         }
     return sorted(found)
 
@@ -285,7 +277,7 @@ def _claim(conn: redis.Redis, key: str, job_id: str) -> JobRecord | None:
             return None
         existing = conn.get(key)
         if existing is not None:
-            record = get_record(conn, _text(existing))
+            record = get_record(conn, as_str(existing))
             if record is not None:
                 return record
         if time.monotonic() > deadline:
@@ -328,18 +320,7 @@ def _mark_cancelled(conn: redis.Redis, record: JobRecord) -> None:
     error = cancelled_error()
     record.status, record.finished_at, record.error = CANCELLED, time.time(), error
     pipe = conn.pipeline()
-    pipe.hset(
-        keys.job(record.id),
-        mapping={
-            "status": CANCELLED,
-            "finished_at": str(record.finished_at),
-            "error": json.dumps(error),
-        },
-    )
-    pipe.xadd(keys.job_events(record.id), encode_event(EVENT_ERROR, error))
-    pipe.expire(keys.job_events(record.id), JOB_TTL_SECONDS)
-    pipe.publish(keys.job_wake(record.id), "1")
-    pipe.hincrby(keys.METRIC_JOBS, CANCELLED, 1)
+    write_ending(pipe, record.id, CANCELLED, error)
     pipe.execute()
     try:  # keep RQ's own bookkeeping honest (CanceledJobRegistry); the job never ran
         Job.fetch(record.id, connection=conn, serializer=JSONSerializer).cancel()
@@ -359,16 +340,12 @@ def set_cancel_flag(conn: redis.Redis, job_id: str) -> None:
         log.warning("could not cancel job %s after disconnect: %s", job_id, exc)
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def all_queues(conn: redis.Redis) -> list[Queue]:
     """llmq's RQ queues (RQ's own registry of queue keys, filtered to our prefix)."""
     prefix = Queue.redis_queue_namespace_prefix + keys.PREFIX + "-"
     names = [
-        _text(k)[len(Queue.redis_queue_namespace_prefix) :]
+        as_str(k)[len(Queue.redis_queue_namespace_prefix) :]
         for k in conn.smembers(Queue.redis_queues_keys)
-        if _text(k).startswith(prefix)
+        if as_str(k).startswith(prefix)
     ]
     return [Queue(n, connection=conn, serializer=JSONSerializer) for n in names]

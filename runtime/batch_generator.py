@@ -9,8 +9,11 @@ the engine's block pool; when it runs out, the lowest-priority, most recently ar
 sequence is preempted: its full blocks go to the prefix cache, its memory is freed, and it
 waits to be recomputed (prompt + what it generated so far), usually from cached blocks.
 
-Only rows whose next token is wanted go through the LM head; tokens become text events with
-incremental UTF-8-safe detokenizing and stop strings.
+Only rows whose next token is wanted go through the LM head; tokens become text events
+through each sequence's `TextAssembler` (UTF-8-safe detokenizing and stop strings), the one
+text path: callers publish the text they are given. A request that resumes an earlier run
+(`add(..., resume=k)`: its last k prompt tokens were generated and sent before) has those
+tokens replayed through its assembler, so its text continues exactly where the run stopped.
 """
 
 from __future__ import annotations
@@ -22,16 +25,15 @@ from typing import Protocol
 
 import numpy as np
 
+from runtime.detokenizer import TextAssembler
 from runtime.errors import ContextLengthError, EmptyPromptError
 from runtime.kv_cache import KVCache
 from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import Sampler, SampleResult, SamplingParams, SequenceSamplingState
-from runtime.stop_strings import StopStringMatcher
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.tokenizer import Tokenizer
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
 INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 1
 
 
@@ -74,8 +76,7 @@ class _Sequence:
     priority: int
     arrival: int
     sampling: SequenceSamplingState
-    detokenizer: IncrementalDetokenizer
-    stops: StopStringMatcher
+    text: TextAssembler
     cache_prompt: bool
     cache: PagedKVCache | None = None
     consumed: int = 0  # tokens of prompt_ids already in the cache
@@ -138,19 +139,26 @@ class BatchGenerator:
         params: SamplingParams,
         priority: int = INTERACTIVE_PRIORITY,
         cache_prompt: bool = True,
+        resume: int = 0,
     ) -> None:
+        """Queue a request. `resume`: how many of the last prompt tokens an earlier run of
+        it generated and sent; their text is not emitted again, and what they held back
+        (part of a UTF-8 character, the start of a stop string) carries on."""
         if any(s.request_id == request_id for s in self._running + self._waiting):
             raise ValueError(f"request {request_id!r} is already running")
         self.check_request(prompt_ids, params)
+        if not 0 <= resume < len(prompt_ids):
+            raise ValueError(f"resume must be in [0, {len(prompt_ids)}), got {resume}")
         prompt = [int(t) for t in prompt_ids]
+        text = TextAssembler(self.tokenizer, params.stop)
+        text.replay(prompt[len(prompt) - resume :])
         seq = _Sequence(
             request_id=request_id,
             prompt_ids=prompt,
             priority=priority,
             arrival=next(self._arrivals),
             sampling=self.sampler.new_state(params, prompt),
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
-            stops=StopStringMatcher(params.stop),
+            text=text,
             cache_prompt=cache_prompt and self.prefix_cache is not None,
             original_length=len(prompt),
         )
@@ -279,15 +287,7 @@ class BatchGenerator:
 
     def _emit(self, seq: _Sequence, sample: SampleResult) -> TokenEvent:
         index = len(seq.sampling.output_token_ids)
-        finish = seq.sampling.append(sample.token_id)
-        # a stop token (EOS, end of turn, stop_token_ids) ends the text without adding to it
-        delta = "" if finish == FINISH_STOP else seq.detokenizer.push(sample.token_id)
-        text, hit_stop = seq.stops.push(delta)
-        if hit_stop:
-            finish = FINISH_STOP
-        elif finish is not None:
-            tail, hit_stop = seq.stops.push(seq.detokenizer.flush())
-            text += tail if hit_stop else tail + seq.stops.flush()
+        text, finish = seq.text.push(sample.token_id, seq.sampling.append(sample.token_id))
         if finish is None:
             seq.next_token = sample.token_id
         else:

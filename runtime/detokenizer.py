@@ -4,12 +4,21 @@ Byte-level BPE and SPM byte-fallback tokens can split one character (an emoji, a
 ideograph) across several tokens. `IncrementalDetokenizer` feeds each token's exact bytes
 (`Tokenizer.piece_bytes`) into an incremental UTF-8 decoder, which holds an incomplete
 sequence back until the rest arrives; so the concatenated output equals `Tokenizer.decode`.
+
+`TextAssembler` is the whole text path of one generated sequence: detokenizing, stop
+strings, and resuming after tokens an earlier run already sent (`replay`), so the text goes
+on as if the run had never stopped. `BatchGenerator` runs one per sequence; nothing else
+turns generated tokens into text.
 """
 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from runtime.sampling import FINISH_STOP
+from runtime.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
     from runtime.tokenizer import Tokenizer
@@ -42,3 +51,33 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Whatever is still buffered (an incomplete sequence becomes U+FFFD); then reset."""
         return self._utf8.decode(b"", final=True)
+
+
+class TextAssembler:
+    """Token ids in, text deltas out, for one sequence that continues a prompt."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stops = StopStringMatcher(stops)
+
+    def push(self, token_id: int, engine_finish: str | None) -> tuple[str, str | None]:
+        """The text this token releases and the sequence's finish reason, if it ends here.
+
+        `engine_finish` is the sampler's verdict: "stop" for a stop token (EOS, end of turn,
+        stop_token_ids), which adds no text; "length" for the last allowed token. A stop
+        string turns either verdict, or none, into "stop".
+        """
+        delta = "" if engine_finish == FINISH_STOP else self._detokenizer.push(token_id)
+        text, hit_stop = self._stops.push(delta)
+        if hit_stop:
+            return text, FINISH_STOP
+        if engine_finish is not None:
+            tail, hit_stop = self._stops.push(self._detokenizer.flush())
+            text += tail if hit_stop else tail + self._stops.flush()
+            return text, FINISH_STOP if hit_stop else engine_finish
+        return text, None
+
+    def replay(self, token_ids: Sequence[int]) -> str:
+        """Push tokens already sent (none of which ended the sequence); their text. The
+        UTF-8 bytes and stop-string prefixes they leave held back stay held back."""
+        return "".join(self.push(t, None)[0] for t in token_ids)

@@ -1,6 +1,8 @@
 """Named exceptions of the runtime. Every error a user can cause has a class here.
 
-Messages say what was wrong and what was expected, so a CLI or API can show them as-is.
+Messages say what was wrong and what was expected, so a CLI or API can show them as-is;
+`param` names the request field an error is about (OpenAI's `param`), set where it is
+raised, so nobody has to guess it from the message.
 """
 
 from __future__ import annotations
@@ -8,6 +10,13 @@ from __future__ import annotations
 
 class LLMQRuntimeError(Exception):
     """Base of every error the engine raises on purpose."""
+
+    param: str | None = None  # the request field the error is about, if any
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        if param is not None:
+            self.param = param
 
 
 class ModelNotFoundError(LLMQRuntimeError):
@@ -24,6 +33,8 @@ class ContextLengthError(LLMQRuntimeError):
 
 class EmptyPromptError(LLMQRuntimeError):
     """A prompt with no tokens to condition on."""
+
+    param = "prompt"
 
 
 class InvalidSamplingParams(LLMQRuntimeError, ValueError):
@@ -44,6 +55,8 @@ class InvalidTokenIdError(TokenizerError, ValueError):
 
 class ChatTemplateError(LLMQRuntimeError):
     """Base of the chat-template failures; the message says which model and what went wrong."""
+
+    param = "messages"
 
 
 class ChatTemplateMissingError(ChatTemplateError):

@@ -19,17 +19,14 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InvalidSamplingParams
+from runtime.limits import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+)
 
-MAX_STOP_STRINGS = 16
-"""Stop strings per request; each one is searched for on every token, so keep the list short."""
-MAX_STOP_STRING_CHARS = 1000
-"""Longest stop string; the matcher holds back up to this many characters of output."""
-MAX_LOGPROBS = 20
-"""Most alternatives per token that `logprobs` may ask for (OpenAI's limit)."""
-MAX_LOGIT_BIAS = 100.0
-"""OpenAI's range for a logit_bias value: -100 effectively bans a token, +100 forces it."""
-MAX_PENALTY = 2.0
-"""OpenAI's range for presence_penalty and frequency_penalty."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as greedy; dividing by them only risks overflow."""
 
@@ -40,29 +37,35 @@ FINISH_LENGTH = "length"
 # ---------------------------------------------------------------- parameters
 
 
-def _as_int(name: str, value: Any) -> int:
+def _as_int(name: str, value: Any, param: str | None = None) -> int:
     # bool is an int subclass; True as a top_k or max_tokens is always a caller bug.
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise InvalidSamplingParams(f"{name} must be an integer, got {value!r}.")
+        raise InvalidSamplingParams(
+            f"{name} must be an integer, got {value!r}.", param=param or name
+        )
     return int(value)
 
 
-def _as_float(name: str, value: Any) -> float:
+def _as_float(name: str, value: Any, param: str | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise InvalidSamplingParams(f"{name} must be a number, got {value!r}.")
+        raise InvalidSamplingParams(f"{name} must be a number, got {value!r}.", param=param or name)
     result = float(value)
     if not math.isfinite(result):
-        raise InvalidSamplingParams(f"{name} must be a finite number, got {value!r}.")
+        raise InvalidSamplingParams(
+            f"{name} must be a finite number, got {value!r}.", param=param or name
+        )
     return result
 
 
-def _as_token_id(name: str, value: Any) -> int:
+def _as_token_id(name: str, value: Any, param: str | None = None) -> int:
     # JSON object keys are strings, so logit_bias arrives as {"123": 5}; accept digit strings.
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    token_id = _as_int(name, value)
+    token_id = _as_int(name, value, param)
     if token_id < 0:
-        raise InvalidSamplingParams(f"{name} must be non-negative, got {token_id}.")
+        raise InvalidSamplingParams(
+            f"{name} must be non-negative, got {token_id}.", param=param or name
+        )
     return token_id
 
 
@@ -107,33 +110,40 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.max_tokens = _as_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
-            raise InvalidSamplingParams(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise InvalidSamplingParams(
+                f"max_tokens must be at least 1, got {self.max_tokens}.", param="max_tokens"
+            )
         self.temperature = _as_float("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidSamplingParams(
-                f"temperature must be non-negative, got {self.temperature}."
+                f"temperature must be non-negative, got {self.temperature}.", param="temperature"
             )
         self.top_p = _as_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise InvalidSamplingParams(
+                f"top_p must be in (0, 1], got {self.top_p}.", param="top_p"
+            )
         self.top_k = _as_int("top_k", self.top_k)
         if self.top_k < -1:
             raise InvalidSamplingParams(
-                f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}."
+                f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}.", param="top_k"
             )
         self.top_k = max(self.top_k, 0)
         self.min_p = _as_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidSamplingParams(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise InvalidSamplingParams(
+                f"min_p must be in [0, 1], got {self.min_p}.", param="min_p"
+            )
         self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise InvalidSamplingParams(
-                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}."
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}.",
+                param="repetition_penalty",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = _as_float(name, getattr(self, name))
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {value}.")
+                raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {value}.", param=name)
             setattr(self, name, value)
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if self.seed is not None:
@@ -141,13 +151,16 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool | np.bool_):
-            raise InvalidSamplingParams(f"ignore_eos must be a bool, got {self.ignore_eos!r}.")
+            raise InvalidSamplingParams(
+                f"ignore_eos must be a bool, got {self.ignore_eos!r}.", param="ignore_eos"
+            )
         self.ignore_eos = bool(self.ignore_eos)
         if self.logprobs is not None:
             self.logprobs = _as_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidSamplingParams(
-                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}."
+                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.",
+                    param="logprobs",
                 )
 
     @staticmethod
@@ -156,15 +169,17 @@ class SamplingParams:
             return {}
         if not isinstance(bias, Mapping):
             raise InvalidSamplingParams(
-                f"logit_bias must be a mapping of token id to bias, got {bias!r}."
+                f"logit_bias must be a mapping of token id to bias, got {bias!r}.",
+                param="logit_bias",
             )
         result: dict[int, float] = {}
         for key, value in bias.items():
-            token_id = _as_token_id("logit_bias token id", key)
-            bias_value = _as_float(f"logit_bias[{token_id}]", value)
+            token_id = _as_token_id("logit_bias token id", key, "logit_bias")
+            bias_value = _as_float(f"logit_bias[{token_id}]", value, "logit_bias")
             if not -MAX_LOGIT_BIAS <= bias_value <= MAX_LOGIT_BIAS:
                 raise InvalidSamplingParams(
-                    f"logit_bias[{token_id}] must be in [-100, 100], got {bias_value}."
+                    f"logit_bias[{token_id}] must be in [-100, 100], got {bias_value}.",
+                    param="logit_bias",
                 )
             result[token_id] = bias_value
         return result
@@ -177,24 +192,28 @@ class SamplingParams:
             stop = [stop]
         if not isinstance(stop, Iterable):
             raise InvalidSamplingParams(
-                f"stop must be a string or a list of strings, got {stop!r}."
+                f"stop must be a string or a list of strings, got {stop!r}.", param="stop"
             )
         result: list[str] = []
         for item in stop:
             if not isinstance(item, str):
-                raise InvalidSamplingParams(f"stop must contain only strings, got {item!r}.")
+                raise InvalidSamplingParams(
+                    f"stop must contain only strings, got {item!r}.", param="stop"
+                )
             if not item:
-                raise InvalidSamplingParams("stop strings must be non-empty, got ''.")
+                raise InvalidSamplingParams("stop strings must be non-empty, got ''.", param="stop")
             if len(item) > MAX_STOP_STRING_CHARS:
                 raise InvalidSamplingParams(
                     f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
-                    f"got one of {len(item)}."
+                    f"got one of {len(item)}.",
+                    param="stop",
                 )
             if item not in result:
                 result.append(item)
         if len(result) > MAX_STOP_STRINGS:
             raise InvalidSamplingParams(
-                f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(result)}."
+                f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(result)}.",
+                param="stop",
             )
         return result
 
@@ -203,7 +222,9 @@ class SamplingParams:
         if ids is None:
             return []
         if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
-            raise InvalidSamplingParams(f"stop_token_ids must be a list of token ids, got {ids!r}.")
+            raise InvalidSamplingParams(
+                f"stop_token_ids must be a list of token ids, got {ids!r}.", param="stop_token_ids"
+            )
         return list(dict.fromkeys(_as_token_id("stop_token_ids", i) for i in ids))
 
     @property
@@ -218,7 +239,8 @@ class SamplingParams:
                 if token_id >= vocab_size:
                     raise InvalidSamplingParams(
                         f"{name} token id {token_id} is out of range for a vocabulary of "
-                        f"{vocab_size} tokens."
+                        f"{vocab_size} tokens.",
+                        param=name,
                     )
 
 

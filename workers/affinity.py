@@ -5,9 +5,9 @@ whose prefix cache holds that start, when several workers serve its model.
   before the shared queues (`personal_queues`). A job on it is still, for RQ, a job of the
   shared queue (its origin, registries and results), so nothing of RQ's is left behind on
   the queue of a worker that is gone; the own queue only decides who takes the job.
-- When it starts a job whose request has a `protocol.prefix_digest`, it records itself under
+- When it starts a job whose request has a `wire.prefix.prefix_digest`, it records itself under
   `keys.affinity(model, digest)`; when a chat job finishes it also records the digest the
-  conversation's next turn will have (`protocol.continuation_digest`). Each entry has a TTL.
+  conversation's next turn will have (`wire.prefix.continuation_digest`). Each entry has a TTL.
 - The API (`api.store.enqueue`) puts a job on the recorded worker's own queue only while
   that worker is alive, not draining, and has room for it now (its running jobs plus its
   own queue below `max_batch`, and at most `AFFINITY_MAX_QUEUED` waiting); anything else
@@ -28,14 +28,10 @@ from rq.queue import Queue
 
 from workers import keys, scripts
 from workers.presence import wake
-from workers.protocol import (
-    AFFINITY_TTL_SECONDS,
-    CHAT_COMPLETIONS,
-    JobRecord,
-    WorkerInfo,
-    continuation_digest,
-    prefix_digest,
-)
+from workers.wire.defaults import AFFINITY_TTL_SECONDS
+from workers.wire.job import CHAT_COMPLETIONS, JobRecord
+from workers.wire.prefix import continuation_digest, prefix_digest
+from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger("llmq.affinity")
 

@@ -39,7 +39,8 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from workers import keys
-from workers.protocol import (
+from workers.wire.batch_output import error_line, output_line
+from workers.wire.batches import (
     BATCH_CANCELLED,
     BATCH_CANCELLING,
     BATCH_COMPLETED,
@@ -48,23 +49,15 @@ from workers.protocol import (
     BATCH_IN_PROGRESS,
     BATCH_TERMINAL,
     BATCH_VALIDATING,
-    CANCEL_FLAG_TTL_SECONDS,
-    CANCELLED,
     FILE_PURPOSE_OUTPUT,
-    FILE_TTL_SECONDS,
-    FINISHED,
-    JOB_FUNCTION,
-    JOB_TTL_SECONDS,
-    QUEUED,
-    TERMINAL_STATUSES,
     BatchRecord,
     FileRecord,
-    JobRecord,
-    cancelled_error,
-    error_line,
-    output_line,
-    push_wake,
 )
+from workers.wire.defaults import CANCEL_FLAG_TTL_SECONDS, FILE_TTL_SECONDS, JOB_TTL_SECONDS
+from workers.wire.errors import cancelled_error
+from workers.wire.job import CANCELLED, FINISHED, JOB_FUNCTION, QUEUED, TERMINAL_STATUSES, JobRecord
+from workers.wire.text import as_str
+from workers.wire.wake import push_wake
 
 log = logging.getLogger("llmq.batches")
 
@@ -145,7 +138,7 @@ class BatchDriver:
             self.conn.eval(_UNLOCK, 1, keys.BATCHES_LOCK, self.owner)
 
     def _active(self) -> list[BatchRecord]:
-        ids = [_text(i) for i in self.conn.smembers(keys.BATCHES_ACTIVE)]
+        ids = [as_str(i) for i in self.conn.smembers(keys.BATCHES_ACTIVE)]
         with self.conn.pipeline(transaction=False) as pipe:
             for batch_id in ids:
                 pipe.hgetall(keys.batch(batch_id))
@@ -194,7 +187,7 @@ class BatchDriver:
             fields += [name, str(value)]
         if not self.conn.eval(_TRANSITION, 1, keys.batch(rec.id), expected, *fields):
             fresh = self.conn.hget(keys.batch(rec.id), "status")
-            rec.status = _text(fresh) if fresh is not None else rec.status
+            rec.status = as_str(fresh) if fresh is not None else rec.status
             return False
         rec.status = status
         for name, value in times.items():
@@ -216,7 +209,7 @@ class BatchDriver:
         ending = self._ending(rec)
         with self.conn.pipeline() as pipe:
             for line, job_id, state, raw in zip(lines, job_ids, states, raw_requests, strict=True):
-                status = _text(state[0]) if state[0] is not None else None
+                status = as_str(state[0]) if state[0] is not None else None
                 if status is not None and status not in TERMINAL_STATUSES:
                     continue
                 custom_id = json.loads(raw)["custom_id"] if raw is not None else None
@@ -267,7 +260,7 @@ class BatchDriver:
             try:
                 pipe.watch(keys.batch(rec.id))
                 fed = int(pipe.hget(keys.batch(rec.id), "fed") or 0)
-                status = _text(pipe.hget(keys.batch(rec.id), "status") or b"")
+                status = as_str(pipe.hget(keys.batch(rec.id), "status") or b"")
                 if fed != rec.fed or status != BATCH_IN_PROGRESS:
                     pipe.unwatch()
                     return False
@@ -327,11 +320,11 @@ class BatchDriver:
         for line in lines:
             job_id = keys.batch_job_id(rec.id, line)
             status, model = self.conn.hmget(keys.job(job_id), "status", "model")
-            if status is None or _text(status) in TERMINAL_STATUSES:
+            if status is None or as_str(status) in TERMINAL_STATUSES:
                 continue
             self.conn.set(keys.job_cancel(job_id), "1", ex=CANCEL_FLAG_TTL_SECONDS)
-            queue = _queue(self.conn, _text(model))
-            if _text(status) == QUEUED and self.conn.lrem(queue.key, 1, job_id):
+            queue = _queue(self.conn, as_str(model))
+            if as_str(status) == QUEUED and self.conn.lrem(queue.key, 1, job_id):
                 body = cancelled_error()
                 fields = {
                     "status": CANCELLED,
@@ -357,8 +350,8 @@ class BatchDriver:
                 return  # cancelled meanwhile: the next tick ends it as cancelled
         if ending is not None:
             self._write_off_unfed(rec, ending)
-        output = self._file_text(keys.batch_output(rec.id))
-        errors = self._file_text(keys.batch_errors(rec.id))
+        output = self._fileas_str(keys.batch_output(rec.id))
+        errors = self._fileas_str(keys.batch_errors(rec.id))
         final = ending or BATCH_COMPLETED
         fields: dict[str, str] = {"status": final, f"{final}_at": str(now)}
         with self.conn.pipeline() as pipe:
@@ -402,7 +395,7 @@ class BatchDriver:
                     self._record(pipe, rec, line, "errors", text, (0, 0, 0))
                 pipe.execute()
 
-    def _file_text(self, key: str) -> bytes:
+    def _fileas_str(self, key: str) -> bytes:
         entries = sorted((int(k), v) for k, v in self.conn.hgetall(key).items())
         return b"".join(v + b"\n" for _, v in entries)
 
@@ -463,7 +456,3 @@ def _file_id(batch_id: str, kind: str) -> str:
 
 def _batch_ttl(rec: BatchRecord) -> int:
     return max(60, int(rec.expires_at + FILE_TTL_SECONDS - time.time()))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

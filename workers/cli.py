@@ -1,7 +1,7 @@
-"""The `llmq` command line: every subcommand, each group added by its own package.
+"""`llmq worker`: its options and the handler that runs one worker process.
 
-`build_parser` collects the groups in `COMMAND_GROUPS`; a package adds its commands with an
-`add_*_commands(sub)` function and each command sets `handler` (args -> exit code).
+Added to the `llmq` parser by the front door (`llmq.cli`); argparse only at import time, so
+building the parser loads neither RQ's worker nor an engine.
 """
 
 from __future__ import annotations
@@ -10,15 +10,8 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
-
-from api.batch_cli import add_batch_commands
-from api.cli import add_api_commands
-from runtime.cli import add_runtime_commands
-from runtime.errors import LLMQRuntimeError
-from workers.errors import WorkerError
-from workers.supervisor import add_serve_commands
 
 T = TypeVar("T")
 
@@ -141,40 +134,3 @@ def _connected(make: Callable[[], T]) -> T:
             )
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
-
-
-# `api.cli` is argparse only (it execs gunicorn); importing it loads neither Flask nor models.
-COMMAND_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_runtime_commands,
-    add_worker_commands,
-    add_api_commands,
-    add_serve_commands,
-    add_batch_commands,
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmq", description="Serve GGUF language models through a Redis job queue."
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_commands in COMMAND_GROUPS:
-        add_commands(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except (LLMQRuntimeError, WorkerError) as exc:
-        print(f"llmq: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,7 +16,7 @@ from runtime.registry import load_registry
 from workers import keys
 from workers.errors import WorkerError
 from workers.pool import PoolConfig
-from workers.protocol import LEASE_RENEW_SECONDS, LEASE_TTL_SECONDS
+from workers.wire.defaults import LEASE_RENEW_SECONDS, LEASE_TTL_SECONDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 STEP_DELAY_ENV = "LLMQ_WORKER_STEP_DELAY_MS"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.protocol import error_body
+from workers.wire.errors import error_body
 
 
 class WorkerError(Exception):
@@ -52,14 +52,6 @@ class JobRefused(JobFailure):
     that cannot be read as JSON (RELIABILITY F19). It is failed, never executed."""
 
     code = "job_refused"
-
-
-class JobRecordMissing(WorkerError):
-    """The job's record is gone (expired or deleted), so there is nothing to run."""
-
-
-class LeaseLost(WorkerError):
-    """Another worker (or the reaper) owns the job now; this worker must drop it silently."""
 
 
 class PoolFull(WorkerError):

@@ -3,32 +3,26 @@
 `ActiveJob` knows nothing of Redis: the worker hands it the record, the RQ job and the
 stream progress of earlier attempts, feeds it engine events, and writes out the events it
 queues in `pending`. `run_job` is the one function name RQ jobs may carry (the allowlist in
-`workers.protocol.JOB_FUNCTION`); llmq workers never call it, they run jobs in batches.
+`workers.wire.job.JOB_FUNCTION`); llmq workers never call it, they run jobs in batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rq.job import Job
+from rq.queue import Queue
+
 from runtime.batch_generator import TokenEvent
+from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
-from runtime.sampling import SamplingParams
+from runtime.sampling import FINISH_LENGTH, SamplingParams
 from workers import keys
 from workers.errors import InvalidJobRequest, JobRefused
-from workers.events import StreamProgress, terminal_event, token_event
-from workers.protocol import (
-    CHAT_COMPLETIONS,
-    EMBEDDINGS,
-    EVENT_DONE,
-    EVENT_ERROR,
-    FAILED,
-    JobRecord,
-    error_body,
-)
+from workers.progress import StreamProgress
 from workers.requests import ChoicePlan, JobPlan, embedding_inputs, plan_generation
 from workers.responses import (
     ChoiceOutput,
@@ -37,7 +31,9 @@ from workers.responses import (
     completion_body,
     embeddings_body,
 )
-from workers.text import FINISH_LENGTH, TextAssembler
+from workers.wire.errors import error_body
+from workers.wire.events import token_event, write_ending
+from workers.wire.job import CHAT_COMPLETIONS, EMBEDDINGS, FAILED, JobRecord
 
 
 def run_job(job_id: str) -> None:
@@ -50,11 +46,8 @@ def run_job(job_id: str) -> None:
     body = error_body(message, "server_error", code="wrong_worker", status=500)
     current = get_current_job()
     if current is not None and keys.is_valid_job_id(job_id):
-        kind, data = terminal_event(EVENT_ERROR, body)
         with current.connection.pipeline() as pipe:
-            pipe.hset(keys.job(job_id), mapping={"status": FAILED, "error": json.dumps(body)})
-            pipe.xadd(keys.job_events(job_id), {"event": kind, "data": data})
-            pipe.publish(keys.job_wake(job_id), "failed")
+            write_ending(pipe, job_id, FAILED, body)
             pipe.execute()
     raise JobRefused(message)
 
@@ -63,7 +56,6 @@ def run_job(job_id: str) -> None:
 class ChoiceState:
     plan: ChoicePlan
     output: ChoiceOutput
-    assembler: TextAssembler
     request_id: str
 
     @property
@@ -78,8 +70,8 @@ class ActiveJob:
     record: JobRecord
     attempt: int
     lease: str
-    rq_job: Any
-    queue: Any
+    rq_job: Job | None
+    queue: Queue | None
     progress: StreamProgress = field(default_factory=StreamProgress)
     plan: JobPlan | None = None
     choices: list[ChoiceState] = field(default_factory=list)
@@ -92,6 +84,7 @@ class ActiveJob:
     cached_tokens: int = 0  # prompt tokens of its sequences the prefix cache served ...
     prefill_tokens: int = 0  # ... out of this many
     renderer: LogprobRenderer | None = None
+    resumed: dict[str, int] = field(default_factory=dict)  # request id -> tokens sent before
 
     @property
     def id(self) -> str:
@@ -109,9 +102,11 @@ class ActiveJob:
     def completion_tokens(self) -> int:
         return sum(c.output.tokens for c in self.choices)
 
-    def start(self, engine: Any) -> list[tuple[str, list[int], SamplingParams]]:
+    def start(self, engine: Engine) -> list[tuple[str, list[int], SamplingParams]]:
         """Plan the job on `engine` and resume what earlier attempts streamed; the sequences
-        to add to the batch as (request id, prompt ids, params). Raises InvalidJobRequest."""
+        to add to the batch as (request id, prompt ids, params). A resumed sequence's prompt
+        ends with the tokens already sent (`resumed` says how many; the engine replays
+        them) and its `max_tokens` counts only what is left. Raises InvalidJobRequest."""
         body = self.record.request
         if self.record.endpoint == EMBEDDINGS:
             self._embed(engine, body)
@@ -120,22 +115,23 @@ class ActiveJob:
         self.renderer = LogprobRenderer(engine.tokenizer, self.record.endpoint)
         sequences = []
         for plan in self.plan.choices:
-            choice = self._resume(engine, plan)
+            choice = self._resume(plan)
             self.choices.append(choice)
             if choice.finished:
                 continue
             sent = choice.output.tokens
             params = dataclasses.replace(plan.params, max_tokens=plan.params.max_tokens - sent)
             sequences.append((choice.request_id, plan.prompt_ids + self._sent_ids(plan), params))
+            self.resumed[choice.request_id] = sent
         self.prefill_tokens = sum(len(prompt) for _, prompt, _ in sequences)
         self._maybe_done()
         return sequences
 
     def on_token(self, choice_index: int, event: TokenEvent) -> bool:
-        """Take one engine token; True if it ended its choice (the caller must abort the
-        sequence if the engine did not end it itself, i.e. a stop string matched here)."""
+        """Take one engine token, text and finish reason as the engine made them; True if
+        it ended its choice."""
         choice = self.choices[choice_index]
-        text, finish = choice.assembler.push(event.token_id, event.finish_reason)
+        text, finish = event.text, event.finish_reason
         out = choice.output
         entry = None
         if self.plan is not None and self.plan.logprobs is not None and self.renderer:
@@ -178,36 +174,30 @@ class ActiveJob:
             self.cached_tokens,
         )
 
-    def done_event(self) -> tuple[str, str]:
-        assert self.result is not None
-        return terminal_event(EVENT_DONE, self.result)
-
     def _maybe_done(self) -> None:
         if self.result is None and self.choices and not self.running:
             self.result = self.body()
 
-    def _resume(self, engine: Any, plan: ChoicePlan) -> ChoiceState:
+    def _resume(self, plan: ChoicePlan) -> ChoiceState:
         """The choice's state after replaying the tokens earlier attempts streamed."""
         out = ChoiceOutput(index=plan.index, echo_text=plan.echo_text)
         if plan.echo_logprobs is not None and self.renderer is not None:
             out.echo_logprobs = self.renderer.echo_entries(plan.echo_logprobs)
-        assembler = TextAssembler(engine.tokenizer, plan.stop)
         streamed = self.progress.choices.get(plan.index)
         if streamed is not None:
-            assembler.replay(streamed.token_ids)
             out.text = list(streamed.texts)
             out.logprobs = list(streamed.logprobs)
             out.tokens = len(streamed.token_ids)
             out.finish_reason = streamed.finish_reason
             if out.finish_reason is None and out.tokens >= plan.params.max_tokens:
                 out.finish_reason = FINISH_LENGTH  # all sent, the last event just said so late
-        return ChoiceState(plan, out, assembler, f"{self.id}:{plan.index}")
+        return ChoiceState(plan, out, f"{self.id}:{plan.index}")
 
     def _sent_ids(self, plan: ChoicePlan) -> list[int]:
         streamed = self.progress.choices.get(plan.index)
         return list(streamed.token_ids) if streamed else []
 
-    def _embed(self, engine: Any, body: dict[str, Any]) -> None:
+    def _embed(self, engine: Engine, body: dict[str, Any]) -> None:
         inputs = embedding_inputs(engine, body)
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):

@@ -4,19 +4,18 @@ Shared by `api/` and `workers/`; nothing else builds key strings. This module im
 the standard library, so the API can use it without pulling in the engine.
 
 Layout:
-- `llmq:job:{id}`            hash: the job record (see `workers.protocol.JobRecord`)
+- `llmq:job:{id}`            hash: the job record (see `workers.wire.job.JobRecord`)
 - `llmq:job:{id}:events`     stream: token/done/error events; entry ids are the SSE ids
-- `llmq:job:{id}:wake`       pub/sub channel: "an event was appended" (wake-ups only)
 - `llmq:job:{id}:cancel`     string flag: the decode loop stops the job when it is set
 - `llmq:job:{id}:lease`      string "{worker}:{attempt}" with a short TTL, renewed while running
 - `llmq:running`             set of job ids a worker has started and not finished
 - `llmq:workers`             set of worker names; `llmq:worker:{name}` hash, TTL'd heartbeat
-                             (fields: `workers.protocol.WorkerInfo`)
+                             (fields: `workers.wire.worker_info.WorkerInfo`)
 - `llmq:worker:{name}:commands` list of JSON admin commands for that worker (LPUSH by the
-                             API, popped by the worker; `workers.protocol.encode_command`)
+                             API, popped by the worker; `workers.wire.commands.encode_command`)
 - `llmq:wake:{queue}`        list of wake tokens for an RQ queue (`queue_wake`): whoever
                              puts a job on the queue pushes one in the same transaction
-                             (`protocol.push_wake`), and an idle worker BLPOPs the wake lists
+                             (`wire.wake.push_wake`), and an idle worker BLPOPs the wake lists
                              of its queues with its commands, so it starts the job at once
                              instead of at the end of its poll; bounded, with a short TTL
 - `llmq:models`              hash model id -> JSON of where its file is (published by workers)
@@ -24,17 +23,17 @@ Layout:
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
                              (the `METRIC_*` names below; no TTL, never any prompt text)
 - `llmq:affinity:{model}:{digest}` string: the worker that last ran a request with this
-                             `protocol.prefix_digest` (TTL `protocol.AFFINITY_TTL_SECONDS`)
+                             `wire.prefix.prefix_digest` (TTL `wire.defaults.AFFINITY_TTL_SECONDS`)
 - RQ queues `llmq-{model}-interactive` and `llmq-{model}-batch` (shared by every worker that
   serves the model), and `llmq-{model}-interactive@{worker}`: that worker's own queue, where
   the API routes jobs whose prefix it holds (`workers.affinity`); for RQ those are still
   jobs of the shared queue (their origin), the own queue only decides who takes them
 
-Offline batches (OpenAI's Files and Batch APIs; `workers.protocol` has the record types):
-- `llmq:file:{id}`            hash: a file's metadata (`workers.protocol.FileRecord`)
+Offline batches (OpenAI's Files and Batch APIs; `workers.wire.batches` has the record types):
+- `llmq:file:{id}`            hash: a file's metadata (`workers.wire.batches.FileRecord`)
 - `llmq:file:{id}:content`    string: the file's bytes (input JSONL, or a batch's output)
 - `llmq:files`                sorted set file id -> created_at, for listing
-- `llmq:batch:{id}`           hash: the batch (`workers.protocol.BatchRecord`)
+- `llmq:batch:{id}`           hash: the batch (`workers.wire.batches.BatchRecord`)
 - `llmq:batch:{id}:lines`     list: line numbers of the valid requests, in file order
 - `llmq:batch:{id}:requests`  hash line -> JSON `{custom_id, model, request}` (prompt text)
 - `llmq:batch:{id}:inflight`  set of line numbers enqueued as jobs and not yet collected
@@ -84,10 +83,6 @@ def job(job_id: str) -> str:
 
 def job_events(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:events"
-
-
-def job_wake(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}:wake"
 
 
 def job_cancel(job_id: str) -> str:
@@ -177,7 +172,7 @@ METRIC_REQUESTS = metric("requests")  # "{METHOD} {route}|{status}" -> count (AP
 METRIC_JOBS = metric("jobs")  # state -> jobs that reached it (API: queued/cancelled; workers)
 METRIC_TOKENS_GENERATED = metric("tokens_generated")  # model -> count (workers, HINCRBY)
 METRIC_PROMPT_TOKENS = metric("prompt_tokens")  # model -> count (workers, HINCRBY)
-METRIC_TTFT = metric("ttft_seconds")  # histogram by model: protocol.histogram_fields
+METRIC_TTFT = metric("ttft_seconds")  # histogram by model: wire.histograms.histogram_fields
 METRIC_BATCH_SIZE = metric("batch_size")  # histogram by model of sequences per decode step
 METRIC_TOKENS_PER_SECOND = metric("tokens_per_second")  # worker name -> recent decode tok/s
 METRIC_PREFIX_CACHE = metric("prefix_cache")  # "{model}|hit_tokens", "{model}|prompt_tokens"

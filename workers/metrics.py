@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from workers import keys
-from workers.protocol import BATCH_SIZE_BUCKETS, TTFT_BUCKETS, histogram_fields
+from workers.wire.histograms import BATCH_SIZE_BUCKETS, TTFT_BUCKETS, histogram_fields
 
 
 def observe(pipe: Any, key: str, label: str, value: float, buckets: tuple[float, ...]) -> None:

@@ -17,10 +17,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.errors import LLMQRuntimeError, ModelNotFoundError
 from workers.errors import JobFailure, ModelLoadError, PoolFull, UnknownModelError
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
 
 log = logging.getLogger("llmq.pool")
 
@@ -56,7 +59,7 @@ class PoolConfig:
 class PoolEntry:
     model: str
     state: str = LOADING
-    engine: Any = None  # runtime.engine.Engine once ready
+    engine: Engine | None = None  # once ready
     error: JobFailure | None = None
     in_flight: int = 0
     memory_bytes: int = 0
@@ -97,8 +100,8 @@ def _cache_state(engine: Any) -> dict[str, Any]:
     return state
 
 
-def load_engine(source: str) -> Any:
-    from runtime.engine import Engine
+def load_engine(source: str) -> Engine:
+    from runtime.engine import Engine  # loaded with the first model, not with the worker
 
     return Engine.load(source)
 

@@ -15,7 +15,11 @@ import time
 from typing import Any
 
 from workers import keys
-from workers.protocol import WORKER_TTL_SECONDS, WorkerInfo, decode_command, push_wake
+from workers.wire.commands import decode_command
+from workers.wire.defaults import WORKER_TTL_SECONDS
+from workers.wire.text import as_str
+from workers.wire.wake import push_wake
+from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger("llmq.presence")
 
@@ -92,10 +96,10 @@ class Presence:
 
         Wake lists are not drained: a shared queue's list belongs to every worker serving the
         queue, and each token should wake one of them; a token left over from busy times
-        costs one empty claim (`protocol.WAKE_MAX_TOKENS` at most per list).
+        costs one empty claim (`wire.defaults.WAKE_MAX_TOKENS` at most per list).
         """
         popped = self.connection.blpop([key, *self.wake_keys], timeout=wait)
-        if popped is None or _text(popped[0]) != key:
+        if popped is None or as_str(popped[0]) != key:
             return []
         return [popped[1]]
 
@@ -106,7 +110,3 @@ def wake(connection: Any, queue: str) -> None:
     with connection.pipeline(transaction=False) as pipe:
         push_wake(pipe, keys.queue_wake(queue))
         pipe.execute()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -24,7 +24,8 @@ from rq.serializers import JSONSerializer
 
 from workers import affinity, keys, metrics, scripts
 from workers.presence import wake
-from workers.protocol import FAILED, TERMINAL_STATUSES, error_body
+from workers.wire.errors import error_body
+from workers.wire.job import FAILED, TERMINAL_STATUSES
 
 log = logging.getLogger("llmq.recovery")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, response_id
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, response_id
 
 
 @dataclass

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from workers import keys
-from workers.protocol import JOB_TTL_SECONDS
+from workers.wire.defaults import JOB_TTL_SECONDS
 
 CLAIMED_MISSING = -1  # the job's record is gone
 CLAIMED_CANCELLED = -2  # its cancel flag was set while it was queued: it must never run
@@ -42,7 +42,7 @@ end
 return false
 """
 
-# KEYS: lease, events stream, record, wake channel, running set, jobs metric hash.
+# KEYS: lease, events stream, record, running set, jobs metric hash.
 # ARGV: expected lease, job id, ttl (s), "1" if this ends the job, stream length the writer
 # expects before its events, n record fields, 2n field/value strings, event kind/data pairs.
 # Returns nil if the lease is not the expected one or the stream is not as the writer left
@@ -71,15 +71,12 @@ local last = ''
 for i = first_event, #ARGV - 1, 2 do
   last = redis.call('XADD', KEYS[2], '*', 'event', ARGV[i], 'data', ARGV[i + 1])
 end
-if last ~= '' then
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  redis.call('PUBLISH', KEYS[4], last)
-end
+if last ~= '' then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
 if ARGV[4] == '1' then
   redis.call('DEL', KEYS[1])
-  redis.call('SREM', KEYS[5], ARGV[2])
+  redis.call('SREM', KEYS[4], ARGV[2])
   local status = redis.call('HGET', KEYS[3], 'status')
-  if status then redis.call('HINCRBY', KEYS[6], status, 1) end
+  if status then redis.call('HINCRBY', KEYS[5], status, 1) end
 end
 return last
 """
@@ -139,7 +136,7 @@ def append(
     final: bool = False,
     ttl: int = JOB_TTL_SECONDS,
 ) -> Any:
-    """Fenced write: record fields, stream events (kind, JSON data) and a wake-up; `final`
+    """Fenced write: record fields and stream events (`wire.events.Event`); `final`
     also gives up the lease, leaves the running set and counts the job in `METRIC_JOBS`
     under the status `fields` give it. On a pipeline the result comes back from
     `execute()`: None when the job is no longer this writer's."""
@@ -153,7 +150,6 @@ def append(
         keys.job_lease(job_id),
         keys.job_events(job_id),
         keys.job(job_id),
-        keys.job_wake(job_id),
         keys.RUNNING,
         keys.METRIC_JOBS,
     ]

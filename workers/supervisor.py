@@ -145,7 +145,7 @@ class Child:
 
 
 def llmq_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "workers.cli", *args]
+    return [sys.executable, "-m", "llmq", *args]
 
 
 def serve(config: ServeConfig) -> int:

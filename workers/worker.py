@@ -14,11 +14,15 @@ and the batch driver (`workers.batches`) moves offline batches on.
 SIGTERM drains (no new jobs, `grace` seconds for running ones, then checkpoint-and-requeue);
 a second SIGTERM or SIGINT checkpoints at once. A Redis outage pauses the loop, which
 reconnects with backoff and never exits; events not yet written are kept and written first.
+
+This module is the main loop and claiming; the rest of the worker is in one module each:
+fenced writes, ends of jobs and leases (`workers.job_writes`), RQ's bookkeeping
+(`workers.rq_bookkeeping`), presence and admin commands (`workers.admin`); which sequences
+step together is `workers.running`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -29,50 +33,38 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from rq.exceptions import NoSuchJobError
-from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.worker import WorkerStatus
 
-from runtime.registry import load_registry
 from workers import affinity, batches, keys, metrics, scripts
+from workers.admin import AdminDuties, describe_models
 from workers.config import WorkerConfig, serving
-from workers.errors import JobFailure, JobRefused, PoolFull
-from workers.events import read_progress, terminal_event
-from workers.executions import ConcurrentWorker
+from workers.errors import JobFailure, PoolFull
+from workers.job_writes import JobWrites
 from workers.jobs import ActiveJob
 from workers.pool import EnginePool
 from workers.presence import Presence
-from workers.protocol import (
-    CANCELLED,
-    COMMAND_LOAD,
-    EVENT_ERROR,
-    FAILED,
-    FINISHED,
-    JOB_FUNCTION,
-    JOB_TTL_SECONDS,
-    STARTED,
+from workers.progress import read_progress
+from workers.recovery import Reaper
+from workers.rq_bookkeeping import REDIS_SOCKET_TIMEOUT, RQBookkeeping, refusal
+from workers.running import RunningJobs
+from workers.wire.defaults import MAX_ATTEMPTS, WORKER_HEARTBEAT_SECONDS
+from workers.wire.job import (
     TERMINAL_STATUSES,
-    WORKER_HEARTBEAT_SECONDS,
     JobRecord,
-    WorkerInfo,
-    cancelled_error,
 )
-from workers.recovery import Reaper, requeue
-from workers.scheduler import Scheduler
+from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger("llmq.worker")
 
 RQ_WORKER_TTL = 20  # RQ's worker hash lives this + 60 s past the last heartbeat
 RQ_MONITORING_INTERVAL = 10  # our executions' StartedJobRegistry scores are refreshed this often
-REDIS_SOCKET_TIMEOUT = 5
 BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
 PRUNE_SECONDS = 10
 SUSPENSION_CHECK_SECONDS = 1
 LOAD_CHECK_SECONDS = 0.005  # a job waiting for its model starts this soon after the load
-MAX_ATTEMPTS = 5  # a job whose workers keep dying with it is failed, not retried forever
 
 
 def connect(url: str) -> redis.Redis:
@@ -87,7 +79,7 @@ def connect(url: str) -> redis.Redis:
     )
 
 
-class LLMQWorker(ConcurrentWorker):
+class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
     log_result_lifespan = False
 
     def __init__(
@@ -109,7 +101,7 @@ class LLMQWorker(ConcurrentWorker):
             job_monitoring_interval=RQ_MONITORING_INTERVAL,
         )
         self.pool = pool or EnginePool(config.pool, sources)
-        self.batcher = Scheduler(self.pool, config.max_batch)
+        self.running = RunningJobs(self.pool, config.max_batch)
         self.reaper = Reaper(self.connection, self.name, self._lease_ms)
         self.batch_driver = batches.BatchDriver(self.connection, self.name)
         info = WorkerInfo(
@@ -121,7 +113,7 @@ class LLMQWorker(ConcurrentWorker):
             max_batch=config.max_batch,
         )
         wake_keys = [keys.queue_wake(name) for name in queue_names]  # jobs queued wake it
-        self.presence = Presence(self.connection, info, _describe_models(sources), wake_keys)
+        self.presence = Presence(self.connection, info, describe_models(sources), wake_keys)
         # a job on this worker's own queue is a job of the shared queue for RQ (its origin)
         self._queues_by_key = {q.key: self._rq_queue(q) for q in self.queues}
         self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in self.queues}
@@ -137,11 +129,7 @@ class LLMQWorker(ConcurrentWorker):
         self._throughput = metrics.Throughput()
         self.steps = 0  # decode steps run (tests and logs read it)
 
-    # ------------------------------------------------------------------ RQ overrides
-
-    @property
-    def connection_timeout(self) -> int:
-        return REDIS_SOCKET_TIMEOUT  # RQ's default (minutes) would hide a dead Redis
+    # ------------------------------------------------------------------ signals
 
     def request_stop(self, signum: int, frame: Any) -> None:
         """SIGTERM/SIGINT (and `rq shutdown`): drain; the second one checkpoints at once."""
@@ -156,18 +144,6 @@ class LLMQWorker(ConcurrentWorker):
         else:
             log.warning("worker %s: second signal: checkpointing running jobs now", self.name)
             self._stop_now = True
-
-    def handle_payload(self, message: dict[str, Any]) -> None:
-        """RQ's pub/sub commands: `stop-job` becomes our cancel flag (a non-forking worker
-        has no horse to kill); `shutdown` arrives as SIGINT through RQ's own handler."""
-        try:
-            payload = json.loads(message["data"].decode())
-        except (ValueError, KeyError, AttributeError):
-            return
-        if payload.get("command") == "stop-job" and payload.get("job_id") in self.batcher.jobs:
-            self.connection.set(keys.job_cancel(payload["job_id"]), "1", ex=JOB_TTL_SECONDS)
-            return
-        super().handle_payload(message)
 
     # ------------------------------------------------------------------ main loop
 
@@ -251,7 +227,7 @@ class LLMQWorker(ConcurrentWorker):
                 self._publish()  # "stopping" first: the API routes nothing more here
                 self._release_own_queues()
                 self._released = True
-            if not self.batcher.jobs:
+            if not self.running.jobs:
                 self._done = True
                 return
             if self._stop_now or time.monotonic() >= self._drain_deadline:
@@ -262,8 +238,8 @@ class LLMQWorker(ConcurrentWorker):
             self._claim()
         if self._has_output():
             self._flush()
-        if self.batcher.has_work():
-            _, broken = self.batcher.step()
+        if self.running.has_work():
+            _, broken = self.running.step()
             self.steps += 1
             for job, exc in broken:
                 self._fail(job, JobFailure(f"the engine failed: {type(exc).__name__}: {exc}"))
@@ -277,14 +253,14 @@ class LLMQWorker(ConcurrentWorker):
         """Wait for work: a queued job's wake token or an admin command ends the wait at
         once, the poll interval at the latest. Jobs waiting for their model to load (in the
         pool's thread, whose end wakes nothing) are checked on every `LOAD_CHECK_SECONDS`."""
-        if self.batcher.jobs:
+        if self.running.jobs:
             time.sleep(LOAD_CHECK_SECONDS)
             return
         self._handle_commands(self.presence.commands(wait=self.config.poll_interval))
 
     def _chores(self) -> None:
         """Periodic work, each at its own pace."""
-        for failed_job, failure in self.batcher.settle_loads():
+        for failed_job, failure in self.running.settle_loads():
             self._fail(failed_job, failure)
         if self._due_now("renew", self.config.lease_renew):
             self._renew_leases()
@@ -303,9 +279,9 @@ class LLMQWorker(ConcurrentWorker):
             self._suspended = is_suspended(self.connection, self)
         if self._due_now("prune", PRUNE_SECONDS):
             self.presence.prune()
-            if not self.batcher.jobs and self.should_run_maintenance_tasks:
+            if not self.running.jobs and self.should_run_maintenance_tasks:
                 self.run_maintenance_tasks()
-        if self.batcher.jobs and self._due_now("commands", 0.5):  # busy or loading
+        if self.running.jobs and self._due_now("commands", 0.5):  # busy or loading
             self._handle_commands(self.presence.commands())
 
     def _due_now(self, chore: str, every: float) -> bool:
@@ -319,7 +295,7 @@ class LLMQWorker(ConcurrentWorker):
 
     def _claim(self) -> None:
         for _ in range(self.config.max_batch):
-            if not self.batcher.has_room():
+            if not self.running.has_room():
                 return
             queue_keys = [k for k, m in self._models_by_key.items() if self.pool.can_accept(m)]
             claimed = scripts.claim(self.connection, queue_keys, self.name, self._lease_ms)
@@ -342,7 +318,7 @@ class LLMQWorker(ConcurrentWorker):
             self._cancel_queued(job_id, rq_job, queue)
             return
         lease = f"{self.name}:{attempt}"
-        failure: JobFailure | None = _refusal(rq_job, job_id)
+        failure: JobFailure | None = refusal(rq_job, job_id)
         if attempt > MAX_ATTEMPTS:  # it took down (or out) every worker that ran it
             failure = failure or JobFailure(
                 f"job {job_id} was started {attempt - 1} times without finishing; giving up"
@@ -375,232 +351,15 @@ class LLMQWorker(ConcurrentWorker):
             job.progress.tokens,
         )
         try:
-            self.batcher.add(job)
+            self.running.add(job)
         except JobFailure as exc:
             self._fail(job, exc)
         except PoolFull:
             self._checkpoint(job)
 
-    def _rq_queue(self, queue: Queue) -> Queue:
-        if keys.queue_owner(queue.name) is None:
-            return queue
-        shared = keys.shared_queue_name(queue.name)
-        return Queue(shared, connection=self.connection, serializer=JSONSerializer)
-
-    def _fetch_rq_job(self, job_id: str) -> Job | None:
-        try:
-            return Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
-        except NoSuchJobError:
-            return None
-        except Exception:  # an entry that is not an RQ job we can read
-            log.error("job %s: its RQ job cannot be read", job_id)
-            return None
-
-    # ------------------------------------------------------------------ writing out
-
-    def _has_output(self) -> bool:
-        return any(j.pending or j.result is not None for j in self.batcher.jobs.values())
-
-    def _flush(self, step: bool = False) -> None:
-        """One round trip: every job's new events (fenced), finished jobs' results, metrics,
-        and every running job's cancel flag."""
-        jobs = list(self.batcher.jobs.values())
-        writes: list[tuple[ActiveJob, list[tuple[str, str]], bool]] = []
-        tokens: dict[str, int] = {}
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                if not job.pending and job.result is None:
-                    continue
-                events, final, fields = list(job.pending), job.result is not None, {}
-                fields["completion_tokens"] = str(job.completion_tokens)
-                if final:
-                    events.append(job.done_event())
-                    fields.update(status=FINISHED, finished_at=str(time.time()))
-                    fields["result"] = json.dumps(job.result, ensure_ascii=False)
-                    fields["prompt_tokens"] = str(job.result["usage"]["prompt_tokens"])
-                scripts.append(
-                    pipe, job.id, job.lease, job.written, events, fields, final, JOB_TTL_SECONDS
-                )
-                writes.append((job, events, final))
-                tokens[job.model] = tokens.get(job.model, 0) + len(job.pending)
-            checked = [j for j in jobs if j.result is None]
-            for job in checked:
-                pipe.exists(keys.job_cancel(job.id))
-            self._record_metrics(pipe, writes, tokens if step else {}, step)
-            self._remember_replies(pipe, writes)
-            results = pipe.execute()
-        for (job, events, final), written in zip(writes, results, strict=False):
-            if written is None:
-                self._drop(job)
-                continue
-            job.pending.clear()
-            job.written += len(events)
-            if final:
-                self._finish(job)
-        flags = results[len(writes) : len(writes) + len(checked)]
-        for job, flagged in zip(checked, flags, strict=True):
-            if flagged and job.id in self.batcher.jobs:
-                self._cancel(job)
-
-    def _record_metrics(self, pipe: Any, writes: list, tokens: dict[str, int], step: bool) -> None:
-        if step:
-            metrics.record_step(pipe, self.batcher.last_batch_sizes, tokens)
-            self._throughput.add(sum(tokens.values()))
-        for job, _, final in writes:
-            if final and job.result is not None:
-                prompt_tokens = job.result["usage"]["prompt_tokens"]
-                metrics.count_prompt_tokens(pipe, job.model, prompt_tokens)
-                metrics.count_prefix_cache(pipe, job.model, job.prefill_tokens, job.cached_tokens)
-            if job.attempt == 1 and job.first_token_at is not None and not job.ttft_recorded:
-                metrics.record_ttft(pipe, job.model, max(0.0, time.time() - job.record.created_at))
-                job.ttft_recorded = True
-
-    def _remember_replies(self, pipe: Any, writes: list) -> None:
-        for job, _, final in writes:
-            if final and job.result is not None and job.model in self._own_models:
-                affinity.remember_reply(pipe, self.name, job.record, job.result)
-
-    def _end(
-        self,
-        job: ActiveJob,
-        status: str,
-        body: dict[str, Any],
-    ) -> bool:
-        """Fenced terminal write of a failed or cancelled job; False if it was not ours."""
-        self.batcher.remove(job)
-        events = [*job.pending, terminal_event(EVENT_ERROR, body)]
-        fields = {
-            "status": status,
-            "error": json.dumps(body),
-            "finished_at": str(time.time()),
-            "completion_tokens": str(job.completion_tokens),
-        }
-        written = scripts.append(
-            self.connection, job.id, job.lease, job.written, events, fields, True, JOB_TTL_SECONDS
-        )
-        if written is None:
-            self._drop(job)
-            return False
-        job.pending.clear()
-        job.written += len(events)
-        return True
-
-    def _finish(self, job: ActiveJob) -> None:
-        self.batcher.remove(job)
-        log.info("job %s: finished (%d completion tokens)", job.id, job.completion_tokens)
-        self._rq_success(job)
-
-    def _fail(self, job: ActiveJob, failure: JobFailure) -> None:
-        log.warning("job %s: failed with %d: %s", job.id, failure.status, failure)
-        if self._end(job, FAILED, failure.body()):
-            self._rq_failure(job.rq_job, job.queue, f"{type(failure).__name__}: {failure}")
-
-    def _cancel(self, job: ActiveJob) -> None:
-        log.info("job %s: cancelled after %d tokens", job.id, job.completion_tokens)
-        if self._end(job, CANCELLED, cancelled_error()):
-            self._rq_cancelled(job.rq_job, job.queue)
-
-    def _drop(self, job: ActiveJob) -> None:
-        """The job is not ours any more (lease lost): stop it without writing anything."""
-        log.warning("job %s: lease lost (another worker owns it now); dropped", job.id)
-        self.batcher.remove(job)
-        self.forget_execution(job.id)
-        self.sync_state()
-
-    def _settle_ended(self, job: ActiveJob) -> None:
-        """A claimed job that had already ended (an earlier worker died between its final
-        write and RQ's bookkeeping): give the claim back and make RQ agree. Its end was
-        counted by the write that ended it."""
-        with self.connection.pipeline() as pipe:
-            pipe.srem(keys.RUNNING, job.id)
-            pipe.delete(keys.job_lease(job.id))
-            pipe.execute()
-        status = job.record.status
-        if status == FINISHED:
-            self._rq_success(job)
-        elif status == CANCELLED:
-            self._rq_cancelled(job.rq_job, job.queue)
-        else:
-            self._rq_failure(job.rq_job, job.queue, "the job had already ended")
-
-    def _cancel_queued(self, job_id: str, rq_job: Job | None, queue: Queue) -> None:
-        """Its cancel flag was set while it waited: it never runs. No worker holds it (the
-        claim gave no lease), so the write needs no fence."""
-        body = cancelled_error()
-        kind, data = terminal_event(EVENT_ERROR, body)
-        fields = {"status": CANCELLED, "error": json.dumps(body), "finished_at": time.time()}
-        with self.connection.pipeline() as pipe:
-            pipe.hset(keys.job(job_id), mapping=fields)
-            pipe.xadd(keys.job_events(job_id), {"event": kind, "data": data})
-            pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
-            pipe.publish(keys.job_wake(job_id), "cancelled")
-            metrics.count_job(pipe, CANCELLED)
-            pipe.execute()
-        log.info("job %s: cancelled before it started", job_id)
-        self._rq_cancelled(rq_job, queue)
-
-    def _fail_orphan(self, rq_job: Job | None, queue: Queue, why: str) -> None:
-        if rq_job is None:
-            return
-        refusal = _refusal(rq_job, rq_job.id)
-        message = str(refusal) if refusal else why
-        log.error("job %s: not run: %s", rq_job.id, message)
-        self._count(FAILED)
-        self._rq_failure(rq_job, queue, message)
-
-    # ------------------------------------------------------------------ leases
-
-    @property
-    def _lease_ms(self) -> int:
-        return int(self.config.lease_ttl * 1000)
-
-    def _renew_leases(self) -> None:
-        jobs = list(self.batcher.jobs.values())
-        if not jobs:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                scripts.renew(pipe, job.id, job.lease, self._lease_ms)
-            renewed = pipe.execute()
-        for job, ok in zip(jobs, renewed, strict=True):
-            if not ok:
-                self._drop(job)
-
-    def _checkpoint(self, job: ActiveJob) -> None:
-        """Give a running job back: requeued at the front, resumed from its stream."""
-        self.batcher.remove(job)
-        self.forget_execution(job.id)
-        if job.rq_job is not None and requeue(self.connection, job.id, job.lease, job.rq_job):
-            log.info(
-                "job %s: checkpointed after %d tokens and requeued", job.id, job.completion_tokens
-            )
-            with self.connection.pipeline() as pipe:
-                metrics.count_job(pipe, "requeued")
-                pipe.execute()
-        self.sync_state()
-
-    def _release_own_queues(self) -> None:
-        """Jobs routed to this worker's own queues go back to the shared ones (it is leaving)."""
-        for name in self.queue_names():
-            if keys.queue_owner(name) == self.name:
-                moved = affinity.release(self.connection, name)
-                if moved:
-                    log.info(
-                        "worker %s: moved %d job(s) from %s to the shared queue",
-                        self.name,
-                        moved,
-                        name,
-                    )
-
-    def _checkpoint_all(self) -> None:
-        if self._has_output():
-            self._flush()
-        for job in list(self.batcher.jobs.values()):
-            self._checkpoint(job)
-
     def _shutdown(self) -> None:
         try:
-            if self.batcher.jobs:
+            if self.running.jobs:
                 self._checkpoint_all()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.error(
@@ -614,89 +373,3 @@ class LLMQWorker(ConcurrentWorker):
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.error("worker %s: could not unregister (%s)", self.name, exc)
         log.info("worker %s: stopped", self.name)
-
-    # ------------------------------------------------------------------ RQ and our record
-
-    def _rq_start(self, job: ActiveJob) -> None:
-        """RQ's start of an execution (one of several this worker has open), and ours."""
-        with self.connection.pipeline() as pipe:
-            if job.rq_job is not None:
-                self.open_execution(job.rq_job, pipe)
-            pipe.hset(keys.job(job.id), mapping={"status": STARTED, "worker": self.name})
-            pipe.hsetnx(keys.job(job.id), "started_at", time.time())
-            metrics.count_job(pipe, "started")
-            if job.model in self._own_models:
-                affinity.remember_start(pipe, self.name, job.record)
-            pipe.execute()
-        self.sync_state()
-
-    # The three `_rq_*` only close RQ's execution: a job's end is counted in `METRIC_JOBS` by
-    # the write that ends it (`scripts.append`), or by `_count` where there is none.
-
-    def _rq_success(self, job: ActiveJob) -> None:
-        if job.rq_job is not None:  # RQ keeps a stub result: the body stays in our record
-            self.close_success(job.rq_job, job.queue, {"job_id": job.id, "status": FINISHED})
-
-    def _rq_failure(self, rq_job: Job | None, queue: Queue, message: str) -> None:
-        if rq_job is not None:
-            self.close_failure(rq_job, queue, message)
-
-    def _rq_cancelled(self, rq_job: Job | None, queue: Queue) -> None:
-        if rq_job is not None:
-            self.close_cancelled(rq_job, queue)
-
-    def _count(self, state: str) -> None:
-        with self.connection.pipeline() as pipe:
-            metrics.count_job(pipe, state)
-            pipe.execute()
-
-    # ------------------------------------------------------------------ presence, admin
-
-    def _publish(self) -> None:
-        for model in self.pool.sources:
-            entry = self.pool.get(model)
-            if entry is not None and entry.engine is not None and model in self.presence.models:
-                self.presence.models[model]["context_length"] = entry.engine.context_length
-        if self._stop_now or self._drain_deadline is not None:
-            state = "stopping"
-        else:
-            state = "busy" if self.batcher.jobs else "idle"
-        self.presence.publish(state, list(self.batcher.jobs), self.pool.snapshot())
-        rate = self._throughput.rate()
-        self.connection.hset(keys.METRIC_TOKENS_PER_SECOND, self.name, f"{rate:.2f}")
-
-    def _handle_commands(self, commands: list[tuple[str, str]]) -> None:
-        for op, model in commands:
-            log.info("worker %s: admin command %s %s", self.name, op, model)
-            try:
-                if op == COMMAND_LOAD:
-                    self.pool.request(model)
-                else:
-                    self.pool.unload(model)
-            except (JobFailure, PoolFull) as exc:
-                log.warning("worker %s: cannot %s %s: %s", self.name, op, model, exc)
-
-
-def _refusal(rq_job: Job | None, job_id: str) -> JobRefused | None:
-    """Why an RQ entry must not run (RELIABILITY F19), or None if it is an llmq job."""
-    if rq_job is None:
-        return JobRefused(f"job {job_id} has no readable RQ job (not JSON-serialized?)")
-    try:
-        func_name, args, kwargs = rq_job.func_name, list(rq_job.args), rq_job.kwargs
-    except Exception:
-        return JobRefused(f"job {job_id}: its RQ data is not JSON; only {JOB_FUNCTION} runs")
-    if func_name != JOB_FUNCTION:
-        return JobRefused(f"job {job_id} calls {func_name!r}; only {JOB_FUNCTION} may run here")
-    if args != [job_id] or kwargs:
-        return JobRefused(f"job {job_id}: {JOB_FUNCTION} takes exactly its job id as argument")
-    return None
-
-
-def _describe_models(sources: dict[str, str]) -> dict[str, dict[str, Any]]:
-    described = {
-        spec.id: {"id": spec.id, "source": spec.source, "owned_by": "llmq"}
-        for spec in load_registry().values()
-    }
-    for model, source in sources.items():
-        described.setdefault(model, {"id": model, "source": source, "owned_by": "llmq"})
-    return described

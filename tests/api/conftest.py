@@ -62,7 +62,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """Real Redis: LLMQ_TEST_REDIS_URL (default 127.0.0.1:6379 db 13), else a throwaway
-    redis-server on a free port, else skip."""
+    redis-server on a free port, else fail (as tests/workers does: CI must never skip it)."""
     try:
         redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=1).ping()
         yield TEST_REDIS_URL
@@ -71,7 +71,8 @@ def redis_url() -> Iterator[str]:
         pass
     server = shutil.which("redis-server")
     if server is None:
-        pytest.skip(f"no Redis at {TEST_REDIS_URL} and no redis-server on PATH")
+        # one policy with tests/workers: the real path fails loudly, never skips silently
+        pytest.fail(f"no Redis at {TEST_REDIS_URL} and no redis-server on PATH")
     port = _free_port()
     proc = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],

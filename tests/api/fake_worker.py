@@ -1,4 +1,4 @@
-"""A stand-in worker for API tests: a thread that follows `workers.protocol` to the letter.
+"""A stand-in worker for API tests: a thread that follows `workers.wire` to the letter.
 
 It registers itself like a real worker (keys.WORKERS, a WorkerInfo hash, keys.MODELS),
 takes job ids from the models' RQ queues, reads each job record and writes token events and
@@ -23,24 +23,20 @@ from typing import Any
 import redis
 
 from workers import keys
-from workers.protocol import (
+from workers.wire.defaults import JOB_TTL_SECONDS
+from workers.wire.errors import cancelled_error, error_body
+from workers.wire.events import event_fields, token_event, write_ending
+from workers.wire.job import (
     CANCELLED,
     CHAT_COMPLETIONS,
     COMPLETIONS,
-    EVENT_DONE,
-    EVENT_ERROR,
-    EVENT_TOKEN,
     FAILED,
     FINISHED,
-    JOB_TTL_SECONDS,
     STARTED,
     JobRecord,
-    WorkerInfo,
-    cancelled_error,
-    encode_event,
-    error_body,
     response_id,
 )
+from workers.wire.worker_info import WorkerInfo
 
 
 class FakeWorker:
@@ -114,7 +110,7 @@ class FakeWorker:
     def process(self, job_id: str) -> None:
         record = JobRecord.from_hash(self.conn.hgetall(keys.job(job_id)))
         if self.conn.exists(keys.job_cancel(job_id)):
-            self._finish(record, CANCELLED, EVENT_ERROR, cancelled_error())
+            self._finish(record, CANCELLED, cancelled_error())
             return
         self.conn.hset(
             keys.job(job_id),
@@ -133,14 +129,14 @@ class FakeWorker:
                 param="prompt",
                 status=400,
             )
-            self._finish(record, FAILED, EVENT_ERROR, error)
+            self._finish(record, FAILED, error)
             return
         if "crash" in prompt:
             error = error_body("The engine failed.", type_="server_error", status=500)
-            self._finish(record, FAILED, EVENT_ERROR, error)
+            self._finish(record, FAILED, error)
             return
         if record.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
-            self._finish(record, FINISHED, EVENT_DONE, self._embeddings(record))
+            self._finish(record, FINISHED, self._embeddings(record))
             return
         count = req.get("max_tokens") or 8
         choices = req.get("n", 1) * (
@@ -155,35 +151,28 @@ class FakeWorker:
         )
         for i in range(count):
             if self.conn.exists(keys.job_cancel(job_id)):
-                self._finish(record, CANCELLED, EVENT_ERROR, cancelled_error())
+                self._finish(record, CANCELLED, cancelled_error())
                 return
             pipe = self.conn.pipeline()
             for c in range(choices):
                 text = f"t{i} "
                 texts[c] += text
-                data = {
-                    "choice": c,
-                    "index": i,
-                    "text": text,
-                    "token_id": 100 + i,
-                    "logprob": -0.5,
-                    "top_logprobs": [],
-                    "finish_reason": "length" if i == count - 1 else None,
-                }
+                entry = None
                 if logprobs is not None:
-                    data["logprobs"] = self._logprobs_entry(record, text, len(texts[c]) - 3)
-                pipe.xadd(keys.job_events(job_id), encode_event(EVENT_TOKEN, data))
+                    entry = self._logprobs_entry(record, text, len(texts[c]) - 3)
+                finish = "length" if i == count - 1 else None
+                event = token_event(c, i, text, 100 + i, -0.5, finish, 1, entry)
+                pipe.xadd(keys.job_events(job_id), event_fields(event))
             pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
             pipe.hset(keys.job(job_id), "completion_tokens", str(i + 1))
-            pipe.publish(keys.job_wake(job_id), "1")
             pipe.execute()
             if delay:
                 time.sleep(delay)
-        self._finish(record, FINISHED, EVENT_DONE, self._result(record, texts, count))
+        self._finish(record, FINISHED, self._result(record, texts, count))
 
     @staticmethod
     def _logprobs_entry(record: JobRecord, text: str, offset: int) -> dict[str, Any]:
-        """One token's entry in the endpoint's own layout, as workers.protocol specifies."""
+        """One token's entry in the endpoint's own layout, as workers.wire.events specifies."""
         if record.endpoint == CHAT_COMPLETIONS:
             top = [{"token": "x", "logprob": -1.5, "bytes": [120]}]
             return {
@@ -202,17 +191,9 @@ class FakeWorker:
         value = req.get("prompt", req.get("input", ""))
         return value if isinstance(value, str) else " ".join(value)
 
-    def _finish(self, record: JobRecord, status: str, kind: str, data: dict[str, Any]) -> None:
-        field = "result" if status == FINISHED else "error"
+    def _finish(self, record: JobRecord, status: str, data: dict[str, Any]) -> None:
         pipe = self.conn.pipeline()
-        pipe.hset(
-            keys.job(record.id),
-            mapping={"status": status, "finished_at": str(time.time()), field: json.dumps(data)},
-        )
-        pipe.xadd(keys.job_events(record.id), encode_event(kind, data))
-        pipe.expire(keys.job_events(record.id), JOB_TTL_SECONDS)
-        pipe.publish(keys.job_wake(record.id), "1")
-        pipe.hincrby(keys.METRIC_JOBS, status, 1)
+        write_ending(pipe, record.id, status, data)
         pipe.execute()
 
     def _result(self, record: JobRecord, texts: list[str], count: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.fake_worker import FakeWorker
 from workers import keys
-from workers.protocol import TTFT_BUCKETS, histogram_fields
+from workers.wire.histograms import TTFT_BUCKETS, histogram_fields
 
 GOOD = {"model": "tiny", "prompt": "hello"}
 ASYNC = {"Prefer": "respond-async"}

@@ -11,19 +11,10 @@ from rq.serializers import JSONSerializer
 from api import store
 from api.errors import QueueFull
 from workers import keys
-from workers.protocol import (
-    AFFINITY_MAX_QUEUED,
-    CANCELLED,
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    EMBEDDINGS,
-    WAKE_MAX_TOKENS,
-    WAKE_TTL_SECONDS,
-    JobRecord,
-    WorkerInfo,
-    continuation_digest,
-    prefix_digest,
-)
+from workers.wire.defaults import AFFINITY_MAX_QUEUED, WAKE_MAX_TOKENS, WAKE_TTL_SECONDS
+from workers.wire.job import CANCELLED, CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, JobRecord
+from workers.wire.prefix import continuation_digest, prefix_digest
+from workers.wire.worker_info import WorkerInfo
 
 SYSTEM = "You are a careful assistant. " * 12  # ~350 characters: worth routing
 MODEL = "tiny"

@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from api.batch_lines import numbered_lines, validate_lines
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, MAX_LINE_BYTES
+from workers.wire.defaults import MAX_LINE_BYTES
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS
 
 MODELS = {"tiny": {"context_length": 256}}
 

@@ -13,7 +13,7 @@ import pytest
 from api import files as files_module
 from workers import keys
 from workers.batches import BatchDriver
-from workers.protocol import CHAT_COMPLETIONS
+from workers.wire.job import CHAT_COMPLETIONS
 
 FILE_FIELDS = {"id", "object", "bytes", "created_at", "filename", "purpose", "status"}
 BATCH_FIELDS = {

@@ -322,7 +322,7 @@ def test_llmq_batch_submit_wait_writes_results(server, workers, tmp_path) -> Non
     workers("batch-w1")
     valid, invalid = write_input(tmp_path / "in.jsonl", 10, invalid_every=5)
     out = tmp_path / "out.jsonl"
-    cli = [sys.executable, "-m", "workers.cli", "batch"]
+    cli = [sys.executable, "-m", "llmq", "batch"]
     env = {**os.environ, "LLMQ_BASE_URL": server}
     done = subprocess.run(
         [*cli, "submit", str(tmp_path / "in.jsonl"), "--wait", "--poll", "0.2", "-o", str(out)],

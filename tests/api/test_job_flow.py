@@ -1,5 +1,5 @@
 """The job system end to end on real Redis (db 13), with a fake worker thread that follows
-workers.protocol: sync, streaming, async jobs, events with resume, cancellation,
+workers.wire: sync, streaming, async jobs, events with resume, cancellation,
 disconnects, backpressure and idempotency."""
 
 from __future__ import annotations

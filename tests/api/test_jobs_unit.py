@@ -9,7 +9,9 @@ from rq.serializers import JSONSerializer
 
 from api.app import create_app
 from workers import keys
-from workers.protocol import JOB_FUNCTION, JOB_TTL_SECONDS, QUEUED, decode_event
+from workers.wire.defaults import JOB_TTL_SECONDS
+from workers.wire.events import decode_event
+from workers.wire.job import JOB_FUNCTION, QUEUED
 
 GOOD = {"model": "tiny", "prompt": "hello"}
 ASYNC = {"Prefer": "respond-async"}

@@ -366,3 +366,9 @@ def test_broker_down_is_503_with_retry_after(registered) -> None:
     error = assert_openai_error(response, 503)
     assert response.headers["Retry-After"]
     assert error["code"] == "broker_down"
+
+
+def test_priority_is_refused_rather_than_ignored(client):
+    """The contract names `priority`; until it orders work, only the default is accepted."""
+    error = assert_openai_error(client.post("/v1/completions", json=completion(priority=5)), 400)
+    assert error["param"] == "priority" and error["code"] == "unsupported"

@@ -23,7 +23,7 @@ from api.auth import owner_of
 from tests.api.fake_worker import FakeWorker
 from workers import keys
 from workers.batches import BatchDriver
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS
 
 KEY_A, KEY_B, ADMIN = "sk-a-CANARY-7f3a", "sk-b", "sk-admin"
 A = {"Authorization": f"Bearer {KEY_A}"}

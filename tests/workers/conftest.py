@@ -27,7 +27,8 @@ from rq.serializers import JSONSerializer
 from tests.tiny_models import write_tiny_llama
 from workers import keys
 from workers.config import WorkerConfig
-from workers.protocol import JOB_FUNCTION, TERMINAL_STATUSES, JobRecord, decode_event
+from workers.wire.events import decode_event
+from workers.wire.job import JOB_FUNCTION, TERMINAL_STATUSES, JobRecord
 from workers.worker import LLMQWorker, connect
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
@@ -184,7 +185,7 @@ class WorkerProcess:
         env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
         if step_delay_ms:
             env["LLMQ_WORKER_STEP_DELAY_MS"] = str(step_delay_ms)
-        argv = [sys.executable, "-m", "workers.cli", "worker", "--name", name]
+        argv = [sys.executable, "-m", "llmq", "worker", "--name", name]
         argv += ["--models", ",".join(models), *extra]
         self.name = name
         self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could block the worker

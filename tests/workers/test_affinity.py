@@ -16,7 +16,8 @@ from rq.serializers import JSONSerializer
 from api import store
 from tests.workers.conftest import TINY, wait_done, wait_for
 from workers import affinity, keys
-from workers.protocol import CHAT_COMPLETIONS, FINISHED, JOB_FUNCTION, JobRecord, WorkerInfo
+from workers.wire.job import CHAT_COMPLETIONS, FINISHED, JOB_FUNCTION, JobRecord
+from workers.wire.worker_info import WorkerInfo
 
 pytestmark = pytest.mark.integration
 

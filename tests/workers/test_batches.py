@@ -16,7 +16,7 @@ from api.app import create_app
 from tests.api.fake_worker import FakeWorker
 from workers import keys
 from workers.batches import BatchDriver
-from workers.protocol import CHAT_COMPLETIONS, STARTED
+from workers.wire.job import CHAT_COMPLETIONS, STARTED
 
 QUEUE = "rq:queue:" + keys.queue_name("tiny", keys.BATCH)
 

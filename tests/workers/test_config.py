@@ -8,7 +8,7 @@ import pytest
 
 from workers import keys
 from workers.config import ConfigError, WorkerConfig, serving
-from workers.protocol import decode_command, encode_command
+from workers.wire.commands import decode_command, encode_command
 
 
 def test_models_give_both_queues_of_each_interactive_first(tiny_model: Path):

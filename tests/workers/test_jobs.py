@@ -1,5 +1,5 @@
-"""A job's choices as the worker runs them, without Redis: text assembled from token ids
-(stop strings, split UTF-8), and resuming from what an earlier attempt streamed."""
+"""A job's choices as the worker runs them, without Redis: resuming from what an earlier
+attempt streamed. (The text itself is the engine's: tests/runtime/test_text_assembler.py.)"""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from runtime.engine import Engine
-from workers.events import StreamedChoice, StreamProgress
 from workers.jobs import ActiveJob
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
-from workers.text import TextAssembler
+from workers.progress import StreamedChoice, StreamProgress
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
 
 
 @pytest.fixture(scope="module")
@@ -26,42 +25,10 @@ def random_tokens(engine: Engine, n: int, seed: int) -> list[int]:
     return [int(t) for t in rng.integers(3, engine.tokenizer.vocab_size, n)]
 
 
-def assemble(assembler: TextAssembler, ids: list[int]) -> tuple[list[str], str | None]:
-    texts, finish = [], None
-    for i, token in enumerate(ids):
-        text, finish = assembler.push(token, "length" if i == len(ids) - 1 else None)
-        texts.append(text)
-        if finish:
-            break
-    return texts, finish
-
-
-def test_text_is_the_decoded_tokens_cut_at_the_first_stop_string(engine):
-    ids = random_tokens(engine, 60, seed=1)
-    full = engine.tokenizer.decode(ids)
-    texts, finish = assemble(TextAssembler(engine.tokenizer, []), ids)
-    assert "".join(texts) == full and finish == "length"
-    stop = full[20:23]
-    texts, finish = assemble(TextAssembler(engine.tokenizer, [stop]), ids)
-    assert "".join(texts) == full[: full.index(stop)] and finish == "stop"
-
-
-@pytest.mark.parametrize("cut", [1, 7, 13, 30])
-def test_replaying_sent_tokens_continues_the_text_exactly(engine, cut):
-    """Split UTF-8 characters and half-matched stop strings survive the cut."""
-    ids = random_tokens(engine, 60, seed=2)
-    stop = engine.tokenizer.decode(ids)[40:43]
-    reference, finish = assemble(TextAssembler(engine.tokenizer, [stop]), ids)
-    assert finish == "stop" and cut < len(reference)
-    resumed = TextAssembler(engine.tokenizer, [stop])
-    assert resumed.replay(ids[:cut]) == "".join(reference[:cut])
-    assert assemble(resumed, ids[cut:]) == (reference[cut:], "stop")
-
-
 def run(engine: Engine, job: ActiveJob, sequences: list | None = None) -> dict:
     batch = engine.new_batch()
     for request_id, prompt, params in job.start(engine) if sequences is None else sequences:
-        batch.add(request_id, prompt, params)
+        batch.add(request_id, prompt, params, resume=job.resumed.get(request_id, 0))
     while len(batch):
         for event in batch.step():
             if job.on_token(int(event.request_id.rsplit(":", 1)[1]), event):

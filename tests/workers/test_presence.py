@@ -10,13 +10,10 @@ import redis
 
 from workers import keys
 from workers.presence import Presence, wake
-from workers.protocol import (
-    WAKE_MAX_TOKENS,
-    WAKE_TTL_SECONDS,
-    WorkerInfo,
-    encode_command,
-    push_wake,
-)
+from workers.wire.commands import encode_command
+from workers.wire.defaults import WAKE_MAX_TOKENS, WAKE_TTL_SECONDS
+from workers.wire.wake import push_wake
+from workers.wire.worker_info import WorkerInfo
 
 QUEUES = [keys.personal_queue_name("tiny", "w1"), keys.queue_name("tiny")]
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.workers.conftest import TINY, stream, submit
 from workers import keys, scripts
-from workers.protocol import COMPLETIONS
+from workers.wire.job import COMPLETIONS
 
 pytestmark = pytest.mark.integration
 

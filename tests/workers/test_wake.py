@@ -27,7 +27,8 @@ from tests.workers.conftest import (
 )
 from workers import affinity, keys, recovery, scripts, supervisor
 from workers.presence import wake
-from workers.protocol import CHAT_COMPLETIONS, COMPLETIONS, FINISHED, JobRecord, WorkerInfo
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, FINISHED, JobRecord
+from workers.wire.worker_info import WorkerInfo
 from workers.worker import LLMQWorker
 
 pytestmark = pytest.mark.integration
@@ -59,7 +60,7 @@ def idle_worker(conn: redis.Redis, start_worker: Callable[..., LLMQWorker]) -> I
 
 
 def settle(worker: LLMQWorker) -> None:
-    wait_for(lambda: not worker.batcher.jobs, what="the worker to be idle")
+    wait_for(lambda: not worker.running.jobs, what="the worker to be idle")
     time.sleep(0.5)  # in its idle wait, which now lasts until a wake-up or POLL s from now
 
 

@@ -17,17 +17,10 @@ from rq.serializers import JSONSerializer
 
 from tests.workers.conftest import TINY, record, stream, submit, tokens, wait_done, wait_for
 from workers import keys, scripts
-from workers.protocol import (
-    CANCELLED,
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    EMBEDDINGS,
-    FAILED,
-    FINISHED,
-    WorkerInfo,
-    cancelled_error,
-    encode_command,
-)
+from workers.wire.commands import encode_command
+from workers.wire.errors import cancelled_error
+from workers.wire.job import CANCELLED, CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, FAILED, FINISHED
+from workers.wire.worker_info import WorkerInfo
 
 pytestmark = pytest.mark.integration
 
@@ -184,7 +177,7 @@ def test_cancel_stops_a_running_job_within_a_few_tokens(conn, start_worker):
     assert rq_job(conn, job_id).get_status() == JobStatus.CANCELED
     assert job_id in rq_queue(conn).canceled_job_registry
     assert rq_queue(conn).started_job_registry.get_job_ids() == []
-    assert worker.pool.get(TINY).in_flight == 0 and not worker.batcher.jobs
+    assert worker.pool.get(TINY).in_flight == 0 and not worker.running.jobs
 
 
 def test_a_job_cancelled_while_queued_never_runs(conn, start_worker):
@@ -291,7 +284,7 @@ def test_a_worker_that_lost_the_lease_stops_writing(conn, start_worker):
     worker = start_worker(step_delay=0.02)
     wait_for(lambda: len(tokens(conn, job_id)) >= 3, what="a few tokens")
     conn.set(keys.job_lease(job_id), "someone-else:9")  # another worker took the job over
-    wait_for(lambda: not worker.batcher.jobs, timeout=3, what="the job to be dropped")
+    wait_for(lambda: not worker.running.jobs, timeout=3, what="the job to be dropped")
     frozen = len(stream(conn, job_id))
     time.sleep(0.2)
     assert len(stream(conn, job_id)) == frozen

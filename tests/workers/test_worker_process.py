@@ -28,7 +28,7 @@ from tests.workers.conftest import (
     wait_for,
 )
 from workers import keys
-from workers.protocol import COMPLETIONS, FINISHED, QUEUED, JobRecord
+from workers.wire.job import COMPLETIONS, FINISHED, QUEUED, JobRecord
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -7,12 +7,12 @@ learns from the Stream what was already sent) and continues after the last one.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from workers import keys
-from workers.protocol import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN, decode_event
+from workers.wire.events import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN, decode_event
+from workers.wire.text import as_str
 
 READ_PAGE = 1000
 
@@ -58,36 +58,4 @@ def read_progress(client: Any, job_id: str) -> StreamProgress:
                 choice.finish_reason = data.get("finish_reason")
         if len(page) < READ_PAGE:
             return progress
-        last = page[-1][0]
-        start = "(" + (last.decode() if isinstance(last, bytes) else last)
-
-
-def token_event(
-    choice: int,
-    index: int,
-    text: str,
-    token_id: int,
-    logprob: float | None,
-    finish_reason: str | None,
-    attempt: int,
-    logprobs: dict[str, Any] | None = None,
-    top_logprobs: list[tuple[int, float]] | None = None,
-) -> tuple[str, str]:
-    """(kind, JSON data) of a token event; see `workers.protocol` for the fields."""
-    data: dict[str, Any] = {
-        "choice": choice,
-        "index": index,
-        "text": text,
-        "token_id": token_id,
-        "logprob": logprob,
-        "top_logprobs": [list(pair) for pair in top_logprobs or []],
-        "finish_reason": finish_reason,
-        "attempt": attempt,
-    }
-    if logprobs is not None:
-        data["logprobs"] = logprobs
-    return EVENT_TOKEN, json.dumps(data, ensure_ascii=False)
-
-
-def terminal_event(kind: str, body: dict[str, Any]) -> tuple[str, str]:
-    return kind, json.dumps(body, ensure_ascii=False)
+        start = "(" + as_str(page[-1][0])

@@ -1,4 +1,5 @@
-"""Continuous batching across the jobs of one worker: which sequences run, step by step.
+"""The jobs a worker is running, and continuous batching across them: which sequences run,
+step by step (each model's `BatchGenerator` does the batching within one model).
 
 Jobs join between steps (`add`), each model with running sequences gets one batched forward
 pass per `step`, and jobs leave when their choices end or when they are removed (cancelled,
@@ -12,24 +13,28 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
-from runtime.batch_generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY
+from runtime.batch_generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY, BatchGenerator
+from runtime.engine import Engine
+from runtime.errors import LLMQRuntimeError
 from workers import keys
 from workers.errors import JobFailure
 from workers.jobs import ActiveJob
 from workers.pool import FAILED, LOADING, EnginePool, PoolEntry
+from workers.requests import invalid_request
 
-log = logging.getLogger("llmq.scheduler")
+log = logging.getLogger("llmq.running")
 
 
 @dataclass
 class _Batch:
-    engine: Any
-    generator: Any  # runtime.batch_generator.BatchGenerator
+    engine: Engine
+    generator: BatchGenerator
 
 
-class Scheduler:
+class RunningJobs:
+    """A worker's running jobs (`jobs`) and their sequences in one generator per model."""
+
     def __init__(self, pool: EnginePool, max_batch: int) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -109,10 +114,8 @@ class Scheduler:
             self.last_batch_sizes[model] = size
             for event in events:
                 job, choice = self._owners[event.request_id]
-                if job.on_token(choice, event):
+                if job.on_token(choice, event):  # the engine ended it (stop or length)
                     self._end_sequence(event.request_id, job)
-                    if event.finish_reason is None:  # a stop string matched in the worker
-                        batch.generator.abort(event.request_id)
                 touched.add(job)
         return touched, broken
 
@@ -135,10 +138,17 @@ class Scheduler:
         batch = self._batches.get(job.model)
         if batch is None or batch.engine is not entry.engine:
             batch = self._batches[job.model] = _Batch(entry.engine, entry.engine.new_batch())
+        try:  # every choice fits, or none joins: the job fails whole, before any token
+            for _, prompt_ids, params in sequences:
+                batch.generator.check_request(prompt_ids, params)
+        except LLMQRuntimeError as exc:
+            raise invalid_request(exc) from exc
         priority = BATCH_PRIORITY if job.record.kind == keys.BATCH else INTERACTIVE_PRIORITY
-        cache_prompt = job.record.request.get("cache_prompt") is not False
+        assert job.plan is not None
+        cache_prompt = job.plan.spec.cache_prompt
         for request_id, prompt_ids, params in sequences:
-            batch.generator.add(request_id, prompt_ids, params, priority, cache_prompt)
+            resume = job.resumed.get(request_id, 0)
+            batch.generator.add(request_id, prompt_ids, params, priority, cache_prompt, resume)
             choice = int(request_id.rsplit(":", 1)[1])
             self._owners[request_id] = (job, choice)
             self.pool.acquire(job.model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.cli import main
+from llmq.cli import main
 
 
 def test_llmq_help_lists_the_commands(capsys):

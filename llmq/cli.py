@@ -1,0 +1,55 @@
+"""The `llmq` command line: every subcommand, each group added by the room that owns it.
+
+`build_parser` collects the groups in `COMMAND_GROUPS`; a room adds its commands with an
+`add_*_commands(sub)` function and each command sets `handler` (args -> exit code). The
+groups' modules are argparse only: importing them loads neither Flask nor a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from api.batch_cli import add_batch_commands
+from api.cli import add_api_commands
+from runtime.cli import add_runtime_commands
+from runtime.errors import LLMQRuntimeError
+from workers.cli import add_worker_commands
+from workers.errors import WorkerError
+from workers.supervisor import add_serve_commands
+
+COMMAND_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_runtime_commands,
+    add_worker_commands,
+    add_api_commands,
+    add_serve_commands,
+    add_batch_commands,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmq", description="Serve GGUF language models through a Redis job queue."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_commands in COMMAND_GROUPS:
+        add_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (LLMQRuntimeError, WorkerError) as exc:
+        print(f"llmq: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

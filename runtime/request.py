@@ -1,0 +1,126 @@
+"""`GenerationSpec`: one generation request as the engine needs it, whoever sends it.
+
+The API validates a request body with its pydantic schemas and stores the normalised body
+in the job record; the worker reads that body back with `GenerationSpec.from_body` (the one
+reader: nothing else picks sampling fields out of a body) and turns it into one
+`SamplingParams` per choice with `choice_params`. `llmq generate` could build one directly.
+
+The body comes back from Redis, so `from_body` treats it as untrusted: every value it
+cannot use raises an `LLMQRuntimeError` whose `param` names the field. Later features
+(response format, tools, adapters) get a field here, next to the sampling they constrain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import EmptyPromptError, InvalidSamplingParams
+from runtime.limits import DEFAULT_COMPLETION_TOKENS, MAX_CHOICES
+from runtime.sampling import SamplingParams
+
+# fields of a body that go to every choice's SamplingParams unchanged
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "ignore_eos",
+)
+
+
+@dataclass
+class GenerationSpec:
+    """What to generate: `prompts` (completions) or `messages` (chat), `n` choices each,
+    sampled with `sampling` and stopped by `stop` or `max_tokens` (None: as many as the
+    context leaves, OpenAI's chat default). `logprobs` alternatives per token (None: no
+    logprobs); `echo` returns the prompt before the completion (completions only)."""
+
+    prompts: list[Any] | None = None  # strings or lists of token ids
+    messages: list[dict[str, Any]] | None = None
+    n: int = 1
+    max_tokens: int | None = DEFAULT_COMPLETION_TOKENS
+    sampling: dict[str, Any] = field(default_factory=dict)  # SAMPLING_FIELDS that were set
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    echo: bool = False
+    cache_prompt: bool = True
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], *, chat: bool) -> GenerationSpec:
+        """The spec of an OpenAI completions (`chat` False) or chat completions body."""
+        n = 1 if body.get("n") is None else body["n"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidSamplingParams(f"n must be a positive integer, got {n!r}", param="n")
+        spec = cls(
+            n=n,
+            sampling={k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None},
+            seed=body.get("seed"),
+            stop=body.get("stop") or [],
+            cache_prompt=body.get("cache_prompt") is not False,
+        )
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise EmptyPromptError(
+                    "messages must be a non-empty list of chat messages", param="messages"
+                )
+            spec.messages = messages
+            spec.max_tokens = body.get("max_completion_tokens")
+            if spec.max_tokens is None:
+                spec.max_tokens = body.get("max_tokens")
+            spec.logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+        else:
+            spec.prompts = prompt_list(body.get("prompt"), "prompt")
+            if body.get("max_tokens") is not None:
+                spec.max_tokens = body["max_tokens"]
+            spec.logprobs = body.get("logprobs")
+            spec.echo = bool(body.get("echo"))
+        spec.check_choices(len(spec.prompts or [None]))
+        return spec
+
+    def check_choices(self, prompts: int) -> None:
+        if prompts * self.n > MAX_CHOICES:
+            raise InvalidSamplingParams(
+                f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), "
+                f"got {prompts * self.n}",
+                param="n",
+            )
+
+    def choice_params(self, max_tokens: int) -> list[SamplingParams]:
+        """Parameters of the `n` choices of one prompt; a seed gives choice j the seed + j,
+        so the choices of a seeded request are reproducible and still differ from each other."""
+        return [
+            SamplingParams(
+                max_tokens=max_tokens,
+                stop=self.stop,
+                logprobs=self.logprobs,
+                seed=None if self.seed is None else self.seed + j,
+                **self.sampling,
+            )
+            for j in range(self.n)
+        ]
+
+
+def prompt_list(value: Any, name: str) -> list[Any]:
+    """OpenAI's four prompt forms (a string, a list of strings, a list of token ids, a list
+    of lists of token ids) as a list of prompts; `name` is the field (prompt, input)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+        return [value]
+    if isinstance(value, list) and value:
+        return value
+    raise EmptyPromptError(
+        f"{name} must be a string or a non-empty list, got {value!r:.40}", param=name
+    )

@@ -1,0 +1,79 @@
+"""`GenerationSpec`: the one reader of a request body, and the errors that name their field."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.errors import EmptyPromptError, InvalidSamplingParams, LLMQRuntimeError
+from runtime.limits import DEFAULT_COMPLETION_TOKENS, MAX_CHOICES
+from runtime.request import GenerationSpec
+
+
+def test_a_completions_body_becomes_a_spec():
+    spec = GenerationSpec.from_body(
+        {"prompt": "hi", "n": 2, "temperature": 0, "stop": ["x"], "seed": 7, "logprobs": 1},
+        chat=False,
+    )
+    assert spec.prompts == ["hi"] and spec.messages is None and not spec.chat
+    assert spec.max_tokens == DEFAULT_COMPLETION_TOKENS
+    a, b = spec.choice_params(5)
+    assert (a.seed, b.seed) == (7, 8)  # reproducible, and different per choice
+    assert a.stop == ["x"] and a.temperature == 0 and a.logprobs == 1 and a.max_tokens == 5
+
+
+def test_a_chat_body_becomes_a_spec():
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "max_completion_tokens": 9, "max_tokens": 3}
+    spec = GenerationSpec.from_body({**body, "logprobs": True, "top_logprobs": 2}, chat=True)
+    assert spec.chat and spec.messages == messages
+    assert spec.max_tokens == 9 and spec.logprobs == 2
+    assert GenerationSpec.from_body({"messages": messages}, chat=True).max_tokens is None
+
+
+def test_cache_prompt_defaults_to_true():
+    assert GenerationSpec.from_body({"prompt": "x"}, chat=False).cache_prompt
+    assert not GenerationSpec.from_body(
+        {"prompt": "x", "cache_prompt": False}, chat=False
+    ).cache_prompt
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param"),
+    [
+        ({"prompt": "x", "n": 0}, False, "n"),
+        ({"prompt": []}, False, "prompt"),
+        ({"messages": []}, True, "messages"),
+        ({"prompt": ["x"] * MAX_CHOICES, "n": 2}, False, "n"),
+    ],
+)
+def test_errors_name_the_field(body, chat, param):
+    with pytest.raises(LLMQRuntimeError) as raised:
+        GenerationSpec.from_body(body, chat=chat)
+    assert raised.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -1), ("top_p", 1.5), ("top_k", -5), ("presence_penalty", 3)],
+)
+def test_sampling_errors_name_the_field(field, value):
+    spec = GenerationSpec.from_body({"prompt": "x", field: value}, chat=False)
+    with pytest.raises(InvalidSamplingParams) as raised:
+        spec.choice_params(4)
+    assert raised.value.param == field
+
+
+def test_a_stop_string_error_names_stop_and_logit_bias_names_logit_bias():
+    with pytest.raises(InvalidSamplingParams) as raised:
+        GenerationSpec.from_body({"prompt": "x", "stop": [""]}, chat=False).choice_params(1)
+    assert raised.value.param == "stop"
+    with pytest.raises(InvalidSamplingParams) as raised:
+        GenerationSpec.from_body(
+            {"prompt": "x", "logit_bias": {"1": 500}}, chat=False
+        ).choice_params(1)
+    assert raised.value.param == "logit_bias"
+
+
+def test_empty_prompt_errors_default_to_the_prompt_field():
+    assert EmptyPromptError("empty").param == "prompt"
+    assert EmptyPromptError("empty", param="input").param == "input"

@@ -1,0 +1,54 @@
+"""One sequence's text as the engine assembles it from token ids: stop strings, split UTF-8,
+and replaying the tokens an earlier run sent so the text continues exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.detokenizer import TextAssembler
+from runtime.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path: Path) -> Engine:
+    return Engine.load(str(tiny_llama_path))
+
+
+def random_tokens(engine: Engine, n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, engine.tokenizer.vocab_size, n)]
+
+
+def assemble(assembler: TextAssembler, ids: list[int]) -> tuple[list[str], str | None]:
+    texts, finish = [], None
+    for i, token in enumerate(ids):
+        text, finish = assembler.push(token, "length" if i == len(ids) - 1 else None)
+        texts.append(text)
+        if finish:
+            break
+    return texts, finish
+
+
+def test_text_is_the_decoded_tokens_cut_at_the_first_stop_string(engine):
+    ids = random_tokens(engine, 60, seed=1)
+    full = engine.tokenizer.decode(ids)
+    texts, finish = assemble(TextAssembler(engine.tokenizer, []), ids)
+    assert "".join(texts) == full and finish == "length"
+    stop = full[20:23]
+    texts, finish = assemble(TextAssembler(engine.tokenizer, [stop]), ids)
+    assert "".join(texts) == full[: full.index(stop)] and finish == "stop"
+
+
+@pytest.mark.parametrize("cut", [1, 7, 13, 30])
+def test_replaying_sent_tokens_continues_the_text_exactly(engine, cut):
+    """Split UTF-8 characters and half-matched stop strings survive the cut."""
+    ids = random_tokens(engine, 60, seed=2)
+    stop = engine.tokenizer.decode(ids)[40:43]
+    reference, finish = assemble(TextAssembler(engine.tokenizer, [stop]), ids)
+    assert finish == "stop" and cut < len(reference)
+    resumed = TextAssembler(engine.tokenizer, [stop])
+    assert resumed.replay(ids[:cut]) == "".join(reference[:cut])
+    assert assemble(resumed, ids[cut:]) == (reference[cut:], "stop")

@@ -1,0 +1,103 @@
+"""The wire module on its own (no Redis server): codecs round-trip, the OpenAI error body has
+one shape, and a job's end is written the same way by whoever writes it."""
+
+from __future__ import annotations
+
+import json
+
+import fakeredis
+import pytest
+
+from workers import keys
+from workers.wire.commands import COMMAND_LOAD, decode_command, encode_command
+from workers.wire.errors import cancelled_error, error_body, openai_error
+from workers.wire.events import (
+    EVENT_DONE,
+    EVENT_ERROR,
+    EVENT_TOKEN,
+    decode_event,
+    ending,
+    event_fields,
+    token_event,
+    write_ending,
+)
+from workers.wire.histograms import histogram_fields
+from workers.wire.job import CANCELLED, FINISHED, JobRecord
+from workers.wire.text import as_str, text_hash
+from workers.wire.worker_info import WorkerInfo
+
+
+def test_as_str_takes_bytes_or_str():
+    assert as_str(b"caf\xc3\xa9") == as_str("café") == "café"
+    assert text_hash({b"a": b"1", "b": "2"}) == {"a": "1", "b": "2"}
+
+
+def test_an_event_round_trips_through_its_stream_fields():
+    event = token_event(1, 4, "héllo", 42, -0.5, None, 2, top_logprobs=[(7, -1.0)])
+    kind, data = decode_event({k.encode(): v.encode() for k, v in event_fields(event).items()})
+    assert kind == EVENT_TOKEN
+    assert data == {
+        "choice": 1,
+        "index": 4,
+        "text": "héllo",
+        "token_id": 42,
+        "logprob": -0.5,
+        "top_logprobs": [[7, -1.0]],
+        "finish_reason": None,
+        "attempt": 2,
+    }
+    assert "\\u" not in event[1]  # text stays readable (ensure_ascii=False)
+
+
+def test_the_openai_error_body_has_one_shape():
+    assert openai_error("bad", param="n") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}
+    }
+    assert error_body("bad", param="n", status=422) == {
+        **openai_error("bad", param="n"),
+        "status": 422,
+    }
+    assert cancelled_error()["status"] == 409 and cancelled_error()["error"]["code"] == "cancelled"
+
+
+def test_ending_gives_the_fields_and_the_terminal_event():
+    fields, (kind, data) = ending(FINISHED, {"id": "x"})
+    assert kind == EVENT_DONE and json.loads(data) == {"id": "x"}
+    assert fields["status"] == FINISHED and json.loads(fields["result"]) == {"id": "x"}
+    fields, (kind, data) = ending(CANCELLED, cancelled_error())
+    assert kind == EVENT_ERROR and json.loads(fields["error"]) == cancelled_error()
+
+
+def test_write_ending_writes_record_event_and_count_in_one_pipeline():
+    conn = fakeredis.FakeRedis()
+    record = JobRecord("j1", "/v1/completions", "m", {"prompt": "x"})
+    conn.hset(keys.job("j1"), mapping=record.to_hash())
+    with conn.pipeline() as pipe:
+        write_ending(pipe, "j1", CANCELLED, cancelled_error())
+        pipe.execute()
+    stored = JobRecord.from_hash(conn.hgetall(keys.job("j1")))
+    assert stored.status == CANCELLED and stored.error == cancelled_error()
+    [(_, fields)] = conn.xrange(keys.job_events("j1"))
+    assert decode_event(fields) == (EVENT_ERROR, cancelled_error())
+    assert conn.ttl(keys.job_events("j1")) > 0
+    assert conn.hget(keys.METRIC_JOBS, CANCELLED) == b"1"
+
+
+def test_records_round_trip_through_a_redis_hash():
+    record = JobRecord("j1", "/v1/chat/completions", "m", {"messages": []}, attempts=2)
+    assert JobRecord.from_hash(record.to_hash()) == record
+    info = WorkerInfo("w", pid=3, models=["m"], pool={"m": {"state": "ready"}})
+    assert WorkerInfo.from_hash(info.to_hash()) == info
+
+
+def test_admin_commands_round_trip_and_refuse_anything_else():
+    assert decode_command(encode_command(COMMAND_LOAD, "m")) == (COMMAND_LOAD, "m")
+    with pytest.raises(ValueError):
+        encode_command("reboot", "m")
+    with pytest.raises(ValueError):
+        decode_command(b'{"op": "reboot", "model": "m"}')
+
+
+def test_histogram_fields_pick_the_first_bucket_that_holds_the_value():
+    assert histogram_fields("m", 0.3, (0.1, 0.5, 1.0)) == ("m|0.5", "m|count", "m|sum")
+    assert histogram_fields("m", 5, (0.1, 0.5, 1.0))[0] == "m|+Inf"

@@ -1,0 +1,109 @@
+"""A job: its statuses, the endpoints it serves, and its record in `keys.job(id)`.
+
+Lifecycle (record `status`, and the RQ job's status alongside): `queued` -> `started`
+(a worker claimed it: `attempts` + 1, `worker`, `started_at` on the first start) ->
+`finished` (`result`, `completion_tokens`, `finished_at`; `done` event) or `failed`
+(`error`, `finished_at`; `error` event) or `cancelled` (`error` = `cancelled_error()`,
+`finished_at`; `error` event with that body). A job whose worker died or shut down is
+put back to `queued` at the front of its queue (RQ status too) and resumed by the next
+worker from its stream. While a job runs, `completion_tokens` counts the tokens streamed.
+A job is started at most `defaults.MAX_ATTEMPTS` times: one whose workers keep dying with
+it is then failed with a 500 instead of being retried forever.
+
+Cancelling: set `keys.job_cancel(id)` (any value, TTL `CANCEL_FLAG_TTL_SECONDS`) first.
+Then, if LREM of the id from its RQ queue returns 1, nobody will run it and the API marks
+it cancelled itself (record, RQ `job.cancel()`, the `error` event); otherwise a worker
+has it or is taking it: a worker checks the flag when it claims a job (a flagged job never
+runs) and after every decode step, and ends the job as above within a step or two.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from workers.wire.text import optional_float, text_hash
+
+QUEUED, STARTED, FINISHED, FAILED, CANCELLED = (
+    "queued",
+    "started",
+    "finished",
+    "failed",
+    "cancelled",
+)
+TERMINAL_STATUSES = frozenset({FINISHED, FAILED, CANCELLED})
+
+COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+)
+ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS)
+
+# The only function a worker runs; anything else found on a queue is refused (RELIABILITY F19).
+JOB_FUNCTION = "workers.jobs.run_job"
+
+
+@dataclass
+class JobRecord:
+    """A job as stored in `keys.job(id)`; `request` is the validated request body."""
+
+    id: str
+    endpoint: str
+    model: str
+    request: dict[str, Any]
+    kind: str = "interactive"  # keys.INTERACTIVE or keys.BATCH
+    status: str = QUEUED
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = 0
+    worker: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    batch_id: str | None = None  # set for the requests of an offline batch
+    queue: str | None = None  # a worker's own queue the API routed it to (prefix affinity)
+    owner: str | None = None  # digest of the API key that created it (`api.auth.owner_of`)
+
+    def to_hash(self) -> dict[str, str]:
+        """Every field as a string (JSON for structured values); None fields are omitted."""
+        out = {}
+        for name, value in asdict(self).items():
+            if value is None:
+                continue
+            out[name] = json.dumps(value) if isinstance(value, dict) else str(value)
+        return out
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes | str, bytes | str]) -> JobRecord:
+        h = text_hash(raw)
+        return cls(
+            id=h["id"],
+            endpoint=h["endpoint"],
+            model=h["model"],
+            request=json.loads(h["request"]),
+            kind=h.get("kind", "interactive"),
+            status=h.get("status", QUEUED),
+            created_at=float(h["created_at"]),
+            started_at=optional_float(h.get("started_at")),
+            finished_at=optional_float(h.get("finished_at")),
+            attempts=int(h.get("attempts", 0)),
+            worker=h.get("worker"),
+            prompt_tokens=int(h.get("prompt_tokens", 0)),
+            completion_tokens=int(h.get("completion_tokens", 0)),
+            result=json.loads(h["result"]) if "result" in h else None,
+            error=json.loads(h["error"]) if "error" in h else None,
+            batch_id=h.get("batch_id"),
+            queue=h.get("queue"),
+            owner=h.get("owner"),
+        )
+
+
+def response_id(endpoint: str, job_id: str) -> str:
+    """The `id` of a job's response body and of its stream chunks (the same for both)."""
+    prefix = {CHAT_COMPLETIONS: "chatcmpl", COMPLETIONS: "cmpl"}.get(endpoint, "embd")
+    return f"{prefix}-{job_id}"
