@@ -1,6 +1,6 @@
 """`llmq generate` and `llmq models`: the engine in-process, no Redis.
 
-`add_runtime_commands` adds them to the `llmq` parser (workers/cli.py builds the whole CLI).
+`add_runtime_commands` adds them to the `llmq` parser (llmq/cli.py builds the whole CLI).
 
 Only generated text goes to stdout (streamed as it is produced), so the output can be piped;
 `--stats` adds one JSON line on stderr. Errors a user can cause print one line, no traceback.

@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from runtime.kernels import BACKENDS
 
 T = TypeVar("T")
 
 
 def _csv(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _device(value: str) -> str:
+    if value == "cpu" or re.fullmatch(r"cuda(:\d+)?", value):
+        return value
+    raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N], got {value!r}")
 
 
 def add_worker_commands(sub: argparse._SubParsersAction) -> None:
@@ -52,16 +61,25 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
     )
     worker.add_argument(
         "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="accepted for compatibility; the numpy engine runs on the CPU",
+        type=_device,
+        default=None,
+        metavar="cpu|cuda[:N]",
+        help="where the engine runs (default: $LLMQ_DEVICE, else cpu); cuda is refused with "
+        "the reason until GPU workers exist",
+    )
+    worker.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="kernel backend: numpy (exact float32) or torch (quantized weights, compiled "
+        "kernels) (default: $LLMQ_BACKEND, else each model's registry entry, else torch)",
     )
     worker.add_argument(
         "--max-batch",
         type=int,
-        default=8,
+        default=None,
         metavar="N",
-        help="sequences generated together, across jobs and models (default: 8)",
+        help="sequences generated together, across jobs and models (default: 32)",
     )
     worker.add_argument("--name", help="worker name (default: HOST.PID); unique per worker")
     worker.add_argument(
@@ -105,6 +123,7 @@ def run_worker(args: argparse.Namespace) -> int:
         models=args.models,
         queues=args.queues,
         device=args.device,
+        backend=args.backend,
         max_batch=args.max_batch,
         grace=args.grace,
         poll_interval=args.poll_interval,

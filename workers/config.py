@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.kernels import BACKEND_ENV, BACKENDS
 from runtime.registry import load_registry
 from workers import keys
 from workers.errors import WorkerError
@@ -20,6 +21,7 @@ from workers.wire.defaults import LEASE_RENEW_SECONDS, LEASE_TTL_SECONDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 STEP_DELAY_ENV = "LLMQ_WORKER_STEP_DELAY_MS"
+DEVICE_ENV = "LLMQ_DEVICE"
 # The idle wait is one BLPOP, which must end before the worker's Redis socket timeout (5 s)
 # and leave its heartbeat (every 5 s, TTL 15 s) on time.
 MAX_POLL_INTERVAL = 4.0
@@ -36,7 +38,10 @@ class WorkerConfig:
     models: list[str] = field(default_factory=list)  # registry ids or .gguf paths; [] = all
     queues: list[str] = field(default_factory=list)  # llmq queue names or kinds; [] = all
     device: str = "cpu"
-    max_batch: int = 8  # sequences stepped together, across models
+    backend: str | None = None  # kernel backend; None: each model's registry entry, else torch
+    # sequences stepped together, across models: a decode step's weight products cost about
+    # the same for 1 and 32 rows, so 32 gives ~5x one stream's tokens/s (bench/RESULTS.md)
+    max_batch: int = 32
     grace: float = 25.0  # seconds a SIGTERM lets running jobs finish before checkpointing
     poll_interval: float = 0.05  # idle wait between looks at the queues (a queued job's
     # wake token ends it at once: the poll is the fallback for jobs queued without one)
@@ -48,6 +53,12 @@ class WorkerConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
 
     def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ConfigError(
+                f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
+            )
+        if self.device != "cpu":
+            raise ConfigError(_device_error(self.device))
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.grace < 0:
@@ -68,11 +79,26 @@ class WorkerConfig:
         delay = os.environ.get(STEP_DELAY_ENV)
         base = {
             "redis_url": os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL,
+            "backend": os.environ.get(BACKEND_ENV) or None,
+            "device": os.environ.get(DEVICE_ENV) or "cpu",
             "pool": PoolConfig.from_env(),
             "step_delay": float(delay) / 1000 if delay else 0.0,
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)  # type: ignore[arg-type]
+
+
+def _device_error(device: str) -> str:
+    """No silent CPU run for a GPU request: say what is missing."""
+    if not device.startswith("cuda"):
+        return f"--device must be cpu or cuda[:N], got {device!r}"
+    try:
+        import torch
+    except ImportError:
+        return f"--device {device} needs torch with CUDA; torch is not installed"
+    if not torch.cuda.is_available():
+        return f"--device {device}: this torch ({torch.__version__}) sees no CUDA device"
+    return f"--device {device}: GPU workers are not built yet; run this worker on the CPU"
 
 
 def serving(config: WorkerConfig) -> tuple[dict[str, str], list[str]]:

@@ -70,15 +70,24 @@ class PoolEntry:
     future: Future | None = field(default=None, repr=False)
 
     def describe(self) -> dict[str, Any]:
-        """The entry as `WorkerInfo.pool` shows it."""
+        """The entry as `WorkerInfo.pool` shows it: `memory_mb` is the resident bytes of the
+        weights as the backend stores them (int4/fp16/... for torch, float32 for numpy)."""
         return {
             "state": self.state,
             "memory_mb": round(self.memory_bytes / 2**20, 1),
+            **_backend_state(self.engine),
             "in_flight": self.in_flight,
             "error": str(self.error) if self.error else None,
             "load_seconds": round(self.load_seconds, 3) if self.load_seconds else None,
             **_cache_state(self.engine),
         }
+
+
+def _backend_state(engine: Any) -> dict[str, Any]:
+    """Which kernel backend a loaded engine runs on and what each weight got."""
+    if engine is None or not hasattr(engine, "backend"):
+        return {}
+    return {"backend": engine.backend.name, "kernels": engine.model.weight_kinds()}
 
 
 def _cache_state(engine: Any) -> dict[str, Any]:
@@ -100,10 +109,11 @@ def _cache_state(engine: Any) -> dict[str, Any]:
     return state
 
 
-def load_engine(source: str) -> Engine:
-    from runtime.engine import Engine  # loaded with the first model, not with the worker
+def load_engine(source: str, backend: str | None = None) -> Engine:
+    """`backend` None: the model's registry entry decides, else torch where installed."""
+    from runtime.engine import Engine, EngineConfig  # loaded with the first model
 
-    return Engine.load(source)
+    return Engine.load(source, EngineConfig(backend=backend))
 
 
 class EnginePool:

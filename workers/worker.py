@@ -23,6 +23,7 @@ step together is `workers.running`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -44,7 +45,7 @@ from workers.config import WorkerConfig, serving
 from workers.errors import JobFailure, PoolFull
 from workers.job_writes import JobWrites
 from workers.jobs import ActiveJob
-from workers.pool import EnginePool
+from workers.pool import EnginePool, load_engine
 from workers.presence import Presence
 from workers.progress import read_progress
 from workers.recovery import Reaper
@@ -100,7 +101,9 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             worker_ttl=RQ_WORKER_TTL,
             job_monitoring_interval=RQ_MONITORING_INTERVAL,
         )
-        self.pool = pool or EnginePool(config.pool, sources)
+        self.pool = pool or EnginePool(
+            config.pool, sources, functools.partial(load_engine, backend=config.backend)
+        )
         self.running = RunningJobs(self.pool, config.max_batch)
         self.reaper = Reaper(self.connection, self.name, self._lease_ms)
         self.batch_driver = batches.BatchDriver(self.connection, self.name)
@@ -194,12 +197,6 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         return self.successful_job_count + self.failed_job_count > 0
 
     def _bootstrap(self) -> None:
-        if self.config.device != "cpu":
-            log.info(
-                "worker %s: --device %s requested; the numpy engine runs on the CPU",
-                self.name,
-                self.config.device,
-            )
         live = self.connection.exists(self.key) and not self.connection.hexists(self.key, "death")
         if live and not self.connection.exists(keys.worker(self.name)):
             self.connection.delete(self.key)  # a dead worker of this name left its RQ hash

@@ -57,3 +57,37 @@ def test_queue_names_round_trip_and_admin_commands_decode():
     assert decode_command(encode_command("load", "m")) == ("load", "m")
     with pytest.raises(ValueError):
         decode_command(b'{"op": "format-disk", "model": "m"}')
+
+
+def test_backend_comes_from_the_flag_or_llmq_backend(monkeypatch):
+    monkeypatch.setenv("LLMQ_BACKEND", "numpy")
+    assert WorkerConfig.from_env().backend == "numpy"
+    assert WorkerConfig.from_env(backend="torch").backend == "torch"
+    monkeypatch.setenv("LLMQ_BACKEND", "tensorflow")
+    with pytest.raises(ConfigError, match="--backend must be one of numpy, torch"):
+        WorkerConfig.from_env()
+
+
+def test_a_cuda_device_is_refused_with_its_reason_never_run_on_the_cpu(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    with pytest.raises(ConfigError, match="sees no CUDA device"):
+        WorkerConfig(device="cuda")
+    monkeypatch.setenv("LLMQ_DEVICE", "cuda:1")
+    with pytest.raises(ConfigError, match="cuda:1"):
+        WorkerConfig.from_env()
+
+
+def test_pool_entries_show_the_backend_and_its_kernels(tiny_model: Path):
+    from workers.pool import PoolEntry, load_engine
+
+    engine = load_engine(str(tiny_model), backend="numpy")
+    entry = PoolEntry("tiny-llama", state="ready", engine=engine, memory_bytes=engine.nbytes)
+    shown = entry.describe()
+    assert shown["backend"] == "numpy"
+    assert shown["kernels"] == {"float32": 1 + 4 * engine.model.args.n_layers}
+    assert shown["memory_mb"] == round(engine.nbytes / 2**20, 1)
+    fast = load_engine(str(tiny_model), backend="torch")
+    assert fast.backend.name == "torch" and fast.nbytes < engine.nbytes
