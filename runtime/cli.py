@@ -47,7 +47,7 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
         "--stats",
         action="store_true",
         help="print one JSON line on stderr at the end: prompt_tokens, completion_tokens, "
-        "prefill_tok_s, decode_tok_s, ttft_ms, load_s, backend",
+        "prefill_tok_s, decode_tok_s, ttft_ms, load_s",
     )
     gen.set_defaults(handler=run_generate)
 
@@ -98,7 +98,6 @@ def run_generate(args: argparse.Namespace) -> int:
             else None,
             "ttft_ms": round(ttft * 1000, 2),
             "load_s": round(engine.load_seconds, 3),
-            "backend": engine.backend.name,
         }
         print(json.dumps(stats), file=sys.stderr)
     return 0

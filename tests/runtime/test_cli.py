@@ -144,3 +144,48 @@ def test_models_reads_a_toml_registry(tmp_path, tiny_llama_path):
 def test_help_is_complete(args):
     result = llmq(*args)
     assert result.returncode == 0 and "usage: llmq" in result.stdout
+
+
+def test_models_shows_each_entrys_backend_and_resident_bytes(tmp_path, tiny_llama_path):
+    registry = tmp_path / "models.toml"
+    registry.write_text(
+        f'[models.tiny]\npath = "{tiny_llama_path}"\nbackend = "numpy"\n'
+        f'[models.tiny-fast]\npath = "{tiny_llama_path}"\nbackend = "torch"\n'
+    )
+    env = {**os.environ, "LLMQ_MODELS": str(registry)}
+    result = subprocess.run(
+        [str(LLMQ), "models"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:]}
+    assert rows["tiny"][4] == "numpy" and rows["tiny-fast"][4] == "torch"  # after "N MiB"
+    assert "BACKEND" in result.stdout and "RESIDENT" in result.stdout
+
+
+def test_a_registry_backend_outside_the_known_ones_is_a_clear_error(tmp_path, tiny_llama_path):
+    from runtime.errors import ModelNotFoundError
+    from runtime.registry import load_registry
+
+    registry = tmp_path / "models.toml"
+    registry.write_text(f'[models.tiny]\npath = "{tiny_llama_path}"\nbackend = "jax"\n')
+    with pytest.raises(ModelNotFoundError, match="backend must be one of numpy, torch"):
+        load_registry(registry)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_generate_answers_paris_on_both_backends(backend):
+    result = llmq(
+        "generate",
+        "--backend",
+        backend,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "4",
+        "--stats",
+        "The capital of France is",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert json.loads(result.stderr.strip().splitlines()[-1])["completion_tokens"] == 4
