@@ -97,6 +97,7 @@ class Target:
     bound: float
     at_least: bool = True
     vs_llama: bool = True
+    unit: str = "x"  # of the figure, when not a ratio
     moonshot: float | None = None
 
     def met(self, value: float) -> bool:
@@ -104,14 +105,21 @@ class Target:
 
     def text(self) -> str:
         op = ">=" if self.at_least else "<="
-        return f"{op} {self.bound:g}x llama.cpp" if self.vs_llama else f"{op} {self.bound:g}"
+        return (
+            f"{op} {self.bound:g}x llama.cpp"
+            if self.vs_llama
+            else f"{op} {self.bound:g} {self.unit}"
+        )
+
+    def value_text(self, value: float) -> str:
+        return f"{value:.2f}x" if self.vs_llama else f"{value:.2f} {self.unit}"
 
 
 TARGETS: dict[str, dict[str, Target]] = {
     "smollm2-135m-instruct": {
         "prefill_tps": Target(3.0),
         "decode_tps": Target(1.0, moonshot=1.5),
-        "load_s": Target(0.5, at_least=False, vs_llama=False),
+        "load_s": Target(0.5, at_least=False, vs_llama=False, unit="s"),
         "peak_rss_mib": Target(2.0, at_least=False),
     },
     "gemma-3-270m": {
@@ -445,6 +453,7 @@ def _judge(backend: dict[str, Any], targets: dict[str, Target]) -> dict[str, Any
         out[key] = {
             "target": target.text(),
             "value": value,
+            "value_text": target.value_text(value),
             "met": target.met(value),
             "moonshot": target.moonshot,
             "moonshot_met": None if target.moonshot is None else value >= target.moonshot,
@@ -472,7 +481,8 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     lines: list[str] = []
     meta = raw["meta"]
     lines.append(
-        f"llmq engine ({', '.join(raw['backends'])} backends) vs llama.cpp "
+        f"llmq engine ({', '.join(raw['backends'])} backend"
+        f"{'s' if len(raw['backends']) > 1 else ''}) vs llama.cpp "
         f"{meta['llama_cpp_version']} | {meta['cpus']} CPUs | repeat {meta['repeat']} | "
         f"commit {meta['commit']} | {meta['date']}"
     )
@@ -491,7 +501,8 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         "load excludes importing the backend's libraries (shown below it, untimed in load)"
     )
     lines.append(openblas_note())
-    lines.append("kernel plans (engine.backend.describe()):")
+    versions = f"numpy {meta['numpy']}" + (f", torch {meta['torch']}" if meta.get("torch") else "")
+    lines.append(f"kernel plans (engine.backend.describe(); {versions}):")
     for backend, plan in summary["kernels"].items():
         lines.append(f"  {backend}: " + "; ".join(f"{k}: {v}" for k, v in plan.items()))
     for env, per_env in summary["envs"].items():
@@ -574,8 +585,7 @@ def _target_cell(targets: dict[str, Any], key: str) -> str:
     t = targets.get(key)
     if t is None:
         return ""
-    unit = "x" if "llama" in t["target"] else ""
-    cell = f"{t['target']}: {verdict(t['met'])} ({t['value']:.2f}{unit})"
+    cell = f"{t['target']}: {verdict(t['met'])} ({t['value_text']})"
     if t["moonshot"] is not None:
         cell += f"; moonshot {t['moonshot']:g}x: {verdict(t['moonshot_met'])}"
     return cell
@@ -584,6 +594,9 @@ def _target_cell(targets: dict[str, Any], key: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated ids")
+    p.add_argument(
+        "--backends", default=",".join(BACKENDS), help="our kernel backends, comma-separated"
+    )
     p.add_argument("--repeat", type=int, default=None, help="repetitions (default 3, quick 1)")
     p.add_argument("--quick", action="store_true", help="1 repetition, 16 decode tokens")
     p.add_argument("--json", type=Path, help="also write the raw figures and summary here")
@@ -591,6 +604,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in args.backends if b not in BACKENDS]
+    if unknown or not args.backends:
+        p.error(f"--backends must name some of {', '.join(BACKENDS)}, got {args.backends}")
     args.repeat = args.repeat or (1 if args.quick else 3)
     args.decode_tokens = QUICK_DECODE_TOKENS if args.quick else DECODE_TOKENS
     args.bandwidth_reps = 3 if args.quick else BANDWIDTH_REPS
@@ -614,6 +631,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "numpy": version("numpy"),
+        "torch": version("torch") if "torch" in args.backends else None,
+        "backends": args.backends,
         "llama_cpp_version": version("llama-cpp-python"),
         "openblas_env": {k: os.environ.get(k) for k in OPENBLAS_VARS},
         "repeat": args.repeat,

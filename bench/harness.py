@@ -264,7 +264,7 @@ class System:
         self._spawn("redis", broker_argv(redis_port, self.redis_args))
         wait_for_port(redis_port, timeout=15)
         env = {**self.env, "REDIS_URL": self.redis_url}
-        llmq = [sys.executable, "-m", "workers.cli"]
+        llmq = [sys.executable, "-m", "llmq"]
         worker = [*llmq, "worker", "--models", ",".join(self.models)]
         worker += ["--max-batch", str(self.max_batch), "--log-level", "WARNING"]
         for i in range(self.workers):

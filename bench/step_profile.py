@@ -1,12 +1,14 @@
 """Where one batched decode step of our engine spends its time.
 
-    python bench/step_profile.py [--model smollm2-135m-instruct] [--sequences 1,4,32]
-                                 [--prompt-tokens 32] [--steps 20]
+    python bench/step_profile.py [--model smollm2-135m-instruct] [--backend torch]
+                                 [--sequences 1,4,32] [--prompt-tokens 32] [--steps 20]
 
 For each N: N sequences with their own random prompts are prefilled, then `--steps` decode
 steps are timed, first plainly (the step time), then with the weight products and the
 attention wrapped in timers (which adds a little overhead of its own). The table gives
-milliseconds per step: each weight product by shape, attention (K/V store and the
+milliseconds per step: each weight product by shape and kernel (int4, fp16, float32, ...:
+the backend's weight objects are wrapped, so a product is timed with its conversions in and
+out of the kernel's types, wherever the model calls it), attention (K/V store and the
 attention itself), norms, rope, activations, sampling, and the rest (residual adds,
 embedding, scheduling).
 """
@@ -28,7 +30,8 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 
 from runtime import models  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
+from runtime.engine import Engine, EngineConfig  # noqa: E402
+from runtime.kernels import BACKENDS  # noqa: E402
 from runtime.models import attention, base  # noqa: E402
 from runtime.sampling import Sampler, SamplingParams  # noqa: E402
 
@@ -41,6 +44,40 @@ def timed(totals: dict[str, float], name_of: Callable[..., str], fn: Callable) -
         return out
 
     return wrapper
+
+
+class TimedWeight:
+    """Stands in for a backend's weight object: times each product, passes the rest on."""
+
+    def __init__(self, weight: Any, totals: dict[str, float], label: str) -> None:
+        self.weight, self.totals, self.label = weight, totals, label
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        started = time.perf_counter()
+        out = self.weight(x)
+        self.totals[self.label] += time.perf_counter() - started
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # shape, kind, nbytes
+        return getattr(self.weight, name)
+
+
+WEIGHT_NAMES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def timed_weights(model: Any, totals: dict[str, float]) -> list[tuple[Any, str, Any]]:
+    """Wrap every layer weight and the LM head in a `TimedWeight`; returns (owner, name,
+    original) for each, to put back."""
+    saved = []
+    owners = [(layer, name) for layer in model.layers for name in WEIGHT_NAMES]
+    for owner, name in [*owners, (model, "output")]:
+        weight = getattr(owner, name)
+        label = f"x @ W{list(weight.shape)}^T {weight.kind}"
+        if owner is model:
+            label = "logits " + label
+        saved.append((owner, name, weight))
+        setattr(owner, name, TimedWeight(weight, totals, label))
+    return saved
 
 
 def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str, float]:
@@ -60,8 +97,6 @@ def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str,
         plain.append(time.perf_counter() - t)
     totals: dict[str, float] = defaultdict(float)
     patched = {
-        (base, "linear"): lambda x, w: f"x @ W{list(w.shape)}",
-        (base.DecoderModel, "logits"): lambda model, h: f"logits x @ W{list(model.output.shape)}^T",
         (attention, "attend_layout"): lambda *a, **k: "attention",
         (base, "rms_normalize"): lambda *a: "norms",
         (base, "apply_rope"): lambda *a: "rope",
@@ -77,12 +112,15 @@ def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str,
         for arch in (models.llama, models.gemma3):  # modules that imported the names
             if hasattr(arch, name):
                 setattr(arch, name, wrapper)
+    weights = timed_weights(engine.model, totals)
     try:
         t = time.perf_counter()
         for _ in range(steps):
             batch.step()
         wrapped = time.perf_counter() - t
     finally:
+        for owner, name, weight in weights:
+            setattr(owner, name, weight)
         for (module, name), fn in saved.items():
             setattr(module, name, fn)
             for arch in (models.llama, models.gemma3):
@@ -97,18 +135,22 @@ def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str,
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--backend", choices=BACKENDS, default="torch", help="kernel backend")
     p.add_argument("--sequences", default="1,4,32")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, EngineConfig(backend=args.backend))
     ns = [int(n) for n in args.sequences.split(",")]
     results = {n: profile(engine, n, args.prompt_tokens, args.steps) for n in ns}
     rows = list(next(iter(results.values())))
+    kernels = "; ".join(f"{k}: {v}" for k, v in engine.backend.describe().items())
     print(f"ms per decode step, {args.model}, {args.prompt_tokens}-token prompts")
-    print(f"{'':28s}" + "".join(f"{f'N={n}':>10s}" for n in ns))
+    print(f"backend {engine.backend.name} ({kernels}); weights {engine.model.weight_kinds()}")
+    width = max(map(len, rows)) + 2
+    print(" " * width + "".join(f"{f'N={n}':>10s}" for n in ns))
     for row in rows:
-        print(f"{row:28s}" + "".join(f"{results[n][row] * 1000:10.2f}" for n in ns))
+        print(f"{row:{width}s}" + "".join(f"{results[n][row] * 1000:10.2f}" for n in ns))
     return 0
 
 
