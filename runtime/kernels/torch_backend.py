@@ -12,6 +12,7 @@ work.
 from __future__ import annotations
 
 import numpy as np
+import threadpoolctl
 import torch
 
 from runtime.gguf_file import GGUFFile
@@ -198,6 +199,10 @@ class TorchBackend:
         self.device = device
         self.plan = plan or plan_for(cpu_features())
         torch.set_num_threads(self.plan.threads)
+        # torch's OpenMP threads and OpenBLAS's (numpy's attention matmuls) both spin on the
+        # same cores after their work: Gemma 3 at 540 tokens of context decoded 3.3 tok/s
+        # with both at 2 threads and 24.9 with OpenBLAS at 1. Process-wide, by design.
+        threadpoolctl.threadpool_limits(1, user_api="blas")
 
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
         four_bit = all(f.blocks(p.name)[1] in FOUR_BIT_TYPES for p in parts)
