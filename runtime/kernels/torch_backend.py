@@ -70,29 +70,41 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
-class Int8Weight:
+class _RowStore:
+    """A weight whose storage is allocated whole and filled a chunk of rows at a time, so a
+    262k-row head never exists as one float32 array."""
+
+    kind = ""
+
+    def __init__(self, shape: tuple[int, int], input_scale: np.ndarray | None = None) -> None:
+        self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
+        self.input_scale = _scale(input_scale)
+        self._allocate()
+
+    @classmethod
+    def from_dense(cls, dense: np.ndarray, input_scale: np.ndarray | None = None):
+        weight = cls(dense.shape, input_scale)
+        weight.fill(0, dense)
+        return weight
+
+    def _allocate(self) -> None:
+        raise NotImplementedError
+
+    def fill(self, start: int, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+
+class Int8Weight(_RowStore):
     """int8 per row, symmetric: value = code * scale[row], the scale rounded to bf16 first
     so that the codes are chosen for the scale the kernel will use."""
 
     kind = "int8"
 
-    def __init__(self, dense: np.ndarray, input_scale: np.ndarray | None = None) -> None:
-        self.shape: tuple[int, int] = dense.shape
-        self.codes = torch.empty(dense.shape, dtype=torch.int8)
-        self.scales = torch.empty(dense.shape[0], dtype=torch.bfloat16)
-        self.fill(0, dense)
-        self.input_scale = _scale(input_scale)
-
-    @classmethod
-    def empty(cls, shape: tuple[int, int]) -> Int8Weight:
-        weight = cls(np.zeros((0, shape[1]), np.float32))
-        weight.shape = shape
-        weight.codes = torch.empty(shape, dtype=torch.int8)
-        weight.scales = torch.empty(shape[0], dtype=torch.bfloat16)
-        return weight
+    def _allocate(self) -> None:
+        self.codes = torch.empty(self.shape, dtype=torch.int8)
+        self.scales = torch.empty(self.shape[0], dtype=torch.bfloat16)
 
     def fill(self, start: int, rows: np.ndarray) -> None:
-        """Quantize float32 `rows` into rows `start ..` (a head is built in chunks)."""
         t = _tensor(rows)
         peak = t.abs().amax(dim=1).clamp_min(1e-30)
         scales = (peak / 127).to(torch.bfloat16)
@@ -109,6 +121,24 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+
+class Bf16Weight(_RowStore):
+    kind = "bf16"
+
+    def _allocate(self) -> None:
+        self.weight = torch.empty(self.shape, dtype=torch.bfloat16)
+
+    def fill(self, start: int, rows: np.ndarray) -> None:
+        self.weight[start : start + len(rows)] = _tensor(rows).to(torch.bfloat16)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = torch.nn.functional.linear(_to_torch(x, self.input_scale), self.weight)
+        return out.float().numpy()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
 
 
 class Fp16Weight:
@@ -142,33 +172,6 @@ def int8_row_error(dense: np.ndarray) -> float:
     error = torch.linalg.vector_norm(torch.round(t / scales).clamp(-127, 127) * scales - t, dim=1)
     relative = error / torch.linalg.vector_norm(t, dim=1).clamp_min(1e-30)
     return float(torch.quantile(relative, 0.99))
-
-
-class Bf16Weight:
-    kind = "bf16"
-
-    def __init__(self, dense: np.ndarray, input_scale: np.ndarray | None = None) -> None:
-        self.shape: tuple[int, int] = dense.shape
-        self.weight = _tensor(dense).to(torch.bfloat16)
-        self.input_scale = _scale(input_scale)
-
-    @classmethod
-    def empty(cls, shape: tuple[int, int]) -> Bf16Weight:
-        weight = cls(np.zeros((0, shape[1]), np.float32))
-        weight.shape = shape
-        weight.weight = torch.empty(shape, dtype=torch.bfloat16)
-        return weight
-
-    def fill(self, start: int, rows: np.ndarray) -> None:
-        self.weight[start : start + len(rows)] = _tensor(rows).to(torch.bfloat16)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        out = torch.nn.functional.linear(_to_torch(x, self.input_scale), self.weight)
-        return out.float().numpy()
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
 
 
 class BlockEmbedding:
@@ -230,7 +233,7 @@ class TorchBackend:
         kind = self._head_kind(first)
         if kind == "fp16":
             return Fp16Weight(f.tensor(name))
-        head = Int8Weight.empty(shape) if kind == "int8" else Bf16Weight.empty(shape)
+        head = (Int8Weight if kind == "int8" else Bf16Weight)(shape)
         head.fill(0, first)
         start = len(first)
         for rows in chunks:
@@ -264,9 +267,9 @@ class TorchBackend:
     @staticmethod
     def _dense(kind: str, dense: np.ndarray, input_scale: np.ndarray | None):
         if kind == "int8" and int8_row_error(dense) <= MAX_INT8_ROW_ERROR:
-            return Int8Weight(dense, input_scale)
+            return Int8Weight.from_dense(dense, input_scale)
         if kind in ("int8", "bf16"):
-            return Bf16Weight(dense, input_scale)
+            return Bf16Weight.from_dense(dense, input_scale)
         if kind == "fp16":
             return Fp16Weight(dense, input_scale)
         raise ValueError(f"unknown dense kernel {kind!r}")
