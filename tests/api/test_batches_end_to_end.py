@@ -258,7 +258,8 @@ def test_openai_client_runs_a_batch_with_invalid_lines(oai, workers, tmp_path) -
 
 
 def test_cancel_midway_gives_partial_output(oai, workers, tmp_path) -> None:
-    workers("batch-w1", step_delay_ms=40)
+    # 8 at a time, so the cancel lands while most of the 48 lines are still queued
+    workers("batch-w1", "--max-batch", "8", step_delay_ms=40)
     valid, _ = write_input(tmp_path / "in.jsonl", 48)
     with open(tmp_path / "in.jsonl", "rb") as handle:
         file_id = oai.files.create(file=handle, purpose="batch").id

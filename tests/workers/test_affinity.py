@@ -69,6 +69,13 @@ def started_on(conn: redis.Redis, worker, system: str = SYSTEM) -> None:
     wait_for(lambda: info(conn, worker.name).current_jobs == [], what="it to publish it is idle")
 
 
+def wait_filed_finished(conn: redis.Redis, job_id: str) -> None:
+    """RQ files a job in the shared queue's finished registry after the job function
+    returns, a moment after our own record says finished."""
+    registry = Queue(SHARED, connection=conn).finished_job_registry
+    wait_for(lambda: job_id in registry, what=f"RQ to file {job_id} as finished")
+
+
 def test_jobs_sharing_a_prefix_reach_the_worker_that_holds_it(conn, start_worker):
     a = start_worker()
     started_on(conn, a)
@@ -80,7 +87,7 @@ def test_jobs_sharing_a_prefix_reach_the_worker_that_holds_it(conn, start_worker
         done = wait_done(conn, job_id)
         assert done.status == FINISHED and done.worker == a.name
         assert cached_tokens(done) > 0  # the system prompt's prefill came from a's cache
-        assert job_id in Queue(SHARED, connection=conn).finished_job_registry  # RQ's view
+        wait_filed_finished(conn, job_id)  # RQ's view
     assert ask(conn, OTHER, "Why?")[1] == SHARED  # a prefix nobody holds: the shared queue
 
     # the next turn of a conversation follows it too (a recorded it when the turn finished)
@@ -129,7 +136,7 @@ def test_jobs_routed_to_a_worker_that_died_are_run_by_another(conn, spawn_worker
         done = wait_done(conn, job_id, timeout=15)
         assert done.status == FINISHED and done.worker == b.name
         # for RQ it was a job of the shared queue all along: nothing left on a's queue's
-        assert job_id in Queue(SHARED, connection=conn).finished_job_registry
+        wait_filed_finished(conn, job_id)
     assert not conn.sismember(Queue.redis_queues_keys, Queue(own(a), connection=conn).key)
 
 
