@@ -5,8 +5,9 @@ apply them with `linear(x, w)`; they never see the storage. Two backends:
 
 - `numpy`: float32 weights and OpenBLAS, exact; the reference every faster path is tested
   against, and what runs where torch is not installed.
-- `torch`: weights kept quantized (GGUF's 4-bit types as torch's group-wise int4, the
-  rest as int8 per row or bf16, per CPU) and multiplied by torch's compiled CPU kernels.
+- `torch`: weights kept compact (per CPU: GGUF's 4-bit types as torch's group-wise int4,
+  the rest bf16; or fp16 throughout; the LM head int8 per row where accurate enough) and
+  multiplied by torch's compiled CPU kernels.
 
 `get_backend(None)` picks torch when it is importable, else numpy.
 """
@@ -31,12 +32,10 @@ def default_backend_name() -> str:
     return "torch" if torch_available() else "numpy"
 
 
-def get_backend(name: str | None = None, device: str = "cpu") -> Backend:
+def get_backend(name: str | None = None) -> Backend:
     """The backend called `name` (None: the default); a clear error for an unknown one."""
     name = name or default_backend_name()
     if name == "numpy":
-        if device != "cpu":
-            raise ValueError(f"the numpy backend runs on the CPU only, got device {device!r}")
         from runtime.kernels.numpy_backend import NumpyBackend
 
         return NumpyBackend()
@@ -47,5 +46,5 @@ def get_backend(name: str | None = None, device: str = "cpu") -> Backend:
             )
         from runtime.kernels.torch_backend import TorchBackend
 
-        return TorchBackend(device)
+        return TorchBackend()
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")

@@ -1,15 +1,19 @@
-"""The fast backend: weights kept quantized, multiplied by torch's compiled CPU kernels.
+"""The fast backend: weights kept compact, multiplied by torch's compiled CPU kernels.
 
-GGUF's 4-bit types become torch's group-wise int4 layout (group 32, one bf16 scale and
-zero per group) built straight from the file's nibbles; other types become int8 per row or
-bf16 (per CPU, see cpu.py). Activations enter the kernels as bf16: torch's int4 kernel with
-float32 activations takes a path ~20x slower. Inputs and outputs stay float32 numpy arrays,
+Per CPU (cpu.py): GGUF's 4-bit types become torch's group-wise int4 layout (group 32, one
+bf16 scale and zero per group) built straight from the file's nibbles, other types bf16;
+or every weight fp16 (fbgemm); the LM head int8 per row where its rows allow it. The int4,
+int8 and bf16 kernels take bf16 activations: torch's int4 kernel with float32 activations
+takes a path ~20x slower. Only int4 applies a preceding RMSNorm weight at run time; the
+dense stores fold it into their columns. Inputs and outputs stay float32 numpy arrays,
 so the model files and attention are shared with the numpy backend; a CUDA device would keep
 the whole forward pass in torch tensors instead, which this module leaves to the GPU worker
 work.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import threadpoolctl
@@ -38,7 +42,7 @@ def _scale(input_scale: np.ndarray | None) -> torch.Tensor | None:
     return None if input_scale is None else _tensor(input_scale.astype(np.float32))
 
 
-def _to_torch(x: np.ndarray, input_scale: torch.Tensor | None) -> torch.Tensor:
+def _to_torch(x: np.ndarray, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     if input_scale is not None:
         t = t * input_scale
@@ -76,14 +80,13 @@ class _RowStore:
 
     kind = ""
 
-    def __init__(self, shape: tuple[int, int], input_scale: np.ndarray | None = None) -> None:
+    def __init__(self, shape: tuple[int, ...]) -> None:
         self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
-        self.input_scale = _scale(input_scale)
         self._allocate()
 
     @classmethod
-    def from_dense(cls, dense: np.ndarray, input_scale: np.ndarray | None = None):
-        weight = cls(dense.shape, input_scale)
+    def from_dense(cls, dense: np.ndarray):
+        weight = cls(dense.shape)
         weight.fill(0, dense)
         return weight
 
@@ -113,9 +116,7 @@ class Int8Weight(_RowStore):
         self.scales[start : start + len(rows)] = scales
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        out = torch.ops.aten._weight_int8pack_mm(
-            _to_torch(x, self.input_scale), self.codes, self.scales
-        )
+        out = torch.ops.aten._weight_int8pack_mm(_to_torch(x), self.codes, self.scales)
         return out.float().numpy()
 
     @property
@@ -133,7 +134,7 @@ class Bf16Weight(_RowStore):
         self.weight[start : start + len(rows)] = _tensor(rows).to(torch.bfloat16)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        out = torch.nn.functional.linear(_to_torch(x, self.input_scale), self.weight)
+        out = torch.nn.functional.linear(_to_torch(x), self.weight)
         return out.float().numpy()
 
     @property
@@ -148,12 +149,9 @@ class Fp16Weight:
 
     kind = "fp16"
 
-    def __init__(self, dense: np.ndarray, input_scale: np.ndarray | None = None) -> None:
+    def __init__(self, dense: np.ndarray) -> None:
         self.shape: tuple[int, int] = dense.shape
-        weight = _tensor(dense)
-        if input_scale is not None:  # float16 holds the folded columns as well as the raw
-            weight = weight * _tensor(input_scale)[None, :]
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(_tensor(dense), None)
         self._nbytes = 2 * dense.size
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
@@ -163,6 +161,15 @@ class Fp16Weight:
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+
+@functools.cache
+def _give_torch_the_cores(threads: int) -> None:
+    """Once per process. torch's OpenMP threads and OpenBLAS's (numpy's attention matmuls)
+    both spin on the same cores after their work: Gemma 3 at 540 tokens of context decoded
+    3.3 tok/s with both at 2 threads and 24.9 with OpenBLAS at 1."""
+    torch.set_num_threads(threads)
+    threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
 def int8_row_error(dense: np.ndarray) -> float:
@@ -196,16 +203,9 @@ class BlockEmbedding:
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, device: str = "cpu", plan: KernelPlan | None = None) -> None:
-        if device != "cpu":
-            raise ValueError(f"the torch backend runs on the CPU here; device {device!r} is not")
-        self.device = device
+    def __init__(self, plan: KernelPlan | None = None) -> None:
         self.plan = plan or plan_for(cpu_features())
-        torch.set_num_threads(self.plan.threads)
-        # torch's OpenMP threads and OpenBLAS's (numpy's attention matmuls) both spin on the
-        # same cores after their work: Gemma 3 at 540 tokens of context decoded 3.3 tok/s
-        # with both at 2 threads and 24.9 with OpenBLAS at 1. Process-wide, by design.
-        threadpoolctl.threadpool_limits(1, user_api="blas")
+        _give_torch_the_cores(self.plan.threads)
 
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
         four_bit = all(f.blocks(p.name)[1] in FOUR_BIT_TYPES for p in parts)
@@ -216,29 +216,23 @@ class TorchBackend:
             dense = torch.cat([_dequantize(_group_part(f, p)) for p in parts]).numpy()
         else:
             dense = np.concatenate([p.dense(f) for p in parts], axis=0, dtype=np.float32)
-        return self._dense(self.plan.four_bit if four_bit else self.plan.other, dense, input_scale)
+        if input_scale is not None:  # dense stores fold it into the columns, as numpy does
+            dense *= input_scale[None, :]
+        return self._dense(self.plan.four_bit if four_bit else self.plan.other, dense)
 
     def embedding(self, f: GGUFFile, name: str) -> BlockEmbedding:
         return BlockEmbedding(f, name)
 
     def head(self, f: GGUFFile, name: str, tied: object | None = None):
-        """Built a chunk of rows at a time, so no float32 copy of the whole head exists; the
-        first chunk decides whether int8 per row is accurate enough for this head."""
-        shape = f.blocks(name)[2]
-        chunks = (
-            f.rows(name, slice(start, start + HEAD_CHUNK_ROWS))
-            for start in range(0, shape[0], HEAD_CHUNK_ROWS)
-        )
-        first = next(chunks)
-        kind = self._head_kind(first)
+        """int8 and bf16 heads are filled a chunk of rows at a time, so no float32 copy of
+        the whole head exists (fbgemm packs fp16 from one float32 tensor)."""
+        kind = self._head_kind(f, name)
         if kind == "fp16":
             return Fp16Weight(f.tensor(name))
+        shape = f.blocks(name)[2]
         head = (Int8Weight if kind == "int8" else Bf16Weight)(shape)
-        head.fill(0, first)
-        start = len(first)
-        for rows in chunks:
-            head.fill(start, rows)
-            start += len(rows)
+        for start in range(0, shape[0], HEAD_CHUNK_ROWS):
+            head.fill(start, f.rows(name, slice(start, start + HEAD_CHUNK_ROWS)))
         return head
 
     def describe(self) -> dict[str, str]:
@@ -250,7 +244,7 @@ class TorchBackend:
         if role == "embedding":
             return int(blocks.nbytes)
         if role in ("head", "tied head"):
-            if self._head_kind(f.rows(name, slice(0, HEAD_CHUNK_ROWS))) == "int8":
+            if self._head_kind(f, name) == "int8":
                 return n + 2 * shape[0]  # codes and a bf16 scale per row
             return 2 * n
         if role != "linear":
@@ -259,19 +253,20 @@ class TorchBackend:
             return n // 2 + 4 * (n // GROUP_SIZE)  # nibbles, then a bf16 scale and zero a group
         return 2 * n
 
-    def _head_kind(self, first_rows: np.ndarray) -> str:
-        if self.plan.head == "int8" and int8_row_error(first_rows) > MAX_INT8_ROW_ERROR:
+    def _head_kind(self, f: GGUFFile, name: str) -> str:
+        """The plan's head kind; for int8, only if the head's first rows allow it."""
+        if self.plan.head != "int8":
+            return self.plan.head
+        if int8_row_error(f.rows(name, slice(0, HEAD_CHUNK_ROWS))) > MAX_INT8_ROW_ERROR:
             return self.plan.head_fallback
-        return self.plan.head
+        return "int8"
 
     @staticmethod
-    def _dense(kind: str, dense: np.ndarray, input_scale: np.ndarray | None):
-        if kind == "int8" and int8_row_error(dense) <= MAX_INT8_ROW_ERROR:
-            return Int8Weight.from_dense(dense, input_scale)
-        if kind in ("int8", "bf16"):
-            return Bf16Weight.from_dense(dense, input_scale)
+    def _dense(kind: str, dense: np.ndarray):
+        if kind == "bf16":
+            return Bf16Weight.from_dense(dense)
         if kind == "fp16":
-            return Fp16Weight(dense, input_scale)
+            return Fp16Weight(dense)
         raise ValueError(f"unknown dense kernel {kind!r}")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.kernels import Backend, Embedding, Weight
+from runtime.kernels import Embedding, Weight
 from runtime.kv_cache import KVCache
 
 
@@ -124,12 +124,11 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 class DecoderModel:
     """What every architecture shares around its layers: the cache it needs, the LM head
     (`output`, which shares the embedding's storage when tied), and its size. Subclasses set
-    `args` (with n_layers, n_kv_heads, head_dim, context_length, dim), `backend`, `embed`,
-    `output`, `norm`, `layers` (each with the `Weight`s `wqkv`, `wo`, `w_gate_up`, `w_down`).
+    `args` (with n_layers, n_kv_heads, head_dim, context_length, dim), `embed`, `output`,
+    `norm`, `layers` (each with the `Weight`s `wqkv`, `wo`, `w_gate_up`, `w_down`).
     """
 
     args: Any
-    backend: Backend
     embed: Embedding  # [V, D]
     output: Weight  # [V, D]
     norm: np.ndarray

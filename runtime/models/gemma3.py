@@ -113,7 +113,6 @@ class Gemma3Model(DecoderModel):
 
     def __init__(self, f: GGUFFile, backend: Backend) -> None:
         self.args = a = Gemma3Args.from_gguf(f)
-        self.backend = backend
         self.embed = backend.embedding(f, "token_embd.weight")  # [V, D]
         self.output = backend.head(f, "token_embd.weight", tied=self.embed)  # tied output head
         self.norm = f.tensor("output_norm.weight")

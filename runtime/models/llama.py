@@ -119,7 +119,6 @@ class LlamaModel(DecoderModel):
 
     def __init__(self, f: GGUFFile, backend: Backend) -> None:
         self.args = a = LlamaArgs.from_gguf(f)
-        self.backend = backend
         self.embed = backend.embedding(f, "token_embd.weight")  # [V, D]
         if f.has_tensor("output.weight"):
             self.output = backend.head(f, "output.weight")

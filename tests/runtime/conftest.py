@@ -24,40 +24,32 @@ def tiny_model_path(request, tiny_llama_path: Path, tiny_gemma3_path: Path) -> P
     return tiny_llama_path if request.param == "llama" else tiny_gemma3_path
 
 
-def _smollm2(path: Path, backend: str):
-    from runtime.engine import Engine, EngineConfig
-    from runtime.gguf_file import GGUFFile
-    from runtime.registry import resolve
-
-    return Engine(resolve("smollm2-135m-instruct"), GGUFFile(path), EngineConfig(backend=backend))
-
-
-def _gemma3(path: Path, backend: str):
+def _engine(model_id: str, path: Path, backend: str):
     from runtime.engine import Engine, EngineConfig
     from runtime.gguf_file import GGUFFile
     from runtime.registry import ModelSpec
 
-    spec = ModelSpec("gemma-3-270m", str(path), lambda: path)
+    spec = ModelSpec(model_id, str(path), lambda: path)
     return Engine(spec, GGUFFile(path), EngineConfig(backend=backend))
 
 
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_gguf_path: Path):
     """The real SmolLM2 engine on the exact numpy backend, loaded once for every test."""
-    return _smollm2(smollm2_gguf_path, "numpy")
+    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "numpy")
 
 
 @pytest.fixture(scope="session")
 def gemma3_engine(gemma3_gguf_path: Path):
-    return _gemma3(gemma3_gguf_path, "numpy")
+    return _engine("gemma-3-270m", gemma3_gguf_path, "numpy")
 
 
 @pytest.fixture(scope="session")
 def smollm2_torch_engine(smollm2_gguf_path: Path):
     """SmolLM2 on the torch backend (quantized weights, torch's CPU kernels)."""
-    return _smollm2(smollm2_gguf_path, "torch")
+    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch")
 
 
 @pytest.fixture(scope="session")
 def gemma3_torch_engine(gemma3_gguf_path: Path):
-    return _gemma3(gemma3_gguf_path, "torch")
+    return _engine("gemma-3-270m", gemma3_gguf_path, "torch")
