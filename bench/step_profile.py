@@ -83,17 +83,17 @@ def timed_weights(model: Any, totals: dict[str, float]) -> list[tuple[Any, str, 
 def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str, float]:
     rng = np.random.default_rng(n)
     params = SamplingParams(max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True)
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     for i in range(n):
         prompt = [int(t) for t in rng.integers(100, engine.model.vocab_size - 100, prompt_tokens)]
-        batch.add(f"seq-{i}", prompt, params, cache_prompt=False)
+        generator.add(f"seq-{i}", prompt, params, cache_prompt=False)
     started: set[str] = set()
     while len(started) < n:
-        started.update(e.request_id for e in batch.step())
+        started.update(e.request_id for e in generator.step())
     plain = []
     for _ in range(steps):
         t = time.perf_counter()
-        batch.step()
+        generator.step()
         plain.append(time.perf_counter() - t)
     totals: dict[str, float] = defaultdict(float)
     patched = {
@@ -116,7 +116,7 @@ def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str,
     try:
         t = time.perf_counter()
         for _ in range(steps):
-            batch.step()
+            generator.step()
         wrapped = time.perf_counter() - t
     finally:
         for owner, name, weight in weights:

@@ -8,7 +8,7 @@ when there is none, which the table says; `llmq worker` processes and `llmq api`
 
 1. One client, SmolLM2: time to first token and decode tokens/s of a streaming
    `/v1/completions` request (`ignore_eos`, greedy, `cache_prompt: false`) against the engine
-   in-process on the same prompt and max_tokens (`Engine.new_batch()`, one sequence, same
+   in-process on the same prompt and max_tokens (`Engine.new_generator()`, one sequence, same
    `cache_prompt=False`), measured in alternating rounds of the same run. TTFT through the
    API is from sending the POST to receiving the first text chunk; decode is the tokens
    after the first (`usage`) over the time from the first chunk to the last (a token whose
@@ -105,12 +105,12 @@ def child_single(job: dict[str, Any]) -> dict[str, Any]:
         pass
     runs = []
     for rep in range(job["reps"]):
-        batch = engine.new_batch()
+        generator = engine.new_generator()
         started = time.perf_counter()
-        batch.add(f"single-{rep}", ids, params, cache_prompt=False)
+        generator.add(f"single-{rep}", ids, params, cache_prompt=False)
         stamps = []
-        while len(batch):
-            stamps.extend(time.perf_counter() for _ in batch.step())
+        while len(generator):
+            stamps.extend(time.perf_counter() for _ in generator.step())
         runs.append(
             {
                 "ttft_s": stamps[0] - started,

@@ -12,7 +12,7 @@ the API column is measured on `--backend` only):
 
 1. Aggregate decode tokens/s with 1, 4, 16, 32 and 64 concurrent sequences, each with its
    own ~32-token prompt, greedy with EOS ignored:
-   - ours in-process: `engine.new_batch()`, every sequence added (`cache_prompt=False`),
+   - ours in-process: `engine.new_generator()`, every sequence added (`cache_prompt=False`),
      stepped until each has its first token (prefill done), then `--steps` timed steps,
      each one batched forward pass giving every sequence a token;
    - llama.cpp (llama-cpp-python's low-level API, as llama.cpp's `batched` example):
@@ -42,7 +42,7 @@ the API column is measured on `--backend` only):
    the tokens the sequences of table 1 hold after their decode steps.
 4. An offline batch of chat requests (64 tokens each, EOS ignored): requests/s through the
    Batch API (`/v1/files` + `/v1/batches`, timed from creating the batch to seeing it
-   `completed`) and in-process through one `BatchGenerator`, against the same kind of
+   `completed`) and in-process through one `Generator`, against the same kind of
    requests sent one at a time (a sample: the rate is requests / their total time).
    The default batch is 128 requests; `--offline-requests 1000` runs the full size.
 
@@ -127,11 +127,11 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     pool = engine.kv_pool
     kv_before, rss_before = pool.bytes_in_use, rss_mib()
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     started = time.perf_counter()
     for i, ids in enumerate(prompts):
-        batch.add(f"seq-{i}", ids, params, cache_prompt=False)
-    run = _prefill_then_decode(batch, len(prompts), steps)
+        generator.add(f"seq-{i}", ids, params, cache_prompt=False)
+    run = _prefill_then_decode(generator, len(prompts), steps)
     tokens, step_s = run.tokens, run.step_s
     prefill_s = run.decode_started - started
     # each sequence's cache holds its prompt and every sampled token but the last
@@ -281,11 +281,11 @@ def _chat_ids(engine: Any, system: str, question: str) -> list[int]:
 
 
 def _first_token(engine: Any, ids: list[int], params: Any) -> tuple[float, int]:
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     started = time.perf_counter()
-    batch.add("prefix", ids, params)  # cache_prompt defaults to True
+    generator.add("prefix", ids, params)  # cache_prompt defaults to True
     while True:
-        events = batch.step()
+        events = generator.step()
         if events:
             return time.perf_counter() - started, events[0].cached_tokens
 
@@ -302,10 +302,10 @@ def child_shared(job: dict[str, Any]) -> dict[str, Any]:
     for _ in engine.generate(prompts[0], SamplingParams(max_tokens=1, temperature=0.0)):
         pass  # fills the prefix cache with the system prompt
     params = SamplingParams(max_tokens=job["steps"] + 32, temperature=0.0, ignore_eos=True)
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     for i, ids in enumerate(prompts):
-        batch.add(f"seq-{i}", ids, params)
-    run = _prefill_then_decode(batch, len(prompts), job["steps"])
+        generator.add(f"seq-{i}", ids, params)
+    run = _prefill_then_decode(generator, len(prompts), job["steps"])
     return {
         "batch_shared": job["batch_shared"],
         "decode_tps": len(prompts) * job["steps"] / sum(run.step_s),
@@ -324,18 +324,18 @@ class DecodeRun:
     step_s: list[float]  # each timed decode step
 
 
-def _prefill_then_decode(batch: Any, n: int, steps: int) -> DecodeRun:
+def _prefill_then_decode(generator: Any, n: int, steps: int) -> DecodeRun:
     """Step sequences `seq-0 .. seq-{n-1}` (already added) until each has its first token,
     then time `steps` decode steps, each of which must give every sequence a token."""
     run = DecodeRun({f"seq-{i}": [] for i in range(n)}, {}, 0.0, [])
     while len(run.cached) < n:  # prefill (decoding rows join as they finish it)
-        for e in batch.step():
+        for e in generator.step():
             run.cached.setdefault(e.request_id, e.cached_tokens)
             run.tokens[e.request_id].append(e.token_id)
     run.decode_started = time.perf_counter()
     for _ in range(steps):
         started = time.perf_counter()
-        events = batch.step()
+        events = generator.step()
         run.step_s.append(time.perf_counter() - started)
         if len(events) != n or any(e.finish_reason for e in events):
             raise RuntimeError(f"a decode step gave {len(events)} tokens for {n}")
@@ -345,7 +345,7 @@ def _prefill_then_decode(batch: Any, n: int, steps: int) -> DecodeRun:
 
 
 def child_offline(job: dict[str, Any]) -> dict[str, Any]:
-    """R chat requests through one BatchGenerator, then a sample of them one at a time."""
+    """R chat requests through one Generator, then a sample of them one at a time."""
     from runtime.sampling import SamplingParams
 
     engine = _load_engine(job)
@@ -353,13 +353,13 @@ def child_offline(job: dict[str, Any]) -> dict[str, Any]:
     requests = [engine.encode_chat(m) for m in job["messages"]]
     for _ in engine.generate(requests[0], SamplingParams(max_tokens=2, temperature=0.0)):
         pass
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     started = time.perf_counter()
     for i, ids in enumerate(requests):
-        batch.add(f"offline-{i}", ids, params)
+        generator.add(f"offline-{i}", ids, params)
     generated = 0
-    while len(batch):
-        generated += len(batch.step())
+    while len(generator):
+        generated += len(generator.step())
     batched_s = time.perf_counter() - started
     started = time.perf_counter()
     one_generated = 0

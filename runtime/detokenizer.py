@@ -7,7 +7,7 @@ sequence back until the rest arrives; so the concatenated output equals `Tokeniz
 
 `TextAssembler` is the whole text path of one generated sequence: detokenizing, stop
 strings, and resuming after tokens an earlier run already sent (`replay`), so the text goes
-on as if the run had never stopped. `BatchGenerator` runs one per sequence; nothing else
+on as if the run had never stopped. `Generator` runs one per sequence; nothing else
 turns generated tokens into text.
 """
 

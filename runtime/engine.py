@@ -1,7 +1,7 @@
 """A loaded model with everything needed to serve it: tokenizer, chat template, sampler.
 
 `Engine.load("smollm2-135m-instruct")` resolves the id through the registry, reads the
-GGUF, and builds the architecture's model. Generation goes through `BatchGenerator` even
+GGUF, and builds the architecture's model. Generation goes through `Generator` even
 for one sequence, so `llmq generate`, the worker and the benches share one code path.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime.batch_generator import BatchGenerator, SchedulerConfig, TokenEvent
 from runtime.chat_template import ChatTemplate
 from runtime.errors import EmptyPromptError
+from runtime.generator import Generator, GeneratorConfig, TokenEvent
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import get_backend
 from runtime.kv_pool import BlockPool
@@ -90,15 +90,15 @@ class Engine:
         text = self.chat_template.render(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
 
-    def new_batch(self) -> BatchGenerator:
-        return BatchGenerator(
+    def new_generator(self) -> Generator:
+        return Generator(
             self.model,
             self.tokenizer,
             self.sampler,
             self.kv_pool,
             self.prefix_cache,
             max_context=self.context_length,
-            config=SchedulerConfig(
+            config=GeneratorConfig(
                 max_batch=self.config.max_batch,
                 max_batch_tokens=self.config.max_batch_tokens,
                 max_prefill_tokens=self.config.prefill_chunk,
@@ -107,11 +107,11 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[TokenEvent]:
         """Stream the events of one sequence until it finishes."""
-        batch = self.new_batch()
+        generator = self.new_generator()
         request_id = f"gen-{next(self._request_ids)}"
-        batch.add(request_id, prompt_ids, params)
-        while len(batch):
-            yield from batch.step()
+        generator.add(request_id, prompt_ids, params)
+        while len(generator):
+            yield from generator.step()
 
     def prompt_logprobs(
         self, prompt_ids: Sequence[int], top_n: int = 0
@@ -119,7 +119,7 @@ class Engine:
         """Logprob of each prompt token given the ones before it (None for the first), with
         the `top_n` most likely alternatives at that position: what `echo` + `logprobs` return.
         """
-        self.new_batch().check_request(prompt_ids, SamplingParams(max_tokens=1))
+        self.new_generator().check_request(prompt_ids, SamplingParams(max_tokens=1))
         ids = list(prompt_ids)
         cache = self.model.new_cache(len(ids))
         out: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
@@ -142,7 +142,7 @@ class Engine:
         for ids in inputs:
             if not ids:
                 raise EmptyPromptError("an embedding input is empty: it needs at least one token")
-            probe = self.new_batch()
+            probe = self.new_generator()
             probe.check_request(ids, SamplingParams(max_tokens=1))
             vectors.append(self._pooled(list(ids)))
         return np.stack(vectors)

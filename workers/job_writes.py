@@ -91,7 +91,7 @@ class JobWrites:
 
     def _record_metrics(self, pipe: Any, writes: list, tokens: dict[str, int], step: bool) -> None:
         if step:
-            metrics.record_step(pipe, self.running.last_batch_sizes, tokens)
+            metrics.record_step(pipe, self.running.last_step_sizes, tokens)
             self._throughput.add(sum(tokens.values()))
         for job, _, final in writes:
             if final and job.result is not None:

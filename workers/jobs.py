@@ -16,9 +16,9 @@ from typing import Any
 from rq.job import Job
 from rq.queue import Queue
 
-from runtime.batch_generator import TokenEvent
 from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
+from runtime.generator import TokenEvent
 from runtime.sampling import FINISH_LENGTH, SamplingParams
 from workers import keys
 from workers.errors import InvalidJobRequest, JobRefused

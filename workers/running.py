@@ -1,5 +1,5 @@
 """The jobs a worker is running, and continuous batching across them: which sequences run,
-step by step (each model's `BatchGenerator` does the batching within one model).
+step by step (each model's `Generator` does the batching within one model).
 
 Jobs join between steps (`add`), each model with running sequences gets one batched forward
 pass per `step`, and jobs leave when their choices end or when they are removed (cancelled,
@@ -14,9 +14,9 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
-from runtime.batch_generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY, BatchGenerator
 from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
+from runtime.generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY, Generator
 from workers import keys
 from workers.errors import JobFailure
 from workers.jobs import ActiveJob
@@ -27,9 +27,9 @@ log = logging.getLogger("llmq.running")
 
 
 @dataclass
-class _Batch:
+class _ModelGenerator:
     engine: Engine
-    generator: BatchGenerator
+    generator: Generator
 
 
 class RunningJobs:
@@ -41,8 +41,8 @@ class RunningJobs:
         self.pool = pool
         self.max_batch = max_batch
         self.jobs: dict[str, ActiveJob] = {}
-        self.last_batch_sizes: dict[str, int] = {}  # model -> sequences in its last step
-        self._batches: dict[str, _Batch] = {}
+        self.last_step_sizes: dict[str, int] = {}  # model -> sequences in its last step
+        self._generators: dict[str, _ModelGenerator] = {}
         self._waiting: dict[str, list[ActiveJob]] = defaultdict(list)
         self._owners: dict[str, tuple[ActiveJob, int]] = {}  # request id -> (job, choice)
 
@@ -92,26 +92,26 @@ class RunningJobs:
 
     def step(self) -> tuple[set[ActiveJob], list[tuple[ActiveJob, Exception]]]:
         """One forward pass per model with running sequences. Returns the jobs that got
-        tokens, and the jobs of a model whose step raised (that batch is discarded)."""
+        tokens, and the jobs of a model whose step raised (its generator is discarded)."""
         touched: set[ActiveJob] = set()
         broken: list[tuple[ActiveJob, Exception]] = []
-        self.last_batch_sizes = {}
-        for model, batch in list(self._batches.items()):
-            size = len(batch.generator)
+        self.last_step_sizes = {}
+        for model, model_run in list(self._generators.items()):
+            size = len(model_run.generator)
             if not size:
                 entry = self.pool.get(model)
-                if entry is None or entry.engine is not batch.engine:
-                    del self._batches[model]  # its model was unloaded: let the memory go
+                if entry is None or entry.engine is not model_run.engine:
+                    del self._generators[model]  # its model was unloaded: let the memory go
                 continue
             try:
-                events = batch.generator.step()
+                events = model_run.generator.step()
             except Exception as exc:  # one bad step must not take the worker down
                 log.exception("step of model %s failed; failing its %d sequences", model, size)
-                del self._batches[model]
+                del self._generators[model]
                 jobs = {job for job, _ in self._owners.values() if job.model == model}
                 broken.extend((job, exc) for job in jobs)
                 continue
-            self.last_batch_sizes[model] = size
+            self.last_step_sizes[model] = size
             for event in events:
                 job, choice = self._owners[event.request_id]
                 if job.on_token(choice, event):  # the engine ended it (stop or length)
@@ -125,22 +125,24 @@ class RunningJobs:
         waiting = self._waiting.get(job.model, [])
         if job in waiting:
             waiting.remove(job)
-        batch = self._batches.get(job.model)
+        model_run = self._generators.get(job.model)
         for request_id in [r for r, (owner, _) in self._owners.items() if owner is job]:
-            if batch is not None:
-                batch.generator.abort(request_id)
+            if model_run is not None:
+                model_run.generator.abort(request_id)
             self._end_sequence(request_id, job)
 
     def _start(self, job: ActiveJob, entry: PoolEntry) -> None:
         sequences = job.start(entry.engine)
         if not sequences:
             return
-        batch = self._batches.get(job.model)
-        if batch is None or batch.engine is not entry.engine:
-            batch = self._batches[job.model] = _Batch(entry.engine, entry.engine.new_batch())
+        model_run = self._generators.get(job.model)
+        if model_run is None or model_run.engine is not entry.engine:
+            model_run = self._generators[job.model] = _ModelGenerator(
+                entry.engine, entry.engine.new_generator()
+            )
         try:  # every choice fits, or none joins: the job fails whole, before any token
             for _, prompt_ids, params in sequences:
-                batch.generator.check_request(prompt_ids, params)
+                model_run.generator.check_request(prompt_ids, params)
         except LLMQRuntimeError as exc:
             raise invalid_request(exc) from exc
         priority = BATCH_PRIORITY if job.record.kind == keys.BATCH else INTERACTIVE_PRIORITY
@@ -148,7 +150,7 @@ class RunningJobs:
         cache_prompt = job.plan.spec.cache_prompt
         for request_id, prompt_ids, params in sequences:
             resume = job.resumed.get(request_id, 0)
-            batch.generator.add(request_id, prompt_ids, params, priority, cache_prompt, resume)
+            model_run.generator.add(request_id, prompt_ids, params, priority, cache_prompt, resume)
             choice = int(request_id.rsplit(":", 1)[1])
             self._owners[request_id] = (job, choice)
             self.pool.acquire(job.model)

@@ -1,13 +1,13 @@
 """Attention over the KV cache for a packed batch of sequences.
 
-Two paths. Sequences on a paged pool (every batch the scheduler builds) store the step's
-keys/values with one scatter per layer, and decode rows - one new token per sequence, the
-bulk of a busy step - attend in length-sorted groups: per sequence only two small matmuls
-write into a shared padded score buffer, and one softmax covers the whole group. Members
-that hold the same cached prefix (a shared system prompt) meet its keys and values in one
-matmul for all of them, instead of one small matmul each over the same blocks. Prefill
-chunks, and caches outside a pool (single-sequence helpers), attend one sequence at a time
-over their cache segments.
+Every cache is a `PagedKVCache`, and the sequences of one forward pass share one block
+pool (the generator's; a single-sequence helper's cache has a small pool of its own). A
+step's keys/values are stored with one scatter per layer, and decode rows - one new token
+per sequence, the bulk of a busy step - attend in length-sorted groups: per sequence only
+two small matmuls write into a shared padded score buffer, and one softmax covers the
+whole group. Members that hold the same cached prefix (a shared system prompt) meet its
+keys and values in one matmul for all of them, instead of one small matmul each over the
+same blocks. Prefill chunks attend one sequence at a time over their runs of blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from runtime.kv_pool import BlockPool, PagedKVCache
+from runtime.kv_pool import BlockPool
 from runtime.models.base import BatchLayout
 
 # a decode group's padded score rows are at most this many times its shortest sequence, so
@@ -39,8 +39,8 @@ def attend(
     """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
 
     q `[n, H, Dh]` (already scaled by 1/sqrt(Dh)); the cache as segments in position order,
-    each keys `[Hkv, Dh, l]` (the contiguous KVCache stores them so; the pool's slot-major
-    keys come as transposed views) and values `[Hkv, l, Dh]`, together positions `offset ..
+    each keys `[Hkv, Dh, l]` (transposed views of the pool's slot-major keys) and values
+    `[Hkv, l, Dh]`, together positions `offset ..
     start + n - 1` -> `[n, H * Dh]`. `window` limits each query to the keys less than
     `window` positions behind it.
     """
@@ -93,11 +93,6 @@ def attend_layout(
     t, n_heads, head_dim = q.shape
     out = np.empty((t, n_heads * head_dim), np.float32)
     pool = _shared_pool(layout)
-    if pool is None:
-        for lo, hi, chunk in layout.spans:
-            segments = chunk.cache.update_and_fetch(layer, chunk.start, k[lo:hi], v[lo:hi])
-            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window)
-        return out
     group = pool.group_of[layer]
     if pool.groups[group].window not in (None, window):
         raise ValueError(f"layer {layer} attends over {window} positions, its KV pool keeps less")
@@ -221,17 +216,16 @@ def _split_shared(
     return own, shared
 
 
-def _shared_pool(layout: BatchLayout) -> BlockPool | None:
-    """The pool every chunk's cache lives in, or None (mixed or unpooled caches)."""
+def _shared_pool(layout: BatchLayout) -> BlockPool:
+    """The pool every chunk's cache lives in."""
     return _plan(layout, "pool", _find_pool)
 
 
-def _find_pool(layout: BatchLayout) -> BlockPool | None:
-    caches = [chunk.cache for chunk in layout.chunks]
-    if not caches or not all(isinstance(c, PagedKVCache) for c in caches):
-        return None
-    pool = caches[0].pool
-    return pool if all(c.pool is pool for c in caches) else None
+def _find_pool(layout: BatchLayout) -> BlockPool:
+    pool = layout.chunks[0].cache.pool
+    if any(chunk.cache.pool is not pool for chunk in layout.chunks):
+        raise ValueError("the sequences of one forward pass must share one KV block pool")
+    return pool
 
 
 def _plan(layout: BatchLayout, key: Hashable, build: Callable[[BatchLayout], T]) -> T:

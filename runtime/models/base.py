@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 
 from runtime.kernels import Embedding, Weight
-from runtime.kv_cache import KVCache
+from runtime.kv_pool import BLOCK_SIZE, BlockPool, PagedKVCache
 
 
 @dataclass
 class SequenceChunk:
     """`length` new tokens of one sequence, at positions `start .. start + length - 1`."""
 
-    cache: KVCache
+    cache: PagedKVCache
     start: int
     length: int
 
@@ -156,8 +156,18 @@ class DecoderModel:
         """Each layer's sliding attention window (None: it sees the whole context)."""
         return [getattr(layer, "window", None) for layer in self.layers]
 
-    def new_cache(self, max_tokens: int) -> KVCache:
-        return KVCache(*self.kv_shape, max_tokens)
+    def new_kv_pool(self, max_tokens: int) -> BlockPool:
+        """A block pool of this model's shape holding `max_tokens` positions (the engine
+        sizes its shared pool by memory instead: `BlockPool.for_budget`)."""
+        n_blocks = -(-max_tokens // BLOCK_SIZE)
+        return BlockPool(*self.kv_shape, n_blocks, windows=self.kv_windows)
+
+    def new_cache(self, max_tokens: int, pool: BlockPool | None = None) -> PagedKVCache:
+        """A sequence's cache with room for `max_tokens` positions, in `pool` or in a pool
+        of its own (single-sequence helpers: prompt logprobs, embeddings, tests)."""
+        cache = PagedKVCache(pool or self.new_kv_pool(max_tokens))
+        cache.reserve(max_tokens)
+        return cache
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """`[N, D]` -> row-major `[N, V]`, as the sampler's per-row reductions want it."""

@@ -1,5 +1,5 @@
 """The engine and its batch generator on tiny random models: what a caller of `generate`,
-`BatchGenerator` and `embed` relies on."""
+`Generator` and `embed` relies on."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.batch_generator import TokenEvent
 from runtime.engine import Engine, EngineConfig
 from runtime.errors import ContextLengthError, EmptyPromptError, InvalidSamplingParams
+from runtime.generator import TokenEvent
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.sampling import SamplingParams
 
@@ -68,15 +68,15 @@ def test_batched_generation_equals_one_at_a_time(engine):
     alone = [
         [e.token_id for e in engine.generate(p, sp)] for p, sp in zip(prompts, params, strict=True)
     ]
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
-    batch.add("a", prompts[0], params[0])
-    for event in batch.step():  # "b" and "c" join while "a" is already decoding
+    generator.add("a", prompts[0], params[0])
+    for event in generator.step():  # "b" and "c" join while "a" is already decoding
         got[event.request_id].append(event.token_id)
-    batch.add("b", prompts[1], params[1])
-    batch.add("c", prompts[2], params[2])
-    while len(batch):
-        for event in batch.step():
+    generator.add("b", prompts[1], params[1])
+    generator.add("c", prompts[2], params[2])
+    while len(generator):
+        for event in generator.step():
             got[event.request_id].append(event.token_id)
     assert [got["a"], got["b"], got["c"]] == alone
 
@@ -92,11 +92,11 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_llama_path):
 
 def test_long_prompt_prefill_does_not_stall_a_running_stream(tiny_llama_path):
     engine = Engine.load(str(tiny_llama_path), EngineConfig(prefill_chunk=8))
-    batch = engine.new_batch()
-    batch.add("short", [20, 21, 22], SamplingParams(max_tokens=10, **GREEDY))
-    batch.step()
-    batch.add("long", list(range(20, 60)), SamplingParams(max_tokens=2, **GREEDY))
-    produced = [{e.request_id for e in batch.step()} for _ in range(4)]
+    generator = engine.new_generator()
+    generator.add("short", [20, 21, 22], SamplingParams(max_tokens=10, **GREEDY))
+    generator.step()
+    generator.add("long", list(range(20, 60)), SamplingParams(max_tokens=2, **GREEDY))
+    produced = [{e.request_id for e in generator.step()} for _ in range(4)]
     assert all("short" in ids for ids in produced)  # one token per step while "long" prefills
     assert not any("long" in ids for ids in produced)  # 40 prompt tokens take 5 chunks of 8
 
@@ -121,11 +121,11 @@ def test_stop_token_id_ends_without_text(engine):
 
 
 def test_abort_frees_the_sequence(engine):
-    batch = engine.new_batch()
-    batch.add("x", [20, 21], SamplingParams(max_tokens=50, **GREEDY))
-    batch.step()
-    assert batch.abort("x") and len(batch) == 0 and batch.step() == []
-    assert not batch.abort("x")
+    generator = engine.new_generator()
+    generator.add("x", [20, 21], SamplingParams(max_tokens=50, **GREEDY))
+    generator.step()
+    assert generator.abort("x") and len(generator) == 0 and generator.step() == []
+    assert not generator.abort("x")
 
 
 def test_prompt_plus_max_tokens_beyond_context_is_rejected(engine):

@@ -47,18 +47,18 @@ def case(request):
 def our_greedy(case) -> list[list[int]]:
     """Our 64 greedy tokens for every reference prompt, generated as one batch."""
     engine, ref = case
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     outputs: dict[str, list[int]] = {}
     for i, prompt in enumerate(ref["prompts"]):
         n = len(prompt["llama_cpp"]["greedy"])
-        batch.add(
+        generator.add(
             str(i),
             prompt["token_ids"],
             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
         )
         outputs[str(i)] = []
-    while len(batch):
-        for event in batch.step():
+    while len(generator):
+        for event in generator.step():
             outputs[event.request_id].append(event.token_id)
     return [outputs[str(i)] for i in range(len(ref["prompts"]))]
 

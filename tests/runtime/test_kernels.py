@@ -200,7 +200,8 @@ def test_torch_batched_rows_equal_one_by_one(tiny_q4_model):
     float32 rounding for fp16 (fbgemm blocks rows)."""
     plan, model = tiny_q4_model
     prompts = [[5, 9, 30, 41], [7, 8, 9], [100, 3, 4, 5, 6, 7]]
-    caches = [model.new_cache(len(p)) for p in prompts]
+    pool = model.new_kv_pool(3 * 16)  # one forward pass attends over one pool
+    caches = [model.new_cache(len(p), pool) for p in prompts]
     chunks = [SequenceChunk(c, 0, len(p)) for c, p in zip(caches, prompts, strict=True)]
     together = model.logits(model.forward(np.concatenate(prompts), BatchLayout(chunks)))
     rows = np.cumsum([0] + [len(p) for p in prompts])
@@ -232,12 +233,12 @@ def test_real_model_batched_and_prefix_cached_generation_equal_alone(smollm2_tor
     prompts = [engine.encode_chat(system + [{"role": "user", "content": q}]) for q in questions]
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     alone = [[e.token_id for e in engine.generate(p, greedy)] for p in prompts]  # cache warms
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     for i, prompt in enumerate(prompts):
-        batch.add(str(i), prompt, greedy)
+        generator.add(str(i), prompt, greedy)
     together: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while len(batch):
-        for event in batch.step():
+    while len(generator):
+        for event in generator.step():
             together[event.request_id].append(event.token_id)
     assert [together[str(i)] for i in range(len(prompts))] == alone
     assert engine.prefix_cache.stats.hits > 0

@@ -62,7 +62,8 @@ def test_chunked_prefill_equals_one_pass(model):
 def test_batched_sequences_at_different_positions_equal_one_by_one(model):
     prompts = [_tokens(model, n, seed=10 + n) for n in (3, 17, 9)]
     expected = [_full_logits(model, p) for p in prompts]
-    caches = [model.new_cache(20) for _ in prompts]
+    pool = model.new_kv_pool(3 * 32)  # one forward pass attends over one pool
+    caches = [model.new_cache(20, pool) for _ in prompts]
     # step 1: the first two prefill everything but their last token, the third only 4 tokens
     first = [len(prompts[0]) - 1, len(prompts[1]) - 1, 4]
     tokens = np.concatenate([p[:n] for p, n in zip(prompts, first, strict=True)])

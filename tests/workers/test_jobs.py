@@ -26,13 +26,13 @@ def random_tokens(engine: Engine, n: int, seed: int) -> list[int]:
 
 
 def run(engine: Engine, job: ActiveJob, sequences: list | None = None) -> dict:
-    batch = engine.new_batch()
+    generator = engine.new_generator()
     for request_id, prompt, params in job.start(engine) if sequences is None else sequences:
-        batch.add(request_id, prompt, params, resume=job.resumed.get(request_id, 0))
-    while len(batch):
-        for event in batch.step():
+        generator.add(request_id, prompt, params, resume=job.resumed.get(request_id, 0))
+    while len(generator):
+        for event in generator.step():
             if job.on_token(int(event.request_id.rsplit(":", 1)[1]), event):
-                batch.abort(event.request_id)
+                generator.abort(event.request_id)
     assert job.result is not None
     return job.result
 

@@ -27,7 +27,6 @@ import numpy as np
 
 from runtime.detokenizer import TextAssembler
 from runtime.errors import ContextLengthError, EmptyPromptError
-from runtime.kv_cache import KVCache
 from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.prefix_cache import PrefixCache
@@ -43,13 +42,12 @@ class CausalLM(Protocol):
     context_length: int
     vocab_size: int
 
-    def new_cache(self, max_tokens: int) -> KVCache: ...
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray: ...
     def logits(self, hidden: np.ndarray) -> np.ndarray: ...
 
 
 @dataclass
-class SchedulerConfig:
+class GeneratorConfig:
     max_batch: int = 64  # sequences running at once
     max_batch_tokens: int = 2048  # tokens in one forward pass (decode + prefill)
     max_prefill_tokens: int = 512  # prompt tokens in one forward pass
@@ -89,7 +87,7 @@ class _Sequence:
         return self.consumed < len(self.prompt_ids)
 
 
-class BatchGenerator:
+class Generator:
     """Continuous batching over one model with paged KV memory and a prefix cache."""
 
     def __init__(
@@ -100,12 +98,12 @@ class BatchGenerator:
         pool: BlockPool,
         prefix_cache: PrefixCache | None = None,
         max_context: int | None = None,
-        config: SchedulerConfig | None = None,
+        config: GeneratorConfig | None = None,
     ) -> None:
         self.model, self.tokenizer, self.sampler = model, tokenizer, sampler
         self.pool, self.prefix_cache = pool, prefix_cache
         self.max_context = min(max_context or model.context_length, model.context_length)
-        self.config = config or SchedulerConfig()
+        self.config = config or GeneratorConfig()
         self._waiting: list[_Sequence] = []
         self._running: list[_Sequence] = []
         self._arrivals = itertools.count()

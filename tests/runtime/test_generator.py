@@ -1,0 +1,64 @@
+"""The generator (continuous batching): preemption, priorities and the token budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.engine import Engine, EngineConfig
+from runtime.kv_pool import BlockPool
+from runtime.prefix_cache import PrefixCache
+from runtime.sampling import SamplingParams
+from tests.runtime.generation_helpers import GREEDY, random_tokens, run_all
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path: Path) -> Engine:
+    return Engine.load(str(tiny_model_path))
+
+
+def test_preemption_when_kv_memory_runs_out_keeps_every_output_exact(tiny_model_path):
+    roomy = Engine.load(str(tiny_model_path))
+    requests = {
+        f"r{i}": (random_tokens(20 + 3 * i, seed=10 + i), SamplingParams(max_tokens=30, **GREEDY))
+        for i in range(4)
+    }
+    expected = run_all(roomy.new_generator(), requests)
+    tight = Engine.load(str(tiny_model_path))
+    # 12 blocks = 192 tokens: not enough for four sequences of ~50-60 tokens at once
+    tight.kv_pool = BlockPool(*tight.model.kv_shape, n_blocks=12)
+    tight.prefix_cache = PrefixCache(tight.kv_pool, "tight")
+    generator = tight.new_generator()
+    got = run_all(generator, requests)
+    assert generator.preemptions > 0
+    for rid in requests:
+        assert [e.token_id for e in got[rid]] == [e.token_id for e in expected[rid]]
+        assert [e.index for e in got[rid]] == list(range(30))
+    assert tight.kv_pool.n_free + sum(1 for b in range(12) if tight.kv_pool.refcount[b] > 0) == 12
+
+
+def test_interactive_requests_go_before_batch_requests(engine):
+    engine_generator = engine.new_generator()
+    engine_generator.config.max_batch = 1
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    order: list[str] = []
+    engine_generator.add("batch-1", [20, 21], params, priority=1)
+    engine_generator.add("batch-2", [20, 22], params, priority=1)
+    engine_generator.add("chat", [20, 23], params, priority=0)
+    while len(engine_generator):
+        for event in engine_generator.step():
+            if event.finish_reason:
+                order.append(event.request_id)
+    assert order == ["chat", "batch-1", "batch-2"]
+
+
+def test_step_token_budget_bounds_prefill(tiny_llama_path):
+    engine = Engine.load(str(tiny_llama_path), EngineConfig(prefill_chunk=10))
+    generator = engine.new_generator()
+    generator.add("long", random_tokens(35, seed=7), SamplingParams(max_tokens=1, **GREEDY))
+    steps = 0
+    while len(generator):
+        generator.step()
+        steps += 1
+    assert steps == 4  # 35 prompt tokens in chunks of at most 10
