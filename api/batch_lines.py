@@ -17,7 +17,7 @@ from typing import Any
 from api.body import json_type, parse_json
 from api.errors import APIError
 from api.flow import check_context
-from api.schemas import parse_request
+from api.schemas import parse_request, spec_record
 from workers.wire.defaults import MAX_LINE_BYTES
 
 BOM = b"\xef\xbb\xbf"
@@ -31,9 +31,12 @@ class ValidLine:
     custom_id: str
     model: str
     request: dict[str, Any]  # normalised, as the live endpoint stores it for the worker
+    spec: dict[str, Any] | None = None  # GenerationSpec.to_record(); None for embeddings
 
     def to_json(self) -> str:
         data = {"custom_id": self.custom_id, "model": self.model, "request": self.request}
+        if self.spec is not None:
+            data["spec"] = self.spec
         return json.dumps(data, ensure_ascii=False)
 
 
@@ -154,4 +157,4 @@ def _validate(
         check_context(req, info)
     except APIError as exc:
         raise LineError(exc.code or "invalid_request", exc.message) from None
-    return ValidLine(number, custom_id, req.model, req.to_job_request())
+    return ValidLine(number, custom_id, req.model, req.to_job_request(), spec_record(req))

@@ -21,6 +21,7 @@ from api.chunks import ChunkStream
 from api.config import redis_conn
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
+from api.schemas import spec_record
 from workers.wire.events import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN
 from workers.wire.job import JobRecord
 
@@ -57,6 +58,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
         max_queue=current_app.config["MAX_QUEUE"],
         idempotency=scoped,
         owner=caller_scope(),
+        spec=spec_record(req),
     )
 
 

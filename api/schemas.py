@@ -8,7 +8,8 @@ is never silently ignored. Contract features the engine cannot honour yet (`json
 `regex`, `lora`, structured `response_format`, tools, ...) are rejected as
 `UnsupportedFeature` rather than dropped.
 
-`to_job_request()` gives the normalised body stored in the job record for the worker:
+`to_spec()` gives what the worker generates (`runtime.request.GenerationSpec`), stored in
+the job record; `to_job_request()` gives the normalised body stored beside it:
 `stop` is always a list, chat message content is always a string, chat `max_tokens` is the
 effective limit (`max_completion_tokens` wins), and unset optional fields are omitted.
 """
@@ -20,7 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api.errors import InvalidRequest, UnsupportedFeature
-from runtime.limits import (  # the engine's own numbers (stdlib only: no engine import)
+from runtime.errors import LLMQRuntimeError
+from runtime.limits import (  # the engine's own numbers
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -28,6 +30,7 @@ from runtime.limits import (  # the engine's own numbers (stdlib only: no engine
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
+from runtime.request import GenerationSpec
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request; choices = prompts * n <= MAX_CHOICES
@@ -221,6 +224,16 @@ class SamplingRequest(StrictModel):
     def to_job_request(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True, exclude={"lora", "json_schema", "regex"})
 
+    def to_spec(self) -> GenerationSpec:
+        """What the worker generates: the engine's own reader applied to the normalised body,
+        so the API and the worker cannot disagree on what a field means."""
+        try:
+            return GenerationSpec.from_body(
+                self.to_job_request(), chat=isinstance(self, ChatCompletionRequest)
+            )
+        except LLMQRuntimeError as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
+
 
 def _max_tokens(name: str, v: int | None) -> int | None:
     if v is not None and not 1 <= v <= MAX_TOKENS_LIMIT:
@@ -395,6 +408,10 @@ class EmbeddingRequest(StrictModel):
     def stream(self) -> bool:
         return False
 
+    def to_spec(self) -> None:
+        """Embeddings generate nothing: the worker reads `input` from the stored body."""
+        return None
+
     @property
     def include_usage(self) -> bool:
         return False
@@ -455,6 +472,12 @@ def validation_error(exc: ValidationError) -> InvalidRequest:
         message = f"{param} must be {_TYPE_WORDS[kind]}, got {_short(err.get('input'))}."
         return InvalidRequest(message, param=param)
     return InvalidRequest(f"{param}: {err['msg']}.", param=param)
+
+
+def spec_record(req: Any) -> dict[str, Any] | None:
+    """The job record's `spec` for a parsed request (None for embeddings)."""
+    spec = req.to_spec()
+    return None if spec is None else spec.to_record()
 
 
 def parse_request(endpoint: str, body: dict[str, Any]) -> Any:

@@ -1,11 +1,12 @@
 """`GenerationSpec`: one generation request as the engine needs it, whoever sends it.
 
-The API validates a request body with its pydantic schemas and stores the normalised body
-in the job record; the worker reads that body back with `GenerationSpec.from_body` (the one
-reader: nothing else picks sampling fields out of a body) and turns it into one
-`SamplingParams` per choice with `choice_params`. `llmq generate` could build one directly.
+The API validates a request body with its pydantic schemas, which produce the spec
+(`to_spec()`, through `from_body`: the one reader, nothing else picks sampling fields out of
+a body); the job record stores it (`to_record`) next to the body, and the worker reads it
+back (`from_record`) and turns it into one `SamplingParams` per choice with
+`choice_params`. `llmq generate` could build one directly.
 
-The body comes back from Redis, so `from_body` treats it as untrusted: every value it
+A record comes back from Redis, so `from_record` treats it as untrusted: every value it
 cannot use raises an `LLMQRuntimeError` whose `param` names the field. Later features
 (response format, tools, adapters) get a field here, next to the sampling they constrain.
 """
@@ -13,7 +14,7 @@ cannot use raises an `LLMQRuntimeError` whose `param` names the field. Later fea
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from runtime.errors import EmptyPromptError, InvalidSamplingParams
@@ -59,11 +60,8 @@ class GenerationSpec:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], *, chat: bool) -> GenerationSpec:
         """The spec of an OpenAI completions (`chat` False) or chat completions body."""
-        n = 1 if body.get("n") is None else body["n"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidSamplingParams(f"n must be a positive integer, got {n!r}", param="n")
         spec = cls(
-            n=n,
+            n=_choices_per_prompt(1 if body.get("n") is None else body["n"]),
             sampling={k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None},
             seed=body.get("seed"),
             stop=body.get("stop") or [],
@@ -89,6 +87,32 @@ class GenerationSpec:
         spec.check_choices(len(spec.prompts or [None]))
         return spec
 
+    def to_record(self) -> dict[str, Any]:
+        """The spec as JSON-ready data, for the job record."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, data: Mapping[str, Any]) -> GenerationSpec:
+        """A spec read back from a job record (untrusted: it came from Redis)."""
+        if not isinstance(data, Mapping):
+            raise InvalidSamplingParams("the job's generation spec is not an object")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise InvalidSamplingParams(
+                f"unknown field in the job's generation spec: {unknown[0]}", param=unknown[0]
+            )
+        spec = cls(**data)
+        _choices_per_prompt(spec.n)
+        if (spec.prompts is None) == (spec.messages is None):
+            raise EmptyPromptError("a generation spec needs prompts or messages, not both")
+        if not isinstance(spec.sampling, dict) or set(spec.sampling) - set(SAMPLING_FIELDS):
+            raise InvalidSamplingParams("the spec's sampling holds unknown fields")
+        if not isinstance(spec.stop, list):
+            raise InvalidSamplingParams("stop must be a list of strings", param="stop")
+        spec.check_choices(len(spec.prompts or [None]))
+        return spec
+
     def check_choices(self, prompts: int) -> None:
         if prompts * self.n > MAX_CHOICES:
             raise InvalidSamplingParams(
@@ -110,6 +134,12 @@ class GenerationSpec:
             )
             for j in range(self.n)
         ]
+
+
+def _choices_per_prompt(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidSamplingParams(f"n must be a positive integer, got {n!r}", param="n")
+    return n
 
 
 def prompt_list(value: Any, name: str) -> list[Any]:

@@ -293,6 +293,7 @@ class BatchDriver:
             endpoint=rec.endpoint,
             model=item["model"],
             request=item["request"],
+            spec=item.get("spec"),
             kind=keys.BATCH,
             batch_id=rec.id,
             owner=rec.owner,

@@ -111,7 +111,7 @@ class ActiveJob:
         if self.record.endpoint == EMBEDDINGS:
             self._embed(engine, body)
             return []
-        self.plan = plan_generation(engine, self.record.endpoint, body)
+        self.plan = plan_generation(engine, self.record)
         self.renderer = LogprobRenderer(engine.tokenizer, self.record.endpoint)
         sequences = []
         for plan in self.plan.choices:

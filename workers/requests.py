@@ -18,7 +18,7 @@ from runtime.errors import EmptyPromptError, LLMQRuntimeError
 from runtime.request import GenerationSpec, prompt_list
 from runtime.sampling import SamplingParams
 from workers.errors import InvalidJobRequest
-from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS
+from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
 
 
 @dataclass
@@ -45,16 +45,24 @@ class JobPlan:
         return self.spec.logprobs
 
 
-def plan_generation(engine: Engine, endpoint: str, body: dict[str, Any]) -> JobPlan:
-    """The choices of a completions or chat completions request. Raises InvalidJobRequest
-    with the field the engine named; the context check comes when the choices join the
-    batch (`workers.running`), against the generator that will run them."""
-    if endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
-        raise InvalidJobRequest(f"endpoint {endpoint!r} does not generate text")
+def plan_generation(engine: Engine, record: JobRecord) -> JobPlan:
+    """The choices of a completions or chat completions job, from the spec the API's schemas
+    made (`record.spec`; a record without one, from an API that predates it, is read from
+    its body by the same reader). Raises InvalidJobRequest with the field the engine named;
+    the context check comes when the choices join the batch (`workers.running`), against
+    the generator that will run them."""
+    if record.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
+        raise InvalidJobRequest(f"endpoint {record.endpoint!r} does not generate text")
+    chat = record.endpoint == CHAT_COMPLETIONS
     try:
-        spec = GenerationSpec.from_body(body, chat=endpoint == CHAT_COMPLETIONS)
+        if record.spec is not None:
+            spec = GenerationSpec.from_record(record.spec)
+        else:
+            spec = GenerationSpec.from_body(record.request, chat=chat)
+        if spec.chat != chat:
+            raise InvalidJobRequest(f"the job's spec does not fit {record.endpoint}")
         if spec.chat:
-            return _plan_chat(engine, body, spec)
+            return _plan_chat(engine, spec)
         return _plan_completions(engine, spec)
     except LLMQRuntimeError as exc:
         raise invalid_request(exc) from exc
@@ -98,14 +106,7 @@ def _plan_completions(engine: Engine, spec: GenerationSpec) -> JobPlan:
     return plan
 
 
-def _plan_chat(engine: Engine, body: dict[str, Any], spec: GenerationSpec) -> JobPlan:
-    response_format = body.get("response_format") or {}
-    if response_format.get("type", "text") != "text":
-        raise InvalidJobRequest(
-            f"response_format type {response_format.get('type')!r} is not supported yet; "
-            "use 'text'",
-            param="response_format",
-        )
+def _plan_chat(engine: Engine, spec: GenerationSpec) -> JobPlan:
     assert spec.messages is not None
     ids = engine.encode_chat(spec.messages)
     max_tokens = spec.max_tokens

@@ -1,8 +1,9 @@
-"""A stand-in worker for API tests: a thread that follows `workers.wire` to the letter.
+"""A stand-in worker for API tests: a thread with a scripted engine and the worker's writes.
 
 It registers itself like a real worker (keys.WORKERS, a WorkerInfo hash, keys.MODELS),
-takes job ids from the models' RQ queues, reads each job record and writes token events and
-a terminal event to the job's stream, honouring the cancel flag between tokens. What it
+claims job ids from the models' RQ queues with the worker's claim script, reads each job's
+record and generation spec, and writes token events and a terminal event through the
+worker's own fenced append (`workers.scripts`), honouring the cancel flag between tokens. What it
 generates is scripted by the prompt text (the last message's content for chat):
 
 - tokens are "t0 ", "t1 ", ... (`max_tokens` of them, or 8 when unset);
@@ -22,10 +23,10 @@ from typing import Any
 
 import redis
 
-from workers import keys
-from workers.wire.defaults import JOB_TTL_SECONDS
+from runtime.request import GenerationSpec
+from workers import keys, scripts
 from workers.wire.errors import cancelled_error, error_body
-from workers.wire.events import event_fields, token_event, write_ending
+from workers.wire.events import ending, token_event, write_ending
 from workers.wire.job import (
     CANCELLED,
     CHAT_COMPLETIONS,
@@ -33,10 +34,13 @@ from workers.wire.job import (
     FAILED,
     FINISHED,
     STARTED,
+    TERMINAL_STATUSES,
     JobRecord,
     response_id,
 )
 from workers.wire.worker_info import WorkerInfo
+
+LEASE_MS = 60_000
 
 
 class FakeWorker:
@@ -92,36 +96,52 @@ class FakeWorker:
             if time.monotonic() - last_beat > 1:
                 self._heartbeat()
                 last_beat = time.monotonic()
-            if self.paused.is_set():
+            claimed = None if self.paused.is_set() else self._claim(queues)
+            if claimed is None:
                 time.sleep(0.01)
                 continue
-            popped = self.conn.blpop(queues, timeout=0.1)
-            if popped is None:
-                continue
-            if self.paused.is_set():  # paused while blocked in BLPOP: put it back in front
-                self.conn.lpush(popped[0], popped[1])
-                continue
-            job_id = popped[1].decode()
+            job_id, attempt = claimed
             self.processed.append(job_id)
-            self.process(job_id)
+            self._execute(job_id, attempt)
+
+    def _claim(self, queues: list[str]) -> tuple[str, int] | None:
+        """The real worker's claim (`workers.scripts.claim`): pop, count the attempt, lease."""
+        found = scripts.claim(self.conn, queues, self.info.name, LEASE_MS)
+        if found is None:
+            return None
+        _, job_id, attempt = found
+        if attempt == scripts.CLAIMED_CANCELLED:
+            with self.conn.pipeline() as pipe:  # never ran, no lease: as the worker does
+                write_ending(pipe, job_id, CANCELLED, cancelled_error())
+                pipe.execute()
+            return None
+        return (job_id, attempt) if attempt > 0 else None
 
     # ------------------------------------------------------------ one job
 
     def process(self, job_id: str) -> None:
-        record = JobRecord.from_hash(self.conn.hgetall(keys.job(job_id)))
+        """Run one job a test took off its queue itself: claimed as the claim script would
+        (attempt counted, lease taken), then run like any other."""
         if self.conn.exists(keys.job_cancel(job_id)):
-            self._finish(record, CANCELLED, cancelled_error())
+            with self.conn.pipeline() as pipe:
+                write_ending(pipe, job_id, CANCELLED, cancelled_error())
+                pipe.execute()
             return
-        self.conn.hset(
-            keys.job(job_id),
-            mapping={
-                "status": STARTED,
-                "started_at": str(time.time()),
-                "attempts": "1",
-                "worker": self.info.name,
-            },
-        )
-        req = record.request
+        attempt = self.conn.hincrby(keys.job(job_id), "attempts", 1)
+        self.conn.sadd(keys.RUNNING, job_id)
+        self.conn.set(keys.job_lease(job_id), f"{self.info.name}:{attempt}", px=LEASE_MS)
+        self._execute(job_id, attempt)
+
+    def _execute(self, job_id: str, attempt: int) -> None:
+        """Scripted tokens written through the worker's own fenced append
+        (`workers.scripts.append`) and ended with `wire.events.ending`."""
+        record = JobRecord.from_hash(self.conn.hgetall(keys.job(job_id)))
+        if record.status in TERMINAL_STATUSES:  # ended by an earlier run: as the worker does
+            self.conn.srem(keys.RUNNING, job_id)
+            self.conn.delete(keys.job_lease(job_id))
+            return
+        job = _Writes(self.conn, job_id, f"{self.info.name}:{attempt}")
+        job.write([], {"status": STARTED, "started_at": str(time.time()), "worker": self.info.name})
         prompt = self._prompt_text(record)
         if "toolong" in prompt:
             error = error_body(
@@ -129,46 +149,36 @@ class FakeWorker:
                 param="prompt",
                 status=400,
             )
-            self._finish(record, FAILED, error)
+            job.end(FAILED, error)
             return
         if "crash" in prompt:
-            error = error_body("The engine failed.", type_="server_error", status=500)
-            self._finish(record, FAILED, error)
+            job.end(FAILED, error_body("The engine failed.", type_="server_error", status=500))
             return
         if record.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
-            self._finish(record, FINISHED, self._embeddings(record))
+            job.end(FINISHED, self._embeddings(record))
             return
-        count = req.get("max_tokens") or 8
-        choices = req.get("n", 1) * (
-            len(req["prompt"]) if isinstance(req.get("prompt"), list) else 1
-        )
+        spec = GenerationSpec.from_record(record.spec or {})
+        count = spec.max_tokens or 8
+        choices = spec.n * len(spec.prompts or [None])
         delay = self.slow_delay if "slow" in prompt else 0.0
         texts = [""] * choices
-        logprobs = (
-            req.get("logprobs")
-            if record.endpoint == COMPLETIONS
-            else (req.get("top_logprobs", 0) if req.get("logprobs") else None)
-        )
         for i in range(count):
             if self.conn.exists(keys.job_cancel(job_id)):
-                self._finish(record, CANCELLED, cancelled_error())
+                job.end(CANCELLED, cancelled_error())
                 return
-            pipe = self.conn.pipeline()
+            events = []
             for c in range(choices):
                 text = f"t{i} "
                 texts[c] += text
                 entry = None
-                if logprobs is not None:
+                if spec.logprobs is not None:
                     entry = self._logprobs_entry(record, text, len(texts[c]) - 3)
                 finish = "length" if i == count - 1 else None
-                event = token_event(c, i, text, 100 + i, -0.5, finish, 1, entry)
-                pipe.xadd(keys.job_events(job_id), event_fields(event))
-            pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
-            pipe.hset(keys.job(job_id), "completion_tokens", str(i + 1))
-            pipe.execute()
+                events.append(token_event(c, i, text, 100 + i, -0.5, finish, attempt, entry))
+            job.write(events, {"completion_tokens": str(i + 1)})
             if delay:
                 time.sleep(delay)
-        self._finish(record, FINISHED, self._result(record, texts, count))
+        job.end(FINISHED, self._result(record, texts, count))
 
     @staticmethod
     def _logprobs_entry(record: JobRecord, text: str, offset: int) -> dict[str, Any]:
@@ -185,16 +195,12 @@ class FakeWorker:
 
     @staticmethod
     def _prompt_text(record: JobRecord) -> str:
+        """The prompt as the script reads it (the body: embeddings have no spec)."""
         req = record.request
         if record.endpoint == CHAT_COMPLETIONS:
             return req["messages"][-1]["content"]
         value = req.get("prompt", req.get("input", ""))
         return value if isinstance(value, str) else " ".join(value)
-
-    def _finish(self, record: JobRecord, status: str, data: dict[str, Any]) -> None:
-        pipe = self.conn.pipeline()
-        write_ending(pipe, record.id, status, data)
-        pipe.execute()
 
     def _result(self, record: JobRecord, texts: list[str], count: int) -> dict[str, Any]:
         chat = record.endpoint == CHAT_COMPLETIONS
@@ -239,3 +245,25 @@ class FakeWorker:
         ]
         usage = {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}
         return {"object": "list", "data": data, "model": record.model, "usage": usage}
+
+
+class _Writes:
+    """One claimed job's writes, each fenced by its lease like the worker's."""
+
+    def __init__(self, conn: redis.Redis, job_id: str, lease: str) -> None:
+        self.conn, self.job_id, self.lease, self.written = conn, job_id, lease, 0
+
+    def write(self, events: list[tuple[str, str]], fields: dict[str, str]) -> None:
+        self._append(events, fields, final=False)
+
+    def end(self, status: str, body: dict[str, Any]) -> None:
+        fields, event = ending(status, body)
+        self._append([event], fields, final=True)
+
+    def _append(self, events: list[tuple[str, str]], fields: dict[str, str], final: bool) -> None:
+        written = scripts.append(
+            self.conn, self.job_id, self.lease, self.written, events, fields, final
+        )
+        if written is None:
+            raise RuntimeError(f"job {self.job_id}: the fake worker lost its lease")
+        self.written += len(events)

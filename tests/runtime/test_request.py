@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from runtime.errors import EmptyPromptError, InvalidSamplingParams, LLMQRuntimeError
@@ -77,3 +79,30 @@ def test_a_stop_string_error_names_stop_and_logit_bias_names_logit_bias():
 def test_empty_prompt_errors_default_to_the_prompt_field():
     assert EmptyPromptError("empty").param == "prompt"
     assert EmptyPromptError("empty", param="input").param == "input"
+
+
+def test_a_spec_survives_the_job_record():
+    spec = GenerationSpec.from_body(
+        {"prompt": [[5, 6], "hi"], "n": 2, "top_k": 3, "stop": ["\n"], "logprobs": 2},
+        chat=False,
+    )
+    back = GenerationSpec.from_record(json.loads(json.dumps(spec.to_record())))
+    assert back == spec
+    assert back.choice_params(4) == spec.choice_params(4)
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"colour": "red"}, "colour"),
+        ({"n": 0}, "n"),
+        ({"stop": "x"}, "stop"),
+        ({"prompts": None}, "prompt"),  # neither prompts nor messages
+        ({"messages": [{"role": "user", "content": "x"}]}, "prompt"),  # both
+    ],
+)
+def test_a_record_from_redis_is_checked_like_a_body(change, param):
+    record = {**GenerationSpec.from_body({"prompt": "x"}, chat=False).to_record(), **change}
+    with pytest.raises(LLMQRuntimeError) as raised:
+        GenerationSpec.from_record(record)
+    assert raised.value.param == param

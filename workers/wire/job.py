@@ -33,6 +33,7 @@ QUEUED, STARTED, FINISHED, FAILED, CANCELLED = (
     "failed",
     "cancelled",
 )
+JOB_STATUSES = (QUEUED, STARTED, FINISHED, FAILED, CANCELLED)
 TERMINAL_STATUSES = frozenset({FINISHED, FAILED, CANCELLED})
 
 COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS = (
@@ -48,7 +49,9 @@ JOB_FUNCTION = "workers.jobs.run_job"
 
 @dataclass
 class JobRecord:
-    """A job as stored in `keys.job(id)`; `request` is the validated request body."""
+    """A job as stored in `keys.job(id)`; `request` is the validated request body and
+    `spec` what the worker generates from it (`runtime.request.GenerationSpec.to_record`,
+    made by the API's schemas; None for embeddings, which read `request`)."""
 
     id: str
     endpoint: str
@@ -68,6 +71,7 @@ class JobRecord:
     batch_id: str | None = None  # set for the requests of an offline batch
     queue: str | None = None  # a worker's own queue the API routed it to (prefix affinity)
     owner: str | None = None  # digest of the API key that created it (`api.auth.owner_of`)
+    spec: dict[str, Any] | None = None
 
     def to_hash(self) -> dict[str, str]:
         """Every field as a string (JSON for structured values); None fields are omitted."""
@@ -100,6 +104,7 @@ class JobRecord:
             batch_id=h.get("batch_id"),
             queue=h.get("queue"),
             owner=h.get("owner"),
+            spec=json.loads(h["spec"]) if "spec" in h else None,
         )
 
 
