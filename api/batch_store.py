@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -24,6 +24,7 @@ import redis
 from api.auth import visible
 from api.batch_lines import InvalidLine, ValidLine
 from api.errors import BatchNotFound, Conflict, FileNotFound
+from api.paging import cursor_page
 from workers import keys
 from workers.wire.batch_output import error_line
 from workers.wire.batches import (
@@ -35,7 +36,6 @@ from workers.wire.batches import (
     FileRecord,
 )
 from workers.wire.defaults import FILE_TTL_SECONDS
-from workers.wire.text import as_str
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,9 @@ def list_files(
     def keep(record: FileRecord) -> bool:
         return (purpose is None or record.purpose == purpose) and visible(record.owner, scope)
 
-    return _page(conn, keys.FILES, keys.file, FileRecord.from_hash, keep, limit, after, ascending)
+    return cursor_page(
+        conn, keys.FILES, keys.file, FileRecord.from_hash, keep, limit, after, ascending
+    )
 
 
 # ---------------------------------------------------------------- batches
@@ -228,39 +230,6 @@ def list_batches(
     def keep(record: BatchRecord) -> bool:
         return visible(record.owner, scope)
 
-    return _page(conn, keys.BATCHES, keys.batch, BatchRecord.from_hash, keep, limit, after, False)
-
-
-def _page(
-    conn: redis.Redis,
-    index: str,
-    key: Callable[[str], str],
-    parse: Callable[[dict], Any],
-    keep: Callable[[Any], bool],
-    limit: int,
-    after: str | None,
-    ascending: bool,
-) -> tuple[list[Any], bool]:
-    """Cursor pagination over an index sorted set; ids whose hash expired are pruned."""
-    ids = [as_str(i) for i in (conn.zrange if ascending else conn.zrevrange)(index, 0, -1)]
-    if after is not None:
-        ids = ids[ids.index(after) + 1 :] if after in ids else []
-    found: list[Any] = []
-    gone: list[str] = []
-    for start in range(0, len(ids), 100):
-        chunk = ids[start : start + 100]
-        with conn.pipeline(transaction=False) as pipe:
-            for item in chunk:
-                pipe.hgetall(key(item))
-            for item, raw in zip(chunk, pipe.execute(), strict=True):
-                if not raw:
-                    gone.append(item)
-                    continue
-                record = parse(raw)
-                if keep(record):
-                    found.append(record)
-        if len(found) > limit:
-            break
-    if gone:
-        conn.zrem(index, *gone)
-    return found[:limit], len(found) > limit
+    return cursor_page(
+        conn, keys.BATCHES, keys.batch, BatchRecord.from_hash, keep, limit, after, False
+    )

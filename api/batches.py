@@ -20,7 +20,7 @@ from api.batch_lines import validate_lines
 from api.body import json_object
 from api.config import redis_conn
 from api.errors import InvalidRequest
-from api.files import int_arg, list_page
+from api.paging import int_arg, list_page
 from workers.wire.batches import FILE_PURPOSE_BATCH
 from workers.wire.defaults import MAX_COMPLETION_WINDOW_SECONDS
 from workers.wire.job import ENDPOINTS
@@ -122,7 +122,7 @@ def list_batches() -> Response:
     limit = int_arg("limit", 20, 1, 100)
     after = request.args.get("after")
     records, more = batch_store.list_batches(redis_conn(), limit, after, caller_scope())
-    return jsonify(list_page(records, more))
+    return jsonify(list_page([r.to_object() for r in records], more))
 
 
 @bp.get("/<batch_id>")

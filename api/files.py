@@ -16,6 +16,7 @@ from api.batch_lines import numbered_lines
 from api.body import UnsupportedMediaType
 from api.config import redis_conn
 from api.errors import InvalidRequest, PayloadTooLarge
+from api.paging import int_arg, list_page
 from workers.wire.batches import FILE_PURPOSE_BATCH
 from workers.wire.defaults import FILE_TTL_SECONDS, MAX_BATCH_LINES, MAX_FILE_BYTES
 
@@ -25,18 +26,6 @@ bp.before_request(require_api_key)
 MULTIPART_SLACK = 64 * 1024  # boundaries and the other form fields around the file
 MIN_EXPIRES_SECONDS = 3600  # OpenAI's lower bound for expires_after[seconds]
 MAX_FILENAME_CHARS = 255
-
-
-def list_page(records: list, more: bool) -> dict:
-    """OpenAI's cursor-paged list object (files and batches share it)."""
-    data = [r.to_object() for r in records]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": more,
-    }
 
 
 @bp.post("")
@@ -133,7 +122,7 @@ def list_files() -> Response:
         request.args.get("purpose"),
         caller_scope(),
     )
-    return jsonify(list_page(records, more))
+    return jsonify(list_page([r.to_object() for r in records], more))
 
 
 @bp.get("/<file_id>")
@@ -151,18 +140,3 @@ def get_content(file_id: str) -> Response:
 def delete_file(file_id: str) -> Response:
     batch_store.delete_file(redis_conn(), file_id, caller_scope())
     return jsonify({"id": file_id, "object": "file", "deleted": True})
-
-
-def int_arg(name: str, default: int, low: int, high: int) -> int:
-    raw = request.args.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = low - 1
-    if not low <= value <= high:
-        raise InvalidRequest(
-            f"{name} must be an integer in [{low}, {high}], got {raw!r}.", param=name
-        )
-    return value

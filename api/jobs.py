@@ -17,10 +17,11 @@ from api.config import redis_conn
 from api.errors import APIError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, follow, parse_event_id, sse
 from api.flow import accepted, submit_request
+from api.paging import int_arg, list_page
 from api.schemas import parse_request
 from workers import keys
 from workers.wire.events import EVENT_ERROR, EVENT_TOKEN
-from workers.wire.job import ENDPOINTS, TERMINAL_STATUSES, JobRecord
+from workers.wire.job import ENDPOINTS, JOB_STATUSES, TERMINAL_STATUSES, JobRecord
 
 BROKER_DOWN = ServiceUnavailable("The job broker is unavailable; reconnect.", code="broker_down")
 
@@ -36,23 +37,30 @@ def _job_id(job_id: str) -> str:
     return job_id
 
 
+JOB_SHAPE = (
+    'a job is {"endpoint": "/v1/chat/completions", "body": {...}}: the endpoint to run and '
+    "the request body you would POST to it"
+)
+
+
 @bp.post("")
 def create_job() -> Response:
     body = json_object()
     unknown = sorted(set(body) - {"endpoint", "body"})
     if unknown:
         raise InvalidRequest(
-            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0]
+            f"Unrecognized request argument supplied: {unknown[0]}; {JOB_SHAPE}.",
+            param=unknown[0],
         )
     endpoint = body.get("endpoint")
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(
-            f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}.",
+            f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}; {JOB_SHAPE}.",
             param="endpoint",
         )
     inner = body.get("body")
     if not isinstance(inner, dict):
-        raise InvalidRequest("body must be a JSON object (the request body).", param="body")
+        raise InvalidRequest(f"body must be a JSON object; {JOB_SHAPE}.", param="body")
     req = parse_request(endpoint, inner)
     if req.stream:
         raise InvalidRequest(
@@ -80,11 +88,28 @@ def job_view(conn: Any, record: JobRecord) -> dict[str, Any]:
         "attempts": record.attempts,
         "progress": {"completion_tokens": completion_tokens},
     }
+    if isinstance(record.request.get("metadata"), dict):
+        view["metadata"] = record.request["metadata"]
     if record.result is not None:
         view["result"] = record.result
     if record.error is not None:
         view["error"] = record.error.get("error", record.error)
     return view
+
+
+@bp.get("")
+def list_jobs() -> Response:
+    """The caller's jobs (sync and async; not a batch's lines), newest first, in OpenAI's
+    cursor-paged list shape; `status` keeps one status."""
+    limit = int_arg("limit", 20, 1, 100)
+    status = request.args.get("status")
+    if status is not None and status not in JOB_STATUSES:
+        raise InvalidRequest(
+            f"status must be one of {', '.join(JOB_STATUSES)}, got {status!r}.", param="status"
+        )
+    conn = redis_conn()
+    records, more = store.list_jobs(conn, limit, request.args.get("after"), caller_scope(), status)
+    return jsonify(list_page([job_view(conn, record) for record in records], more))
 
 
 @bp.get("/<job_id>")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flask import Blueprint, Response, jsonify
 
 from api import store
 from api.auth import require_api_key
 from api.body import json_object
 from api.config import redis_conn
+from api.errors import ModelNotFound
 from api.flow import respond
 from api.schemas import parse_request
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
@@ -19,24 +22,37 @@ bp.before_request(require_api_key)
 @bp.get("/models")
 def list_models() -> Response:
     """Models published by workers plus any a live worker serves, in OpenAI's list shape."""
-    conn = redis_conn()
-    known = store.known_models(conn)
-    live = store.live_workers(conn)
-    served = store.served_models(live)
-    data = []
-    for model in sorted(set(known) | served):
-        info = known.get(model, {})
-        entry = {
-            "id": model,
-            "object": "model",
-            "created": int(info.get("created", 0)) if isinstance(info.get("created"), int) else 0,
-            "owned_by": "llmq",
-            "ready": model in served,
-        }
-        if isinstance(info.get("context_length"), int):
-            entry["max_model_len"] = info["context_length"]
-        data.append(entry)
+    known, served = _models()
+    data = [_model_object(m, known.get(m, {}), served) for m in sorted(set(known) | served)]
     return jsonify({"object": "list", "data": data})
+
+
+@bp.get("/models/<path:model_id>")
+def retrieve_model(model_id: str) -> Response:
+    """One model (the `openai` client's `models.retrieve`); 404 if nobody knows it."""
+    known, served = _models()
+    if model_id not in known and model_id not in served:
+        raise ModelNotFound(model_id)
+    return jsonify(_model_object(model_id, known.get(model_id, {}), served))
+
+
+def _models() -> tuple[dict[str, dict[str, Any]], set[str]]:
+    conn = redis_conn()
+    return store.known_models(conn), store.served_models(store.live_workers(conn))
+
+
+def _model_object(model: str, info: dict[str, Any], served: set[str]) -> dict[str, Any]:
+    created = info.get("created")
+    entry = {
+        "id": model,
+        "object": "model",
+        "created": created if isinstance(created, int) else 0,
+        "owned_by": "llmq",
+        "ready": model in served,
+    }
+    if isinstance(info.get("context_length"), int):
+        entry["max_model_len"] = info["context_length"]
+    return entry
 
 
 @bp.post("/completions")

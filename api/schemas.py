@@ -30,7 +30,7 @@ from runtime.limits import (  # the engine's own numbers
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
-from runtime.request import GenerationSpec
+from runtime.request import GenerationSpec, prompt_list
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request; choices = prompts * n <= MAX_CHOICES
@@ -71,6 +71,33 @@ def _text_list(name: str, value: Any, *, max_items: int, allow_empty: bool = Fal
     return items
 
 
+def _prompt_forms(name: str, value: Any, max_items: int) -> Any:
+    """OpenAI's four prompt forms, checked: a string, a list of strings, a list of token
+    ids, or a list of lists of token ids (ids are checked against the vocabulary later)."""
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        _token_ids(name, value)
+        return value
+    if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
+        if len(value) > max_items:
+            raise ValueError(f"{name} must have at most {max_items} items, got {len(value)}.")
+        for i, ids in enumerate(value):
+            _token_ids(f"{name}[{i}]", ids)
+        return value
+    items = _text_list(name, value, max_items=max_items)
+    return value if isinstance(value, str) else items
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(name: str, ids: Any) -> None:
+    if not ids:
+        raise ValueError(f"{name} must not be empty.")
+    if not all(_is_int(t) and 0 <= t < 2**31 for t in ids):
+        raise ValueError(f"{name} must be a list of token ids (non-negative integers).")
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -83,6 +110,29 @@ def _reject_priority(priority: int) -> None:
         raise UnsupportedFeature(
             f"priority other than 0 is not supported yet, got {priority}.", param="priority"
         )
+
+
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on `metadata`
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+# Fields of OpenAI's request types that change nothing here, accepted so that clients
+# written for OpenAI work unchanged (README: "Fields accepted and ignored"): storage and
+# routing hints of OpenAI's service, and hints for reasoning or predicted-output models.
+# They are not stored; `metadata` is, and a job shows it (`GET /v1/jobs/{id}`).
+IGNORED_FIELDS = (
+    "store",
+    "service_tier",
+    "reasoning_effort",
+    "verbosity",
+    "prediction",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "modalities",
+    "audio",
+    "web_search_options",
+)
 
 
 class StreamOptions(StrictModel):
@@ -107,6 +157,11 @@ class SamplingRequest(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    prompt_cache_key: str | None = None
     cache_prompt: bool = True
     ignore_eos: bool = False  # vLLM's extension; the engine supports it
     priority: int = 0
@@ -159,6 +214,21 @@ class SamplingRequest(StrictModel):
             if not key.isdigit():
                 raise ValueError(f"logit_bias keys must be token ids, got {_short(key)}.")
             _in_range(f"logit_bias[{key}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and len(v) > MAX_METADATA_PAIRS:
+            raise ValueError(
+                f"metadata must have at most {MAX_METADATA_PAIRS} pairs, got {len(v)}."
+            )
+        for key, value in (v or {}).items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters and values "
+                    f"at most {MAX_METADATA_VALUE_CHARS}."
+                )
         return v
 
     @field_validator("seed", "priority")
@@ -222,7 +292,9 @@ class SamplingRequest(StrictModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_job_request(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True, exclude={"lora", "json_schema", "regex"})
+        return self.model_dump(
+            exclude_none=True, exclude={"lora", "json_schema", "regex", *IGNORED_FIELDS}
+        )
 
     def to_spec(self) -> GenerationSpec:
         """What the worker generates: the engine's own reader applied to the normalised body,
@@ -253,13 +325,10 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> list[str] | str:
+    def _prompt(cls, v: Any) -> Any:
         if v is None:
             raise ValueError("prompt is required.")
-        if isinstance(v, list) and v and all(isinstance(x, int) for x in v):
-            raise ValueError("prompt as token ids is not supported; send text.")
-        items = _text_list("prompt", v, max_items=MAX_PROMPTS)
-        return v if isinstance(v, str) else items
+        return _prompt_forms("prompt", v, MAX_PROMPTS)
 
     @field_validator("max_tokens")
     @classmethod
@@ -272,8 +341,9 @@ class CompletionRequest(SamplingRequest):
         return v if v is None else _in_range("logprobs", v, 0, MAX_LOGPROBS)
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[Any]:
+        """Each prompt: a string or a list of token ids."""
+        return prompt_list(self.prompt, "prompt")
 
     @property
     def choices(self) -> int:
@@ -335,6 +405,13 @@ class ChatCompletionRequest(SamplingRequest):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: Any = None
+    prompt_cache_retention: str | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    web_search_options: Any = None
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
@@ -363,6 +440,11 @@ class ChatCompletionRequest(SamplingRequest):
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(self, name) not in (None, "none", []):
                 raise UnsupportedFeature(f"{name} (tool calling) is not supported yet.", param=name)
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise UnsupportedFeature(
+                f"modalities other than ['text'] are not supported, got {self.modalities}.",
+                param="modalities",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
 
@@ -370,6 +452,7 @@ class ChatCompletionRequest(SamplingRequest):
         body = self.model_dump(
             exclude_none=True,
             exclude={
+                *IGNORED_FIELDS,
                 "lora",
                 "json_schema",
                 "regex",
@@ -396,13 +479,10 @@ class EmbeddingRequest(StrictModel):
 
     @field_validator("input", mode="before")
     @classmethod
-    def _input(cls, v: Any) -> str | list[str]:
+    def _input(cls, v: Any) -> Any:
         if v is None:
             raise ValueError("input is required.")
-        if isinstance(v, list) and v and all(isinstance(x, int | list) for x in v):
-            raise ValueError("input as token ids is not supported; send text.")
-        items = _text_list("input", v, max_items=MAX_EMBEDDING_INPUTS)
-        return v if isinstance(v, str) else items
+        return _prompt_forms("input", v, MAX_EMBEDDING_INPUTS)
 
     @property
     def stream(self) -> bool:

@@ -22,6 +22,7 @@ from rq.serializers import JSONSerializer
 
 from api.auth import visible
 from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
+from api.paging import cursor_page
 from workers import keys
 from workers.wire.defaults import AFFINITY_MAX_QUEUED, CANCEL_FLAG_TTL_SECONDS, JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
@@ -166,10 +167,33 @@ def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
                     pipe.sadd(Queue.redis_queues_keys, own.key)  # where reapers find it
                 push_wake(pipe, keys.queue_wake((own or shared).name))
                 pipe.hincrby(keys.METRIC_JOBS, QUEUED, 1)
+                if record.kind == keys.INTERACTIVE:
+                    _index(pipe, record)
                 pipe.execute()
                 return (own or shared).name
             except redis.WatchError:
                 continue
+
+
+def _index(pipe: Any, record: JobRecord) -> None:
+    """List the job under its owner for `GET /v1/jobs`; entries older than the records'
+    TTL go (their records are gone), and `list_jobs` prunes any that expired sooner."""
+    index = keys.jobs_of(record.owner)
+    pipe.zadd(index, {record.id: record.created_at})
+    pipe.zremrangebyscore(index, "-inf", record.created_at - JOB_TTL_SECONDS)
+    pipe.expire(index, JOB_TTL_SECONDS)
+
+
+def list_jobs(
+    conn: redis.Redis, limit: int, after: str | None, scope: str | None, status: str | None
+) -> tuple[list[JobRecord], bool]:
+    """A page of the caller's jobs, newest first, and whether more follow."""
+
+    def keep(record: JobRecord) -> bool:
+        return status is None or record.status == status
+
+    index = keys.jobs_of(scope)
+    return cursor_page(conn, index, keys.job, JobRecord.from_hash, keep, limit, after, False)
 
 
 def _affine_queue(conn: redis.Redis, record: JobRecord) -> tuple[Queue | None, int]:
@@ -239,9 +263,10 @@ def submit(
     max_queue: int,
     idempotency: str | None = None,
     owner: str | None = None,
+    spec: dict[str, Any] | None = None,
 ) -> Submission:
     record = JobRecord(
-        id=new_job_id(), endpoint=endpoint, model=model, request=request, owner=owner
+        id=new_job_id(), endpoint=endpoint, model=model, request=request, owner=owner, spec=spec
     )
     if idempotency is not None:
         existing = _claim(conn, idempotency, record.id)

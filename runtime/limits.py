@@ -4,8 +4,8 @@ submission, so a request is refused with the same words wherever it is caught.""
 
 from __future__ import annotations
 
-MAX_STOP_STRINGS = 16
-"""Stop strings per request; each one is searched for on every token, so keep the list short."""
+MAX_STOP_STRINGS = 4
+"""Stop strings per request (OpenAI's limit); each is searched for on every token."""
 MAX_STOP_STRING_CHARS = 1000
 """Longest stop string; the matcher holds back up to this many characters of output."""
 MAX_LOGPROBS = 20

@@ -67,6 +67,7 @@ WORKERS = f"{PREFIX}:workers"
 MODELS = f"{PREFIX}:models"
 FILES = f"{PREFIX}:files"
 BATCHES = f"{PREFIX}:batches"
+JOBS = f"{PREFIX}:jobs"  # sorted set: job id -> created_at, the jobs of an open /v1
 BATCHES_ACTIVE = f"{PREFIX}:batches:active"
 BATCHES_LOCK = f"{PREFIX}:batches:lock"
 FILE_ID_PATTERN = re.compile(r"^file-[A-Za-z0-9]{1,64}$")
@@ -91,6 +92,11 @@ def job_cancel(job_id: str) -> str:
 
 def job_lease(job_id: str) -> str:
     return f"{JOB_KEY_PREFIX}{job_id}{LEASE_SUFFIX}"
+
+
+def jobs_of(owner: str | None) -> str:
+    """The index of one API key's jobs (`GET /v1/jobs`); `JOBS` when /v1 is open."""
+    return JOBS if owner is None else f"{JOBS}:owner:{owner}"
 
 
 def worker(name: str) -> str:

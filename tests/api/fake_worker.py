@@ -200,7 +200,7 @@ class FakeWorker:
         if record.endpoint == CHAT_COMPLETIONS:
             return req["messages"][-1]["content"]
         value = req.get("prompt", req.get("input", ""))
-        return value if isinstance(value, str) else " ".join(value)
+        return value if isinstance(value, str) else json.dumps(value)  # texts or token ids
 
     def _result(self, record: JobRecord, texts: list[str], count: int) -> dict[str, Any]:
         chat = record.endpoint == CHAT_COMPLETIONS

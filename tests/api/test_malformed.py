@@ -103,6 +103,7 @@ ROWS: list[tuple[str, str, Any, str, int, str | None]] = [
     ("15-n-huge", "/v1/completions", completion(n=100000), JSON, 400, "n"),
     ("15-best-of", "/v1/completions", completion(best_of=5), JSON, 400, "best_of"),
     ("16-stop-many", "/v1/completions", completion(stop=["x"] * 1000), JSON, 400, "stop"),
+    ("16-stop-five", "/v1/completions", completion(stop=list("abcde")), JSON, 400, "stop"),
     ("16-stop-long", "/v1/completions", completion(stop="x" * 100_000), JSON, 400, "stop"),
     ("17-unknown-model", "/v1/completions", completion(model="nope"), JSON, 404, "model"),
     ("18-unknown-field", "/v1/completions", completion(max_token=5), JSON, 400, "max_token"),
@@ -201,7 +202,7 @@ ROWS: list[tuple[str, str, Any, str, int, str | None]] = [
     (
         "embeddings-token-ids",
         "/v1/embeddings",
-        {"model": "tiny", "input": [1, 2]},
+        {"model": "tiny", "input": [[1, 2], [-1]]},  # token ids are ids: never negative
         JSON,
         400,
         "input",
