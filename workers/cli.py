@@ -103,7 +103,10 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0"
     )
     worker.add_argument(
-        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="least severe log records written to stderr",
     )
     worker.set_defaults(handler=run_worker)
 

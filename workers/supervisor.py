@@ -236,14 +236,16 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         default=int(os.environ.get("PORT", "8000")),
         help="default: $PORT or 8000",
     )
-    serve_parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    serve_parser.add_argument("--workers", type=int, default=1, help="worker processes")
     serve_parser.add_argument(
         "--models",
         default="",
         metavar="M,...",
         help="models the workers serve (default: every registry model, loaded on first use)",
     )
-    serve_parser.add_argument("--max-batch", type=int, help="sequences per worker batch")
+    serve_parser.add_argument(
+        "--max-batch", type=int, help="sequences each worker steps together (default: 32)"
+    )
     serve_parser.set_defaults(handler=run_serve)
 
 
