@@ -31,6 +31,22 @@ def test_not_ready_without_a_live_worker(client, fake_redis, registered) -> None
     assert response.headers["Retry-After"]
 
 
+def test_ready_only_once_a_worker_has_a_model_loaded(client, fake_redis, registered) -> None:
+    """A worker still loading is alive but not ready: a first request would wait for the load."""
+    other = FakeWorker(fake_redis, name="fake-2", models=("tiny", "big"))
+    other.info.pool = {"tiny": {"state": "loading"}, "big": {"state": "loading"}}
+    registered.info.pool = {"tiny": {"state": "loading"}}
+    for worker in (registered, other):
+        worker.register()
+    response = client.get("/ready")
+    assert response.status_code == 503 and response.headers["Retry-After"]
+    error = response.get_json()["error"]
+    assert error["code"] == "model_loading" and "loading: big, tiny" in error["message"]
+    other.info.pool["big"] = {"state": "ready"}
+    other.register()
+    assert client.get("/ready").get_json() == {"status": "ready", "workers": 1, "models": ["big"]}
+
+
 def test_admin_workers_models_queues(client) -> None:
     client.post("/v1/completions", json=GOOD, headers=ASYNC)
     workers = client.get("/admin/workers").get_json()["data"]
