@@ -35,6 +35,8 @@ def list_models() -> Response:
         }
         if isinstance(info.get("context_length"), int):
             entry["max_model_len"] = info["context_length"]
+        if isinstance(info.get("chat_template"), bool):  # chat requests can be rendered
+            entry["chat_template"] = info["chat_template"]
         data.append(entry)
     return jsonify({"object": "list", "data": data})
 
