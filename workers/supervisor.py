@@ -212,10 +212,11 @@ def check_port_free(host: str, port: int) -> None:
         with socket.create_server((host, port), family=family):
             pass
     except OSError as exc:
-        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        if exc.errno != errno.EADDRINUSE:
+            raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
         raise ServeError(
-            f"cannot listen on {host}:{port}: {reason}. Is another llmq serve running? "
-            "Stop it, or choose another port with --port or PORT."
+            f"cannot listen on {host}:{port}: address already in use. Is another llmq serve "
+            "running? Stop it, or choose another port with --port or PORT."
         ) from None
 
 
