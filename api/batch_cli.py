@@ -29,7 +29,7 @@ from workers.wire.job import ENDPOINTS
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 TIMEOUT_SECONDS = 120.0
-PLAIN_PROGRESS_SECONDS = 10.0  # progress line interval when stderr is not a terminal
+PLAIN_PROGRESS_SECONDS = 10.0  # progress line interval when stderr is not a terminal (a log)
 
 
 class BatchCLIError(Exception):
@@ -71,6 +71,14 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     submit.add_argument("-o", "--output", type=Path, help="with --wait: write results here")
     submit.add_argument(
         "--poll", type=float, default=1.0, metavar="SECONDS", help="status poll interval"
+    )
+    submit.add_argument(
+        "--progress-interval",
+        type=float,
+        default=PLAIN_PROGRESS_SECONDS,
+        metavar="SECONDS",
+        help="with --wait and stderr not a terminal (a log, a pipe): a progress line at "
+        "least this often",
     )
     submit.set_defaults(handler=_guarded(run_submit))
 
@@ -133,7 +141,7 @@ def run_submit(args: argparse.Namespace) -> int:
     if not args.wait:
         print(f"follow it with: llmq batch status {batch['id']}", file=sys.stderr)
         return 0
-    batch = follow(client, batch["id"], args.poll, sys.stderr)
+    batch = follow(client, batch["id"], args.poll, sys.stderr, args.progress_interval)
     write_results(client, batch, args.output)
     return 0 if batch["status"] == BATCH_COMPLETED else 1
 
@@ -167,16 +175,24 @@ def guess_endpoint(data: bytes) -> str:
     return DEFAULT_ENDPOINT
 
 
-def follow(client: Client, batch_id: str, poll: float, out: IO[str]) -> dict[str, Any]:
-    """Poll until the batch ends, with a progress line on `out`."""
-    progress = Progress(out)
+def follow(
+    client: Client,
+    batch_id: str,
+    poll: float,
+    out: IO[str],
+    plain_interval: float = PLAIN_PROGRESS_SECONDS,
+) -> dict[str, Any]:
+    """Poll until the batch ends, with a progress line on `out`. Not on a terminal, the
+    wait between polls never runs past the next line's due time, so a log gets a line at
+    least every `plain_interval` seconds however long `poll` is."""
+    progress = Progress(out, plain_interval)
     while True:
         batch = client.json("GET", f"/v1/batches/{batch_id}")
         progress.show(batch)
         if batch["status"] in BATCH_TERMINAL:
             progress.close()
             return batch
-        time.sleep(poll)
+        time.sleep(min(poll, progress.until_due()))
 
 
 def write_results(client: Client, batch: dict[str, Any], output: Path | None) -> None:
@@ -208,15 +224,24 @@ def errors_path_for(output: Path) -> Path:
 
 
 class Progress:
-    """requests done/total, tokens/s and ETA, as one rewritten line on a terminal."""
+    """requests done/total, tokens/s and ETA: one rewritten line on a terminal; elsewhere
+    (a log file, a CI job's output) a new line every `plain_interval` seconds, since a
+    rewritten line shows there only when the batch ends."""
 
-    def __init__(self, out: IO[str]) -> None:
+    def __init__(self, out: IO[str], plain_interval: float = PLAIN_PROGRESS_SECONDS) -> None:
         self.out = out
         self.tty = out.isatty()
+        self.plain_interval = plain_interval
         self.start = time.monotonic()
         self.first: tuple[int, int] | None = None  # (done, output tokens) at the first poll
-        self.last_plain = 0.0
+        self.next_plain = self.start  # when the next plain line is due
         self.width = 0
+
+    def until_due(self) -> float:
+        """Seconds until the next plain line is due (unbounded on a terminal)."""
+        if self.tty:
+            return float("inf")
+        return max(0.0, self.next_plain - time.monotonic())
 
     def show(self, batch: dict[str, Any]) -> None:
         counts = batch.get("request_counts") or {}
@@ -236,10 +261,8 @@ class Progress:
             self.out.write("\r" + line.ljust(self.width))
             self.width = len(line)
             self.out.flush()
-        elif time.monotonic() - self.last_plain >= PLAIN_PROGRESS_SECONDS or (
-            batch["status"] in BATCH_TERMINAL
-        ):
-            self.last_plain = time.monotonic()
+        elif time.monotonic() >= self.next_plain or batch["status"] in BATCH_TERMINAL:
+            self.next_plain = time.monotonic() + self.plain_interval
             print(line, file=self.out, flush=True)
 
     def close(self) -> None:

@@ -52,6 +52,8 @@ def _model_object(model: str, info: dict[str, Any], served: set[str]) -> dict[st
     }
     if isinstance(info.get("context_length"), int):
         entry["max_model_len"] = info["context_length"]
+    if isinstance(info.get("chat_template"), bool):  # chat requests can be rendered
+        entry["chat_template"] = info["chat_template"]
     return entry
 
 

@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from api import metrics, store
 from api.config import redis_conn
 from api.errors import ServiceUnavailable
+from workers.wire.worker_info import LOADING, READY, WorkerInfo
 
 bp = Blueprint("ops", __name__)
 
@@ -20,14 +21,39 @@ def health() -> Response:
 
 @bp.get("/ready")
 def ready() -> Response:
-    """Redis answers and at least one live worker serves at least one model."""
+    """Redis answers and a live worker has a model loaded (pool state `ready`): a request
+    for it starts at once. A worker still loading its models is not ready: a load takes
+    seconds, and a load balancer (or `llmq serve`) must not send the first request into it.
+    """
     conn = redis_conn()
     conn.ping()
     workers = [w for w in store.live_workers(conn) if w.models]
     if not workers:
         raise ServiceUnavailable("No live worker serves a model yet.", code="no_worker")
-    models = sorted(store.served_models(workers))
-    return jsonify({"status": "ready", "workers": len(workers), "models": models})
+    ready_on = [_in_state(w, READY) for w in workers]
+    models = sorted({m for ready_models in ready_on for m in ready_models})
+    if not models:
+        loading = sorted({m for w in workers for m in _in_state(w, LOADING)})
+        detail = f" (loading: {', '.join(loading)})" if loading else ""
+        raise ServiceUnavailable(
+            f"No worker has a model loaded yet{detail}; retry later.", code="model_loading"
+        )
+    return jsonify(
+        {
+            "status": "ready",
+            "workers": sum(1 for ready_models in ready_on if ready_models),
+            "models": models,
+        }
+    )
+
+
+def _in_state(worker: WorkerInfo, state: str) -> list[str]:
+    """The models in `worker`'s pool (as it published it) in `state`."""
+    return [
+        m
+        for m, entry in worker.pool.items()
+        if isinstance(entry, dict) and entry.get("state") == state
+    ]
 
 
 @bp.get("/metrics")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 from api.batch_cli import add_batch_commands
 from api.cli import add_api_commands
@@ -28,10 +29,39 @@ COMMAND_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 )
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" suffix, left off where it would mislead: where the help
+    already says its default in words (an environment variable, a computed value), and for
+    flags and unset options, whose "False" or "None" says nothing a user can act on."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, [], "") or "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
+class LLMQParser(argparse.ArgumentParser):
+    """Every `llmq` (sub)command shows its defaults: `add_subparsers` builds subcommand
+    parsers of the parent's class, so setting the formatter here reaches them all."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def llmq_version() -> str:
+    """The installed distribution's version (pyproject.toml's, via the package metadata)."""
+    try:
+        return version("llmq")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = LLMQParser(
         prog="llmq", description="Serve GGUF language models through a Redis job queue."
     )
+    parser.add_argument("--version", action="version", version=f"llmq {llmq_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_commands in COMMAND_GROUPS:
         add_commands(sub)

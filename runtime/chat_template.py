@@ -186,3 +186,16 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def has_chat_template(model: str) -> bool:
+    """Whether `model` (a registry id or a .gguf path) can render chats: its registry
+    entry's template, else its GGUF's own, and the template compiles. Reads the file's
+    header, never its weights, so a worker can say which of its models take chat requests
+    before loading them (the dashboard offers chat only for those)."""
+    from runtime.gguf_file import GGUFFile  # the header reader: imported only when asked
+    from runtime.registry import resolve
+
+    spec = resolve(model)
+    source = spec.chat_template or GGUFFile(spec.path()).metadata.get("tokenizer.chat_template")
+    return ChatTemplate(source).available

@@ -29,12 +29,23 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model id or .gguf path")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")
     gen.add_argument("--system", help="system message (with --chat)")
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 disables")
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature, as OpenAI's API; 0 is greedy and deterministic",
+    )
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass"
+    )
+    gen.add_argument("--top-k", type=int, default=0, help="keep the K most likely; 0 disables")
+    gen.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below this share of the top one's"
+    )
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="1 disables (llama.cpp's)"
+    )
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     gen.add_argument("--seed", type=int, help="makes sampling reproducible")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(

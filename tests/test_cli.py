@@ -1,10 +1,14 @@
-"""`llmq` as a user types it: the worker command's help and its refusals."""
+"""`llmq` as a user types it: help (with defaults) of every command, the version, and the
+worker command's refusals."""
 
 from __future__ import annotations
 
+import argparse
+from importlib.metadata import version
+
 import pytest
 
-from llmq.cli import main
+from llmq.cli import build_parser, main
 
 
 def test_llmq_help_lists_the_commands(capsys):
@@ -37,3 +41,37 @@ def test_worker_device_choice_is_checked(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["worker", "--device", "tpu"])
     assert exited.value.code == 2
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(argv prefix, parser) for `llmq` and every subcommand below it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _commands(child, (*path, name))
+
+
+def test_every_help_shows_the_defaults(capsys):
+    """An option with a concrete default says it in --help (what a new user needs to know
+    that `llmq generate` samples at temperature 1, say)."""
+    checked = 0
+    for path, parser in _commands(build_parser()):
+        with pytest.raises(SystemExit):
+            main([*path, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for action in parser._actions:
+            unset = action.default in (None, False, [], "", argparse.SUPPRESS)
+            if unset or not action.option_strings:
+                continue
+            checked += 1
+            said = f"(default: {action.default})" in text or "default" in (action.help or "")
+            assert said, f"llmq {' '.join(path)} --help hides {action.option_strings[-1]}'s default"
+    assert checked >= 15  # the test walked the real commands
+
+
+def test_version_comes_from_the_package_metadata(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"llmq {version('llmq')}"

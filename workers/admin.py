@@ -4,10 +4,13 @@ jobs, pool, models, throughput) and the load/unload commands the API sends it.""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import redis
 
+from runtime.chat_template import has_chat_template
+from runtime.errors import LLMQRuntimeError
 from runtime.registry import load_registry
 from workers import affinity, keys, metrics
 from workers.errors import JobFailure, PoolFull
@@ -33,12 +36,63 @@ class AdminDuties:
     _stop_now: bool
     _drain_deadline: float | None
     _throughput: metrics.Throughput
+    _inspections: dict[str, Future[bool]]
+    _inspector: ThreadPoolExecutor | None = None
+
+    def inspect_models(self) -> None:
+        """Read whether each served model has a chat template from its GGUF header, in a
+        thread (a header takes tens of ms; a chunked model's file may first be assembled),
+        so `keys.MODELS` says it for models not loaded yet."""
+        if self._inspector is not None:
+            return
+        self._inspector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmq-inspect")
+        self._inspections = {
+            model: self._inspector.submit(has_chat_template, source)
+            for model, source in self.pool.sources.items()
+        }
+
+    def close_inspections(self) -> None:
+        if self._inspector is not None:
+            self._inspector.shutdown(wait=False, cancel_futures=True)
+
+    def _learn_models(self) -> bool:
+        """Fold what loads and header reads found out into the published model info;
+        True if it changed (then it is published at once, not at the next heartbeat)."""
+        changed = False
+        for model in self.pool.sources:
+            described = self.presence.models.get(model)
+            if described is None:
+                continue
+            entry = self.pool.get(model)
+            if entry is not None and entry.engine is not None:
+                learned = {
+                    "context_length": entry.engine.context_length,
+                    "chat_template": entry.engine.chat_template.available,
+                }
+            elif "chat_template" not in described:
+                learned = self._inspected(model)
+            else:
+                continue
+            if any(described.get(k) != v for k, v in learned.items()):
+                described.update(learned)
+                changed = True
+        return changed
+
+    def _inspected(self, model: str) -> dict[str, Any]:
+        """{"chat_template": bool} once the header was read; {} before, or if it could not
+        be (the model's load reports why)."""
+        future = self._inspections.get(model)
+        if future is None or not future.done() or future.cancelled():
+            return {}
+        error = future.exception()
+        if error is not None:
+            if not isinstance(error, LLMQRuntimeError | OSError):
+                log.warning("could not read the chat template of %s: %s", model, error)
+            return {}
+        return {"chat_template": future.result()}
 
     def _publish(self) -> None:
-        for model in self.pool.sources:
-            entry = self.pool.get(model)
-            if entry is not None and entry.engine is not None and model in self.presence.models:
-                self.presence.models[model]["context_length"] = entry.engine.context_length
+        self._learn_models()
         if self._stop_now or self._drain_deadline is not None:
             state = "stopping"
         else:

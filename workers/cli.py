@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from runtime.kernels import BACKENDS
+from runtime.registry import DEFAULT_MODEL
 
 T = TypeVar("T")
 
@@ -47,8 +48,10 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         action="extend",
         default=[],
         metavar="M,...",
-        help="model ids from the registry or .gguf paths (default: every registry model, "
-        "loaded when its first job arrives)",
+        help="model ids from the registry or .gguf paths, loaded as the worker starts (as "
+        "many as LLMQ_POOL_CAPACITY and LLMQ_POOL_MEMORY_MB allow) (default: every registry "
+        f"model; only the default one, {DEFAULT_MODEL}, is loaded at start, the others "
+        "when their first job arrives)",
     )
     worker.add_argument(
         "--queues",
@@ -103,7 +106,10 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0"
     )
     worker.add_argument(
-        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="least severe log records written to stderr",
     )
     worker.set_defaults(handler=run_worker)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.kernels import BACKEND_ENV, BACKENDS
-from runtime.registry import load_registry
+from runtime.registry import DEFAULT_MODEL, load_registry
 from workers import keys
 from workers.errors import WorkerError
 from workers.pool import PoolConfig
@@ -50,6 +50,7 @@ class WorkerConfig:
     reap_interval: float = 2.0
     step_delay: float = 0.0  # fault-injection tests slow the decode loop down with this
     install_signals: bool = True  # False when the worker runs in a thread (tests)
+    preload: bool = True  # load `preload_models` at start-up, not when a first job asks
     pool: PoolConfig = field(default_factory=PoolConfig)
 
     def __post_init__(self) -> None:
@@ -134,3 +135,15 @@ def serving(config: WorkerConfig) -> tuple[dict[str, str], list[str]]:
     order = {kind: i for i, kind in enumerate(keys.QUEUE_KINDS)}
     pairs.sort(key=lambda pair: order[pair[1]])  # stable: model order kept within a kind
     return sources, [keys.queue_name(model, kind) for model, kind in pairs]
+
+
+def preload_models(config: WorkerConfig, sources: dict[str, str]) -> list[str]:
+    """The models a worker loads as it starts: every one named by --models (as far as the
+    pool has room), else the default model (or the first one served). A worker that serves
+    the whole registry by default must not load all of it, only what a first request most
+    likely asks for."""
+    if not config.preload:
+        return []
+    if config.models:
+        return list(sources)
+    return [DEFAULT_MODEL] if DEFAULT_MODEL in sources else list(sources)[:1]

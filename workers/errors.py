@@ -56,3 +56,8 @@ class JobRefused(JobFailure):
 
 class PoolFull(WorkerError):
     """No room for another model: every loaded model has work in flight."""
+
+
+class ServeError(WorkerError):
+    """`llmq serve` cannot run as asked: its port is taken, or a process it supervises fails
+    as soon as it starts, again and again (restarting it for ever would hide why)."""

@@ -6,6 +6,10 @@ background thread, so the decode loop of the other models keeps stepping), `read
 evicted. A failed load is remembered for `retry_failed_seconds`, so a burst of jobs for a
 broken model fails fast with the same error instead of reloading once per job.
 
+`preload` starts loads when the worker starts, so the first request does not wait for one
+(and /ready means a model is loaded): only into free slots, and a preloaded model that does
+not fit the memory budget is dropped rather than evicting anything.
+
 Only the worker's main thread calls the pool; the loader thread only runs `loader(source)`.
 """
 
@@ -21,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.errors import LLMQRuntimeError, ModelNotFoundError
 from workers.errors import JobFailure, ModelLoadError, PoolFull, UnknownModelError
+from workers.wire.worker_info import FAILED, LOADING, READY
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
 
 log = logging.getLogger("llmq.pool")
 
-LOADING, READY, FAILED = "loading", "ready", "failed"
 CAPACITY_ENV, MEMORY_ENV = "LLMQ_POOL_CAPACITY", "LLMQ_POOL_MEMORY_MB"
 
 
@@ -66,7 +70,9 @@ class PoolEntry:
     load_seconds: float | None = None
     last_used: float = field(default_factory=time.monotonic)
     failed_at: float = 0.0
+    loaded_at: float | None = None  # wall-clock time it became ready (published)
     unload_requested: bool = False
+    preload: bool = False  # loaded at start-up, before any job asked for it
     future: Future | None = field(default=None, repr=False)
 
     def describe(self) -> dict[str, Any]:
@@ -79,6 +85,7 @@ class PoolEntry:
             "in_flight": self.in_flight,
             "error": str(self.error) if self.error else None,
             "load_seconds": round(self.load_seconds, 3) if self.load_seconds else None,
+            "loaded_at": self.loaded_at,
             **_cache_state(self.engine),
         }
 
@@ -137,6 +144,11 @@ class EnginePool:
     def get(self, model: str) -> PoolEntry | None:
         return self._entries.get(model)
 
+    @property
+    def loading(self) -> bool:
+        """Whether a load is in progress (its end must be noticed soon: poll often)."""
+        return any(entry.state == LOADING for entry in self._entries.values())
+
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {model: entry.describe() for model, entry in self._entries.items()}
 
@@ -185,7 +197,29 @@ class EnginePool:
             log.info("loading model %s", model)
         entry.last_used = time.monotonic()
         entry.unload_requested = False
+        entry.preload = False  # asked for: an ordinary entry from now on
         return entry
+
+    def preload(self, models: list[str]) -> list[str]:
+        """Start loading `models` (in order, one after another in the loader thread) into
+        the free slots; returns those started. Never evicts: a worker's start-up must not
+        undo a load an admin or a job asked for."""
+        started = []
+        for model in models:
+            if model in self._entries:
+                continue
+            if len(self._entries) >= self.config.capacity:
+                log.info(
+                    "not preloading %s: the pool holds %d models (%s); they load on their "
+                    "first job",
+                    ", ".join(models[models.index(model) :]),
+                    self.config.capacity,
+                    CAPACITY_ENV,
+                )
+                break
+            self.request(model).preload = True
+            started.append(model)
+        return started
 
     def poll(self) -> list[PoolEntry]:
         """Settle loads that finished; returns the entries that became ready or failed."""
@@ -199,8 +233,12 @@ class EnginePool:
                 entry.engine, entry.load_seconds = engine, seconds
                 entry.memory_bytes = int(getattr(engine, "nbytes", 0))
                 error = self._fit_budget(entry)
+            if error is not None and entry.preload:
+                # nobody asked for it yet: keep what is loaded; it loads on its first job
+                self._evict(entry, f"preloaded, but {error}; it loads on its first job")
+                continue
             if error is None:
-                entry.state = READY
+                entry.state, entry.loaded_at = READY, time.time()
                 log.info(
                     "model %s ready in %.2fs (%.0f MiB)",
                     entry.model,
@@ -273,7 +311,9 @@ class EnginePool:
         if budget is None:
             return None
         limit = budget * 2**20
-        while entry.memory_bytes <= limit < self.used_bytes + entry.memory_bytes:
+        while (
+            not entry.preload and entry.memory_bytes <= limit < self.used_bytes + entry.memory_bytes
+        ):
             victim = self._evictable(exclude=entry.model)
             if victim is None:
                 break

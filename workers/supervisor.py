@@ -6,11 +6,18 @@ so). The API and the workers run as child processes (`llmq api`, `llmq worker`),
 if they die (RELIABILITY 6: workers must run under a supervisor). Ctrl-C or SIGTERM stops
 every process this command started: children get SIGTERM (workers drain), then SIGKILL
 after a grace period.
+
+What a user sees must be true: a port already taken is refused before anything starts
+(as vLLM and llama.cpp do); "serving" is printed once `/ready` answers, with the models
+ready; and a child that fails as soon as it starts, `GIVE_UP_AFTER` times in a row, stops
+everything with its last lines of stderr instead of being restarted for ever.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import logging
 import os
 import shutil
@@ -20,12 +27,23 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from workers.errors import ServeError
 
 log = logging.getLogger("llmq.serve")
 
 RESTART_BACKOFF_SECONDS = (1, 2, 5, 10)
 STOP_GRACE_SECONDS = 30
+FAST_EXIT_SECONDS = 30.0  # a child that exits sooner than this after its start failed at once
+GIVE_UP_AFTER = 3  # consecutive fast exits of one child after which serve stops everything
+STDERR_TAIL_LINES = 15  # a child's last stderr lines kept, to say why it gave up
+READY_POLL_SECONDS = 0.5
 
 
 @dataclass
@@ -108,7 +126,8 @@ class Broker:
 
 @dataclass
 class Child:
-    """A supervised process: restarted with backoff when it exits on its own."""
+    """A supervised process: restarted with backoff when it exits on its own. Its stderr
+    passes through this process line by line, and the last lines are kept."""
 
     name: str
     argv: list[str]
@@ -116,17 +135,54 @@ class Child:
     process: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
+    started_at: float = 0.0
+    fast_exits: int = 0  # consecutive exits within FAST_EXIT_SECONDS of the start
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
+    _relay: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
         log.info("starting %s", self.name)
+        self.tail.clear()
         # own session: a Ctrl-C in the terminal reaches the supervisor, which stops children
-        self.process = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            start_new_session=True,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+        )
+        self.started_at = time.monotonic()
+        assert self.process.stderr is not None
+        self._relay = threading.Thread(
+            target=self._pass_on, args=(self.process.stderr,), daemon=True
+        )
+        self._relay.start()
+
+    def _pass_on(self, pipe: IO[str]) -> None:
+        with pipe:
+            for line in pipe:
+                self.tail.append(line.rstrip("\n"))
+                sys.stderr.write(line)
+                sys.stderr.flush()
 
     def poll(self) -> None:
+        """Notice an exit and schedule the restart; raises ServeError when the child has
+        failed at once `GIVE_UP_AFTER` times in a row."""
         if self.process is None or self.process.poll() is None:
             return
         code = self.process.returncode
         self.process = None
+        if self._relay is not None:
+            self._relay.join(2)  # its last lines, which say why it exited
+        lived = time.monotonic() - self.started_at
+        self.fast_exits = self.fast_exits + 1 if lived < FAST_EXIT_SECONDS else 0
+        if self.fast_exits >= GIVE_UP_AFTER:
+            last = "\n".join(f"  {line}" for line in self.tail) or "  (nothing on stderr)"
+            raise ServeError(
+                f"{self.name} exited with {code} within {FAST_EXIT_SECONDS:g}s of its start, "
+                f"{self.fast_exits} times in a row; giving up. Its last lines:\n{last}"
+            )
         delay = RESTART_BACKOFF_SECONDS[min(self.restarts, len(RESTART_BACKOFF_SECONDS) - 1)]
         self.restarts += 1
         self.next_start = time.monotonic() + delay
@@ -148,7 +204,97 @@ def llmq_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmq", *args]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ServeError if something already listens on host:port. Bound with SO_REUSEADDR,
+    as gunicorn binds: a port left in TIME_WAIT by a server that just stopped is free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise ServeError(
+            f"cannot listen on {host}:{port}: address already in use. Is another llmq serve "
+            "running? Stop it, or choose another port with --port or PORT."
+        ) from None
+
+
+def local_url(host: str, port: int) -> str:
+    """Where this machine reaches a server bound to host:port (0.0.0.0 -> 127.0.0.1)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def readiness(base_url: str) -> tuple[int, dict]:
+    """(HTTP status of GET /ready, its JSON body); (0, {}) while the API does not answer."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read())
+        except ValueError:
+            return exc.code, {}
+    except (OSError, ValueError):
+        return 0, {}
+
+
+class Announcer:
+    """Says what a user can do, when it becomes true: the API answers, then a model is
+    ready (its id in the line that says "serving")."""
+
+    def __init__(self, config: ServeConfig, broker_kind: str) -> None:
+        self.config = config
+        self.broker_kind = broker_kind
+        self.base_url = local_url(config.host, config.port)
+        self.api_up = False
+        self.done = False
+        self._next = 0.0
+
+    def check(self) -> None:
+        if self.done or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + READY_POLL_SECONDS
+        status, body = readiness(self.base_url)
+        if status and not self.api_up:
+            self.api_up = True
+            log.info("the API answers on %s; waiting for a worker to load a model", self.base_url)
+        if status == 200:
+            self.done = True
+            models = ", ".join(body.get("models", [])) or "?"
+            print(
+                f"llmq is serving on http://{self.config.host}:{self.config.port} "
+                f"(ready: {models}; broker: {self.broker_kind})",
+                flush=True,
+            )
+            hint = activate_hint()
+            if hint:
+                print(hint, flush=True)
+
+
+def activate_hint() -> str | None:
+    """The one line that puts `llmq` on PATH in another shell, when this runs from a virtual
+    environment whose bin/ is not on PATH (`make serve` runs .venv/bin/llmq directly)."""
+    if sys.prefix == sys.base_prefix:
+        return None
+    bin_dir = Path(sys.prefix) / "bin"
+    on_path = os.environ.get("PATH", "").split(os.pathsep)
+    if any(Path(p).resolve() == bin_dir.resolve() for p in on_path if p):
+        return None
+    activate = bin_dir / "activate"
+    try:
+        shown = activate.relative_to(Path.cwd())
+    except ValueError:
+        shown = activate
+    return f"llmq commands in another shell (llmq generate, llmq batch ...): source {shown}"
+
+
 def serve(config: ServeConfig) -> int:
+    check_port_free(config.host, config.port)  # before anything starts: nothing to undo
     broker = Broker(config.redis_url or os.environ.get("REDIS_URL"))
     url = broker.start()
     env = {**os.environ, "REDIS_URL": url, "HOST": config.host, "PORT": str(config.port)}
@@ -171,14 +317,15 @@ def serve(config: ServeConfig) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    for child in children:
-        child.start()
-    log.info("llmq is serving on http://%s:%d (broker: %s)", config.host, config.port, broker.kind)
+    announcer = Announcer(config, broker.kind)
     try:
-        while not stopping.wait(0.5):
+        for child in children:
+            child.start()
+        while not stopping.wait(0.2):
             for child in children:
                 child.poll()
                 child.maybe_restart()
+            announcer.check()
     finally:
         _stop_children(children)
         broker.stop()
@@ -236,14 +383,17 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         default=int(os.environ.get("PORT", "8000")),
         help="default: $PORT or 8000",
     )
-    serve_parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    serve_parser.add_argument("--workers", type=int, default=1, help="worker processes")
     serve_parser.add_argument(
         "--models",
         default="",
         metavar="M,...",
-        help="models the workers serve (default: every registry model, loaded on first use)",
+        help="models the workers serve, loaded as they start (default: every registry "
+        "model; the default one is loaded at start, the others on first use)",
     )
-    serve_parser.add_argument("--max-batch", type=int, help="sequences per worker batch")
+    serve_parser.add_argument(
+        "--max-batch", type=int, help="sequences each worker steps together (default: 32)"
+    )
     serve_parser.set_defaults(handler=run_serve)
 
 

@@ -41,7 +41,7 @@ from rq.worker import WorkerStatus
 
 from workers import affinity, batches, keys, metrics, scripts
 from workers.admin import AdminDuties, describe_models
-from workers.config import WorkerConfig, serving
+from workers.config import WorkerConfig, preload_models, serving
 from workers.errors import JobFailure, PoolFull
 from workers.job_writes import JobWrites
 from workers.jobs import ActiveJob
@@ -66,6 +66,7 @@ BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
 PRUNE_SECONDS = 10
 SUSPENSION_CHECK_SECONDS = 1
 LOAD_CHECK_SECONDS = 0.005  # a job waiting for its model starts this soon after the load
+LOAD_PUBLISH_SECONDS = 0.05  # an idle worker publishes a finished load this soon
 
 
 def connect(url: str) -> redis.Redis:
@@ -130,6 +131,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self._suspended = False
         self._started = False
         self._throughput = metrics.Throughput()
+        self._inspections = {}  # model -> has it a chat template (`inspect_models`)
         self.steps = 0  # decode steps run (tests and logs read it)
 
     # ------------------------------------------------------------------ signals
@@ -205,6 +207,9 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self.connection.sadd(Queue.redis_queues_keys, *self.queue_keys())
         self.subscribe()
         self.set_state(WorkerStatus.IDLE)
+        # loads run in the pool's thread: the worker registers now and takes jobs meanwhile
+        self.pool.preload(preload_models(self.config, self.pool.sources))
+        self.inspect_models()
         self.presence.publish("idle", [], self.pool.snapshot())
         log.info(
             "worker %s (pid %d): serving %s on queues %s, max batch %d",
@@ -253,7 +258,10 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         if self.running.jobs:
             time.sleep(LOAD_CHECK_SECONDS)
             return
-        self._handle_commands(self.presence.commands(wait=self.config.poll_interval))
+        wait = self.config.poll_interval
+        if self.pool.loading:  # a preload's end is published (/ready) without delay
+            wait = min(wait, LOAD_PUBLISH_SECONDS)
+        self._handle_commands(self.presence.commands(wait=wait))
 
     def _chores(self) -> None:
         """Periodic work, each at its own pace."""
@@ -264,7 +272,12 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
             self.heartbeat_executions()
         pool = self.pool.snapshot()
-        if pool != self.presence.info.pool or self._due_now("presence", WORKER_HEARTBEAT_SECONDS):
+        learned = self._learn_models()
+        if (
+            learned
+            or pool != self.presence.info.pool
+            or self._due_now("presence", WORKER_HEARTBEAT_SECONDS)
+        ):
             self._publish()
         if self._due_now("reap", self.config.reap_interval):
             for job_id in self.reaper.run():
@@ -363,6 +376,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                 "worker %s: could not checkpoint (%s); the reaper will requeue", self.name, exc
             )
         self.pool.close()
+        self.close_inspections()
         try:
             self.presence.withdraw()
             self._release_own_queues()

@@ -38,7 +38,7 @@ from workers.wire.job import (
     JobRecord,
     response_id,
 )
-from workers.wire.worker_info import WorkerInfo
+from workers.wire.worker_info import READY, WorkerInfo
 
 LEASE_MS = 60_000
 
@@ -53,7 +53,9 @@ class FakeWorker:
         slow_delay: float = 0.05,
     ) -> None:
         self.conn = conn
-        self.info = WorkerInfo(name=name, pid=1234, host="test", models=list(models))
+        # its models loaded, as a real worker's are once its start-up loads end (/ready)
+        pool = {m: {"state": READY, "memory_mb": 1.0, "in_flight": 0} for m in models}
+        self.info = WorkerInfo(name=name, pid=1234, host="test", models=list(models), pool=pool)
         self.context_length = context_length
         self.slow_delay = slow_delay
         self.paused = threading.Event()  # set: registered and alive, but takes no jobs

@@ -31,6 +31,51 @@ def test_not_ready_without_a_live_worker(client, fake_redis, registered) -> None
     assert response.headers["Retry-After"]
 
 
+def test_ready_only_once_a_worker_has_a_model_loaded(client, fake_redis, registered) -> None:
+    """A worker still loading is alive but not ready: a first request would wait for the load."""
+    other = FakeWorker(fake_redis, name="fake-2", models=("tiny", "big"))
+    other.info.pool = {"tiny": {"state": "loading"}, "big": {"state": "loading"}}
+    registered.info.pool = {"tiny": {"state": "loading"}}
+    for worker in (registered, other):
+        worker.register()
+    response = client.get("/ready")
+    assert response.status_code == 503 and response.headers["Retry-After"]
+    error = response.get_json()["error"]
+    assert error["code"] == "model_loading" and "loading: big, tiny" in error["message"]
+    other.info.pool["big"] = {"state": "ready"}
+    other.register()
+    assert client.get("/ready").get_json() == {"status": "ready", "workers": 1, "models": ["big"]}
+
+
+def test_admin_jobs_lists_what_workers_run_without_prompts(client, fake_redis, registered) -> None:
+    job_id = client.post("/v1/completions", json=GOOD, headers=ASYNC).get_json()["id"]
+    assert client.get("/admin/jobs").get_json()["data"] == []  # queued: no worker runs it
+    registered.info.current_jobs = [job_id, "ended-and-expired"]
+    registered.register()
+    fake_redis.hset(keys.job(job_id), "completion_tokens", "7")
+    response = client.get("/admin/jobs")
+    [job] = response.get_json()["data"]
+    assert (job["id"], job["model"], job["worker"]) == (job_id, "tiny", "fake-1")
+    assert job["completion_tokens"] == 7 and job["created_at"] <= time.time()
+    assert GOOD["prompt"] not in response.get_data(as_text=True)
+
+
+def test_models_say_whether_they_take_chat(client, fake_redis) -> None:
+    fake_redis.hset(keys.MODELS, "tiny", json.dumps({"chat_template": False}))
+    [model] = client.get("/v1/models").get_json()["data"]
+    assert model["id"] == "tiny" and model["chat_template"] is False
+
+
+def test_dashboard_and_its_favicon(client) -> None:
+    page = client.get("/").get_data(as_text=True)
+    assert 'const DEFAULT_MODEL = "smollm2-135m-instruct"' in page
+    assert 'rel="icon"' in page
+    icon = client.get("/favicon.ico")
+    assert icon.status_code == 200 and icon.mimetype == "image/svg+xml"
+    assert icon.get_data().startswith(b"<svg")
+    icon.close()
+
+
 def test_admin_workers_models_queues(client) -> None:
     client.post("/v1/completions", json=GOOD, headers=ASYNC)
     workers = client.get("/admin/workers").get_json()["data"]

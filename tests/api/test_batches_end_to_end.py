@@ -353,3 +353,27 @@ def test_llmq_batch_submit_wait_writes_results(server, workers, tmp_path) -> Non
         [*cli, "status", "batch_nope"], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert missing.returncode == 1 and "404" in missing.stderr
+
+
+def test_llmq_batch_submit_wait_logs_progress_when_piped(server, workers, tmp_path) -> None:
+    """With stderr a pipe (a log, CI), `--wait` writes a progress line at least every
+    `--progress-interval` seconds while the batch runs, not only its first and last line."""
+    workers("batch-progress", step_delay_ms=250)  # 8 tokens: about 2-3 s for the batch
+    lines = [json.dumps(chat_line(i)) for i in range(4)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    interval = 0.4
+    argv = [sys.executable, "-m", "llmq", "batch", "submit", str(tmp_path / "in.jsonl")]
+    argv += ["--wait", "--poll", "5", "--progress-interval", str(interval)]
+    env = {**os.environ, "LLMQ_BASE_URL": server}
+    with subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stderr is not None
+        stamped = [(time.monotonic(), line) for line in proc.stderr]  # read as they come
+        assert proc.wait(30) == 0, "".join(line for _, line in stamped)
+    progress = [(at, line) for at, line in stamped if " requests (" in line]
+    assert len(progress) >= 4, progress
+    assert "4/4 requests" in progress[-1][1]
+    # --poll 5 would leave gaps of 5 s; the progress interval bounds them (plus a poll's time)
+    gaps = [b[0] - a[0] for a, b in zip(progress, progress[1:], strict=False)]
+    assert max(gaps) < interval + 0.5, gaps

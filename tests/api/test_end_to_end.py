@@ -17,6 +17,7 @@ import pytest
 from tests.api.sse import parse
 from tests.tiny_models import write_tiny_llama
 from workers import keys
+from workers.wire.worker_info import READY, WorkerInfo
 
 pytestmark = pytest.mark.integration
 
@@ -45,13 +46,19 @@ def real_worker(redis_url: str, real_redis, tiny_model: Path) -> Iterator[object
     thread = threading.Thread(target=worker.work, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
-    while not real_redis.hexists(keys.MODELS, MODEL):
-        assert time.monotonic() < deadline, "the worker did not register"
+    while not _published_ready(real_redis, worker.name):  # its start-up load has ended
+        assert time.monotonic() < deadline, "the worker did not register its model ready"
         time.sleep(0.02)
     yield worker
     worker.request_stop(signal.SIGTERM, None)
     worker.request_stop(signal.SIGTERM, None)
     thread.join(15)
+
+
+def _published_ready(conn, name: str) -> bool:
+    raw = conn.hgetall(keys.worker(name))
+    pool = WorkerInfo.from_hash(raw).pool if raw else {}
+    return pool.get(MODEL, {}).get("state") == READY and bool(conn.hexists(keys.MODELS, MODEL))
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from runtime.chat_template import ChatTemplate
+from runtime.chat_template import ChatTemplate, has_chat_template
 from runtime.errors import (
     ChatTemplateError,
     ChatTemplateMissingError,
@@ -70,6 +70,20 @@ def test_gemma3_has_no_template_and_says_so(gemma3_metadata, gemma3_tokenizer):
     assert not template.available
     with pytest.raises(ChatTemplateMissingError, match="gemma-3-270m has no chat template"):
         template.render(CHAT, add_generation_prompt=True)
+
+
+@pytest.mark.slow
+def test_has_chat_template_reads_the_gguf_header_or_the_registry(
+    smollm2_gguf_path, gemma3_gguf_path, tmp_path, monkeypatch
+):
+    assert has_chat_template(str(smollm2_gguf_path))
+    assert not has_chat_template(str(gemma3_gguf_path))
+    registry = tmp_path / "models.toml"  # a registry entry's template stands in for the GGUF's
+    registry.write_text(
+        f'[models.gemma-chat]\npath = "{gemma3_gguf_path}"\nchat_template = "{{{{ messages }}}}"\n'
+    )
+    monkeypatch.setenv("LLMQ_MODELS", str(registry))
+    assert has_chat_template("gemma-chat")
 
 
 # ------------------------------------------------------------------ rendering rules

@@ -4,6 +4,7 @@ with work in flight, and turns load failures into job errors instead of crashes.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -51,7 +52,9 @@ def test_loads_in_the_background_then_serves_the_same_engine():
         "in_flight": 0,
         "error": None,
         "load_seconds": entry.describe()["load_seconds"],
+        "loaded_at": entry.loaded_at,
     }
+    assert time.time() - 5 < entry.loaded_at <= time.time()
 
 
 def test_evicts_the_least_recently_used_idle_model_at_capacity():
@@ -61,6 +64,28 @@ def test_evicts_the_least_recently_used_idle_model_at_capacity():
     pool.request("a")  # a is now more recent than b
     ready(pool, "c")
     assert pool.get("b") is None and pool.get("a") is not None and pool.get("c") is not None
+
+
+def test_preload_fills_free_slots_in_order_and_evicts_nothing():
+    pool = make_pool(capacity=2)
+    ready(pool, "a")  # asked for by a job or an admin before the preload
+    assert pool.preload(["b", "c", "a"]) == ["b"]
+    assert pool.loading
+    pool.wait_loaded(5)
+    assert not pool.loading
+    assert pool.get("a").state == READY and pool.get("b").state == READY
+    assert pool.get("c") is None
+
+
+def test_a_preload_beyond_the_memory_budget_is_dropped_not_failed():
+    pool = make_pool(capacity=4, memory_mb=250, a=100, b=100, c=120)
+    ready(pool, "a")
+    assert pool.preload(["b", "c"]) == ["b", "c"]
+    pool.wait_loaded(5)
+    pool.wait_loaded(5)  # c loads after b (one loader thread)
+    assert pool.get("a").state == READY and pool.get("b").state == READY
+    assert pool.get("c") is None  # not FAILED: its first job loads it (evicting as usual)
+    assert ready(pool, "c").state == READY and pool.get("a") is None
 
 
 def test_never_evicts_a_model_with_work_in_flight():

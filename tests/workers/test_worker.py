@@ -279,6 +279,35 @@ def test_worker_publishes_itself_and_obeys_admin_load_and_unload(conn, start_wor
     wait_for(lambda: TINY not in pool_state(), what="model unloaded")
 
 
+def test_a_worker_loads_its_model_as_it_starts_not_on_the_first_job(conn, start_worker):
+    """The first job finds the model loaded (it was loaded before the job was queued), and
+    `keys.MODELS` says whether chat requests can be rendered, which the dashboard reads."""
+    worker = start_worker()
+
+    def pool() -> dict:
+        raw = conn.hgetall(keys.worker(worker.name))
+        return WorkerInfo.from_hash(raw).pool if raw else {}
+
+    ready = wait_for(lambda: pool().get(TINY, {}).get("state") == "ready" and pool()[TINY])
+    assert json.loads(conn.hget(keys.MODELS, TINY))["chat_template"] is True
+    queued_at = time.time()
+    assert ready["loaded_at"] < queued_at
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "hello", "max_tokens": 2})
+    assert wait_done(conn, job_id).status == FINISHED
+    assert pool()[TINY]["loaded_at"] == ready["loaded_at"]  # the same load served it
+
+
+def test_without_models_named_a_worker_preloads_only_the_default_one():
+    from runtime.registry import DEFAULT_MODEL
+    from workers.config import WorkerConfig, preload_models, serving
+
+    everything = WorkerConfig()
+    assert preload_models(everything, serving(everything)[0]) == [DEFAULT_MODEL]
+    named = WorkerConfig(models=["gemma-3-270m", DEFAULT_MODEL])
+    assert preload_models(named, serving(named)[0]) == ["gemma-3-270m", DEFAULT_MODEL]
+    assert preload_models(WorkerConfig(models=["gemma-3-270m"], preload=False), {}) == []
+
+
 def test_a_worker_that_lost_the_lease_stops_writing(conn, start_worker):
     job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "fence", "max_tokens": 200})
     worker = start_worker(step_delay=0.02)

@@ -1,8 +1,9 @@
 """A worker as it publishes itself in `keys.worker(name)` (and its name in `keys.WORKERS`).
 
 `keys.MODELS` values, written alongside on every heartbeat: JSON `{"id", "source",
-"owned_by": "llmq"}`, plus `"context_length"` once a worker has loaded the model (the
-registry's models plus any .gguf path a worker serves, under the file's stem).
+"owned_by": "llmq"}`, plus `"chat_template"` (bool: whether chat requests can be rendered)
+once a worker has read the model's GGUF header, and `"context_length"` once it has loaded
+the model (the registry's models plus any .gguf path a worker serves, under the file's stem).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 from workers.wire.defaults import WORKER_TTL_SECONDS
 from workers.wire.text import text_hash
+
+LOADING, READY, FAILED = "loading", "ready", "failed"  # states of a `WorkerInfo.pool` entry
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""The dashboard in a real browser: headless Chromium (Debian's `chromium` and
+`chromium-driver`, which `make test` installs) driven by selenium, against the API on a real
+HTTP server and a real `llmq worker` process serving SmolLM2 (the default model) beside
+Gemma 3 (which has no chat template), as a user's first visit goes."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.workers.conftest import WorkerProcess, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+DEFAULT, NO_TEMPLATE = "smollm2-135m-instruct", "gemma-3-270m"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    for path in (CHROMIUM, CHROMEDRIVER):  # CI installs them (make test): never skip
+        assert shutil.which(path), f"{path} is missing: apt-get install chromium chromium-driver"
+    options = Options()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1280,1700")
+    # the driver is named, so selenium never looks for (or downloads) one of its own
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def smollm2_worker(redis_url: str, real_redis: redis.Redis, monkeypatch) -> Iterator[str]:
+    """A worker serving both built-in models with room for one: SmolLM2 (first) is loaded as
+    it starts; Gemma is only read for its chat template."""
+    monkeypatch.setenv("LLMQ_POOL_CAPACITY", "1")
+    # slow steps (~10 tokens: 4 s), so the answer is still streaming when the page refreshes
+    worker = WorkerProcess(
+        "dash-w1", [DEFAULT, NO_TEMPLATE], redis_url=redis_url, step_delay_ms=400
+    )
+    worker.wait_registered(real_redis)
+    yield worker.name
+    worker.stop()
+
+
+def test_dashboard_shows_the_system_and_streams_a_chat(
+    browser, server: str, smollm2_worker: str, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    wait_for(lambda: httpx.get(f"{server}/ready").status_code == 200, 120, "SmolLM2 loaded")
+    browser.get(server + "/")
+    page = WebDriverWait(browser, 20, poll_frequency=0.1)
+    text = lambda element_id: browser.find_element(By.ID, element_id).text  # noqa: E731
+
+    page.until(lambda _: smollm2_worker in text("workers"))
+    page.until(lambda _: f"{DEFAULT} yes {smollm2_worker} ready" in text("models"))
+    assert f"{NO_TEMPLATE} no template - not loaded" in text("models")
+
+    model = Select(browser.find_element(By.ID, "model"))
+    chat = browser.find_element(By.ID, "chat")
+    assert model.first_selected_option.text == DEFAULT  # not the list's first (gemma)
+    page.until(lambda _: chat.is_enabled() and chat.is_selected())
+    model.select_by_value(NO_TEMPLATE)
+    assert not chat.is_enabled() and not chat.is_selected()
+    assert "no chat template" in text("chatnote")
+    model.select_by_value(DEFAULT)
+    assert chat.is_enabled() and chat.is_selected()
+
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys("What is the capital of France?")
+    for field, value in (("temp", "0"), ("maxtok", "48")):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    browser.find_element(By.ID, "go").click()
+    out = browser.find_element(By.ID, "out")
+    page.until(lambda _: out.text.strip())  # streamed: text shows before the answer ends
+    assert not browser.find_element(By.ID, "go").is_enabled()
+    page.until(lambda _: DEFAULT in text("jobs") and smollm2_worker in text("jobs"))
+    page.until(lambda _: browser.find_element(By.ID, "go").is_enabled())  # the stream ended
+    assert "Paris" in out.text and out.get_attribute("class") != "err", out.text
+    browser.save_screenshot(str(tmp_path / "dashboard.png"))
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+    icon = browser.find_element(By.CSS_SELECTOR, "link[rel=icon]").get_attribute("href")
+    for url in (icon, f"{server}/favicon.ico"):
+        response = httpx.get(url)
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("image/svg+xml")

@@ -1,0 +1,224 @@
+"""`llmq serve` as a user runs it: a real API, worker and broker as child processes.
+
+A test tells that none of them outlived it two ways: each run carries a marker in its
+environment, which every process it starts inherits, and its process tree is recorded while
+it runs (redis-server rewrites its environment to set its process title; the children run
+in sessions of their own, so once serve is gone they are no longer its descendants).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.workers.conftest import REPO, wait_for
+
+pytestmark = pytest.mark.integration
+
+MARKER = "LLMQ_TEST_SERVE_RUN"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def alive(proc: psutil.Process) -> bool:
+    """Running, and still the process seen before (psutil checks the pid's start time)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Serve:
+    """`python -m llmq serve ARGS` with its output read as it comes, line by line."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.run = uuid.uuid4().hex
+        env = {**(env or os.environ), MARKER: self.run, "PYTHONUNBUFFERED": "1"}
+        env.pop("REDIS_URL", None)  # a broker of its own, as on a fresh machine
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "llmq", "serve", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(pipe, lines), daemon=True)
+            for pipe, lines in (
+                (self.process.stdout, self.stdout),
+                (self.process.stderr, self.stderr),
+            )
+        ]
+        for reader in self._readers:
+            reader.start()
+        self.tree: dict[int, psutil.Process] = {}
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """Record every process below serve while it runs."""
+        try:
+            root = psutil.Process(self.process.pid)
+            while self.process.poll() is None:
+                for child in root.children(recursive=True):
+                    self.tree.setdefault(child.pid, child)
+                time.sleep(0.05)
+        except psutil.NoSuchProcess:
+            pass
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes this run started that are still alive."""
+        found = {p.pid: p for p in self.tree.values() if alive(p)}
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(MARKER) == self.run and alive(proc):
+                    found[proc.pid] = proc
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return list(found.values())
+
+    @staticmethod
+    def _read(pipe, lines: list[str]) -> None:
+        with pipe:
+            lines.extend(line.rstrip("\n") for line in pipe)
+
+    def wait(self, timeout: float) -> int:
+        code = self.process.wait(timeout)
+        for reader in self._readers:
+            reader.join(5)
+        return code
+
+    def output(self) -> str:
+        return "\n".join(self.stdout + self.stderr)
+
+    def stop(self) -> None:
+        """After a failed test: Ctrl-C first (serve stops its children), then kill -9."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        for proc in self.leftovers():
+            proc.kill()
+
+
+@pytest.fixture
+def serve() -> Iterator[type[Serve]]:
+    runs: list[Serve] = []
+
+    def start(*args: str, **kw) -> Serve:
+        runs.append(Serve(*args, **kw))
+        return runs[-1]
+
+    yield start  # type: ignore[misc]
+    for run in runs:
+        run.stop()
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(serve) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        run = serve("--port", str(port))
+        assert run.wait(20) != 0
+        assert time.monotonic() - started < 10
+    assert "address already in use" in run.output()
+    assert "serving" not in run.output()
+    assert run.leftovers() == []
+
+
+def test_a_child_that_fails_at_once_again_and_again_stops_everything(serve) -> None:
+    """A worker that cannot start (here: an unknown model) is not restarted for ever while
+    the API and the broker run on: serve gives up with the worker's own error."""
+    run = serve("--port", str(free_port()), "--models", "no-such-model")
+    assert run.wait(90) == 1, run.output()
+    err = "\n".join(run.stderr)
+    assert "worker-0 exited with 1" in err and "giving up" in err
+    assert "unknown model 'no-such-model'" in err.split("giving up", 1)[1]  # its last lines
+    assert "serving" not in run.output()
+    assert len(run.tree) >= 2  # it did start processes (API, workers, maybe a broker) ...
+    assert run.leftovers() == []  # ... and stopped every one
+
+
+def test_serve_says_serving_once_the_default_model_is_loaded(serve, tmp_path: Path) -> None:
+    """The first ten minutes: `llmq serve` prints "serving" only when /ready holds, with
+    the model that is ready; /ready said not ready while the model loaded; the first request
+    finds it loaded; the hint it prints puts `llmq` on PATH; Ctrl-C leaves nothing behind."""
+    port = free_port()
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != bin_dir)
+    run = serve("--port", str(port), env={**os.environ, "PATH": path, "VIRTUAL_ENV": ""})
+    base = f"http://127.0.0.1:{port}"
+    seen: list[tuple[int, str]] = []  # /ready's answers until "serving" was printed
+
+    def serving() -> bool:
+        assert run.process.poll() is None, run.output()
+        if any("llmq is serving" in line for line in run.stdout):
+            return True
+        try:
+            response = httpx.get(f"{base}/ready", timeout=2)
+        except httpx.TransportError:
+            return False
+        code = (
+            response.json().get("error", {}).get("code", "") if response.status_code != 200 else ""
+        )
+        seen.append((response.status_code, code))
+        return False
+
+    wait_for(serving, timeout=180, what="llmq serve to say it is serving")
+    line = next(line for line in run.stdout if "llmq is serving" in line)
+    assert f"http://127.0.0.1:{port}" in line and "ready: smollm2-135m-instruct" in line
+    assert httpx.get(f"{base}/ready").json()["models"] == ["smollm2-135m-instruct"]
+    assert (503, "model_loading") in seen, seen  # the worker was up, its model not yet
+    assert seen.index((503, "model_loading")) < min(
+        (i for i, (status, _) in enumerate(seen) if status == 200), default=len(seen)
+    )
+
+    hint = next(line for line in run.stdout if "source " in line)
+    activate = hint.split("source ", 1)[1].strip()
+    found = subprocess.run(
+        ["bash", "-c", f"source {activate} && command -v llmq"],
+        cwd=REPO,
+        env={**os.environ, "PATH": path},
+        capture_output=True,
+        text=True,
+    )
+    assert found.returncode == 0 and found.stdout.strip().endswith("bin/llmq"), found
+
+    asked = time.time()
+    body = {"model": "smollm2-135m-instruct", "prompt": "The capital of France is"}
+    reply = httpx.post(
+        f"{base}/v1/completions", json={**body, "max_tokens": 4, "temperature": 0}, timeout=60
+    )
+    assert reply.status_code == 200, reply.text
+    assert "Paris" in reply.json()["choices"][0]["text"]
+    pools = {m["id"]: m["pools"] for m in httpx.get(f"{base}/admin/models").json()["data"]}
+    (entry,) = pools["smollm2-135m-instruct"].values()
+    assert entry["state"] == "ready" and entry["loaded_at"] < asked  # loaded before it asked
+    assert "\n".join(run.stderr).count("loading model smollm2-135m-instruct") == 1
+
+    run.process.send_signal(signal.SIGINT)
+    assert run.wait(60) == 0, run.output()
+    assert run.leftovers() == []
