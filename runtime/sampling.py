@@ -539,8 +539,9 @@ class Sampler:
 
 
 def _top_logprobs(row: np.ndarray, normalizer: float, n: int) -> list[tuple[int, float]]:
-    """The n most likely tokens of a raw logits row, most likely first (ties: lower id)."""
+    """The n most likely tokens of a logits row, most likely first (ties: lower id); tokens
+    a grammar forbids (-inf) are never among them."""
     n = min(n, row.size)
     candidates = np.argpartition(-row, n - 1)[:n]  # [n], unordered
     ordered = sorted(candidates.tolist(), key=lambda t: (-float(row[t]), t))
-    return [(t, float(row[t]) - float(normalizer)) for t in ordered]
+    return [(t, float(row[t]) - float(normalizer)) for t in ordered if np.isfinite(row[t])]
