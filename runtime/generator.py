@@ -139,6 +139,11 @@ class Generator:
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise the error a request would get, without adding it."""
+        self._check_sizes(prompt_ids, params)
+        if params.constraint is not None:
+            validate_constraint(params.constraint, self.grammar_vocab)
+
+    def _check_sizes(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise EmptyPromptError("the prompt is empty: it must contain at least one token")
         total = len(prompt_ids) + params.max_tokens
@@ -154,8 +159,6 @@ class Generator:
                 f"({self.pool.n_blocks * self.pool.block_size} tokens); raise its KV budget"
             )
         params.check_vocab(self.model.vocab_size)
-        if params.constraint is not None:
-            validate_constraint(params.constraint, self.grammar_vocab)
 
     def add(
         self,
@@ -172,7 +175,7 @@ class Generator:
         matcher is fed them."""
         if any(s.request_id == request_id for s in self._running + self._waiting):
             raise ValueError(f"request {request_id!r} is already running")
-        self.check_request(prompt_ids, params)
+        self._check_sizes(prompt_ids, params)  # the matcher below checks the constraint
         if not 0 <= resume < len(prompt_ids):
             raise ValueError(f"resume must be in [0, {len(prompt_ids)}), got {resume}")
         prompt = [int(t) for t in prompt_ids]
