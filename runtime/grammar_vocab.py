@@ -11,6 +11,7 @@ never allowed.
 
 from __future__ import annotations
 
+import os
 import threading
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -98,5 +99,9 @@ class GrammarVocab:
 
     @cached_property
     def executor(self) -> llguidance.LLExecutor:
-        """Computes the masks of a batch's constrained rows in parallel (Rust threads)."""
-        return llguidance.LLExecutor()
+        """Computes the masks of a batch's constrained rows in parallel (Rust threads).
+
+        One thread per core this process may use: masks are computed between forward
+        passes, when the kernels' threads are idle (llguidance's default, 80% of the
+        cores, leaves one of two idle: Gemma's 32 masks took 8.5 ms instead of 6.2)."""
+        return llguidance.LLExecutor(min(len(os.sched_getaffinity(0)), 32))
