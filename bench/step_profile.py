@@ -2,6 +2,7 @@
 
     python bench/step_profile.py [--model smollm2-135m-instruct] [--backend torch]
                                  [--sequences 1,4,32] [--prompt-tokens 32] [--steps 20]
+                                 [--json-schema]
 
 For each N: N sequences with their own random prompts are prefilled, then `--steps` decode
 steps are timed, first plainly (the step time), then with the weight products and the
@@ -11,6 +12,12 @@ the backend's weight objects are wrapped, so a product is timed with its convers
 out of the kernel's types, wherever the model calls it), attention (K/V store and the
 attention itself), norms, rope, activations, sampling, and the rest (residual adds,
 embedding, scheduling).
+
+`--json-schema`: every sequence is constrained by a JSON schema (an array of at least 100
+small objects, so none can finish during the profile); the table gains the grammar row
+(llguidance's token masks of the batch in one parallel call, applying them, and the
+matchers following the sampled tokens), and the last lines compare the tokens/s of N
+constrained sequences with N unconstrained ones, two generators stepped in turn.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 
 from runtime import models  # noqa: E402
+from runtime.constraints import Constraint  # noqa: E402
 from runtime.engine import Engine, EngineConfig  # noqa: E402
 from runtime.kernels import BACKENDS  # noqa: E402
 from runtime.models import attention, base  # noqa: E402
@@ -80,9 +88,31 @@ def timed_weights(model: Any, totals: dict[str, float]) -> list[tuple[Any, str, 
     return saved
 
 
-def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str, float]:
+LONG_JSON = Constraint(
+    "json_schema",
+    {
+        "type": "array",
+        "minItems": 100,
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 20},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            },
+            "required": ["name", "age"],
+        },
+    },
+)
+
+
+def profile(
+    engine: Engine, n: int, prompt_tokens: int, steps: int, constraint: Constraint | None = None
+) -> dict[str, float]:
     rng = np.random.default_rng(n)
-    params = SamplingParams(max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True, constraint=constraint
+    )
     generator = engine.new_generator()
     for i in range(n):
         prompt = [int(t) for t in rng.integers(100, engine.model.vocab_size - 100, prompt_tokens)]
@@ -114,10 +144,12 @@ def profile(engine: Engine, n: int, prompt_tokens: int, steps: int) -> dict[str,
                 setattr(arch, name, wrapper)
     weights = timed_weights(engine.model, totals)
     try:
+        grammar_before = generator.grammar_seconds
         t = time.perf_counter()
         for _ in range(steps):
             generator.step()
         wrapped = time.perf_counter() - t
+        totals["grammar (masks + matchers)"] = generator.grammar_seconds - grammar_before
     finally:
         for owner, name, weight in weights:
             setattr(owner, name, weight)
@@ -139,10 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sequences", default="1,4,32")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json-schema", action="store_true", help="constrain every sequence")
     args = p.parse_args(argv)
     engine = Engine.load(args.model, EngineConfig(backend=args.backend))
     ns = [int(n) for n in args.sequences.split(",")]
-    results = {n: profile(engine, n, args.prompt_tokens, args.steps) for n in ns}
+    constraint = LONG_JSON if args.json_schema else None
+    results = {n: profile(engine, n, args.prompt_tokens, args.steps, constraint) for n in ns}
     rows = list(next(iter(results.values())))
     kernels = "; ".join(f"{k}: {v}" for k, v in engine.backend.describe().items())
     print(f"ms per decode step, {args.model}, {args.prompt_tokens}-token prompts")
@@ -151,7 +185,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(" " * width + "".join(f"{f'N={n}':>10s}" for n in ns))
     for row in rows:
         print(f"{row:{width}s}" + "".join(f"{results[n][row] * 1000:10.2f}" for n in ns))
+    if constraint is not None:
+        print("tokens/s under the JSON schema / unconstrained (steps alternating between them):")
+        for n in ns:
+            plain, constrained = _alternating_steps(engine, n, args.prompt_tokens, args.steps)
+            ms = f"{plain * 1e3:.2f} / {constrained * 1e3:.2f} ms per step"
+            print(f"  N={n}: {plain / constrained:.3f}x ({ms})")
     return 0
+
+
+def _alternating_steps(
+    engine: Engine, n: int, prompt_tokens: int, steps: int
+) -> tuple[float, float]:
+    """Median decode step (s) of N plain and N JSON-constrained sequences, two generators
+    stepped in turn so that a noisy spell of the machine hits both."""
+    generators = []
+    for constraint in (None, LONG_JSON):
+        rng = np.random.default_rng(n)
+        params = SamplingParams(
+            max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True, constraint=constraint
+        )
+        generator = engine.new_generator()
+        for i in range(n):
+            prompt = [
+                int(t) for t in rng.integers(100, engine.model.vocab_size - 100, prompt_tokens)
+            ]
+            generator.add(f"seq-{i}", prompt, params, cache_prompt=False)
+        started: set[str] = set()
+        while len(started) < n:
+            started.update(e.request_id for e in generator.step())
+        generators.append(generator)
+    times: list[list[float]] = [[], []]
+    for step in range(2 * steps):
+        for k in (0, 1) if step % 2 else (1, 0):
+            t = time.perf_counter()
+            generators[k].step()
+            times[k].append(time.perf_counter() - t)
+    return float(np.median(times[0])), float(np.median(times[1]))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from runtime.chat_template import ChatTemplate
 from runtime.errors import EmptyPromptError
 from runtime.generator import Generator, GeneratorConfig, TokenEvent
 from runtime.gguf_file import GGUFFile
+from runtime.grammar_vocab import GrammarVocab
 from runtime.kernels import get_backend
 from runtime.kv_pool import BlockPool
 from runtime.models import load_model
@@ -58,6 +59,8 @@ class Engine:
         self.backend = get_backend(self.config.backend or spec.backend)
         self.model = load_model(gguf_file, self.backend)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
+        # llguidance's view of the vocabulary, built on the first constrained request
+        self.grammar_vocab = GrammarVocab(self.tokenizer, self.model.vocab_size)
         self.kv_pool = BlockPool.for_budget(
             *self.model.kv_shape, self.config.kv_memory_mb * 2**20, windows=self.model.kv_windows
         )
@@ -103,6 +106,7 @@ class Engine:
                 max_batch_tokens=self.config.max_batch_tokens,
                 max_prefill_tokens=self.config.prefill_chunk,
             ),
+            grammar_vocab=self.grammar_vocab,
         )
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[TokenEvent]:

@@ -14,23 +14,41 @@ through each sequence's `TextAssembler` (UTF-8-safe detokenizing and stop string
 text path: callers publish the text they are given. A request that resumes an earlier run
 (`add(..., resume=k)`: its last k prompt tokens were generated and sent before) has those
 tokens replayed through its assembler, so its text continues exactly where the run stopped.
+
+A request with a `constraint` (structured output) gets a grammar matcher at `add` (a resumed
+one replays its sent tokens into it). Each step computes the masks of the constrained rows
+in one parallel call and sets their forbidden logits to -inf before sampling; rows without
+a constraint pay nothing. The matcher follows each sampled token once (a preempted sequence
+is recomputed, not re-sampled, so it is never fed twice) and ends the sequence with "stop"
+when the grammar is complete. `grammar_seconds` totals the time spent on grammars.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from runtime.constraints import GrammarMatcher, apply_grammar_masks, validate_constraint
 from runtime.detokenizer import TextAssembler
 from runtime.errors import ContextLengthError, EmptyPromptError
+from runtime.grammar_vocab import GrammarVocab
 from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.prefix_cache import PrefixCache
-from runtime.sampling import Sampler, SampleResult, SamplingParams, SequenceSamplingState
+from runtime.sampling import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Sampler,
+    SampleResult,
+    SamplingParams,
+    SequenceSamplingState,
+)
 from runtime.tokenizer import Tokenizer
 
 INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 1
@@ -65,6 +83,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (first event only)
+    error: str | None = None  # why the engine ended it, with finish_reason "error"
 
 
 @dataclass(eq=False)  # identity: sequences are found in the waiting/running lists
@@ -81,6 +100,7 @@ class _Sequence:
     next_token: int | None = None  # sampled, not yet fed to the model
     cached_tokens: int | None = None  # set at first admission
     original_length: int = 0  # prompt tokens the user sent
+    grammar: GrammarMatcher | None = None  # the constraint's matcher, if any
 
     @property
     def prefilling(self) -> bool:
@@ -99,6 +119,7 @@ class Generator:
         prefix_cache: PrefixCache | None = None,
         max_context: int | None = None,
         config: GeneratorConfig | None = None,
+        grammar_vocab: GrammarVocab | None = None,
     ) -> None:
         self.model, self.tokenizer, self.sampler = model, tokenizer, sampler
         self.pool, self.prefix_cache = pool, prefix_cache
@@ -108,12 +129,21 @@ class Generator:
         self._running: list[_Sequence] = []
         self._arrivals = itertools.count()
         self.preemptions = 0
+        # built on the first constrained request; an engine shares one between generators
+        self.grammar_vocab = grammar_vocab or GrammarVocab(tokenizer, model.vocab_size)
+        self.grammar_seconds = 0.0  # masks + matcher updates, all steps
+        self.grammar_rows = 0  # constrained rows masked, all steps
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise the error a request would get, without adding it."""
+        self._check_sizes(prompt_ids, params)
+        if params.constraint is not None:
+            validate_constraint(params.constraint, self.grammar_vocab)
+
+    def _check_sizes(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise EmptyPromptError("the prompt is empty: it must contain at least one token")
         total = len(prompt_ids) + params.max_tokens
@@ -141,15 +171,20 @@ class Generator:
     ) -> None:
         """Queue a request. `resume`: how many of the last prompt tokens an earlier run of
         it generated and sent; their text is not emitted again, and what they held back
-        (part of a UTF-8 character, the start of a stop string) carries on."""
+        (part of a UTF-8 character, the start of a stop string) carries on; a constraint's
+        matcher is fed them."""
         if any(s.request_id == request_id for s in self._running + self._waiting):
             raise ValueError(f"request {request_id!r} is already running")
-        self.check_request(prompt_ids, params)
+        self._check_sizes(prompt_ids, params)  # the matcher below checks the constraint
         if not 0 <= resume < len(prompt_ids):
             raise ValueError(f"resume must be in [0, {len(prompt_ids)}), got {resume}")
         prompt = [int(t) for t in prompt_ids]
         text = TextAssembler(self.tokenizer, params.stop)
-        text.replay(prompt[len(prompt) - resume :])
+        sent = prompt[len(prompt) - resume :]
+        text.replay(sent)
+        grammar = None
+        if params.constraint is not None:
+            grammar = GrammarMatcher(self.grammar_vocab, params.constraint, replay=sent)
         seq = _Sequence(
             request_id=request_id,
             prompt_ids=prompt,
@@ -159,6 +194,7 @@ class Generator:
             text=text,
             cache_prompt=cache_prompt and self.prefix_cache is not None,
             original_length=len(prompt),
+            grammar=grammar,
         )
         self._waiting.append(seq)
         self._waiting.sort(key=lambda s: (s.priority, s.arrival))
@@ -183,6 +219,13 @@ class Generator:
         if not wanted:
             return []
         logits = self.model.logits(hidden[[row for row, _ in wanted]])  # [B, V]
+        constrained = [j for j, (_, seq) in enumerate(wanted) if seq.grammar is not None]
+        if constrained:
+            started = time.perf_counter()
+            matchers = [wanted[j][1].grammar for j in constrained]
+            apply_grammar_masks(self.grammar_vocab, logits, constrained, matchers)
+            self.grammar_seconds += time.perf_counter() - started
+            self.grammar_rows += len(constrained)
         samples = self.sampler.sample(logits, [seq.sampling for _, seq in wanted])
         return [self._emit(seq, sample) for (_, seq), sample in zip(wanted, samples, strict=True)]
 
@@ -285,7 +328,11 @@ class Generator:
 
     def _emit(self, seq: _Sequence, sample: SampleResult) -> TokenEvent:
         index = len(seq.sampling.output_token_ids)
-        text, finish = seq.text.push(sample.token_id, seq.sampling.append(sample.token_id))
+        finish = seq.sampling.append(sample.token_id)
+        if seq.grammar is not None and finish != FINISH_STOP:
+            text, finish = self._follow_grammar(seq, sample.token_id, finish)
+        else:
+            text, finish = seq.text.push(sample.token_id, finish)
         if finish is None:
             seq.next_token = sample.token_id
         else:
@@ -299,7 +346,23 @@ class Generator:
             sample.top_logprobs,
             finish,
             seq.cached_tokens if index == 0 else 0,
+            seq.grammar.error if finish == FINISH_ERROR else None,
         )
+
+    def _follow_grammar(
+        self, seq: _Sequence, token_id: int, finish: str | None
+    ) -> tuple[str, str | None]:
+        """Feed the sampled token to the sequence's matcher; its text and finish reason."""
+        started = time.perf_counter()
+        seq.grammar.consume(token_id)
+        done, error = seq.grammar.done, seq.grammar.error
+        self.grammar_seconds += time.perf_counter() - started
+        if error is not None:
+            return "", FINISH_ERROR
+        if done:  # its text is released in full, as for the last allowed token
+            text, _ = seq.text.push(token_id, FINISH_LENGTH)
+            return text, FINISH_STOP
+        return seq.text.push(token_id, finish)
 
     def _finish(self, seq: _Sequence) -> None:
         self._remember(seq, self._fed(seq))

@@ -18,3 +18,5 @@ MAX_CHOICES = 64
 """Choices (prompts x n) in one request; each is a sequence in the batch."""
 DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions."""
+MAX_CONSTRAINT_CHARS = 100_000
+"""Longest JSON schema (as JSON text), regex or grammar; llguidance compiles it per request."""

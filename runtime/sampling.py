@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.constraints import Constraint
 from runtime.errors import InvalidSamplingParams
 from runtime.limits import (
     MAX_LOGIT_BIAS,
@@ -32,6 +33,8 @@ GREEDY_TEMPERATURE = 1e-5
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+FINISH_ERROR = "error"
+"""The engine ended the sequence on a fault of its own (`TokenEvent.error` says which)."""
 
 
 # ---------------------------------------------------------------- parameters
@@ -89,7 +92,11 @@ class SamplingParams:
     - `stop`: a string or list of at most `MAX_STOP_STRINGS` non-empty strings of at most
       `MAX_STOP_STRING_CHARS` characters; normalised to a deduplicated list.
     - `logprobs`: None for none; 0..20 returns the chosen token's logprob plus that many top
-      alternatives, all computed from the raw model logits.
+      alternatives, all computed from the raw model logits (under a `constraint`, from the
+      logits its grammar allows).
+    - `constraint`: a `runtime.constraints.Constraint` (JSON object, JSON schema, regex,
+      grammar) the output must match; the sequence ends with "stop" when it is complete.
+      With `ignore_eos` the grammar decides when EOS may come.
     """
 
     max_tokens: int = 16
@@ -106,6 +113,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _as_int("max_tokens", self.max_tokens)
@@ -162,6 +170,11 @@ class SamplingParams:
                     f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.",
                     param="logprobs",
                 )
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidSamplingParams(
+                f"constraint must be a runtime.constraints.Constraint, got {self.constraint!r}.",
+                param="response_format",
+            )
 
     @staticmethod
     def _normalise_logit_bias(bias: Any) -> dict[int, float]:
@@ -526,8 +539,9 @@ class Sampler:
 
 
 def _top_logprobs(row: np.ndarray, normalizer: float, n: int) -> list[tuple[int, float]]:
-    """The n most likely tokens of a raw logits row, most likely first (ties: lower id)."""
+    """The n most likely tokens of a logits row, most likely first (ties: lower id); tokens
+    a grammar forbids (-inf) are never among them."""
     n = min(n, row.size)
     candidates = np.argpartition(-row, n - 1)[:n]  # [n], unordered
     ordered = sorted(candidates.tolist(), key=lambda t: (-float(row[t]), t))
-    return [(t, float(row[t]) - float(normalizer)) for t in ordered]
+    return [(t, float(row[t]) - float(normalizer)) for t in ordered if np.isfinite(row[t])]
