@@ -18,6 +18,7 @@ from flask import Flask, Response, g, request
 from api import admin, batches, files, jobs, metrics, openai_api, ops, ui
 from api.config import from_env, make_redis, redis_conn
 from api.errors import register_error_handlers
+from api.model_texts import ModelTexts
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     app.json.sort_keys = False  # keep OpenAI's field order in bodies
     client = app.config.get("REDIS_CLIENT") or make_redis(app.config["REDIS_URL"])
     app.extensions["redis"] = client
+    app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template
 
     register_error_handlers(app)
     for blueprint in (openai_api.bp, jobs.bp, files.bp, batches.bp, ops.bp, admin.bp, ui.bp):

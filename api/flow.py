@@ -21,7 +21,9 @@ from api.chunks import ChunkStream
 from api.config import redis_conn
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
+from api.model_texts import ModelTexts
 from api.schemas import spec_record
+from runtime.errors import LLMQRuntimeError
 from workers.wire.events import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN
 from workers.wire.job import JobRecord
 
@@ -63,7 +65,10 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
 
 
 def check_context(req: Any, info: dict[str, Any]) -> None:
-    """max_tokens against the model's context; the worker checks prompt + max_tokens."""
+    """What the model can tell of a request before it is queued: max_tokens against its
+    context, and, where this machine has the model's file, everything the engine would
+    refuse (prompt + max_tokens beyond the context, token ids outside the vocabulary, chat
+    without a chat template), so that a failed job means the system failed."""
     context = info.get("context_length")
     max_tokens = getattr(req, "effective_max_tokens", getattr(req, "max_tokens", None))
     if isinstance(context, int) and isinstance(max_tokens, int) and max_tokens >= context:
@@ -72,6 +77,20 @@ def check_context(req: Any, info: dict[str, Any]) -> None:
             f"got {max_tokens}.",
             param="max_tokens",
         )
+    spec = req.to_spec()
+    texts: ModelTexts | None = current_app.extensions.get("model_texts")
+    text = texts.get(req.model) if texts is not None and spec is not None else None
+    if text is None:
+        return
+    try:
+        text.check(spec, context if isinstance(context, int) else None)
+    except LLMQRuntimeError as exc:
+        param = exc.param or ("messages" if spec.chat else "prompt")
+        raise InvalidRequest(_sentence(str(exc)), param=param) from None
+
+
+def _sentence(message: str) -> str:
+    return message[:1].upper() + message[1:] + ("" if message.endswith(".") else ".")
 
 
 def job_summary(record: JobRecord) -> dict[str, Any]:

@@ -15,19 +15,18 @@ from typing import Any
 
 import numpy as np
 
-from runtime.chat_template import ChatTemplate
 from runtime.errors import EmptyPromptError
 from runtime.generator import Generator, GeneratorConfig, TokenEvent
 from runtime.gguf_file import GGUFFile
 from runtime.grammar_vocab import GrammarVocab
 from runtime.kernels import get_backend
 from runtime.kv_pool import BlockPool
+from runtime.model_text import ModelText
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.prefix_cache import PrefixCache
 from runtime.registry import ModelSpec, resolve
 from runtime.sampling import Sampler, SamplingParams
-from runtime.tokenizer import Tokenizer
 
 
 @dataclass
@@ -55,7 +54,9 @@ class Engine:
         self.config = config or EngineConfig()
         self.metadata = gguf_file.metadata
         self.architecture = gguf_file.architecture
-        self.tokenizer = Tokenizer.from_metadata(gguf_file.metadata)
+        self.text = ModelText.from_file(spec, gguf_file)
+        self.tokenizer = self.text.tokenizer
+        self.chat_template = self.text.chat_template
         self.backend = get_backend(self.config.backend or spec.backend)
         self.model = load_model(gguf_file, self.backend)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
@@ -67,8 +68,6 @@ class Engine:
         self.prefix_cache = (
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )
-        template = spec.chat_template or gguf_file.metadata.get("tokenizer.chat_template")
-        self.chat_template = ChatTemplate(template, self.tokenizer, model_name=spec.id)
         self.load_seconds = time.perf_counter() - started
         self._request_ids = itertools.count()
 
@@ -86,12 +85,10 @@ class Engine:
         return self.model.nbytes
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
+        return self.text.encode(text, add_special)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Render with the model's chat template; the template itself writes BOS if it wants."""
-        text = self.chat_template.render(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special=False, parse_special=True)
+        return self.text.encode_chat(messages)
 
     def new_generator(self) -> Generator:
         return Generator(

@@ -31,6 +31,18 @@ class ContextLengthError(LLMQRuntimeError):
     """Prompt plus requested tokens do not fit the model's context window."""
 
 
+def check_context_length(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """Raise `ContextLengthError` when a prompt plus its completion exceed the context:
+    the words every place that checks it uses (the API at submission, the generator)."""
+    total = prompt_tokens + max_tokens
+    if total > max_context:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_context} tokens, but "
+            f"{total} were requested ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion); shorten the prompt or max_tokens"
+        )
+
+
 class EmptyPromptError(LLMQRuntimeError):
     """A prompt with no tokens to condition on."""
 

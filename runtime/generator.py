@@ -35,7 +35,7 @@ import numpy as np
 
 from runtime.constraints import GrammarMatcher, apply_grammar_masks, validate_constraint
 from runtime.detokenizer import TextAssembler
-from runtime.errors import ContextLengthError, EmptyPromptError
+from runtime.errors import ContextLengthError, EmptyPromptError, check_context_length
 from runtime.grammar_vocab import GrammarVocab
 from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
 from runtime.models.base import BatchLayout, SequenceChunk
@@ -146,13 +146,8 @@ class Generator:
     def _check_sizes(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise EmptyPromptError("the prompt is empty: it must contain at least one token")
+        check_context_length(len(prompt_ids), params.max_tokens, self.max_context)
         total = len(prompt_ids) + params.max_tokens
-        if total > self.max_context:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_context} tokens, but "
-                f"{total} were requested ({len(prompt_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion); shorten the prompt or max_tokens"
-            )
         if total > self.pool.n_blocks * self.pool.block_size:
             raise ContextLengthError(
                 f"{total} tokens do not fit this engine's KV memory "

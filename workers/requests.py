@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.engine import Engine
-from runtime.errors import EmptyPromptError, LLMQRuntimeError
+from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec, prompt_list
 from runtime.sampling import SamplingParams
 from workers.errors import InvalidJobRequest
@@ -121,19 +121,13 @@ def _plan_chat(engine: Engine, spec: GenerationSpec) -> JobPlan:
 def _prompts(engine: Engine, value: Any, name: str) -> list[tuple[str, list[int]]]:
     """(text, token ids) of each prompt: a string, a list of strings, a list of token ids,
     or a list of lists of token ids (OpenAI's four forms)."""
-    items = prompt_list(value, name)
     out = []
-    for item in items:
-        if isinstance(item, str):
-            if not item.strip():
-                raise EmptyPromptError(f"{name} is empty: it needs at least one token", param=name)
-            out.append((item, engine.encode(item)))
-        elif isinstance(item, list) and all(isinstance(t, int) for t in item):
-            if not item:
-                raise EmptyPromptError(f"{name} is empty: it needs at least one token", param=name)
-            out.append((engine.tokenizer.decode(item), list(item)))
-        else:
+    for item in prompt_list(value, name):
+        ids_given = isinstance(item, list) and all(isinstance(t, int) for t in item)
+        if not isinstance(item, str) and not ids_given:
             raise InvalidJobRequest(
                 f"each {name} must be a string or a list of token ids", param=name
             )
+        ids = engine.text.prompt_ids(item, name)
+        out.append((item if isinstance(item, str) else engine.tokenizer.decode(ids), ids))
     return out

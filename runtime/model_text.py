@@ -1,0 +1,90 @@
+"""A model's text side without its weights: tokenizer, chat template, context length.
+
+The API checks a generation request completely at submission with it (an over-long
+prompt, a token id outside the vocabulary, chat on a model without a template are the
+user's mistakes: a 400 then, never a failed job), and the engine holds one for the same
+encoding. Building it reads the GGUF's header (metadata and vocabulary), never a tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.chat_template import ChatTemplate
+from runtime.errors import EmptyPromptError, InvalidSamplingParams, check_context_length
+from runtime.gguf_file import GGUFFile
+from runtime.registry import ModelSpec, resolve
+from runtime.request import GenerationSpec
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class ModelText:
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    context_length: int  # what the model was trained for; a worker may serve less
+
+    @classmethod
+    def from_file(cls, spec: ModelSpec, gguf: GGUFFile) -> ModelText:
+        tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        template = spec.chat_template or gguf.metadata.get("tokenizer.chat_template")
+        return cls(
+            tokenizer,
+            ChatTemplate(template, tokenizer, model_name=spec.id),
+            int(gguf.require("context_length")),
+        )
+
+    @classmethod
+    def load(cls, model: str) -> ModelText:
+        """The text side of a registry id or .gguf path (raises ModelNotFoundError)."""
+        spec = resolve(model)
+        return cls.from_file(spec, GGUFFile(spec.path()))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Render with the model's chat template; the template itself writes BOS if it wants."""
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special=False, parse_special=True)
+
+    def prompt_ids(self, prompt: str | list[int], name: str = "prompt") -> list[int]:
+        """One prompt (text, or token ids checked against the vocabulary) as token ids."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise EmptyPromptError(f"{name} is empty: it needs at least one token", param=name)
+            return self.encode(prompt)
+        if not prompt:
+            raise EmptyPromptError(f"{name} is empty: it needs at least one token", param=name)
+        for token_id in prompt:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidSamplingParams(
+                    f"{name} token id {token_id} is out of range for a vocabulary of "
+                    f"{self.vocab_size} tokens.",
+                    param=name,
+                )
+        return list(prompt)
+
+    def check(self, spec: GenerationSpec, max_context: int | None = None) -> int:
+        """Raise the error the engine would give this request (with its field), before any
+        weights are involved; the prompt tokens of one choice of each prompt, summed."""
+        context = min(max_context or self.context_length, self.context_length)
+        if spec.chat:
+            assert spec.messages is not None
+            prompts = [self.encode_chat(spec.messages)]
+        else:
+            prompts = [self.prompt_ids(p) for p in spec.prompts or []]
+        for ids in prompts:
+            max_tokens = spec.max_tokens
+            if max_tokens is None:  # chat's default: whatever the context leaves, at least 1
+                max_tokens = max(1, context - len(ids))
+            check_context_length(len(ids), max_tokens, context)
+            for params in spec.choice_params(max_tokens):
+                params.check_vocab(self.vocab_size)
+        return sum(len(ids) for ids in prompts)
