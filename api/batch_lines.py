@@ -17,6 +17,7 @@ from typing import Any
 from api.body import json_type, parse_json
 from api.errors import APIError
 from api.flow import check_context
+from api.model_texts import ModelTexts
 from api.schemas import parse_request, spec_record
 from workers.wire.defaults import MAX_LINE_BYTES
 
@@ -66,9 +67,13 @@ def numbered_lines(content: bytes) -> Iterator[tuple[int, bytes]]:
 
 
 def validate_lines(
-    content: bytes, endpoint: str, models: dict[str, dict[str, Any]]
+    content: bytes,
+    endpoint: str,
+    models: dict[str, dict[str, Any]],
+    texts: ModelTexts | None = None,
 ) -> tuple[list[ValidLine], list[InvalidLine]]:
-    """Every non-blank line, valid or not; `models` maps known model ids to their info."""
+    """Every non-blank line, valid or not; `models` maps known model ids to their info,
+    `texts` reads their tokenizers and templates (`api.flow.check_context`)."""
     valid: list[ValidLine] = []
     invalid: list[InvalidLine] = []
     seen: set[str] = set()
@@ -83,7 +88,7 @@ def validate_lines(
                     f"custom_id {custom_id!r} was already used on an earlier line.",
                 )
             seen.add(custom_id)
-            valid.append(_validate(number, data, custom_id, endpoint, models))
+            valid.append(_validate(number, data, custom_id, endpoint, models, texts))
         except LineError as exc:
             invalid.append(InvalidLine(number, custom_id, exc.code, exc.message))
     return valid, invalid
@@ -130,6 +135,7 @@ def _validate(
     custom_id: str,
     endpoint: str,
     models: dict[str, dict[str, Any]],
+    texts: ModelTexts | None,
 ) -> ValidLine:
     unknown = sorted(set(data) - set(LINE_FIELDS))
     if unknown:
@@ -154,7 +160,7 @@ def _validate(
     if info is None:
         raise LineError("model_not_found", f"The model {req.model!r} does not exist.")
     try:
-        check_context(req, info)
+        check_context(req, info, texts)
     except APIError as exc:
         raise LineError(exc.code or "invalid_request", exc.message) from None
     return ValidLine(number, custom_id, req.model, req.to_job_request(), spec_record(req))

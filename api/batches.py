@@ -12,7 +12,7 @@ import logging
 import re
 from typing import Any
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, Response, current_app, jsonify, request
 
 from api import batch_store, store
 from api.auth import caller_scope, require_api_key
@@ -62,7 +62,8 @@ def create_batch() -> Response:
             param="input_file_id",
         )
     content = batch_store.file_content(conn, file_id, scope)
-    valid, invalid = validate_lines(content, endpoint, _models(conn))
+    texts = current_app.extensions.get("model_texts")
+    valid, invalid = validate_lines(content, endpoint, _models(conn), texts)
     errors = None
     if not valid and not invalid:
         errors = [_file_error("empty_file", "The input file has no requests.")]

@@ -42,7 +42,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
     """Check the model and the context, then store and enqueue the job (or find its twin)."""
     conn = redis_conn()
     info = store.require_model(conn, req.model)
-    check_context(req, info)
+    check_context(req, info, current_app.extensions.get("model_texts"))
     idem = request.headers.get("Idempotency-Key")
     scoped = None
     if idem is not None:
@@ -64,7 +64,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
     )
 
 
-def check_context(req: Any, info: dict[str, Any]) -> None:
+def check_context(req: Any, info: dict[str, Any], texts: ModelTexts | None = None) -> None:
     """What the model can tell of a request before it is queued: max_tokens against its
     context, and, where this machine has the model's file, everything the engine would
     refuse (prompt + max_tokens beyond the context, token ids outside the vocabulary, chat
@@ -78,7 +78,6 @@ def check_context(req: Any, info: dict[str, Any]) -> None:
             param="max_tokens",
         )
     spec = req.to_spec()
-    texts: ModelTexts | None = current_app.extensions.get("model_texts")
     text = texts.get(req.model) if texts is not None and spec is not None else None
     if text is None:
         return

@@ -90,14 +90,14 @@ class PoolEntry:
         }
 
 
-def _backend_state(engine: Any) -> dict[str, Any]:
+def _backend_state(engine: Engine | None) -> dict[str, Any]:
     """Which kernel backend a loaded engine runs on and what each weight got."""
     if engine is None or not hasattr(engine, "backend"):
         return {}
     return {"backend": engine.backend.name, "kernels": engine.model.weight_kinds()}
 
 
-def _cache_state(engine: Any) -> dict[str, Any]:
+def _cache_state(engine: Engine | None) -> dict[str, Any]:
     """KV pool use and prefix-cache statistics of a loaded engine (for /admin/models)."""
     if engine is None or not hasattr(engine, "kv_pool"):
         return {}
@@ -131,7 +131,7 @@ class EnginePool:
         self,
         config: PoolConfig,
         sources: dict[str, str],
-        loader: Callable[[str], Any] = load_engine,
+        loader: Callable[[str], Engine] = load_engine,
     ) -> None:
         self.config = config
         self.sources = dict(sources)
@@ -292,7 +292,7 @@ class EnginePool:
 
     # ------------------------------------------------------------------ internals
 
-    def _load(self, source: str) -> tuple[Any, float, JobFailure | None]:
+    def _load(self, source: str) -> tuple[Engine | None, float, JobFailure | None]:
         started = time.perf_counter()
         try:
             engine = self._loader(source)

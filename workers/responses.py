@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.tokenizer import Tokenizer
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, response_id
 
 
@@ -38,7 +39,7 @@ class ChoiceOutput:
 class LogprobRenderer:
     """Renders token logprobs as OpenAI does for one endpoint (legacy or chat layout)."""
 
-    def __init__(self, tokenizer: Any, endpoint: str) -> None:
+    def __init__(self, tokenizer: Tokenizer, endpoint: str) -> None:
         self.tokenizer = tokenizer
         self.endpoint = endpoint
 

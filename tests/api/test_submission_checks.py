@@ -4,10 +4,14 @@ the engine would refuse before anything is queued."""
 
 from __future__ import annotations
 
+import json
+
 import fakeredis
 import pytest
 
 from api.app import create_app
+from api.batch_lines import validate_lines
+from api.model_texts import ModelTexts
 from tests.api.fake_worker import FakeWorker
 from workers import keys
 
@@ -71,3 +75,15 @@ def test_a_request_the_engine_takes_is_queued(client, fake_redis) -> None:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         response = client.post(path, json=body, headers={"Prefer": "respond-async"})
         assert response.status_code == 202, response.get_json()
+
+
+def test_a_batch_line_with_a_mistake_is_a_line_error() -> None:
+    lines = [
+        {"custom_id": m, "method": "POST", "url": "/v1/chat/completions", "body": chat(m, "hi")}
+        for m in (GEMMA, SMOL)
+    ]
+    content = "\n".join(json.dumps(line) for line in lines).encode()
+    models = {GEMMA: {"context_length": 8192}, SMOL: {"context_length": 8192}}
+    valid, invalid = validate_lines(content, "/v1/chat/completions", models, ModelTexts())
+    assert [line.line for line in valid] == [2]
+    assert [line.line for line in invalid] == [1] and "chat template" in invalid[0].message
