@@ -324,7 +324,7 @@ def test_sample_rejects_logits_of_wrong_shape() -> None:
         ({"seed": 1.5}, "seed must be an integer, got 1.5."),
         ({"stop": ""}, "stop strings must be non-empty, got ''."),
         ({"stop": ["ok", 3]}, "stop must contain only strings, got 3."),
-        ({"stop": [str(i) for i in range(17)]}, "stop must have at most 16 strings, got 17."),
+        ({"stop": [str(i) for i in range(5)]}, "stop must have at most 4 strings, got 5."),
         ({"stop": "x" * 1001}, "stop strings must be at most 1000 characters, got one of 1001."),
         ({"stop_token_ids": [1, -2]}, "stop_token_ids must be non-negative, got -2."),
         ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5."),
