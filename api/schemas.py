@@ -4,9 +4,10 @@ Validation is strict (vLLM's habit): a bool is never an int, numbers must be fin
 are not coerced to numbers, and range errors name the field and the value
 (`top_p must be in (0, 1], got 1.5.`). Unknown fields are rejected with OpenAI's own
 message (`Unrecognized request argument supplied: foo`) so that a typo such as `max_token`
-is never silently ignored. Contract features the engine cannot honour yet (`json_schema`,
-`regex`, `lora`, structured `response_format`, tools, ...) are rejected as
-`UnsupportedFeature` rather than dropped.
+is never silently ignored. Contract features the engine cannot honour yet (`lora`,
+`suffix`, ...) are rejected as `UnsupportedFeature` rather than dropped. Structured output
+(`response_format`, `json_schema`, `regex`, `grammar`) is compiled by llguidance here, at
+submission, so a bad schema is a 400 with llguidance's message and never a failed job.
 
 `to_spec()` gives what the worker generates (`runtime.request.GenerationSpec`), stored in
 the job record; `to_job_request()` gives the normalised body stored beside it:
@@ -21,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api.errors import InvalidRequest, UnsupportedFeature
+from runtime.constraints import constraint_from_request, validate_constraint
 from runtime.errors import LLMQRuntimeError
 from runtime.limits import (  # the engine's own numbers
     MAX_CHOICES,
@@ -167,8 +169,11 @@ class SamplingRequest(StrictModel):
     priority: int = 0
     # In the contract, not in the engine yet: any non-empty value is rejected.
     lora: Any = None
+    # structured output (extensions; chat also has response_format), read by the engine's
+    # `constraint_from_request` in `to_spec`
     json_schema: Any = None
     regex: Any = None
+    grammar: Any = None
 
     @field_validator("n")
     @classmethod
@@ -269,14 +274,6 @@ class SamplingRequest(StrictModel):
         _reject_priority(self.priority)
         if self.lora:
             raise UnsupportedFeature("lora adapters are not supported yet.", param="lora")
-        if self.json_schema is not None:
-            raise UnsupportedFeature(
-                "json_schema (constrained decoding) is not supported yet.", param="json_schema"
-            )
-        if self.regex is not None:
-            raise UnsupportedFeature(
-                "regex (constrained decoding) is not supported yet.", param="regex"
-            )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true.", param="stream_options"
@@ -286,15 +283,24 @@ class SamplingRequest(StrictModel):
                 f"n times the number of prompts must be at most {MAX_CHOICES}, got {self.choices}.",
                 param="n",
             )
+        self.check_constraint()
+
+    def check_constraint(self) -> None:
+        """Compile the requested constraint (no model needed), so a bad schema, regex or
+        grammar is a 400 with llguidance's message before any job exists."""
+        try:
+            constraint = constraint_from_request(self.to_job_request())
+            if constraint is not None:
+                validate_constraint(constraint)
+        except LLMQRuntimeError as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_job_request(self) -> dict[str, Any]:
-        return self.model_dump(
-            exclude_none=True, exclude={"lora", "json_schema", "regex", *IGNORED_FIELDS}
-        )
+        return self.model_dump(exclude_none=True, exclude={"lora", *IGNORED_FIELDS})
 
     def to_spec(self) -> GenerationSpec:
         """What the worker generates: the engine's own reader applied to the normalised body,
@@ -431,12 +437,6 @@ class ChatCompletionRequest(SamplingRequest):
         super().reject_unsupported()
         if all(not m.content.strip() for m in self.messages):
             raise InvalidRequest("messages must contain some non-empty content.", param="messages")
-        if self.response_format and self.response_format.type != "text":
-            raise UnsupportedFeature(
-                f"response_format {self.response_format.type!r} is not supported yet; "
-                "only 'text' is.",
-                param="response_format",
-            )
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(self, name) not in (None, "none", []):
                 raise UnsupportedFeature(f"{name} (tool calling) is not supported yet.", param=name)
@@ -454,8 +454,6 @@ class ChatCompletionRequest(SamplingRequest):
             exclude={
                 *IGNORED_FIELDS,
                 "lora",
-                "json_schema",
-                "regex",
                 "tools",
                 "tool_choice",
                 "functions",

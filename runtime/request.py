@@ -7,8 +7,9 @@ back (`from_record`) and turns it into one `SamplingParams` per choice with
 `choice_params`. `llmq generate` could build one directly.
 
 A record comes back from Redis, so `from_record` treats it as untrusted: every value it
-cannot use raises an `LLMQRuntimeError` whose `param` names the field. Later features
-(response format, tools, adapters) get a field here, next to the sampling they constrain.
+cannot use raises an `LLMQRuntimeError` whose `param` names the field. Structured output is
+the `constraint` field (`runtime.constraints.Constraint`, read by `constraint_from_request`),
+given to every choice's `SamplingParams`; later features (adapters) get a field here too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from runtime.constraints import Constraint, constraint_from_request
 from runtime.errors import EmptyPromptError, InvalidSamplingParams
 from runtime.limits import DEFAULT_COMPLETION_TOKENS, MAX_CHOICES
 from runtime.sampling import SamplingParams
@@ -40,7 +42,8 @@ class GenerationSpec:
     """What to generate: `prompts` (completions) or `messages` (chat), `n` choices each,
     sampled with `sampling` and stopped by `stop` or `max_tokens` (None: as many as the
     context leaves, OpenAI's chat default). `logprobs` alternatives per token (None: no
-    logprobs); `echo` returns the prompt before the completion (completions only)."""
+    logprobs); `echo` returns the prompt before the completion (completions only);
+    `constraint`: the grammar every choice's output must match (structured output)."""
 
     prompts: list[Any] | None = None  # strings or lists of token ids
     messages: list[dict[str, Any]] | None = None
@@ -52,6 +55,7 @@ class GenerationSpec:
     logprobs: int | None = None
     echo: bool = False
     cache_prompt: bool = True
+    constraint: Constraint | None = None
 
     @property
     def chat(self) -> bool:
@@ -66,6 +70,7 @@ class GenerationSpec:
             seed=body.get("seed"),
             stop=body.get("stop") or [],
             cache_prompt=body.get("cache_prompt") is not False,
+            constraint=constraint_from_request(body),
         )
         if chat:
             messages = body.get("messages")
@@ -103,6 +108,7 @@ class GenerationSpec:
                 f"unknown field in the job's generation spec: {unknown[0]}", param=unknown[0]
             )
         spec = cls(**data)
+        spec.constraint = _constraint_from_record(spec.constraint)
         _choices_per_prompt(spec.n)
         if (spec.prompts is None) == (spec.messages is None):
             raise EmptyPromptError("a generation spec needs prompts or messages, not both")
@@ -130,10 +136,27 @@ class GenerationSpec:
                 stop=self.stop,
                 logprobs=self.logprobs,
                 seed=None if self.seed is None else self.seed + j,
+                constraint=self.constraint,
                 **self.sampling,
             )
             for j in range(self.n)
         ]
+
+
+def _constraint_from_record(data: Any) -> Constraint | None:
+    """The record's constraint (`asdict` of a `Constraint`), rebuilt and so checked again."""
+    if data is None:
+        return None
+    if (
+        not isinstance(data, Mapping)
+        or set(data) - {"kind", "value", "param"}
+        or not isinstance(data.get("param"), str | None)
+    ):
+        raise InvalidSamplingParams(
+            "the spec's constraint must be an object with kind, value and param",
+            param="response_format",
+        )
+    return Constraint(data.get("kind"), data.get("value"), data.get("param"))
 
 
 def _choices_per_prompt(n: Any) -> int:

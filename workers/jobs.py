@@ -19,9 +19,9 @@ from rq.queue import Queue
 from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
 from runtime.generator import TokenEvent
-from runtime.sampling import FINISH_LENGTH, SamplingParams
+from runtime.sampling import FINISH_ERROR, FINISH_LENGTH, SamplingParams
 from workers import keys
-from workers.errors import InvalidJobRequest, JobRefused
+from workers.errors import ConstrainedDecodingError, InvalidJobRequest, JobFailure, JobRefused
 from workers.progress import StreamProgress
 from workers.requests import ChoicePlan, JobPlan, embedding_inputs, plan_generation
 from workers.responses import (
@@ -85,6 +85,7 @@ class ActiveJob:
     prefill_tokens: int = 0  # ... out of this many
     renderer: LogprobRenderer | None = None
     resumed: dict[str, int] = field(default_factory=dict)  # request id -> tokens sent before
+    failure: JobFailure | None = None  # the engine ended a choice with an error: fail the job
 
     @property
     def id(self) -> str:
@@ -129,9 +130,12 @@ class ActiveJob:
 
     def on_token(self, choice_index: int, event: TokenEvent) -> bool:
         """Take one engine token, text and finish reason as the engine made them; True if
-        it ended its choice."""
+        it ended its choice. A choice the engine ended with "error" fails the whole job
+        (`failure`): its output may not match the constraint the caller relies on."""
         choice = self.choices[choice_index]
         text, finish = event.text, event.finish_reason
+        if finish == FINISH_ERROR and self.failure is None:
+            self.failure = ConstrainedDecodingError(event.error or "the engine failed")
         out = choice.output
         entry = None
         if self.plan is not None and self.plan.logprobs is not None and self.renderer:
@@ -175,7 +179,7 @@ class ActiveJob:
         )
 
     def _maybe_done(self) -> None:
-        if self.result is None and self.choices and not self.running:
+        if self.result is None and self.failure is None and self.choices and not self.running:
             self.result = self.body()
 
     def _resume(self, plan: ChoicePlan) -> ChoiceState:

@@ -91,3 +91,22 @@ def test_a_choice_that_ended_before_the_crash_is_not_generated_again(engine):
     )
     again = new_job(COMPLETIONS, body, progress)
     assert again.start(engine) == [] and again.result == reference
+
+
+def test_a_choice_the_engine_ends_with_an_error_fails_the_job_with_a_500(engine):
+    """A grammar matcher that fails (it never should) must not finish the job with output
+    that may not match the caller's schema: the job fails, with the engine's reason."""
+    body = {"prompt": "x", "max_tokens": 6, "temperature": 0, "regex": "[0-9]{6}"}
+    job = new_job(COMPLETIONS, body)
+    generator = engine.new_generator()
+    for request_id, prompt, params in job.start(engine):
+        generator.add(request_id, prompt, params)
+    letter = engine.encode("x", add_special=False)[0]
+    generator._waiting[0].grammar.matcher.consume_token(letter)  # what should never happen
+    while len(generator):
+        for event in generator.step():
+            job.on_token(0, event)
+    assert job.result is None and job.failure is not None
+    error = job.failure.body()
+    assert error["status"] == 500 and error["error"]["code"] == "constrained_decoding_failed"
+    assert "constrained decoding failed" in error["error"]["message"]
