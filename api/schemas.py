@@ -11,18 +11,26 @@ submission, so a bad schema is a 400 with llguidance's message and never a faile
 
 `to_spec()` gives what the worker generates (`runtime.request.GenerationSpec`), stored in
 the job record; `to_job_request()` gives the normalised body stored beside it:
-`stop` is always a list, chat message content is always a string, chat `max_tokens` is the
-effective limit (`max_completion_tokens` wins), and unset optional fields are omitted.
+`stop` is always a list, chat message content is a string (absent only for an assistant
+message that calls tools), chat `max_tokens` is the effective limit (`max_completion_tokens`
+wins), and unset optional fields are omitted.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from api.errors import InvalidRequest, UnsupportedFeature
-from runtime.constraints import constraint_from_request, validate_constraint
+from runtime.constraints import Constraint, validate_constraint
 from runtime.errors import LLMQRuntimeError
 from runtime.limits import (  # the engine's own numbers
     MAX_CHOICES,
@@ -286,10 +294,22 @@ class SamplingRequest(StrictModel):
         self.check_constraint()
 
     def check_constraint(self) -> None:
-        """Compile the requested constraint (no model needed), so a bad schema, regex or
-        grammar is a 400 with llguidance's message before any job exists."""
+        """Compile the requested constraint (no model needed), so a bad schema, regex,
+        grammar or tool `parameters` is a 400 with llguidance's message before any job
+        exists."""
+        spec = self.to_spec()
         try:
-            constraint = constraint_from_request(self.to_job_request())
+            for i, tool in enumerate(spec.tools or []):  # each schema alone: a short message
+                parameters = tool["function"].get("parameters")
+                if parameters is not None:
+                    check = Constraint("json_schema", parameters, param="tools")
+                    try:
+                        validate_constraint(check)
+                    except LLMQRuntimeError as exc:
+                        raise InvalidRequest(
+                            f"tools[{i}].function.parameters: {exc}", param="tools"
+                        ) from None
+            constraint = spec.output_constraint()  # the response format, or tool calls
             if constraint is not None:
                 validate_constraint(constraint)
         except LLMQRuntimeError as exc:
@@ -370,16 +390,33 @@ class TextPart(StrictModel):
     text: str
 
 
+class ToolCallFunction(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    """A call an assistant message made (the history of a tool-calling conversation)."""
+
+    id: str = Field(min_length=1, max_length=MAX_USER_CHARS)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = Field(default=None, validate_default=True)
     name: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    refusal: str | None = None  # OpenAI echoes it in assistant messages; not shown
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, v: Any) -> str:
-        """OpenAI allows a list of parts; only text parts exist here, joined with newlines."""
-        if isinstance(v, str):
+    def _content(cls, v: Any) -> str | None:
+        """OpenAI allows a list of parts; only text parts exist here, joined with newlines.
+        None only for an assistant message that calls tools (checked below)."""
+        if v is None or isinstance(v, str):
             return v
         if isinstance(v, list):
             texts = []
@@ -392,6 +429,41 @@ class ChatMessage(StrictModel):
                 texts.append(TextPart.model_validate(part).text)
             return "\n".join(texts)
         raise ValueError(f"content must be a string or a list of text parts, got {_short(v)}.")
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only for tool calls).")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may have tool_calls.")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers.")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content or ""
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments always follow `parameters` here
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ResponseFormat(StrictModel):
@@ -406,8 +478,8 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
@@ -435,11 +507,13 @@ class ChatCompletionRequest(SamplingRequest):
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if all(not m.content.strip() for m in self.messages):
+        if all(not m.text.strip() and not m.tool_calls for m in self.messages):
             raise InvalidRequest("messages must contain some non-empty content.", param="messages")
-        for name in ("tools", "tool_choice", "functions", "function_call"):
-            if getattr(self, name) not in (None, "none", []):
-                raise UnsupportedFeature(f"{name} (tool calling) is not supported yet.", param=name)
+        for name in ("functions", "function_call"):  # OpenAI's deprecated forms of tools
+            if getattr(self, name) is not None:
+                raise UnsupportedFeature(
+                    f"{name} is not supported; use tools and tool_choice.", param=name
+                )
         if self.modalities is not None and self.modalities != ["text"]:
             raise UnsupportedFeature(
                 f"modalities other than ['text'] are not supported, got {self.modalities}.",
@@ -454,11 +528,8 @@ class ChatCompletionRequest(SamplingRequest):
             exclude={
                 *IGNORED_FIELDS,
                 "lora",
-                "tools",
-                "tool_choice",
                 "functions",
                 "function_call",
-                "parallel_tool_calls",
                 "max_completion_tokens",
             },
         )

@@ -28,6 +28,7 @@ from runtime.prefix_cache import PrefixCache
 from runtime.registry import ModelSpec, resolve
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import Tokenizer
+from runtime.tool_calls import chat_for_template
 
 
 @dataclass
@@ -88,9 +89,15 @@ class Engine:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Render with the model's chat template; the template itself writes BOS if it wants."""
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Render with the model's chat template; the template itself writes BOS if it wants.
+        `tools` (OpenAI function tools) are shown to the model by the template when it knows
+        how, else by the fallback of `runtime.tool_calls`, which also writes past tool calls
+        and results for such templates."""
+        messages, extra = chat_for_template(messages, tools, self.chat_template.knows_tools)
+        text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
 
     def new_generator(self) -> Generator:

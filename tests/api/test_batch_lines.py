@@ -66,7 +66,7 @@ def test_each_kind_of_bad_line_gets_its_own_error_and_the_rest_still_run() -> No
 
 
 def test_unsupported_features_and_unknown_body_fields_are_line_errors() -> None:
-    _, errors = check(line("a", tools=[{"type": "function"}]), line("b", max_token=3))
+    _, errors = check(line("a", functions=[{"name": "f"}]), line("b", max_token=3))
     assert errors[1][1] == "unsupported"
     assert errors[2][2] == "Unrecognized request argument supplied: max_token"
 
