@@ -3,7 +3,10 @@
 Per choice: chat streams first send `delta: {"role": "assistant", "content": ""}`, then one
 chunk per token event with its text; the finish chunk per choice comes from the `done`
 result (its `finish_reason`), then an optional usage chunk with empty `choices`.
-Token events with empty text (an incomplete UTF-8 character) produce no chunk.
+Token events with empty text (an incomplete UTF-8 character) produce no chunk. A chat job
+that may call tools sends each token's `delta` ready-made (content, and OpenAI's
+`tool_calls` deltas: index, id, type and name once, then argument fragments); the chunk
+carries it as it is, so the tags of a call never reach the client as content.
 """
 
 from __future__ import annotations
@@ -75,11 +78,25 @@ class ChunkStream:
 
     def token(self, data: dict[str, Any]) -> dict[str, Any] | None:
         text = data.get("text", "")
+        delta = data.get("delta") if self.chat else None
+        if isinstance(delta, dict):
+            return self._parsed_token(data, delta, text)
         if not text and not self.logprobs:
             return None
         index = int(data.get("choice", 0))
         logprobs = self._logprobs(index, data, text) if self.logprobs else None
         return self._chunk([self._choice(index, text, None, logprobs)])
+
+    def _parsed_token(
+        self, data: dict[str, Any], delta: dict[str, Any], text: str
+    ) -> dict[str, Any] | None:
+        """A chat token whose worker split it into content and tool-call deltas."""
+        if not delta and not self.logprobs:
+            return None
+        index = int(data.get("choice", 0))
+        logprobs = self._logprobs(index, data, text) if self.logprobs else None
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        return self._chunk([choice])
 
     def _logprobs(self, index: int, data: dict[str, Any], text: str) -> dict[str, Any]:
         """The chunk's `logprobs`: the worker's ready-made entry, else a minimal one."""

@@ -4,23 +4,33 @@ Validation is strict (vLLM's habit): a bool is never an int, numbers must be fin
 are not coerced to numbers, and range errors name the field and the value
 (`top_p must be in (0, 1], got 1.5.`). Unknown fields are rejected with OpenAI's own
 message (`Unrecognized request argument supplied: foo`) so that a typo such as `max_token`
-is never silently ignored. Contract features the engine cannot honour yet (`json_schema`,
-`regex`, `lora`, structured `response_format`, tools, ...) are rejected as
-`UnsupportedFeature` rather than dropped.
+is never silently ignored. Contract features the engine cannot honour yet (`lora`,
+`suffix`, ...) are rejected as `UnsupportedFeature` rather than dropped. Structured output
+(`response_format`, `json_schema`, `regex`, `grammar`) is compiled by llguidance here, at
+submission, so a bad schema is a 400 with llguidance's message and never a failed job.
 
 `to_spec()` gives what the worker generates (`runtime.request.GenerationSpec`), stored in
 the job record; `to_job_request()` gives the normalised body stored beside it:
-`stop` is always a list, chat message content is always a string, chat `max_tokens` is the
-effective limit (`max_completion_tokens` wins), and unset optional fields are omitted.
+`stop` is always a list, chat message content is a string (absent only for an assistant
+message that calls tools), chat `max_tokens` is the effective limit (`max_completion_tokens`
+wins), and unset optional fields are omitted.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from api.errors import InvalidRequest, UnsupportedFeature
+from runtime.constraints import Constraint, validate_constraint
 from runtime.errors import LLMQRuntimeError
 from runtime.limits import (  # the engine's own numbers
     MAX_CHOICES,
@@ -167,8 +177,11 @@ class SamplingRequest(StrictModel):
     priority: int = 0
     # In the contract, not in the engine yet: any non-empty value is rejected.
     lora: Any = None
+    # structured output (extensions; chat also has response_format), read by the engine's
+    # `constraint_from_request` in `to_spec`
     json_schema: Any = None
     regex: Any = None
+    grammar: Any = None
 
     @field_validator("n")
     @classmethod
@@ -269,14 +282,6 @@ class SamplingRequest(StrictModel):
         _reject_priority(self.priority)
         if self.lora:
             raise UnsupportedFeature("lora adapters are not supported yet.", param="lora")
-        if self.json_schema is not None:
-            raise UnsupportedFeature(
-                "json_schema (constrained decoding) is not supported yet.", param="json_schema"
-            )
-        if self.regex is not None:
-            raise UnsupportedFeature(
-                "regex (constrained decoding) is not supported yet.", param="regex"
-            )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true.", param="stream_options"
@@ -286,15 +291,36 @@ class SamplingRequest(StrictModel):
                 f"n times the number of prompts must be at most {MAX_CHOICES}, got {self.choices}.",
                 param="n",
             )
+        self.check_constraint()
+
+    def check_constraint(self) -> None:
+        """Compile the requested constraint (no model needed), so a bad schema, regex,
+        grammar or tool `parameters` is a 400 with llguidance's message before any job
+        exists."""
+        spec = self.to_spec()
+        try:
+            for i, tool in enumerate(spec.tools or []):  # each schema alone: a short message
+                parameters = tool["function"].get("parameters")
+                if parameters is not None:
+                    check = Constraint("json_schema", parameters, param="tools")
+                    try:
+                        validate_constraint(check)
+                    except LLMQRuntimeError as exc:
+                        raise InvalidRequest(
+                            f"tools[{i}].function.parameters: {exc}", param="tools"
+                        ) from None
+            constraint = spec.output_constraint()  # the response format, or tool calls
+            if constraint is not None:
+                validate_constraint(constraint)
+        except LLMQRuntimeError as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_job_request(self) -> dict[str, Any]:
-        return self.model_dump(
-            exclude_none=True, exclude={"lora", "json_schema", "regex", *IGNORED_FIELDS}
-        )
+        return self.model_dump(exclude_none=True, exclude={"lora", *IGNORED_FIELDS})
 
     def to_spec(self) -> GenerationSpec:
         """What the worker generates: the engine's own reader applied to the normalised body,
@@ -364,16 +390,33 @@ class TextPart(StrictModel):
     text: str
 
 
+class ToolCallFunction(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    """A call an assistant message made (the history of a tool-calling conversation)."""
+
+    id: str = Field(min_length=1, max_length=MAX_USER_CHARS)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = Field(default=None, validate_default=True)
     name: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    refusal: str | None = None  # OpenAI echoes it in assistant messages; not shown
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, v: Any) -> str:
-        """OpenAI allows a list of parts; only text parts exist here, joined with newlines."""
-        if isinstance(v, str):
+    def _content(cls, v: Any) -> str | None:
+        """OpenAI allows a list of parts; only text parts exist here, joined with newlines.
+        None only for an assistant message that calls tools (checked below)."""
+        if v is None or isinstance(v, str):
             return v
         if isinstance(v, list):
             texts = []
@@ -386,6 +429,41 @@ class ChatMessage(StrictModel):
                 texts.append(TextPart.model_validate(part).text)
             return "\n".join(texts)
         raise ValueError(f"content must be a string or a list of text parts, got {_short(v)}.")
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only for tool calls).")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may have tool_calls.")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers.")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content or ""
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments always follow `parameters` here
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ResponseFormat(StrictModel):
@@ -400,8 +478,8 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
@@ -429,17 +507,13 @@ class ChatCompletionRequest(SamplingRequest):
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if all(not m.content.strip() for m in self.messages):
+        if all(not m.text.strip() and not m.tool_calls for m in self.messages):
             raise InvalidRequest("messages must contain some non-empty content.", param="messages")
-        if self.response_format and self.response_format.type != "text":
-            raise UnsupportedFeature(
-                f"response_format {self.response_format.type!r} is not supported yet; "
-                "only 'text' is.",
-                param="response_format",
-            )
-        for name in ("tools", "tool_choice", "functions", "function_call"):
-            if getattr(self, name) not in (None, "none", []):
-                raise UnsupportedFeature(f"{name} (tool calling) is not supported yet.", param=name)
+        for name in ("functions", "function_call"):  # OpenAI's deprecated forms of tools
+            if getattr(self, name) is not None:
+                raise UnsupportedFeature(
+                    f"{name} is not supported; use tools and tool_choice.", param=name
+                )
         if self.modalities is not None and self.modalities != ["text"]:
             raise UnsupportedFeature(
                 f"modalities other than ['text'] are not supported, got {self.modalities}.",
@@ -454,13 +528,8 @@ class ChatCompletionRequest(SamplingRequest):
             exclude={
                 *IGNORED_FIELDS,
                 "lora",
-                "json_schema",
-                "regex",
-                "tools",
-                "tool_choice",
                 "functions",
                 "function_call",
-                "parallel_tool_calls",
                 "max_completion_tokens",
             },
         )

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -61,9 +62,16 @@ class ChatTemplate:
         self.eos_token = eos_token if eos_token is not None else _token(tokenizer, "eos_id")
         self._template: jinja2.Template | None = None
         self._syntax_error: jinja2.TemplateSyntaxError | None = None
+        self.knows_tools = False
+        """Whether the template renders a `tools` variable itself (else tool calling uses
+        the Hermes-style fallback of `runtime.tool_calls`)."""
         if source is not None:
             try:
-                self._template = self._environment().from_string(source)
+                env = self._environment()
+                self._template = env.from_string(source)
+                self.knows_tools = "tools" in jinja2.meta.find_undeclared_variables(
+                    env.parse(source)
+                )
             except jinja2.TemplateSyntaxError as exc:
                 self._syntax_error = exc
 

@@ -87,8 +87,10 @@ class Engine:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         return self.text.encode(text, add_special)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        return self.text.encode_chat(messages)
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.text.encode_chat(messages, tools)
 
     def new_generator(self) -> Generator:
         return Generator(

@@ -18,6 +18,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.registry import ModelSpec, resolve
 from runtime.request import GenerationSpec
 from runtime.tokenizer import Tokenizer
+from runtime.tool_calls import chat_for_template
 
 
 @dataclass
@@ -49,9 +50,15 @@ class ModelText:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Render with the model's chat template; the template itself writes BOS if it wants."""
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Render with the model's chat template; the template itself writes BOS if it wants.
+        `tools` (OpenAI function tools) are shown to the model by the template when it knows
+        how, else by the fallback of `runtime.tool_calls`, which also writes past tool calls
+        and results for such templates."""
+        messages, extra = chat_for_template(messages, tools, self.chat_template.knows_tools)
+        text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
 
     def prompt_ids(self, prompt: str | list[int], name: str = "prompt") -> list[int]:
@@ -77,7 +84,7 @@ class ModelText:
         context = min(max_context or self.context_length, self.context_length)
         if spec.chat:
             assert spec.messages is not None
-            prompts = [self.encode_chat(spec.messages)]
+            prompts = [self.encode_chat(spec.messages, spec.prompt_tools)]
         else:
             prompts = [self.prompt_ids(p) for p in spec.prompts or []]
         for ids in prompts:

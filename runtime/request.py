@@ -7,8 +7,9 @@ back (`from_record`) and turns it into one `SamplingParams` per choice with
 `choice_params`. `llmq generate` could build one directly.
 
 A record comes back from Redis, so `from_record` treats it as untrusted: every value it
-cannot use raises an `LLMQRuntimeError` whose `param` names the field. Later features
-(response format, tools, adapters) get a field here, next to the sampling they constrain.
+cannot use raises an `LLMQRuntimeError` whose `param` names the field. Structured output is
+the `constraint` field (`runtime.constraints.Constraint`, read by `constraint_from_request`),
+given to every choice's `SamplingParams`; later features (adapters) get a field here too.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from runtime.constraints import Constraint, constraint_from_request
 from runtime.errors import EmptyPromptError, InvalidSamplingParams
 from runtime.limits import DEFAULT_COMPLETION_TOKENS, MAX_CHOICES
 from runtime.sampling import SamplingParams
+from runtime.tool_calls import calls_possible, check_tools, tool_grammar
 
 # fields of a body that go to every choice's SamplingParams unchanged
 SAMPLING_FIELDS = (
@@ -40,7 +43,11 @@ class GenerationSpec:
     """What to generate: `prompts` (completions) or `messages` (chat), `n` choices each,
     sampled with `sampling` and stopped by `stop` or `max_tokens` (None: as many as the
     context leaves, OpenAI's chat default). `logprobs` alternatives per token (None: no
-    logprobs); `echo` returns the prompt before the completion (completions only)."""
+    logprobs); `echo` returns the prompt before the completion (completions only);
+    `constraint`: the grammar every choice's output must match (structured output).
+    `tools`, `tool_choice` (None: "auto" with tools), `parallel_tool_calls`: OpenAI's tool
+    calling (chat only); the tools go into the prompt and, unless the choice is "none",
+    a grammar keeps calls valid (`runtime.tool_calls`)."""
 
     prompts: list[Any] | None = None  # strings or lists of token ids
     messages: list[dict[str, Any]] | None = None
@@ -52,10 +59,31 @@ class GenerationSpec:
     logprobs: int | None = None
     echo: bool = False
     cache_prompt: bool = True
+    constraint: Constraint | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
     @property
     def chat(self) -> bool:
         return self.messages is not None
+
+    @property
+    def calls_possible(self) -> bool:
+        """Whether the output is parsed for tool calls."""
+        return calls_possible(self.tools, self.tool_choice)
+
+    @property
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows the model: none when it may not call them."""
+        return self.tools if self.calls_possible else None
+
+    def output_constraint(self) -> Constraint | None:
+        """What every choice must match: the response format, else the tool-call grammar."""
+        if self.constraint is not None or not self.calls_possible:
+            return self.constraint
+        assert self.tools is not None
+        return tool_grammar(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], *, chat: bool) -> GenerationSpec:
@@ -66,6 +94,7 @@ class GenerationSpec:
             seed=body.get("seed"),
             stop=body.get("stop") or [],
             cache_prompt=body.get("cache_prompt") is not False,
+            constraint=constraint_from_request(body),
         )
         if chat:
             messages = body.get("messages")
@@ -78,6 +107,10 @@ class GenerationSpec:
             if spec.max_tokens is None:
                 spec.max_tokens = body.get("max_tokens")
             spec.logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+            spec.tools = body.get("tools") or None
+            spec.tool_choice = body.get("tool_choice")
+            spec.parallel_tool_calls = body.get("parallel_tool_calls") is not False
+            spec.check_tools()
         else:
             spec.prompts = prompt_list(body.get("prompt"), "prompt")
             if body.get("max_tokens") is not None:
@@ -103,6 +136,8 @@ class GenerationSpec:
                 f"unknown field in the job's generation spec: {unknown[0]}", param=unknown[0]
             )
         spec = cls(**data)
+        spec.constraint = _constraint_from_record(spec.constraint)
+        spec.check_tools()
         _choices_per_prompt(spec.n)
         if (spec.prompts is None) == (spec.messages is None):
             raise EmptyPromptError("a generation spec needs prompts or messages, not both")
@@ -112,6 +147,17 @@ class GenerationSpec:
             raise InvalidSamplingParams("stop must be a list of strings", param="stop")
         spec.check_choices(len(spec.prompts or [None]))
         return spec
+
+    def check_tools(self) -> None:
+        check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self.tools is not None and not self.chat:
+            raise InvalidSamplingParams("tools are for chat completions only", param="tools")
+        if self.constraint is not None and self.calls_possible:
+            raise InvalidSamplingParams(
+                "response_format other than text cannot be combined with tools unless "
+                "tool_choice is 'none'",
+                param="response_format",
+            )
 
     def check_choices(self, prompts: int) -> None:
         if prompts * self.n > MAX_CHOICES:
@@ -124,16 +170,34 @@ class GenerationSpec:
     def choice_params(self, max_tokens: int) -> list[SamplingParams]:
         """Parameters of the `n` choices of one prompt; a seed gives choice j the seed + j,
         so the choices of a seeded request are reproducible and still differ from each other."""
+        constraint = self.output_constraint()
         return [
             SamplingParams(
                 max_tokens=max_tokens,
                 stop=self.stop,
                 logprobs=self.logprobs,
                 seed=None if self.seed is None else self.seed + j,
+                constraint=constraint,
                 **self.sampling,
             )
             for j in range(self.n)
         ]
+
+
+def _constraint_from_record(data: Any) -> Constraint | None:
+    """The record's constraint (`asdict` of a `Constraint`), rebuilt and so checked again."""
+    if data is None:
+        return None
+    if (
+        not isinstance(data, Mapping)
+        or set(data) - {"kind", "value", "param"}
+        or not isinstance(data.get("param"), str | None)
+    ):
+        raise InvalidSamplingParams(
+            "the spec's constraint must be an object with kind, value and param",
+            param="response_format",
+        )
+    return Constraint(data.get("kind"), data.get("value"), data.get("param"))
 
 
 def _choices_per_prompt(n: Any) -> int:

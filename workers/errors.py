@@ -35,6 +35,15 @@ class InvalidJobRequest(JobFailure):
     error_type = "invalid_request_error"
 
 
+class ConstrainedDecodingError(JobFailure):
+    """A grammar matcher failed mid-generation (`finish_reason` "error" from the engine).
+    Masks only allow tokens the matcher accepts, so this is our fault, never the caller's:
+    the job fails with a 500 (which OpenAI clients raise, and retry), rather than finishing
+    with output that may not match the schema the caller relies on."""
+
+    code = "constrained_decoding_failed"
+
+
 class UnknownModelError(JobFailure):
     """The job names a model the registry does not know."""
 

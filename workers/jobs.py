@@ -9,6 +9,7 @@ queues in `pending`. `run_job` is the one function name RQ jobs may carry (the a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +20,10 @@ from rq.queue import Queue
 from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
 from runtime.generator import TokenEvent
-from runtime.sampling import FINISH_LENGTH, SamplingParams
+from runtime.sampling import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from runtime.tool_calls import ToolCallParser
 from workers import keys
-from workers.errors import InvalidJobRequest, JobRefused
+from workers.errors import ConstrainedDecodingError, InvalidJobRequest, JobFailure, JobRefused
 from workers.progress import StreamProgress
 from workers.requests import ChoicePlan, JobPlan, embedding_inputs, plan_generation
 from workers.responses import (
@@ -52,11 +54,17 @@ def run_job(job_id: str) -> None:
     raise JobRefused(message)
 
 
+FINISH_TOOL_CALLS = "tool_calls"
+
+
 @dataclass
 class ChoiceState:
+    """`tools` parses the choice's text for tool calls when its request may make them."""
+
     plan: ChoicePlan
     output: ChoiceOutput
     request_id: str
+    tools: ToolCallParser | None = None
 
     @property
     def finished(self) -> bool:
@@ -85,6 +93,7 @@ class ActiveJob:
     prefill_tokens: int = 0  # ... out of this many
     renderer: LogprobRenderer | None = None
     resumed: dict[str, int] = field(default_factory=dict)  # request id -> tokens sent before
+    failure: JobFailure | None = None  # the engine ended a choice with an error: fail the job
 
     @property
     def id(self) -> str:
@@ -129,10 +138,16 @@ class ActiveJob:
 
     def on_token(self, choice_index: int, event: TokenEvent) -> bool:
         """Take one engine token, text and finish reason as the engine made them; True if
-        it ended its choice."""
+        it ended its choice. A choice the engine ended with "error" fails the whole job
+        (`failure`): its output may not match the constraint the caller relies on."""
         choice = self.choices[choice_index]
         text, finish = event.text, event.finish_reason
+        if finish == FINISH_ERROR and self.failure is None:
+            self.failure = ConstrainedDecodingError(event.error or "the engine failed")
         out = choice.output
+        delta = None
+        if choice.tools is not None:
+            delta, finish = self._tool_delta(choice, text, finish)
         entry = None
         if self.plan is not None and self.plan.logprobs is not None and self.renderer:
             entry = self.renderer.entry(
@@ -150,6 +165,7 @@ class ActiveJob:
                 self.attempt,
                 entry,
                 event.top_logprobs if entry is not None else None,
+                delta,
             )
         )
         out.text.append(text)
@@ -160,6 +176,30 @@ class ActiveJob:
             self.first_token_at = time.monotonic()
         self._maybe_done()
         return finish is not None
+
+    def _tool_delta(
+        self, choice: ChoiceState, text: str, finish: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """What the token shows a streaming client (content and tool-call deltas), and the
+        choice's finish reason: "tool_calls" when a choice that made calls stops."""
+        assert choice.tools is not None
+        content, calls = choice.tools.feed(text)
+        if finish is not None:
+            rest, more = choice.tools.finish()
+            content, calls = content + rest, calls + more
+            finish = _settle_tools(choice.output, choice.tools, finish)
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, finish
+
+    def _call_id(self, choice: int, call: int) -> str:
+        """A tool call's id, the same in every attempt of the job (a resumed job re-parses
+        the text it streamed before and must name its calls as it did)."""
+        digest = hashlib.sha256(f"{self.id}:{choice}:{call}".encode()).hexdigest()
+        return f"call_{digest[:24]}"
 
     def body(self) -> dict[str, Any]:
         assert self.plan is not None
@@ -175,7 +215,7 @@ class ActiveJob:
         )
 
     def _maybe_done(self) -> None:
-        if self.result is None and self.choices and not self.running:
+        if self.result is None and self.failure is None and self.choices and not self.running:
             self.result = self.body()
 
     def _resume(self, plan: ChoicePlan) -> ChoiceState:
@@ -183,6 +223,9 @@ class ActiveJob:
         out = ChoiceOutput(index=plan.index, echo_text=plan.echo_text)
         if plan.echo_logprobs is not None and self.renderer is not None:
             out.echo_logprobs = self.renderer.echo_entries(plan.echo_logprobs)
+        tools = None
+        if self.plan is not None and self.plan.spec.calls_possible:
+            tools = ToolCallParser(lambda call: self._call_id(plan.index, call))
         streamed = self.progress.choices.get(plan.index)
         if streamed is not None:
             out.text = list(streamed.texts)
@@ -191,7 +234,13 @@ class ActiveJob:
             out.finish_reason = streamed.finish_reason
             if out.finish_reason is None and out.tokens >= plan.params.max_tokens:
                 out.finish_reason = FINISH_LENGTH  # all sent, the last event just said so late
-        return ChoiceState(plan, out, f"{self.id}:{plan.index}")
+            if tools is not None:  # the parser where the earlier attempt left it
+                for text in out.text:
+                    tools.feed(text)
+                if out.finish_reason is not None:
+                    tools.finish()
+                    _settle_tools(out, tools, out.finish_reason)
+        return ChoiceState(plan, out, f"{self.id}:{plan.index}", tools)
 
     def _sent_ids(self, plan: ChoicePlan) -> list[int]:
         streamed = self.progress.choices.get(plan.index)
@@ -210,3 +259,14 @@ class ActiveJob:
         except LLMQRuntimeError as exc:
             raise InvalidJobRequest(str(exc), param="input") from exc
         self.result = embeddings_body(self.model, vectors, sum(len(i) for i in inputs), fmt)
+
+
+def _settle_tools(out: ChoiceOutput, tools: ToolCallParser, finish: str) -> str:
+    """Put a finished choice's content and calls in its output; its finish reason."""
+    calls = tools.tool_calls()
+    out.parsed = True
+    out.tool_calls = calls or None
+    out.content = tools.content if tools.content or not calls else None
+    if calls and finish in (FINISH_STOP, FINISH_TOOL_CALLS):
+        return FINISH_TOOL_CALLS
+    return finish

@@ -108,7 +108,7 @@ def _plan_completions(engine: Engine, spec: GenerationSpec) -> JobPlan:
 
 def _plan_chat(engine: Engine, spec: GenerationSpec) -> JobPlan:
     assert spec.messages is not None
-    ids = engine.encode_chat(spec.messages)
+    ids = engine.encode_chat(spec.messages, spec.prompt_tools)
     max_tokens = spec.max_tokens
     if max_tokens is None:  # OpenAI: as many as fit; an over-long prompt still gets a 400
         max_tokens = max(1, engine.context_length - len(ids))

@@ -30,6 +30,11 @@ class ChoiceOutput:
     finish_reason: str | None = None
     echo_text: str = ""
     echo_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # a chat answer parsed for tool calls (`runtime.tool_calls`): its content (None when it
+    # only calls tools) and calls; else the content is the text
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    parsed: bool = False
 
     @property
     def text_length(self) -> int:
@@ -149,7 +154,7 @@ def chat_body(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+                "message": _message(c),
                 "logprobs": {"content": c.logprobs} if logprobs else None,
                 "finish_reason": c.finish_reason,
             }
@@ -157,6 +162,15 @@ def chat_body(
         ],
         "usage": usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
     }
+
+
+def _message(choice: ChoiceOutput) -> dict[str, Any]:
+    if not choice.parsed:
+        return {"role": "assistant", "content": "".join(choice.text)}
+    message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+    if choice.tool_calls:
+        message["tool_calls"] = choice.tool_calls
+    return message
 
 
 def embeddings_body(

@@ -92,7 +92,8 @@ class RunningJobs:
 
     def step(self) -> tuple[set[ActiveJob], list[tuple[ActiveJob, Exception]]]:
         """One forward pass per model with running sequences. Returns the jobs that got
-        tokens, and the jobs of a model whose step raised (its generator is discarded)."""
+        tokens, and the jobs to fail: those of a model whose step raised (its generator is
+        discarded) and those with a choice the engine ended with an error (`job.failure`)."""
         touched: set[ActiveJob] = set()
         broken: list[tuple[ActiveJob, Exception]] = []
         self.last_step_sizes = {}
@@ -114,8 +115,11 @@ class RunningJobs:
             self.last_step_sizes[model] = size
             for event in events:
                 job, choice = self._owners[event.request_id]
-                if job.on_token(choice, event):  # the engine ended it (stop or length)
+                failed = job.failure is not None
+                if job.on_token(choice, event):  # the engine ended it (stop, length, error)
                     self._end_sequence(event.request_id, job)
+                if job.failure is not None and not failed:
+                    broken.append((job, job.failure))
                 touched.add(job)
         return touched, broken
 

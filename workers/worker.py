@@ -244,7 +244,9 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             _, broken = self.running.step()
             self.steps += 1
             for job, exc in broken:
-                self._fail(job, JobFailure(f"the engine failed: {type(exc).__name__}: {exc}"))
+                if not isinstance(exc, JobFailure):
+                    exc = JobFailure(f"the engine failed: {type(exc).__name__}: {exc}")
+                self._fail(job, exc)
             self._flush(step=True)
             if self.config.step_delay:
                 time.sleep(self.config.step_delay)

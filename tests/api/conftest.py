@@ -1,5 +1,6 @@
 """Fixtures for API tests: a fakeredis app for unit tests; real Redis (db 13), a fake
-worker thread and a real HTTP server for integration tests."""
+worker thread and a real HTTP server for integration tests; and a whole llmq on the real
+SmolLM2 (`smollm2_*`, db 10) for the structured-output and tool-calling tests."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import fakeredis
 import httpx
+import openai
 import pytest
 import redis
 from flask import Flask
@@ -22,8 +24,11 @@ from werkzeug.serving import make_server
 from api.app import create_app
 from api.cli import CONF
 from tests.api.fake_worker import FakeWorker
+from tests.workers.conftest import WorkerProcess, wait_for
 
 TEST_REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+SMOLLM2_REDIS_URL = os.environ.get("LLMQ_SMOLLM2_TEST_REDIS_URL", "redis://127.0.0.1:6379/10")
+SMOLLM2 = "smollm2-135m-instruct"
 
 
 # ---------------------------------------------------------------- unit tier (fakeredis)
@@ -173,3 +178,52 @@ def gunicorn(redis_url: str, real_redis) -> Iterator[str]:
     yield base
     proc.terminate()
     proc.wait(timeout=15)
+
+
+# ---------------------------------------------------------------- the real SmolLM2
+# Module scoped (loading SmolLM2 takes seconds): the db is flushed when a module starts and
+# ends, not between its tests, which each submit their own jobs and look only at those.
+
+
+@pytest.fixture(scope="module")
+def smollm2_redis() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(SMOLLM2_REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.fail(f"these tests need Redis at {SMOLLM2_REDIS_URL}")
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_redis: redis.Redis) -> Iterator[str]:
+    app = create_app({"TESTING": True, "REDIS_URL": SMOLLM2_REDIS_URL, "PING_SECONDS": 0.5})
+    httpd = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{httpd.server_port}"
+    worker = WorkerProcess("smollm2-w1", [SMOLLM2], redis_url=SMOLLM2_REDIS_URL)
+    try:
+        wait_for(
+            lambda: httpx.get(f"{base}/ready").status_code == 200 or worker.process.poll(),
+            120,
+            "SmolLM2 loaded",
+        )
+        worker.assert_alive()
+        yield base
+    finally:
+        worker.stop()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+        app.extensions["redis"].close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_oai(smollm2_server: str) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{smollm2_server}/v1", api_key="x", max_retries=0, timeout=120)
+    yield client
+    client.close()

@@ -66,7 +66,7 @@ def test_each_kind_of_bad_line_gets_its_own_error_and_the_rest_still_run() -> No
 
 
 def test_unsupported_features_and_unknown_body_fields_are_line_errors() -> None:
-    _, errors = check(line("a", tools=[{"type": "function"}]), line("b", max_token=3))
+    _, errors = check(line("a", functions=[{"name": "f"}]), line("b", max_token=3))
     assert errors[1][1] == "unsupported"
     assert errors[2][2] == "Unrecognized request argument supplied: max_token"
 
@@ -106,3 +106,16 @@ def test_embeddings_and_completions_lines() -> None:
     item = {"custom_id": "c", "method": "POST", "url": COMPLETIONS}
     _, errors = check({**item, "body": {"model": "tiny", "prompt": ""}}, endpoint=COMPLETIONS)
     assert errors[1][1] == "invalid_request" and "prompt" in errors[1][2]
+
+
+def test_a_line_with_a_schema_carries_its_constraint_and_a_bad_schema_is_a_line_error() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
+    bad = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nope"}}}
+    valid, errors = check(line("good", response_format=fmt), line("bad", response_format=bad))
+    (good,) = valid
+    assert good.spec["constraint"] == {
+        "kind": "json_schema",
+        "value": {"type": "object"},
+        "param": "response_format",
+    }
+    assert errors[2] == ("bad", "invalid_request", "invalid JSON schema: Invalid type: nope")

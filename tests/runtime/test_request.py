@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from runtime.constraints import Constraint
 from runtime.errors import EmptyPromptError, InvalidSamplingParams, LLMQRuntimeError
 from runtime.limits import DEFAULT_COMPLETION_TOKENS, MAX_CHOICES
 from runtime.request import GenerationSpec
@@ -106,3 +107,38 @@ def test_a_record_from_redis_is_checked_like_a_body(change, param):
     with pytest.raises(LLMQRuntimeError) as raised:
         GenerationSpec.from_record(record)
     assert raised.value.param == param
+
+
+def test_a_constraint_goes_to_every_choice_and_survives_the_record():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "n": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }
+    spec = GenerationSpec.from_body(body, chat=True)
+    assert spec.constraint == Constraint("json_schema", schema, "response_format")
+    back = GenerationSpec.from_record(json.loads(json.dumps(spec.to_record())))
+    assert back == spec
+    assert [p.constraint for p in back.choice_params(4)] == [spec.constraint] * 2
+    regex = GenerationSpec.from_body({"prompt": "x", "regex": "[0-9]+"}, chat=False)
+    assert regex.constraint == Constraint("regex", "[0-9]+", "regex")
+    assert GenerationSpec.from_body({"prompt": "x"}, chat=False).constraint is None
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        "json_object",  # not an object
+        {"kind": "xml", "value": None, "param": None},
+        {"kind": "regex", "value": 5, "param": "regex"},
+        {"kind": "json_object", "value": None, "param": None, "extra": 1},
+        {"kind": "json_object", "value": None, "param": 7},
+    ],
+)
+def test_a_constraint_from_redis_is_checked_again(constraint):
+    record = {**GenerationSpec.from_body({"prompt": "x"}, chat=False).to_record()}
+    record["constraint"] = constraint
+    with pytest.raises(LLMQRuntimeError) as raised:
+        GenerationSpec.from_record(record)
+    assert raised.value.param in ("response_format", "regex")

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runtime.chat_template import ChatTemplate
 from runtime.engine import Engine
 from workers.jobs import ActiveJob
 from workers.progress import StreamedChoice, StreamProgress
@@ -91,3 +92,71 @@ def test_a_choice_that_ended_before_the_crash_is_not_generated_again(engine):
     )
     again = new_job(COMPLETIONS, body, progress)
     assert again.start(engine) == [] and again.result == reference
+
+
+def test_a_choice_the_engine_ends_with_an_error_fails_the_job_with_a_500(engine):
+    """A grammar matcher that fails (it never should) must not finish the job with output
+    that may not match the caller's schema: the job fails, with the engine's reason."""
+    body = {"prompt": "x", "max_tokens": 6, "temperature": 0, "regex": "[0-9]{6}"}
+    job = new_job(COMPLETIONS, body)
+    generator = engine.new_generator()
+    for request_id, prompt, params in job.start(engine):
+        generator.add(request_id, prompt, params)
+    letter = engine.encode("x", add_special=False)[0]
+    generator._waiting[0].grammar.matcher.consume_token(letter)  # what should never happen
+    while len(generator):
+        for event in generator.step():
+            job.on_token(0, event)
+    assert job.result is None and job.failure is not None
+    error = job.failure.body()
+    assert error["status"] == 500 and error["error"]["code"] == "constrained_decoding_failed"
+    assert "constrained decoding failed" in error["error"]["message"]
+
+
+def test_a_job_resumed_inside_a_tool_call_names_and_finishes_it_as_before(tiny_model):
+    """The parser is rebuilt from the streamed text, so the resumed attempt's deltas carry
+    on where the first stopped and the body (call ids included) is the one it would give."""
+    engine = Engine.load(str(tiny_model))
+    # a short template that shows tools itself: the fallback's prompt overflows 256 tokens
+    engine.chat_template = ChatTemplate(
+        "{% for t in tools %}{{ t.function.name }} {% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "pick",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"enum": [1, 2, 3]}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    body = {
+        "messages": [{"role": "user", "content": "pick"}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 160,  # the tiny vocabulary spells the call's fixed text in many tokens
+        "temperature": 0,
+    }
+    first = new_job(CHAT_COMPLETIONS, body)
+    reference = run(engine, first)
+    message = reference["choices"][0]["message"]
+    assert reference["choices"][0]["finish_reason"] == "tool_calls"
+    assert message["content"] is None and message["tool_calls"][0]["id"].startswith("call_")
+    events = [json.loads(data) for _, data in first.pending]
+    cut = next(i for i, e in enumerate(events) if e["delta"].get("tool_calls")) + 1
+    progress = StreamProgress(length=cut)
+    progress.choices[0] = StreamedChoice(
+        [e["token_id"] for e in events[:cut]], [e["text"] for e in events[:cut]]
+    )
+    second = new_job(CHAT_COMPLETIONS, body, progress)
+    resumed = run(engine, second)
+    for done in (resumed, reference):
+        done["usage"].pop("prompt_tokens_details")
+    assert resumed == reference
+    later = [json.loads(data)["delta"] for _, data in second.pending]
+    assert later == [e["delta"] for e in events[cut:]]  # no call started twice

@@ -14,7 +14,11 @@ request asked for logprobs, the event also has `"logprobs"`: this token's entry 
 the endpoint's layout, ready for a stream chunk: for chat `{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}, ...]}` (one item of `logprobs.content`), for
 completions `{"token", "logprob", "top_logprobs": {text: lp}, "text_offset"}` (one column of
-the legacy layout); `top_logprobs` ids are then filled too, else `[]`. `done` data is
+the legacy layout); `top_logprobs` ids are then filled too, else `[]`. A chat job whose
+answer may hold tool calls adds `"delta"`: what this token shows the client, `{"content":
+"..."}` and/or `{"tool_calls": [...]}` in OpenAI's stream-delta shape (`runtime.tool_calls`
+splits the text; text that may start a call is held back, so a delta can be empty and a
+later one carry several tokens' text); `text` stays the raw token text. `done` data is
 exactly the body the synchronous call returns; `error` data is an OpenAI error body
 `{"error": {...}}` plus `"status"` (`workers.wire.errors.error_body`).
 """
@@ -61,6 +65,7 @@ def token_event(
     attempt: int,
     logprobs: dict[str, Any] | None = None,
     top_logprobs: list[tuple[int, float]] | None = None,
+    delta: dict[str, Any] | None = None,
 ) -> Event:
     data: dict[str, Any] = {
         "choice": choice,
@@ -74,6 +79,8 @@ def token_event(
     }
     if logprobs is not None:
         data["logprobs"] = logprobs
+    if delta is not None:
+        data["delta"] = delta
     return encode_event(EVENT_TOKEN, data)
 
 
