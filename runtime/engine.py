@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.chat_template import ChatTemplate
 from runtime.errors import EmptyPromptError
 from runtime.generator import Generator, GeneratorConfig, TokenEvent
 from runtime.gguf_file import GGUFFile
@@ -56,7 +57,6 @@ class Engine:
         self.architecture = gguf_file.architecture
         self.text = ModelText.from_file(spec, gguf_file)
         self.tokenizer = self.text.tokenizer
-        self.chat_template = self.text.chat_template
         self.backend = get_backend(self.config.backend or spec.backend)
         self.model = load_model(gguf_file, self.backend)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
@@ -75,6 +75,15 @@ class Engine:
     def load(cls, model: str | None = None, config: EngineConfig | None = None) -> Engine:
         spec = resolve(model)
         return cls(spec, GGUFFile(spec.path()), config)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return self.text.chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: ChatTemplate) -> None:
+        """Replace the template the chats of this engine render with (tests, overrides)."""
+        self.text.chat_template = template
 
     @property
     def context_length(self) -> int:
