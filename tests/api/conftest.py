@@ -24,6 +24,7 @@ from werkzeug.serving import make_server
 from api.app import create_app
 from api.cli import CONF
 from tests.api.fake_worker import FakeWorker
+from tests.redis_db import clean_redis_db
 from tests.workers.conftest import WorkerProcess, wait_for
 
 TEST_REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
@@ -97,11 +98,8 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture
 def real_redis(redis_url: str) -> Iterator[redis.Redis]:
-    conn = redis.Redis.from_url(redis_url)
-    conn.flushdb()
-    yield conn
-    conn.flushdb()
-    conn.close()
+    with clean_redis_db(redis_url) as conn:
+        yield conn
 
 
 @pytest.fixture
@@ -187,15 +185,8 @@ def gunicorn(redis_url: str, real_redis) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def smollm2_redis() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(SMOLLM2_REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.fail(f"these tests need Redis at {SMOLLM2_REDIS_URL}")
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    with clean_redis_db(SMOLLM2_REDIS_URL) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

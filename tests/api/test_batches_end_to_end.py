@@ -23,6 +23,7 @@ import redis
 from werkzeug.serving import make_server
 
 from api.app import create_app
+from tests.redis_db import clean_redis_db
 from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import REPO, WorkerProcess, wait_for
 from workers import keys
@@ -44,15 +45,8 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def conn() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip(f"no Redis at {REDIS_URL}")
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    with clean_redis_db(REDIS_URL) as client:
+        yield client
 
 
 @pytest.fixture

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from runtime.engine import Engine
 from runtime.generator import Generator
+from runtime.kv_pool import BlockPool
+from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -14,6 +19,15 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 def random_tokens(n: int, seed: int, vocab: int = 250) -> list[int]:
     """`n` reproducible token ids, clear of the tiny models' special ids below 10."""
     return [int(t) for t in np.random.default_rng(seed).integers(10, vocab, n)]
+
+
+def tight_engine(path: Path, n_blocks: int = 12) -> Engine:
+    """An engine whose KV pool holds only `n_blocks` blocks (12 = 192 tokens: too few for
+    several sequences at once), so the generator must preempt."""
+    engine = Engine.load(str(path))
+    engine.kv_pool = BlockPool(*engine.model.kv_shape, n_blocks=n_blocks)
+    engine.prefix_cache = PrefixCache(engine.kv_pool, "tight")
+    return engine
 
 
 def run_all(

@@ -13,10 +13,8 @@ import pytest
 from runtime.constraints import Constraint, constraint_from_request, validate_constraint
 from runtime.engine import Engine
 from runtime.errors import InvalidSamplingParams
-from runtime.kv_pool import BlockPool
-from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
-from tests.runtime.generation_helpers import GREEDY, random_tokens, run_all
+from tests.runtime.generation_helpers import GREEDY, random_tokens, run_all, tight_engine
 
 PHONE = "[0-9]{3}-[0-9]{4}"
 # bounded, so even a tiny random model finishes it well within max_tokens
@@ -268,9 +266,7 @@ def test_preemption_keeps_constrained_outputs_exact(tiny_model_path):
         for i, sampling in enumerate([GREEDY, *SEEDS])
     }
     expected = run_all(Engine.load(str(tiny_model_path)).new_generator(), requests)
-    tight = Engine.load(str(tiny_model_path))
-    tight.kv_pool = BlockPool(*tight.model.kv_shape, n_blocks=12)  # 192 tokens: too few
-    tight.prefix_cache = PrefixCache(tight.kv_pool, "tight")
+    tight = tight_engine(tiny_model_path)  # 192 tokens: too few
     generator = tight.new_generator()
     got = run_all(generator, requests)
     assert generator.preemptions > 0

@@ -7,10 +7,8 @@ from pathlib import Path
 import pytest
 
 from runtime.engine import Engine, EngineConfig
-from runtime.kv_pool import BlockPool
-from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
-from tests.runtime.generation_helpers import GREEDY, random_tokens, run_all
+from tests.runtime.generation_helpers import GREEDY, random_tokens, run_all, tight_engine
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +23,7 @@ def test_preemption_when_kv_memory_runs_out_keeps_every_output_exact(tiny_model_
         for i in range(4)
     }
     expected = run_all(roomy.new_generator(), requests)
-    tight = Engine.load(str(tiny_model_path))
-    # 12 blocks = 192 tokens: not enough for four sequences of ~50-60 tokens at once
-    tight.kv_pool = BlockPool(*tight.model.kv_shape, n_blocks=12)
-    tight.prefix_cache = PrefixCache(tight.kv_pool, "tight")
+    tight = tight_engine(tiny_model_path)  # 192 tokens: not four sequences of ~50-60 at once
     generator = tight.new_generator()
     got = run_all(generator, requests)
     assert generator.preemptions > 0
