@@ -167,7 +167,7 @@ class Generator:
         """Queue a request. `resume`: how many of the last prompt tokens an earlier run of
         it generated and sent; their text is not emitted again, and what they held back
         (part of a UTF-8 character, the start of a stop string) carries on; a constraint's
-        matcher is fed them."""
+        matcher is fed them, and the sampler's random stream and counts move past them."""
         if any(s.request_id == request_id for s in self._running + self._waiting):
             raise ValueError(f"request {request_id!r} is already running")
         self._check_sizes(prompt_ids, params)  # the matcher below checks the constraint
@@ -177,6 +177,8 @@ class Generator:
         text = TextAssembler(self.tokenizer, params.stop)
         sent = prompt[len(prompt) - resume :]
         text.replay(sent)
+        sampling = self.sampler.new_state(params, prompt)
+        sampling.replay(sent)
         grammar = None
         if params.constraint is not None:
             grammar = GrammarMatcher(self.grammar_vocab, params.constraint, replay=sent)
@@ -185,7 +187,7 @@ class Generator:
             prompt_ids=prompt,
             priority=priority,
             arrival=next(self._arrivals),
-            sampling=self.sampler.new_state(params, prompt),
+            sampling=sampling,
             text=text,
             cache_prompt=cache_prompt and self.prefix_cache is not None,
             original_length=len(prompt),

@@ -317,6 +317,16 @@ class SequenceSamplingState:
         )
         self.plain_greedy = params.greedy and not self.needs_processing and not params.logprobs
 
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Carry on after `token_ids` that an earlier run of this request sampled and sent
+        (they are at the end of this state's prompt): the random stream is advanced by the
+        one uniform each of those draws took, and presence/frequency counts include them, so a
+        seeded request resumed on another worker samples what the uninterrupted run would."""
+        if not self.params.greedy and token_ids:
+            self.generator.random(len(token_ids))
+        if self.counts is not None:
+            np.add.at(self.counts, np.asarray(token_ids, dtype=np.int64), 1)
+
     def append(self, token_id: int) -> str | None:
         """Record a generated token; return "stop", "length" or None (keep going).
 
