@@ -229,6 +229,7 @@ class EventLog:
     connection (attempt) it came on, and how each connection ended."""
 
     messages: list[tuple[int, Message]] = field(default_factory=list)
+    arrived: list[float] = field(default_factory=list)  # monotonic time of each message
     attempts: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
     transport_errors: int = 0
@@ -263,6 +264,7 @@ def follow_once(
                 if message.event is None and message.id is None:
                     continue  # retry: and : ping
                 log.messages.append((log.attempts, message))
+                log.arrived.append(time.monotonic())
                 if on_message is not None:
                     on_message(message)
                 if message.event == "error":
