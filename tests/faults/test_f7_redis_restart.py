@@ -36,7 +36,7 @@ def test_f7_redis_restart_during_20_live_streams(fault_redis, start_api, start_w
     api = start_api(server.url)
     workers = start_workers(server.url, count=2, step_delay_ms=40)
     wait_ready(api)
-    jobs = [submit_async(api.base, TOKENS, prompt=f"tale {i}") for i in range(STREAMS)]
+    jobs = [submit_async(api.base, TOKENS, prompt=f"CANARY-7f3a tale {i}") for i in range(STREAMS)]
     logs = {job_id: EventLog() for job_id in jobs}
     deadline = time.monotonic() + 120
     threads = [
@@ -82,6 +82,9 @@ def test_f7_redis_restart_during_20_live_streams(fault_redis, start_api, start_w
     for worker in workers:
         worker.assert_alive()
     assert api.server_errors() == [], api.server_errors()
+    # F17 under F7: the outage logged, the prompts never (API and worker logs)
+    for output in [api.output()] + [w.output() for w in workers]:
+        assert "CANARY" not in output
     print(
         f"F7: 503 in {max(latencies) * 1000:.0f} ms max; ready {ready_after:.2f}s after the "
         f"restart; reconnects per stream {sorted(log.attempts for log in logs.values())}; "
