@@ -110,11 +110,11 @@ def fault_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Api:
     """`llmq api`'s gunicorn (its config and worker class) with `processes` processes."""
 
-    def __init__(self, redis_url: str, processes: int) -> None:
+    def __init__(self, redis_url: str, processes: int, **extra_env: str) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-        env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1", **extra_env}
         env.pop("LLMQ_API_KEYS", None)
         argv = [sys.executable, "-m", "gunicorn", "-c", str(CONF), "-b", f"127.0.0.1:{self.port}"]
         argv += ["-w", str(processes), "api.app:create_app()"]
@@ -155,8 +155,8 @@ class Api:
 def start_api() -> Iterator[Callable[..., Api]]:
     apis: list[Api] = []
 
-    def start(redis_url: str, processes: int = 1) -> Api:
-        api = Api(redis_url, processes)
+    def start(redis_url: str, processes: int = 1, **extra_env: str) -> Api:
+        api = Api(redis_url, processes, **extra_env)
         apis.append(api)
         return api
 
@@ -169,11 +169,14 @@ def start_api() -> Iterator[Callable[..., Api]]:
 def start_workers(fault_model: Path) -> Iterator[Callable[..., list[WorkerProcess]]]:
     started: list[WorkerProcess] = []
 
-    def start(redis_url: str, count: int = 1, step_delay_ms: int = 20) -> list[WorkerProcess]:
+    def start(
+        redis_url: str, count: int = 1, step_delay_ms: int = 20, extra: tuple[str, ...] = ()
+    ) -> list[WorkerProcess]:
         procs = [
             WorkerProcess(
                 f"fault-w{len(started) + i}",
                 [str(fault_model)],
+                *extra,
                 step_delay_ms=step_delay_ms,
                 redis_url=redis_url,
             )
