@@ -115,14 +115,14 @@ def _ready(data: bytes) -> bool:
 
 
 def _content_length(head: bytes) -> int | None:
-    """The one Content-Length of a request without Transfer-Encoding, else None (the thread
-    and gunicorn's parser judge those, and malformed ones)."""
+    """The one Content-Length of a request without Transfer-Encoding or Expect, else None
+    (the thread and gunicorn's parser judge those, and malformed ones)."""
     lengths = []
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
-        if name == b"transfer-encoding":
-            return None
+        if name in (b"transfer-encoding", b"expect"):
+            return None  # chunked; or a client waiting for gunicorn's 100 Continue
         if name == b"content-length":
             lengths.append(value.strip())
     if len(lengths) != 1 or not lengths[0].isdigit():

@@ -112,3 +112,36 @@ def test_a_body_in_pieces_within_the_timeout_is_served(gunicorn) -> None:
         answer += sock.recv(4096)
     sock.close()
     assert answer.startswith(b"HTTP/1.1 404"), answer[:200]
+
+
+@pytest.mark.parametrize(
+    ("data", "ready"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n", False),  # headers still coming
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", True),  # no body
+        (b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nabc", False),  # body still coming
+        (b"POST / HTTP/1.1\r\ncontent-length: 5\r\n\r\nabcde", True),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", True),  # the thread reads
+        (b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n", True),
+        (b"POST / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", True),  # large: 413 fast
+        (b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", True),
+    ],
+)
+def test_which_requests_a_thread_takes_at_once(data: bytes, ready: bool) -> None:
+    from api.gunicorn_worker import _ready
+
+    assert _ready(data) is ready
+
+
+def test_expect_100_continue_is_answered_at_once(gunicorn) -> None:
+    """A client that waits for 100 Continue before its body (curl does) is not kept
+    waiting for a body it has not sent."""
+    url = urlparse(gunicorn)
+    sock = socket.create_connection((url.hostname, url.port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-test\r\n"
+        b"Content-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n"
+    )
+    sock.settimeout(0.5)
+    assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
+    sock.close()
