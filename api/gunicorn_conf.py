@@ -27,5 +27,8 @@ limit_request_fields = 100
 limit_request_field_size = 8190
 
 accesslog = "-"  # URLs carry no prompt text; bodies are never logged
+# gunicorn's default line plus the time spent in the app (%(M)s ms: from the parsed request
+# to the response's end; a stream's whole length, a submission's own latency)
+access_log_format = '%(h)s %(l)s %(u)s %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s" %(M)sms'
 errorlog = "-"
 loglevel = os.environ.get("LLMQ_LOG_LEVEL", "info")

@@ -7,7 +7,11 @@ byte every few seconds hold every thread, forever (measured: 30 such sockets sta
 holds, without blocking; until the blank line that ends the headers has arrived, the
 connection goes back to the worker's poller (gunicorn's deferred connections, which it
 closes after `keepalive` seconds of silence), and a connection whose headers take longer
-than HEADER_TIMEOUT_SECONDS in all is closed (RELIABILITY F15).
+than HEADER_TIMEOUT_SECONDS in all is closed (RELIABILITY F15). A body with a
+Content-Length up to MAX_BUFFERED_BODY is gathered the same way before a thread sees the
+request, and one still incomplete BODY_TIMEOUT_SECONDS after its headers is answered 408
+and closed: a client trickling its body one byte a second holds no thread (issue 15).
+Chunked and larger bodies (file uploads) are read by the thread, as stock gthread does.
 
 TLS and HTTP/2 prior-knowledge connections, and gunicorn versions without deferred
 connections, fall back to the stock behaviour.
@@ -22,8 +26,11 @@ from typing import Any
 from gunicorn.workers import gthread
 
 HEADER_TIMEOUT_SECONDS = float(os.environ.get("LLMQ_HEADER_TIMEOUT", "10"))
+BODY_TIMEOUT_SECONDS = float(os.environ.get("LLMQ_BODY_TIMEOUT", "10"))
 MAX_HEAD_BYTES = 64 * 1024  # beyond this, gunicorn's own limits reject the request
+MAX_BUFFERED_BODY = 2 * 1024 * 1024  # above the API's 1 MiB limit, so 413s still come fast
 HEAD_END = b"\r\n\r\n"
+TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 _DEFER = getattr(gthread, "_DEFER", None)
 
 
@@ -54,17 +61,18 @@ class HeaderDeadlineWorker(gthread.ThreadWorker):
         return False
 
     def _gather_head(self, conn: Any) -> Any:
-        """None when the headers are complete (handed to the parser), else a verdict:
-        `_DEFER` (wait in the poller for more) or False (close the connection)."""
+        """None when the request is ready for a thread (its headers complete, and its body
+        too when it has a small Content-Length), else a verdict: `_DEFER` (wait in the poller
+        for more) or False (close the connection)."""
         buffered = conn.parser.unreader.buf.getvalue() if conn.parser is not None else b""
         if HEAD_END in buffered:
             return None  # a pipelined request that is already complete
-        head: bytes = getattr(conn, "llmq_head", b"")
+        data: bytes = getattr(conn, "llmq_head", b"")
         deadline: float = getattr(conn, "llmq_deadline", 0.0) or (
             time.monotonic() + HEADER_TIMEOUT_SECONDS
         )
         conn.sock.setblocking(False)
-        while len(head) < MAX_HEAD_BYTES:
+        while not _ready(buffered + data):
             try:
                 chunk = conn.sock.recv(65536)
             except (BlockingIOError, InterruptedError):
@@ -72,17 +80,51 @@ class HeaderDeadlineWorker(gthread.ThreadWorker):
             except OSError:
                 return self._drop(conn)
             if not chunk:
-                return self._drop(conn)  # the client closed before finishing its headers
-            head += chunk
-        if HEAD_END in buffered + head or len(head) >= MAX_HEAD_BYTES:
+                return self._drop(conn)  # the client closed before finishing its request
+            if HEAD_END not in buffered + data and HEAD_END in buffered + data + chunk:
+                deadline = time.monotonic() + BODY_TIMEOUT_SECONDS  # the body's own budget
+            data += chunk
+        if _ready(buffered + data):
             conn.llmq_head, conn.llmq_deadline = b"", 0.0
             if conn.parser is None:
                 conn.init()  # blocking socket and an HTTP/1 parser
             rest = conn.parser.unreader.take_buffered()
-            conn.parser.unreader.unread(rest + head)
+            conn.parser.unreader.unread(rest + data)
             return None
         if time.monotonic() > deadline:
-            self.log.debug("closing %s: request headers too slow", conn.client)
+            slow = "body" if HEAD_END in buffered + data else "headers"
+            self.log.debug("closing %s: request %s too slow", conn.client, slow)
+            if slow == "body":
+                try:
+                    conn.sock.send(TIMED_OUT)
+                except OSError:
+                    pass
             return self._drop(conn)
-        conn.llmq_head, conn.llmq_deadline = head, deadline
+        conn.llmq_head, conn.llmq_deadline = data, deadline
         return _DEFER
+
+
+def _ready(data: bytes) -> bool:
+    """Whether a thread may take the request: its headers are in (or too long: gunicorn
+    rejects them), and so is its body unless it is chunked, absent or large."""
+    head, found, body = data.partition(HEAD_END)
+    if not found:
+        return len(data) >= MAX_HEAD_BYTES
+    length = _content_length(head)
+    return length is None or length > MAX_BUFFERED_BODY or len(body) >= length
+
+
+def _content_length(head: bytes) -> int | None:
+    """The one Content-Length of a request without Transfer-Encoding or Expect, else None
+    (the thread and gunicorn's parser judge those, and malformed ones)."""
+    lengths = []
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name in (b"transfer-encoding", b"expect"):
+            return None  # chunked; or a client waiting for gunicorn's 100 Continue
+        if name == b"content-length":
+            lengths.append(value.strip())
+    if len(lengths) != 1 or not lengths[0].isdigit():
+        return None
+    return int(lengths[0])

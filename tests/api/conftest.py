@@ -142,6 +142,7 @@ def gunicorn(redis_url: str, real_redis) -> Iterator[str]:
         "REDIS_URL": redis_url,
         "LLMQ_API_KEYS": "sk-test",
         "LLMQ_HEADER_TIMEOUT": "2",
+        "LLMQ_BODY_TIMEOUT": "2",
     }
     proc = subprocess.Popen(
         [

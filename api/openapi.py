@@ -1,0 +1,388 @@
+"""The `docs` blueprint: `GET /openapi.json` (OpenAPI 3.1) and `GET /docs` (Swagger UI).
+
+The document is generated: `ROUTES` names each operation with its pydantic request and
+response models, and `build_document` turns their `model_json_schema()` into paths, moving
+every `$defs` entry into `components/schemas`. Swagger UI's assets come from the
+`swagger-ui-bundle` package and are served here (no CDN).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flask import Blueprint, Response, abort, jsonify, send_from_directory
+from pydantic import BaseModel, Field
+from swagger_ui_bundle import swagger_ui_path
+
+from api import responses as r
+from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from workers.wire.job import ENDPOINTS, JOB_STATUSES
+
+bp = Blueprint("docs", __name__)
+
+REF = "#/components/schemas/"
+JSON, SSE, TEXT, BYTES = (
+    "application/json",
+    "text/event-stream",
+    "text/plain",
+    "application/octet-stream",
+)
+ASSETS = ("swagger-ui.css", "swagger-ui-bundle.js", "swagger-ui-standalone-preset.js")
+
+
+# ---------------------------------------------------------------- bodies parsed by hand
+
+
+class JobCreate(BaseModel):
+    """`POST /v1/jobs`: the endpoint to run and the body you would POST to it."""
+
+    endpoint: Literal[ENDPOINTS]  # type: ignore[valid-type]
+    body: dict[str, Any]
+
+
+class BatchCreate(BaseModel):
+    input_file_id: str
+    endpoint: Literal[ENDPOINTS]  # type: ignore[valid-type]
+    completion_window: str = Field(description="`24h`, or any shorter `N s|m|h`")
+    metadata: dict[str, str] | None = None
+
+
+class FileUpload(BaseModel):
+    """multipart/form-data: a JSONL file of `{custom_id, method, url, body}` lines."""
+
+    file: bytes = Field(json_schema_extra={"format": "binary"})
+    purpose: Literal["batch"]
+
+
+# ---------------------------------------------------------------- the route table
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    where: Literal["path", "query", "header"]
+    schema: dict[str, Any]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Op:
+    method: str
+    path: str  # OpenAPI's template: /v1/jobs/{job_id}
+    tag: str
+    summary: str
+    body: type[BaseModel] | None = None
+    ok: dict[int, dict[str, type[BaseModel] | None]] = field(default_factory=dict)
+    errors: tuple[int, ...] = ()
+    params: tuple[Param, ...] = ()
+    body_type: str = JSON
+
+
+JOB_ID = Param("job_id", "path", {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"})
+LIMIT_100 = Param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 100})
+AFTER = Param("after", "query", {"type": "string"}, "the id after which the page starts")
+PREFER = Param("Prefer", "header", {"type": "string"}, "`respond-async`: answer 202 with a job")
+LAST_EVENT_ID = Param("Last-Event-ID", "header", {"type": "string"}, "resume after this event")
+V1_ERRORS = (400, 401, 404, 413, 429, 503)  # every /v1 operation can also be refused
+
+
+def _generate(path: str, tag: str, summary: str, body: type[BaseModel], result: Any) -> Op:
+    ok = {200: {JSON: result, SSE: None}, 202: {JSON: r.JobSummary}}
+    return Op("post", path, tag, summary, body, ok, V1_ERRORS, (PREFER,))
+
+
+ROUTES: tuple[Op, ...] = (
+    _generate("/v1/completions", "openai", "Complete a prompt", CompletionRequest, r.Completion),
+    _generate(
+        "/v1/chat/completions", "openai", "Answer a chat", ChatCompletionRequest, r.ChatCompletion
+    ),
+    _generate("/v1/embeddings", "openai", "Embed texts", EmbeddingRequest, r.EmbeddingList),
+    Op("get", "/v1/models", "openai", "List models", ok={200: {JSON: r.ModelList}}),
+    Op(
+        "get",
+        "/v1/models/{model_id}",
+        "openai",
+        "Retrieve a model",
+        ok={200: {JSON: r.ModelObject}},
+        errors=(404,),
+        params=(Param("model_id", "path", {"type": "string"}),),
+    ),
+    Op("post", "/v1/jobs", "jobs", "Submit an async job", JobCreate, {202: {JSON: r.JobSummary}}),
+    Op(
+        "get",
+        "/v1/jobs",
+        "jobs",
+        "List your jobs, newest first",
+        ok={200: {JSON: r.JobList}},
+        params=(
+            LIMIT_100,
+            AFTER,
+            Param("status", "query", {"type": "string", "enum": list(JOB_STATUSES)}),
+        ),
+    ),
+    Op("get", "/v1/jobs/{job_id}", "jobs", "Poll a job", ok={200: {JSON: r.Job}}, params=(JOB_ID,)),
+    Op(
+        "post",
+        "/v1/jobs/{job_id}/cancel",
+        "jobs",
+        "Cancel a job",
+        ok={202: {JSON: r.Job}},
+        errors=(409,),
+        params=(JOB_ID,),
+    ),
+    Op(
+        "get",
+        "/v1/jobs/{job_id}/events",
+        "jobs",
+        "Follow a job's tokens (SSE; resumable)",
+        ok={200: {SSE: None}},
+        params=(JOB_ID, LAST_EVENT_ID, Param("after", "query", {"type": "string"})),
+    ),
+    Op(
+        "post",
+        "/v1/files",
+        "batches",
+        "Upload a batch input file",
+        FileUpload,
+        {200: {JSON: r.FileObject}},
+        (413, 415),
+        body_type="multipart/form-data",
+    ),
+    Op(
+        "get",
+        "/v1/files",
+        "batches",
+        "List files",
+        ok={200: {JSON: r.FileList}},
+        params=(
+            Param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 10_000}),
+            AFTER,
+            Param("order", "query", {"type": "string", "enum": ["asc", "desc"]}),
+            Param("purpose", "query", {"type": "string"}),
+        ),
+    ),
+    Op(
+        "get",
+        "/v1/files/{file_id}",
+        "batches",
+        "Retrieve a file",
+        ok={200: {JSON: r.FileObject}},
+        params=(Param("file_id", "path", {"type": "string"}),),
+    ),
+    Op(
+        "delete",
+        "/v1/files/{file_id}",
+        "batches",
+        "Delete a file",
+        ok={200: {JSON: r.FileDeleted}},
+        params=(Param("file_id", "path", {"type": "string"}),),
+    ),
+    Op(
+        "get",
+        "/v1/files/{file_id}/content",
+        "batches",
+        "A file's bytes",
+        ok={200: {BYTES: None}},
+        params=(Param("file_id", "path", {"type": "string"}),),
+    ),
+    Op("post", "/v1/batches", "batches", "Create a batch", BatchCreate, {200: {JSON: r.Batch}}),
+    Op(
+        "get",
+        "/v1/batches",
+        "batches",
+        "List batches",
+        ok={200: {JSON: r.BatchList}},
+        params=(LIMIT_100, AFTER),
+    ),
+    Op(
+        "get",
+        "/v1/batches/{batch_id}",
+        "batches",
+        "Retrieve a batch",
+        ok={200: {JSON: r.Batch}},
+        params=(Param("batch_id", "path", {"type": "string"}),),
+    ),
+    Op(
+        "post",
+        "/v1/batches/{batch_id}/cancel",
+        "batches",
+        "Cancel a batch",
+        ok={200: {JSON: r.Batch}},
+        params=(Param("batch_id", "path", {"type": "string"}),),
+    ),
+    Op("get", "/admin/workers", "admin", "Workers", ok={200: {JSON: r.AdminList}}),
+    Op("get", "/admin/jobs", "admin", "Jobs in flight", ok={200: {JSON: r.AdminList}}),
+    Op("get", "/admin/models", "admin", "Model pools", ok={200: {JSON: r.AdminList}}),
+    Op("get", "/admin/queues", "admin", "Queues", ok={200: {JSON: r.AdminList}}),
+    Op(
+        "post",
+        "/admin/models/load",
+        "admin",
+        "Load a model on the live workers",
+        r.ModelCommand,
+        {202: {JSON: r.ModelCommandSent}},
+        (404, 503),
+    ),
+    Op(
+        "post",
+        "/admin/models/unload",
+        "admin",
+        "Unload a model from the workers holding it",
+        r.ModelCommand,
+        {202: {JSON: r.ModelCommandSent}},
+        (404, 503),
+    ),
+    Op("get", "/admin/loras", "admin", "LoRA adapters (not yet)", errors=(501,)),
+    Op("post", "/admin/loras", "admin", "Register a LoRA adapter (not yet)", errors=(501,)),
+    Op("get", "/health", "ops", "Liveness", ok={200: {JSON: r.Health}}),
+    Op("get", "/ready", "ops", "Readiness", ok={200: {JSON: r.Ready}}, errors=(503,)),
+    Op("get", "/metrics", "ops", "Prometheus metrics", ok={200: {TEXT: None}}),
+    Op("get", "/openapi.json", "ops", "This document", ok={200: {JSON: None}}),
+)
+
+
+# ---------------------------------------------------------------- the builder
+
+
+class _Components:
+    """Collects schemas: each model once under its name, its `$defs` beside it."""
+
+    def __init__(self) -> None:
+        self.schemas: dict[str, Any] = {}
+
+    def ref(self, model: type[BaseModel]) -> dict[str, str]:
+        if model.__name__ not in self.schemas:
+            schema = model.model_json_schema(ref_template=REF + "{model}")
+            self.schemas.update(schema.pop("$defs", {}))
+            self.schemas[model.__name__] = schema
+        return {"$ref": REF + model.__name__}
+
+
+def _content(components: _Components, media: dict[str, type[BaseModel] | None]) -> dict[str, Any]:
+    content = {}
+    for media_type, model in media.items():
+        schema = components.ref(model) if model else {"type": "string"}
+        content[media_type] = {"schema": schema}
+    return content
+
+
+def _operation(op: Op, components: _Components) -> dict[str, Any]:
+    responses: dict[str, Any] = {
+        str(status): {"description": "OK", "content": _content(components, media)}
+        for status, media in op.ok.items()
+    }
+    error = {"content": {JSON: {"schema": components.ref(r.ErrorBody)}}}
+    statuses = set(op.errors) | {400, 500}
+    if op.path.startswith("/v1"):
+        statuses |= {401, 404, 503}
+    elif op.path.startswith("/admin"):
+        statuses |= {403, 503}
+    for status in sorted(statuses):
+        responses[str(status)] = {"description": _REASONS.get(status, "Error"), **error}
+    operation: dict[str, Any] = {
+        "operationId": f"{op.method}_{re.sub(r'[^A-Za-z0-9]+', '_', op.path).strip('_')}",
+        "tags": [op.tag],
+        "summary": op.summary,
+        "responses": responses,
+    }
+    if op.params:
+        operation["parameters"] = [
+            {
+                "name": p.name,
+                "in": p.where,
+                "required": p.where == "path",
+                "schema": p.schema,
+                **({"description": p.description} if p.description else {}),
+            }
+            for p in op.params
+        ]
+    if op.body is not None:
+        body_content = {op.body_type: {"schema": components.ref(op.body)}}
+        operation["requestBody"] = {"required": True, "content": body_content}
+    return operation
+
+
+_REASONS = {
+    400: "Invalid request",
+    401: "Missing or wrong API key",
+    403: "Not allowed",
+    404: "Not found",
+    409: "Conflict (the job has already ended)",
+    413: "Body too large",
+    415: "Unsupported media type",
+    429: "Queue full (see Retry-After)",
+    500: "Internal error (a bug: never expected)",
+    501: "Not implemented yet",
+    503: "Broker or workers unavailable (see Retry-After)",
+}
+
+
+@functools.cache
+def build_document() -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document from `ROUTES` (built once per process)."""
+    components = _Components()
+    paths: dict[str, dict[str, Any]] = {}
+    for op in ROUTES:
+        paths.setdefault(op.path, {})[op.method] = _operation(op, components)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "llmq",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible LLM serving over a Redis job queue.",
+        },
+        "servers": [{"url": "/"}],
+        "paths": paths,
+        "components": {
+            "schemas": components.schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{}, {"bearer": []}],
+    }
+
+
+@bp.get("/openapi.json")
+def openapi_json() -> Response:
+    return jsonify(build_document())
+
+
+DOCS_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+  <meta charset="utf-8">
+  <title>llmq API</title>
+  <link rel="stylesheet" href="/docs/assets/swagger-ui.css">
+</head>
+<body>
+  <div id="swagger-ui"></div>
+  <script src="/docs/assets/swagger-ui-bundle.js"></script>
+  <script src="/docs/assets/swagger-ui-standalone-preset.js"></script>
+  <script src="/docs/assets/init.js"></script>
+</body>
+</html>
+"""
+
+INIT_JS = """window.ui = SwaggerUIBundle({
+  url: "/openapi.json",
+  dom_id: "#swagger-ui",
+  presets: [SwaggerUIBundle.presets.apis, SwaggerUIStandalonePreset],
+  layout: "StandaloneLayout",
+});
+"""
+
+
+@bp.get("/docs")
+def docs() -> Response:
+    return Response(DOCS_PAGE, mimetype="text/html")
+
+
+@bp.get("/docs/assets/<name>")
+def docs_asset(name: str) -> Response:
+    if name == "init.js":  # a file, not inline: a strict Content-Security-Policy allows it
+        return Response(INIT_JS, mimetype="text/javascript")
+    if name not in ASSETS:
+        abort(404)
+    return send_from_directory(str(swagger_ui_path), name, max_age=3600)

@@ -1,0 +1,255 @@
+"""Pydantic models of the bodies the API answers with, for the OpenAPI document.
+
+The handlers build their bodies as plain dicts (the worker writes results, the wire types
+write files and batches); these models describe those bodies as they are, so that
+`/openapi.json` documents what a client really gets and schemathesis can check it. They
+allow extra fields: a body may carry more than is documented, never less.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.wire.job import JOB_STATUSES
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorDetail(Body):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorBody(Body):
+    """Every error, whatever its status: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------- models
+
+
+class ModelObject(Body):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    ready: bool = Field(description="a live worker serves it now")
+    max_model_len: int | None = Field(default=None, description="its context length")
+    chat_template: bool | None = Field(default=None, description="chat requests can be rendered")
+
+
+class ModelList(Body):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+# ---------------------------------------------------------------- generations
+
+
+class Usage(Body):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class CompletionChoice(Body):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class Completion(Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(Body):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(Body):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletion(Body):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Embedding(Body):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of little-endian f32")
+
+
+class EmbeddingList(Body):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+# ---------------------------------------------------------------- jobs
+
+
+JobStatus = Literal[JOB_STATUSES]  # type: ignore[valid-type]
+
+
+class JobSummary(Body):
+    """The 202 answer to an async submission (`Location: /v1/jobs/{id}`)."""
+
+    id: str
+    object: Literal["job"]
+    status: JobStatus
+
+
+class JobProgress(Body):
+    completion_tokens: int
+
+
+class Job(Body):
+    id: str
+    object: Literal["job"]
+    endpoint: str
+    model: str
+    status: JobStatus
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    attempts: int
+    progress: JobProgress
+    metadata: dict[str, str] | None = None
+    result: dict[str, Any] | None = Field(
+        default=None, description="when finished: the body the synchronous call returns"
+    )
+    error: ErrorDetail | None = Field(default=None, description="when failed or cancelled")
+
+
+class JobList(Body):
+    object: Literal["list"]
+    data: list[Job]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+# ---------------------------------------------------------------- files and batches
+
+
+class FileObject(Body):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    expires_at: int | None
+    filename: str
+    purpose: str
+    status: str
+    status_details: str | None
+
+
+class FileList(Body):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(Body):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class RequestCounts(Body):
+    total: int
+    completed: int
+    failed: int
+
+
+class Batch(Body):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    errors: dict[str, Any] | None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(Body):
+    object: Literal["list"]
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+# ---------------------------------------------------------------- admin and ops
+
+
+class AdminList(Body):
+    """Workers, in-flight jobs, model pools or queues: one object per entry."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+
+
+class ModelCommand(Body):
+    """A load/unload command, as sent to each live worker named."""
+
+    model: str = Field(description="a model id from the registry (never a path or URL)")
+
+
+class ModelCommandSent(Body):
+    op: str
+    model: str
+    workers: list[str]
+
+
+class Health(Body):
+    status: Literal["ok"]
+
+
+class Ready(Body):
+    status: Literal["ready"]
+    workers: int
+    models: list[str]

@@ -1,0 +1,47 @@
+"""Issue 15: a seeded, sampled job resumed after its worker is killed (RELIABILITY F1) must
+produce the same tokens as an uninterrupted run of the same request.
+
+Known to fail today: the resumed attempt builds a fresh sampler whose RNG starts again
+from the seed, while the uninterrupted run has drawn one uniform per token by then
+(`runtime.sampling._draw`). The fix belongs in `runtime/generator.py` (`Generator.add` with
+`resume`: advance the sequence's generator by `resume` draws, or carry its state in the
+checkpoint), hence strict xfail here until it lands.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from tests.faults.conftest import submit_async, wait_ready, wait_terminal
+from tests.workers.conftest import stream, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+TOKENS = 120
+SAMPLED = {"temperature": 1.0, "seed": 1234}
+
+
+def _token_ids(conn: redis.Redis, job_id: str) -> list[int]:
+    return [d["token_id"] for kind, d in stream(conn, job_id) if kind == "token"]
+
+
+@pytest.mark.xfail(strict=True, reason="the sampler's RNG is not carried across a resume")
+def test_a_seeded_sampled_job_resumed_after_a_kill_repeats_the_uninterrupted_run(
+    fault_redis, start_api, start_workers
+) -> None:
+    server = fault_redis(persistent=False)
+    api = start_api(server.url)
+    conn = redis.Redis.from_url(server.url)
+    [victim] = start_workers(server.url, step_delay_ms=40)
+    wait_ready(api)
+    cut = submit_async(api.base, TOKENS, prompt="a seeded tale", **SAMPLED)
+    wait_for(lambda: len(_token_ids(conn, cut)) >= 30, 30, "30 tokens before the kill")
+    victim.kill_tree()
+    [rescuer] = start_workers(server.url, step_delay_ms=0)
+    assert wait_terminal(api.base, cut, 60)["attempts"] == 2
+    whole = submit_async(api.base, TOKENS, prompt="a seeded tale", **SAMPLED)
+    assert wait_terminal(api.base, whole, 60)["attempts"] == 1
+    rescuer.assert_alive()
+    assert _token_ids(conn, cut) == _token_ids(conn, whole)
+    conn.close()
