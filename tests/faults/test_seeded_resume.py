@@ -1,11 +1,7 @@
 """Issue 15: a seeded, sampled job resumed after its worker is killed (RELIABILITY F1) must
-produce the same tokens as an uninterrupted run of the same request.
-
-Known to fail today: the resumed attempt builds a fresh sampler whose RNG starts again
-from the seed, while the uninterrupted run has drawn one uniform per token by then
-(`runtime.sampling._draw`). The fix belongs in `runtime/generator.py` (`Generator.add` with
-`resume`: advance the sequence's generator by `resume` draws, or carry its state in the
-checkpoint), hence strict xfail here until it lands.
+produce the same tokens as an uninterrupted run of the same request: the resumed attempt's
+sampler moves past the tokens sent before it (`SequenceSamplingState.replay`: one uniform
+per draw, as `runtime.sampling._draw` takes, and the penalty counts).
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ def _token_ids(conn: redis.Redis, job_id: str) -> list[int]:
     return [d["token_id"] for kind, d in stream(conn, job_id) if kind == "token"]
 
 
-@pytest.mark.xfail(strict=True, reason="the sampler's RNG is not carried across a resume")
 def test_a_seeded_sampled_job_resumed_after_a_kill_repeats_the_uninterrupted_run(
     fault_redis, start_api, start_workers
 ) -> None:

@@ -66,9 +66,7 @@ def test_step_token_budget_bounds_prefill(tiny_llama_path):
         dict(temperature=1.2, top_k=40, presence_penalty=0.8, frequency_penalty=0.5, seed=3),
     ],
 )
-def test_a_seeded_request_resumed_samples_what_the_uninterrupted_run_did(
-    tiny_llama_path, sampling
-):
+def test_a_seeded_request_resumed_samples_what_the_uninterrupted_run_did(tiny_llama_path, sampling):
     """A worker that dies after k sent tokens: the next one adds prompt + those k with
     resume=k and must go on exactly as the first would have (same random stream, same
     penalty counts), so a seeded job's output does not depend on a crash. The resumed run
