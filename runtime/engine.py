@@ -22,7 +22,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.grammar_vocab import GrammarVocab
 from runtime.kernels import get_backend
 from runtime.kv_pool import BlockPool
-from runtime.lora import AdapterStack, LoraAdapter, load_adapter, normalize_stack
+from runtime.lora import AdapterStack, LoraAdapter, adapter_file, load_adapter, normalize_stack
 from runtime.model_text import ModelText
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
@@ -71,6 +71,8 @@ class Engine:
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )
         self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters by name
+        for name, path in spec.loras:  # the registry's adapters come with the model
+            self.load_adapter(name, adapter_file(path))
         self.load_seconds = time.perf_counter() - started
         self._request_ids = itertools.count()
 

@@ -19,6 +19,7 @@ In a step, `RowAdapters` knows which rows use which adapters at what scale; `app
 from __future__ import annotations
 
 import math
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,26 @@ from runtime.kernels import Backend, Embedding, TensorPart, Weight
 
 LORA_A, LORA_B = ".lora_a", ".lora_b"
 UNSUPPORTED_TENSORS = ("token_embd.weight", "output.weight")
+ADAPTER_DIR_ENV = "LLMQ_ADAPTER_DIR"  # the only folder adapters are loaded from by name
+
+
+def adapter_file(path: str, adapter_dir: str | Path | None = None) -> Path:
+    """The adapter file `path` names inside the adapter folder (`LLMQ_ADAPTER_DIR`):
+    relative, no '..' out of it, no URL; `AdapterError` otherwise or if it does not exist."""
+    folder = adapter_dir or os.environ.get(ADAPTER_DIR_ENV)
+    if not folder:
+        raise AdapterError(f"LoRA adapters can only be loaded when {ADAPTER_DIR_ENV} is set")
+    if not isinstance(path, str) or not path or "://" in path or Path(path).is_absolute():
+        raise AdapterError(
+            f"an adapter path must be relative to {ADAPTER_DIR_ENV}, got {str(path)[:80]!r}"
+        )
+    root = Path(folder).resolve()
+    target = (root / path).resolve()
+    if not target.is_relative_to(root):
+        raise AdapterError(f"adapter path {path[:80]!r} leads out of {ADAPTER_DIR_ENV}")
+    if not target.is_file():
+        raise AdapterError(f"no adapter file {path[:80]!r} in {ADAPTER_DIR_ENV}")
+    return target
 
 
 @dataclass(frozen=True)
@@ -109,23 +130,40 @@ def load_adapter(
 ) -> LoraAdapter:
     """Read the adapter at `path` and map it onto the weights `sources` describes (a model
     of `architecture`); `AdapterError` says what does not fit."""
-    path = Path(path)
+    f = _open(path, architecture)
+    alpha = float(f.metadata.get("adapter.lora.alpha", 0.0) or 0.0)
+    pieces: dict[int, list[tuple[LinearSource, np.ndarray, np.ndarray]]] = {}
+    for base in _adapted_tensors(f):
+        source = _source(f, base, sources)
+        _check_shapes(f, base, source.shape)
+        a, b = f.tensor(base + LORA_A), f.tensor(base + LORA_B)  # [r, in], [out, r]
+        rank = a.shape[0]
+        b = b * np.float32(alpha / rank) if alpha else b
+        pieces.setdefault(id(source.weight), []).append((source, a, b))
+    deltas = {key: _fuse(group) for key, group in pieces.items()}
+    return LoraAdapter(name, Path(path), deltas, alpha)
+
+
+def check_adapter(path: str | Path, base: GGUFFile) -> None:
+    """What `load_adapter` would refuse, from the two files' headers alone (no weights are
+    read): for the API, so a wrong architecture or shape is refused before any worker."""
+    f = _open(path, base.architecture)
+    for name in _adapted_tensors(f):
+        if name in UNSUPPORTED_TENSORS or not base.has_tensor(name):
+            _source(f, name, {})  # raises the message the worker would give
+        shape = base.blocks(name)[2]
+        if len(shape) != 2:
+            _source(f, name, {})
+        _check_shapes(f, name, (int(shape[0]), int(shape[1])))
+
+
+def _open(path: str | Path, architecture: str) -> GGUFFile:
     try:
         f = GGUFFile(path)
     except ModelFormatError as exc:
         raise AdapterError(str(exc)) from exc
     _check_metadata(f, architecture)
-    alpha = float(f.metadata.get("adapter.lora.alpha", 0.0) or 0.0)
-    pieces: dict[int, list[tuple[LinearSource, np.ndarray, np.ndarray]]] = {}
-    for base in _adapted_tensors(f):
-        source = _source(f, base, sources)
-        a, b = f.tensor(base + LORA_A), f.tensor(base + LORA_B)  # [r, in], [out, r]
-        _check_shapes(f, base, a.shape, b.shape, source.shape)
-        rank = a.shape[0]
-        b = b * np.float32(alpha / rank) if alpha else b
-        pieces.setdefault(id(source.weight), []).append((source, a, b))
-    deltas = {key: _fuse(group) for key, group in pieces.items()}
-    return LoraAdapter(name, path, deltas, alpha)
+    return f
 
 
 def _check_metadata(f: GGUFFile, architecture: str) -> None:
@@ -173,7 +211,8 @@ def _source(f: GGUFFile, base: str, sources: dict[str, LinearSource]) -> LinearS
     return source
 
 
-def _check_shapes(f: GGUFFile, base: str, a: tuple, b: tuple, weight: tuple[int, int]) -> None:
+def _check_shapes(f: GGUFFile, base: str, weight: tuple[int, int]) -> None:
+    a, b = f.blocks(base + LORA_A)[2], f.blocks(base + LORA_B)[2]
     out, inp = weight
     if len(a) != 2 or len(b) != 2 or a[1] != inp or b[0] != out:
         raise AdapterError(

@@ -17,10 +17,10 @@ from runtime.engine import Engine, EngineConfig
 from runtime.errors import AdapterError, AdapterNotFoundError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import get_backend
-from runtime.lora import load_adapter
+from runtime.lora import adapter_file, check_adapter, load_adapter
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
-from runtime.registry import ModelSpec
+from runtime.registry import ModelSpec, load_registry
 from runtime.request import GenerationSpec
 from runtime.sampling import SamplingParams
 from tests.tiny_models import write_lora
@@ -268,3 +268,53 @@ def test_generation_spec_refuses_bad_adapters(lora):
     with pytest.raises(AdapterError) as info:
         GenerationSpec.from_record({"prompts": ["hi"], "adapters": lora})
     assert info.value.param == "lora"
+
+
+def test_adapter_files_come_only_from_the_adapter_folder(tmp_path, tiny_llama_path):
+    folder = tmp_path / "adapters"
+    (folder / "sub").mkdir(parents=True)
+    path = _adapter_path(folder / "sub", tiny_llama_path, "A")
+    assert adapter_file("sub/A.gguf", folder) == path
+    (tmp_path / "outside.gguf").write_bytes(path.read_bytes())
+    for bad, message in [
+        ("../outside.gguf", "leads out of"),
+        ("sub/../../outside.gguf", "leads out of"),
+        (str(path), "must be relative"),
+        ("http://example.com/a.gguf", "must be relative"),
+        ("missing.gguf", "no adapter file"),
+    ]:
+        with pytest.raises(AdapterError, match=message):
+            adapter_file(bad, folder)
+    with pytest.raises(AdapterError, match="LLMQ_ADAPTER_DIR is set"):
+        adapter_file("sub/A.gguf", "")
+
+
+def test_check_adapter_reads_headers_only(tmp_path, tiny_llama_path, tiny_gemma3_path):
+    base = GGUFFile(tiny_llama_path)
+    check_adapter(_adapter_path(tmp_path, tiny_llama_path, "ok"), base)
+    with pytest.raises(AdapterError, match="architecture 'gemma3'"):
+        check_adapter(_adapter_path(tmp_path, tiny_gemma3_path, "g"), base)
+    wrong = _adapter_path(tmp_path, tiny_gemma3_path, "w", architecture="llama")
+    with pytest.raises(AdapterError, match="maybe wrong base model"):
+        check_adapter(wrong, base)
+    embed = {"token_embd.weight": (np.zeros((8, 64), np.float32), np.zeros((265, 8), np.float32))}
+    with pytest.raises(AdapterError, match="not supported"):
+        check_adapter(_adapter_path(tmp_path, tiny_llama_path, "e", extra=embed), base)
+
+
+def test_registry_adapters_load_with_their_model(tmp_path, tiny_llama_path, monkeypatch):
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    _adapter_path(folder, tiny_llama_path, "style")
+    registry = tmp_path / "models.toml"
+    registry.write_text(
+        f'[models.tiny]\npath = "{tiny_llama_path}"\nbackend = "numpy"\n'
+        'loras = { style = "style.gguf" }\n'
+    )
+    monkeypatch.setenv("LLMQ_ADAPTER_DIR", str(folder))
+    spec = load_registry(registry)["tiny"]
+    assert spec.loras == (("style", "style.gguf"),)
+    engine = Engine(spec, GGUFFile(tiny_llama_path))
+    assert list(engine.adapters) == ["style"]
+    events = list(engine.generate(PROMPT, _greedy(4), lora=[("style", 1.0)]))
+    assert len(events) == 4
