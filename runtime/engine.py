@@ -157,10 +157,11 @@ class Engine:
             yield from generator.step()
 
     def prompt_logprobs(
-        self, prompt_ids: Sequence[int], top_n: int = 0
+        self, prompt_ids: Sequence[int], top_n: int = 0, adapters: AdapterStack = ()
     ) -> list[tuple[float | None, list[tuple[int, float]]]]:
         """Logprob of each prompt token given the ones before it (None for the first), with
-        the `top_n` most likely alternatives at that position: what `echo` + `logprobs` return.
+        the `top_n` most likely alternatives at that position: what `echo` + `logprobs` return
+        (computed with the LoRA `adapters` of the request, if any).
         """
         self.new_generator().check_request(prompt_ids, SamplingParams(max_tokens=1))
         ids = list(prompt_ids)
@@ -168,7 +169,7 @@ class Engine:
         out: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
         for start in range(0, len(ids), self.config.prefill_chunk):
             piece = ids[start : start + self.config.prefill_chunk]
-            layout = BatchLayout([SequenceChunk(cache, start, len(piece))])
+            layout = BatchLayout([SequenceChunk(cache, start, len(piece), adapters)])
             logits = self.model.logits(self.model.forward(np.asarray(piece), layout))  # [n, V]
             logprobs = logits - _logsumexp(logits)[:, None]
             for row, position in enumerate(range(start, start + len(piece))):

@@ -12,7 +12,7 @@ import redis
 from runtime.chat_template import has_chat_template
 from runtime.errors import LLMQRuntimeError
 from runtime.registry import load_registry
-from workers import affinity, keys, metrics
+from workers import affinity, keys, loras, metrics
 from workers.errors import JobFailure, PoolFull
 from workers.wire.commands import COMMAND_LOAD
 
@@ -100,6 +100,14 @@ class AdminDuties:
         self.presence.publish(state, list(self.running.jobs), self.pool.snapshot())
         rate = self._throughput.rate()
         self.connection.hset(keys.METRIC_TOKENS_PER_SECOND, self.name, f"{rate:.2f}")
+
+    def sync_adapters(self) -> None:
+        """Load the adapters `/admin/loras` registered on the engines of their base model,
+        unload removed ones (`workers.loras`)."""
+        try:
+            loras.sync(self.pool, loras.read_registry(self.connection))
+        except redis.RedisError as exc:  # the next heartbeat tries again
+            log.warning("worker %s: cannot read the adapter registry: %s", self.name, exc)
 
     def _handle_commands(self, commands: list[tuple[str, str]]) -> None:
         for op, model in commands:
