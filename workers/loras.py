@@ -6,33 +6,16 @@ stay. Each entry's adapter states go out with the pool (`PoolEntry.loras`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from runtime.errors import AdapterError
 from runtime.lora import adapter_file
-from workers import keys
 
 if TYPE_CHECKING:
     from workers.pool import EnginePool
 
 log = logging.getLogger("llmq.worker")
-
-
-def read_registry(conn: redis.Redis) -> dict[str, dict[str, Any]]:
-    """The adapters `/admin/loras` registered, by name (malformed entries are skipped)."""
-    registry = {}
-    for name, raw in conn.hgetall(keys.LORAS).items():
-        try:
-            entry = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
-            registry[name.decode() if isinstance(name, bytes) else name] = entry
-    return registry
 
 
 def sync(pool: EnginePool, registry: dict[str, dict[str, Any]]) -> bool:

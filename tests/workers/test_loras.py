@@ -4,7 +4,6 @@ an adapter the worker lacks fails the job with a 404; a removed adapter is unloa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from runtime.sampling import SamplingParams
 from tests.tiny_models import write_lora
 from tests.workers.conftest import TINY, submit, tokens, wait_done, wait_for
 from workers import keys
+from workers.wire import loras
 from workers.wire.job import COMPLETIONS, FAILED, FINISHED
 from workers.wire.worker_info import WorkerInfo
 
@@ -34,8 +34,7 @@ def adapter_dir(tmp_path: Path, tiny_model: Path, monkeypatch) -> Path:
 
 
 def register(conn, name: str, path: str, base: str = TINY) -> None:
-    entry = {"name": name, "path": path, "base_model": base}
-    conn.hset(keys.LORAS, name, json.dumps(entry))
+    loras.register(conn, name, path, base)
 
 
 def expected_tokens(tiny_model: Path, adapter: Path | None, prompt: str) -> list[int]:
@@ -66,7 +65,7 @@ def test_a_job_runs_with_its_registered_adapter(conn, start_worker, tiny_model, 
         return WorkerInfo.from_hash(raw).pool.get(TINY, {}) if raw else {}
 
     wait_for(lambda: pool().get("loras", {}).get("style", {}).get("state") == "ready")
-    conn.hdel(keys.LORAS, "style")
+    loras.unregister(conn, "style")
     wait_for(lambda: "style" not in pool().get("loras", {}), timeout=15, what="unloaded")
     again = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "hello", "lora": [{"name": "style"}]})
     failed = wait_done(conn, again)
