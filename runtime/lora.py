@@ -286,8 +286,8 @@ class RowAdapters:
                 entry[2].append(np.full(end - start, scale, np.float32))
         if not rows:
             return None
-        groups = []
-        for adapter, index_parts, scale_parts in rows.values():
+        groups = []  # in key order: a row adds its deltas in the same order in any batch
+        for _, (adapter, index_parts, scale_parts) in sorted(rows.items()):
             index = np.concatenate(index_parts)
             contiguous = index[-1] - index[0] + 1 == len(index)
             where = slice(int(index[0]), int(index[-1]) + 1) if contiguous else index
