@@ -29,20 +29,22 @@ def adapters_of(conn: redis.Redis) -> dict[str, str]:
 
 
 def resolve(conn: redis.Redis, req: Any) -> None:
-    """Check the adapters of a generation request: a `model` naming an adapter becomes its
-    base model with that adapter first in `lora` (scale 1); every adapter in `lora` must
-    exist for the model, else 404."""
-    lora = getattr(req, "lora", None)
-    known = None
-    if req.model not in store.known_models(conn) and hasattr(req, "lora"):
-        known = adapters_of(conn)
-        base = known.get(req.model)
-        if base is not None:
-            lora = [{"name": req.model, "scale": 1.0}, *(lora or [])]
-            req.model, req.lora = base, lora
-    if not lora:
-        return
-    known = known if known is not None else adapters_of(conn)
-    for entry in lora:
-        if known.get(entry["name"]) != req.model:
+    """Check the adapters of a generation request against what Redis knows (`apply`)."""
+    models = store.known_models(conn)
+    if getattr(req, "lora", None) or req.model not in models:
+        apply(req, models, adapters_of(conn))
+
+
+def apply(req: Any, models: dict[str, Any], adapters: dict[str, str]) -> None:
+    """A `model` naming an adapter (and no model) becomes its base model with that adapter
+    first in `lora` (scale 1); every adapter in `lora` must exist for the model, else 404.
+    `adapters` maps adapter names to their base models (`adapters_of`)."""
+    if not hasattr(req, "lora"):
+        return  # embeddings take no adapters
+    lora = req.lora
+    if req.model not in models and req.model in adapters:
+        lora = [{"name": req.model, "scale": 1.0}, *(lora or [])]
+        req.model, req.lora = adapters[req.model], lora
+    for entry in lora or []:
+        if adapters.get(entry["name"]) != req.model:
             raise AdapterNotFound(entry["name"], req.model)

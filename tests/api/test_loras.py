@@ -12,6 +12,7 @@ import fakeredis
 import pytest
 
 from api.app import create_app
+from api.batch_lines import validate_lines
 from tests.api.fake_worker import FakeWorker
 from tests.tiny_models import write_lora, write_tiny_gemma3, write_tiny_llama
 from workers import keys
@@ -127,3 +128,29 @@ def test_unknown_or_malformed_adapters_are_refused_at_submission(client, fake_re
     assert response.get_json()["error"]["param"] == "lora"
     if status == 404:
         assert response.get_json()["error"]["code"] == "adapter_not_found"
+
+
+def test_batch_lines_carry_adapters_and_refuse_unknown_ones():
+    def line(custom_id: str, **body) -> str:
+        request = {"model": "tiny", "prompt": "hi", **body}
+        return json.dumps(
+            {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": request}
+        )
+
+    content = "\n".join(
+        [
+            line("a", lora=[{"name": "style", "scale": 0.5}]),
+            line("b", model="style"),
+            line("c", lora=[{"name": "nope"}]),
+        ]
+    ).encode()
+    valid, invalid = validate_lines(
+        content, "/v1/completions", {"tiny": {}}, None, {"style": "tiny"}
+    )
+    assert [v.spec["adapters"] for v in valid] == [
+        [{"name": "style", "scale": 0.5}],
+        [{"name": "style", "scale": 1.0}],
+    ]
+    assert [v.model for v in valid] == ["tiny", "tiny"]
+    [bad] = invalid
+    assert bad.custom_id == "c" and bad.code == "adapter_not_found"
