@@ -154,3 +154,11 @@ def test_batch_lines_carry_adapters_and_refuse_unknown_ones():
     assert [v.model for v in valid] == ["tiny", "tiny"]
     [bad] = invalid
     assert bad.custom_id == "c" and bad.code == "adapter_not_found"
+
+
+def test_models_lists_adapters_with_their_parent(client):
+    add(client)
+    listed = {m["id"]: m for m in client.get("/v1/models").get_json()["data"]}
+    assert listed["style"]["parent"] == "tiny" and listed["style"]["ready"] is True
+    assert client.get("/v1/models/style").get_json()["parent"] == "tiny"
+    assert client.get("/v1/models/nope").status_code == 404
