@@ -21,13 +21,18 @@ from rq.registry import (
     StartedJobRegistry,
 )
 
-from api import store
+from api import loras, store
 from api.auth import require_admin
 from api.body import json_object
 from api.config import redis_conn
-from api.errors import InvalidRequest, ModelNotFound, NotImplementedYet, ServiceUnavailable
+from api.errors import InvalidRequest, ModelNotFound, NotFound, ServiceUnavailable
+from runtime.errors import LLMQRuntimeError
+from runtime.gguf_file import GGUFFile
+from runtime.lora import adapter_file, check_adapter
+from runtime.registry import resolve as resolve_model
 from workers import keys
 from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, encode_command
+from workers.wire.loras import read_registry, register, unregister
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
 bp.before_request(require_admin)
@@ -145,6 +150,70 @@ def queues() -> Response:
     return jsonify({"object": "list", "data": data})
 
 
-@bp.route("/loras", methods=["GET", "POST"])
-def loras() -> Response:
-    raise NotImplementedYet("LoRA adapters are not implemented yet.")
+@bp.get("/loras")
+def list_loras() -> Response:
+    """Every adapter: registered here or with its model in a registry TOML, and its state
+    on each live worker serving its base model (ready, failed with why, or not yet)."""
+    conn = redis_conn()
+    registered = read_registry(conn)
+    live = store.live_workers(conn)
+    data = []
+    for name, base in sorted(loras.adapters_of(conn).items()):
+        entry = registered.get(name, {"name": name, "base_model": base, "source": "registry"})
+        workers = {
+            w.name: w.pool[base].get("loras", {}).get(name, {"state": "pending"})
+            for w in live
+            if w.pool.get(base, {}).get("state") == "ready"
+        }
+        data.append({**entry, "object": "lora", "workers": workers})
+    return jsonify({"object": "list", "data": data})
+
+
+@bp.post("/loras")
+def add_lora() -> Response:
+    """Register an adapter `{"name", "path", "base_model"}` (path inside LLMQ_ADAPTER_DIR);
+    every worker serving the base model loads it. Refused with a 400 when it does not fit
+    the base model, as far as this machine can tell from the two files' headers."""
+    body = json_object()
+    unknown = sorted(set(body) - {"name", "path", "base_model"})
+    if unknown:
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0]
+        )
+    name, path, base = body.get("name"), body.get("path"), body.get("base_model")
+    for field, value in (("name", name), ("base_model", base)):
+        if not isinstance(value, str) or not MODEL_ID.match(value):
+            raise InvalidRequest(
+                f"{field} must be an id (letters, digits, '.', '_', '-'), got {str(value)[:80]!r}.",
+                param=field,
+            )
+    conn = redis_conn()
+    known = store.known_models(conn)
+    if name in known:
+        raise InvalidRequest(f"{name!r} is a model id; choose another name.", param="name")
+    if base not in known and base not in store.served_models(store.live_workers(conn)):
+        raise ModelNotFound(base)
+    try:
+        _check_adapter(path, base)
+    except LLMQRuntimeError as exc:
+        raise InvalidRequest(str(exc), param="path") from None
+    entry = register(conn, name, path, base)
+    response = jsonify({**entry, "object": "lora"})
+    response.status_code = 201
+    return response
+
+
+def _check_adapter(path: Any, base_model: str) -> None:
+    adapter = adapter_file(path)
+    try:
+        base = GGUFFile(resolve_model(base_model).path())
+    except LLMQRuntimeError:
+        return  # the base model's file is not on this machine: its workers check it
+    check_adapter(adapter, base)
+
+
+@bp.delete("/loras/<name>")
+def delete_lora(name: str) -> Response:
+    if not unregister(redis_conn(), name):
+        raise NotFound(f"The LoRA adapter {name!r} is not registered.", param="name")
+    return jsonify({"name": name, "object": "lora", "deleted": True})

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from api import loras
 from api.body import json_type, parse_json
 from api.errors import APIError
 from api.flow import check_context
@@ -71,9 +72,11 @@ def validate_lines(
     endpoint: str,
     models: dict[str, dict[str, Any]],
     texts: ModelTexts | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> tuple[list[ValidLine], list[InvalidLine]]:
     """Every non-blank line, valid or not; `models` maps known model ids to their info,
-    `texts` reads their tokenizers and templates (`api.flow.check_context`)."""
+    `texts` reads their tokenizers and templates (`api.flow.check_context`), `adapters`
+    maps LoRA adapter names to their base models (`api.loras.adapters_of`)."""
     valid: list[ValidLine] = []
     invalid: list[InvalidLine] = []
     seen: set[str] = set()
@@ -88,7 +91,8 @@ def validate_lines(
                     f"custom_id {custom_id!r} was already used on an earlier line.",
                 )
             seen.add(custom_id)
-            valid.append(_validate(number, data, custom_id, endpoint, models, texts))
+            line = _validate(number, data, custom_id, endpoint, models, texts, adapters or {})
+            valid.append(line)
         except LineError as exc:
             invalid.append(InvalidLine(number, custom_id, exc.code, exc.message))
     return valid, invalid
@@ -136,6 +140,7 @@ def _validate(
     endpoint: str,
     models: dict[str, dict[str, Any]],
     texts: ModelTexts | None,
+    adapters: dict[str, str],
 ) -> ValidLine:
     unknown = sorted(set(data) - set(LINE_FIELDS))
     if unknown:
@@ -154,6 +159,7 @@ def _validate(
         raise LineError("invalid_request", "stream is not available in a batch.")
     try:
         req = parse_request(endpoint, body)
+        loras.apply(req, models, adapters)  # a model naming an adapter; unknown adapters
     except APIError as exc:
         raise LineError(exc.code or "invalid_request", exc.message) from None
     info = models.get(req.model)

@@ -20,6 +20,7 @@ from api.batch_lines import validate_lines
 from api.body import json_object
 from api.config import redis_conn
 from api.errors import InvalidRequest
+from api.loras import adapters_of
 from api.paging import int_arg, list_page
 from workers.wire.batches import FILE_PURPOSE_BATCH
 from workers.wire.defaults import MAX_COMPLETION_WINDOW_SECONDS
@@ -63,7 +64,7 @@ def create_batch() -> Response:
         )
     content = batch_store.file_content(conn, file_id, scope)
     texts = current_app.extensions.get("model_texts")
-    valid, invalid = validate_lines(content, endpoint, _models(conn), texts)
+    valid, invalid = validate_lines(content, endpoint, _models(conn), texts, adapters_of(conn))
     errors = None
     if not valid and not invalid:
         errors = [_file_error("empty_file", "The input file has no requests.")]

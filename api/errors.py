@@ -212,3 +212,12 @@ def register_error_handlers(app: Flask) -> None:
     def _unexpected(exc: Exception) -> Response:
         log.exception("unhandled error")
         return error_response(InternalError())
+
+
+class AdapterNotFound(NotFound):
+    code = "adapter_not_found"
+
+    def __init__(self, name: str, model: str) -> None:
+        super().__init__(
+            f"The LoRA adapter {name!r} is not loaded for model {model!r}.", param="lora"
+        )

@@ -15,7 +15,7 @@ from typing import Any
 import redis
 from flask import Response, current_app, jsonify, request
 
-from api import store
+from api import loras, store
 from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream
 from api.config import redis_conn
@@ -41,6 +41,7 @@ def prefers_async() -> bool:
 def submit_request(endpoint: str, req: Any) -> store.Submission:
     """Check the model and the context, then store and enqueue the job (or find its twin)."""
     conn = redis_conn()
+    loras.resolve(conn, req)  # a model naming an adapter; unknown adapters are a 404
     info = store.require_model(conn, req.model)
     check_context(req, info, current_app.extensions.get("model_texts"))
     idem = request.headers.get("Idempotency-Key")

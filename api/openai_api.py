@@ -6,7 +6,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
-from api import store
+from api import loras, store
 from api.auth import require_api_key
 from api.body import json_object
 from api.config import redis_conn
@@ -21,9 +21,12 @@ bp.before_request(require_api_key)
 
 @bp.get("/models")
 def list_models() -> Response:
-    """Models published by workers plus any a live worker serves, in OpenAI's list shape."""
+    """Models published by workers plus any a live worker serves, in OpenAI's list shape,
+    then the LoRA adapters (vLLM's way: `parent` names the base model)."""
     known, served = _models()
     data = [_model_object(m, known.get(m, {}), served) for m in sorted(set(known) | served)]
+    adapters = loras.adapters_of(redis_conn())
+    data += [_adapter_object(name, base, served) for name, base in sorted(adapters.items())]
     return jsonify({"object": "list", "data": data})
 
 
@@ -32,7 +35,10 @@ def retrieve_model(model_id: str) -> Response:
     """One model (the `openai` client's `models.retrieve`); 404 if nobody knows it."""
     known, served = _models()
     if model_id not in known and model_id not in served:
-        raise ModelNotFound(model_id)
+        base = loras.adapters_of(redis_conn()).get(model_id)
+        if base is None:
+            raise ModelNotFound(model_id)
+        return jsonify(_adapter_object(model_id, base, served))
     return jsonify(_model_object(model_id, known.get(model_id, {}), served))
 
 
@@ -55,6 +61,17 @@ def _model_object(model: str, info: dict[str, Any], served: set[str]) -> dict[st
     if isinstance(info.get("chat_template"), bool):  # chat requests can be rendered
         entry["chat_template"] = info["chat_template"]
     return entry
+
+
+def _adapter_object(name: str, base: str, served: set[str]) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "llmq",
+        "parent": base,
+        "ready": base in served,
+    }
 
 
 @bp.post("/completions")

@@ -4,8 +4,8 @@ Validation is strict (vLLM's habit): a bool is never an int, numbers must be fin
 are not coerced to numbers, and range errors name the field and the value
 (`top_p must be in (0, 1], got 1.5.`). Unknown fields are rejected with OpenAI's own
 message (`Unrecognized request argument supplied: foo`) so that a typo such as `max_token`
-is never silently ignored. Contract features the engine cannot honour yet (`lora`,
-`suffix`, ...) are rejected as `UnsupportedFeature` rather than dropped. Structured output
+is never silently ignored. Contract features the engine cannot honour yet (`suffix`,
+...) are rejected as `UnsupportedFeature` rather than dropped. Structured output
 (`response_format`, `json_schema`, `regex`, `grammar`) is compiled by llguidance here, at
 submission, so a bad schema is a 400 with llguidance's message and never a failed job.
 
@@ -40,7 +40,7 @@ from runtime.limits import (  # the engine's own numbers
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
-from runtime.request import GenerationSpec, prompt_list
+from runtime.request import GenerationSpec, adapter_list, prompt_list
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request; choices = prompts * n <= MAX_CHOICES
@@ -175,7 +175,8 @@ class SamplingRequest(StrictModel):
     cache_prompt: bool = True
     ignore_eos: bool = False  # vLLM's extension; the engine supports it
     priority: int = 0
-    # In the contract, not in the engine yet: any non-empty value is rejected.
+    # LoRA adapters [{"name", "scale"}], read by the engine's `adapter_list`; which ones
+    # exist is checked at submission (`api.store.require_adapters`)
     lora: Any = None
     # structured output (extensions; chat also has response_format), read by the engine's
     # `constraint_from_request` in `to_spec`
@@ -251,6 +252,16 @@ class SamplingRequest(StrictModel):
             raise ValueError(f"{info.field_name} must fit in 64 bits, got {v}.")
         return v
 
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora(cls, v: Any) -> list[dict[str, Any]] | None:
+        if v is None:
+            return None
+        try:
+            return adapter_list(v)
+        except LLMQRuntimeError as exc:
+            raise ValueError(str(exc)) from None
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, v: Any) -> list[str] | None:
@@ -280,8 +291,6 @@ class SamplingRequest(StrictModel):
     def reject_unsupported(self) -> None:
         """Raise `UnsupportedFeature` for any contract feature the engine lacks."""
         _reject_priority(self.priority)
-        if self.lora:
-            raise UnsupportedFeature("lora adapters are not supported yet.", param="lora")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true.", param="stream_options"
@@ -320,7 +329,7 @@ class SamplingRequest(StrictModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_job_request(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True, exclude={"lora", *IGNORED_FIELDS})
+        return self.model_dump(exclude_none=True, exclude=set(IGNORED_FIELDS))
 
     def to_spec(self) -> GenerationSpec:
         """What the worker generates: the engine's own reader applied to the normalised body,
@@ -527,7 +536,6 @@ class ChatCompletionRequest(SamplingRequest):
             exclude_none=True,
             exclude={
                 *IGNORED_FIELDS,
-                "lora",
                 "functions",
                 "function_call",
                 "max_completion_tokens",

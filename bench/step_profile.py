@@ -2,7 +2,7 @@
 
     python bench/step_profile.py [--model smollm2-135m-instruct] [--backend torch]
                                  [--sequences 1,4,32] [--prompt-tokens 32] [--steps 20]
-                                 [--json-schema]
+                                 [--json-schema] [--loras K]
 
 For each N: N sequences with their own random prompts are prefilled, then `--steps` decode
 steps are timed, first plainly (the step time), then with the weight products and the
@@ -18,12 +18,18 @@ small objects, so none can finish during the profile); the table gains the gramm
 (llguidance's token masks of the batch in one parallel call, applying them, and the
 matchers following the sampled tokens), and the last lines compare the tokens/s of N
 constrained sequences with N unconstrained ones, two generators stepped in turn.
+
+`--loras K`: K random rank-8 LoRA adapters (attn_q, attn_v, ffn_up, as the tests write them)
+are loaded, and the last lines compare a decode step of N sequences spread over the K
+adapters (sequence i uses adapter i mod K) with the same N sequences without adapters,
+two generators stepped in turn (issue 13's target: at most 1.25x at N=32, K=4).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -172,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json-schema", action="store_true", help="constrain every sequence")
+    p.add_argument("--loras", type=int, default=0, help="compare steps with K adapters")
     args = p.parse_args(argv)
     engine = Engine.load(args.model, EngineConfig(backend=args.backend))
     ns = [int(n) for n in args.sequences.split(",")]
@@ -191,26 +198,55 @@ def main(argv: Sequence[str] | None = None) -> int:
             plain, constrained = _alternating_steps(engine, n, args.prompt_tokens, args.steps)
             ms = f"{plain * 1e3:.2f} / {constrained * 1e3:.2f} ms per step"
             print(f"  N={n}: {plain / constrained:.3f}x ({ms})")
+    if args.loras:
+        stacks = _load_adapters(engine, args.loras)
+        print(f"step time with {args.loras} rank-8 LoRA adapters / without:")
+        for n in ns:
+            plain, adapted = _alternating_steps(
+                engine, n, args.prompt_tokens, args.steps, None, stacks
+            )
+            ms = f"{adapted * 1e3:.2f} / {plain * 1e3:.2f} ms per step"
+            print(f"  N={n}: {adapted / plain:.3f}x ({ms})")
     return 0
 
 
+def _load_adapters(engine: Engine, k: int) -> list[Any]:
+    """K random adapters for the engine's model, one stack (adapter, scale 1) each."""
+    from tests.tiny_models import write_lora  # the tests' adapter writer (gguf's writer)
+
+    with tempfile.TemporaryDirectory() as folder:
+        model = engine.spec.path()
+        paths = [write_lora(Path(folder) / f"a{j}.gguf", model, seed=j) for j in range(k)]
+        return [((engine.load_adapter(f"bench-{j}", path), 1.0),) for j, path in enumerate(paths)]
+
+
 def _alternating_steps(
-    engine: Engine, n: int, prompt_tokens: int, steps: int
+    engine: Engine,
+    n: int,
+    prompt_tokens: int,
+    steps: int,
+    constraint: Constraint | None = LONG_JSON,
+    stacks: list[Any] | None = None,
 ) -> tuple[float, float]:
-    """Median decode step (s) of N plain and N JSON-constrained sequences, two generators
-    stepped in turn so that a noisy spell of the machine hits both."""
+    """Median decode step (s) of N plain sequences and of N constrained by `constraint`
+    (and/or spread over the adapter `stacks`), two generators stepped in turn so that a
+    noisy spell of the machine hits both."""
     generators = []
-    for constraint in (None, LONG_JSON):
+    for variant in (False, True):
         rng = np.random.default_rng(n)
         params = SamplingParams(
-            max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True, constraint=constraint
+            max_tokens=3 * steps + 8,
+            temperature=0.0,
+            ignore_eos=True,
+            constraint=constraint if variant else None,
         )
         generator = engine.new_generator()
         for i in range(n):
             prompt = [
                 int(t) for t in rng.integers(100, engine.model.vocab_size - 100, prompt_tokens)
             ]
-            generator.add(f"seq-{i}", prompt, params, cache_prompt=False)
+            adapters = stacks[i % len(stacks)] if variant and stacks else ()
+            generator.add(f"seq-{i}", prompt, params, cache_prompt=False, adapters=adapters)
         started: set[str] = set()
         while len(started) < n:
             started.update(e.request_id for e in generator.step())

@@ -55,6 +55,14 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
         "kernels); default: the registry entry's, else torch where installed",
     )
     gen.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="a GGUF LoRA adapter (llama.cpp's layout) applied at SCALE (default 1); "
+        "repeatable: adapters stack",
+    )
+    gen.add_argument(
         "--stats",
         action="store_true",
         help="print one JSON line on stderr at the end: prompt_tokens, completion_tokens, "
@@ -82,6 +90,11 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     engine = Engine.load(args.model, EngineConfig(backend=args.backend))
+    lora = []
+    for i, item in enumerate(args.lora):
+        path, scale = _lora_argument(item)
+        engine.load_adapter(f"cli-{i}", path)
+        lora.append((f"cli-{i}", scale))
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": prompt}])
@@ -90,7 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     first = last = started
     completion_tokens = 0
-    for event in engine.generate(prompt_ids, params):
+    for event in engine.generate(prompt_ids, params, lora):
         last = time.perf_counter()
         if completion_tokens == 0:
             first = last
@@ -112,6 +125,15 @@ def run_generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(stats), file=sys.stderr)
     return 0
+
+
+def _lora_argument(item: str) -> tuple[str, float]:
+    """`PATH[:SCALE]` as (path, scale)."""
+    path, _, scale = item.rpartition(":")
+    try:
+        return (path, float(scale)) if path else (item, 1.0)
+    except ValueError:
+        return item, 1.0
 
 
 def run_models(args: argparse.Namespace) -> int:

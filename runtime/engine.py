@@ -11,17 +11,19 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from runtime.chat_template import ChatTemplate
-from runtime.errors import EmptyPromptError
+from runtime.errors import AdapterError, AdapterNotFoundError, EmptyPromptError
 from runtime.generator import Generator, GeneratorConfig, TokenEvent
 from runtime.gguf_file import GGUFFile
 from runtime.grammar_vocab import GrammarVocab
 from runtime.kernels import get_backend
 from runtime.kv_pool import BlockPool
+from runtime.lora import AdapterStack, LoraAdapter, adapter_file, load_adapter, normalize_stack
 from runtime.model_text import ModelText
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
@@ -68,6 +70,9 @@ class Engine:
         self.prefix_cache = (
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )
+        self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters by name
+        for name, path in spec.loras:  # the registry's adapters come with the model
+            self.load_adapter(name, adapter_file(path))
         self.load_seconds = time.perf_counter() - started
         self._request_ids = itertools.count()
 
@@ -91,7 +96,35 @@ class Engine:
 
     @property
     def nbytes(self) -> int:
-        return self.model.nbytes
+        """The weights' bytes plus the loaded LoRA adapters'."""
+        return self.model.nbytes + sum(a.nbytes for a in self.adapters.values())
+
+    def load_adapter(self, name: str, path: str | Path) -> LoraAdapter:
+        """Load the GGUF LoRA adapter at `path` as `name` (replacing one of that name: running
+        sequences keep the one they started with); `AdapterError` if it does not fit."""
+        if not isinstance(name, str) or not name:
+            raise AdapterError(f"an adapter name must be a non-empty string, got {name!r}")
+        adapter = load_adapter(name, path, self.model.linear_sources, self.model.architecture)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload_adapter(self, name: str) -> bool:
+        """Forget adapter `name` (sequences using it finish with it); False if not loaded."""
+        return self.adapters.pop(name, None) is not None
+
+    def adapter_stack(self, lora: Sequence[tuple[str, float]]) -> AdapterStack:
+        """Adapters by (name, scale) as a stack for `Generator.add`; `AdapterNotFoundError`
+        names the first one not loaded."""
+        stack = []
+        for name, scale in lora:
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                loaded = ", ".join(sorted(self.adapters)) or "none"
+                raise AdapterNotFoundError(
+                    f"LoRA adapter {name!r} is not loaded for {self.spec.id} (loaded: {loaded})"
+                )
+            stack.append((adapter, scale))
+        return normalize_stack(stack)
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         return self.text.encode(text, add_special)
@@ -117,19 +150,27 @@ class Engine:
             grammar_vocab=self.grammar_vocab,
         )
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[TokenEvent]:
-        """Stream the events of one sequence until it finishes."""
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        lora: Sequence[tuple[str, float]] = (),
+    ) -> Iterator[TokenEvent]:
+        """Stream the events of one sequence until it finishes; `lora`: (adapter name,
+        scale) pairs of loaded adapters."""
+        adapters = self.adapter_stack(lora)
         generator = self.new_generator()
         request_id = f"gen-{next(self._request_ids)}"
-        generator.add(request_id, prompt_ids, params)
+        generator.add(request_id, prompt_ids, params, adapters=adapters)
         while len(generator):
             yield from generator.step()
 
     def prompt_logprobs(
-        self, prompt_ids: Sequence[int], top_n: int = 0
+        self, prompt_ids: Sequence[int], top_n: int = 0, adapters: AdapterStack = ()
     ) -> list[tuple[float | None, list[tuple[int, float]]]]:
         """Logprob of each prompt token given the ones before it (None for the first), with
-        the `top_n` most likely alternatives at that position: what `echo` + `logprobs` return.
+        the `top_n` most likely alternatives at that position: what `echo` + `logprobs` return
+        (computed with the LoRA `adapters` of the request, if any).
         """
         self.new_generator().check_request(prompt_ids, SamplingParams(max_tokens=1))
         ids = list(prompt_ids)
@@ -137,7 +178,7 @@ class Engine:
         out: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
         for start in range(0, len(ids), self.config.prefill_chunk):
             piece = ids[start : start + self.config.prefill_chunk]
-            layout = BatchLayout([SequenceChunk(cache, start, len(piece))])
+            layout = BatchLayout([SequenceChunk(cache, start, len(piece), adapters)])
             logits = self.model.logits(self.model.forward(np.asarray(piece), layout))  # [n, V]
             logprobs = logits - _logsumexp(logits)[:, None]
             for row, position in enumerate(range(start, start + len(piece))):

@@ -85,3 +85,13 @@ class InvalidChatMessagesError(ChatTemplateError, ValueError):
 
 class ChatTemplateSyntaxError(ChatTemplateError):
     """The model's chat template is not valid Jinja; raised on use so the model still loads."""
+
+
+class AdapterError(LLMQRuntimeError):
+    """A LoRA adapter file that is not one, or does not fit the model it is loaded on."""
+
+    param = "lora"
+
+
+class AdapterNotFoundError(AdapterError):
+    """A request names a LoRA adapter that is not loaded on this engine."""

@@ -38,6 +38,7 @@ from runtime.detokenizer import TextAssembler
 from runtime.errors import ContextLengthError, EmptyPromptError, check_context_length
 from runtime.grammar_vocab import GrammarVocab
 from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
+from runtime.lora import AdapterStack, LoraAdapter, normalize_stack, stack_namespace
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import (
@@ -101,6 +102,8 @@ class _Sequence:
     cached_tokens: int | None = None  # set at first admission
     original_length: int = 0  # prompt tokens the user sent
     grammar: GrammarMatcher | None = None  # the constraint's matcher, if any
+    adapters: AdapterStack = ()  # LoRA (adapter, scale) applied to every token it feeds
+    cache_namespace: str | None = None  # prefix-cache namespace: the model's + the adapters'
 
     @property
     def prefilling(self) -> bool:
@@ -163,16 +166,20 @@ class Generator:
         priority: int = INTERACTIVE_PRIORITY,
         cache_prompt: bool = True,
         resume: int = 0,
+        adapters: Sequence[tuple[LoraAdapter, float]] = (),
     ) -> None:
         """Queue a request. `resume`: how many of the last prompt tokens an earlier run of
         it generated and sent; their text is not emitted again, and what they held back
         (part of a UTF-8 character, the start of a stop string) carries on; a constraint's
-        matcher is fed them, and the sampler's random stream and counts move past them."""
+        matcher is fed them, and the sampler's random stream and counts move past them.
+        `adapters`: LoRA adapters (loaded for this model, see `Engine.adapter_stack`) with
+        their scales, added up; its rows alone get them."""
         if any(s.request_id == request_id for s in self._running + self._waiting):
             raise ValueError(f"request {request_id!r} is already running")
         self._check_sizes(prompt_ids, params)  # the matcher below checks the constraint
         if not 0 <= resume < len(prompt_ids):
             raise ValueError(f"resume must be in [0, {len(prompt_ids)}), got {resume}")
+        stack = normalize_stack(adapters)
         prompt = [int(t) for t in prompt_ids]
         text = TextAssembler(self.tokenizer, params.stop)
         sent = prompt[len(prompt) - resume :]
@@ -192,7 +199,10 @@ class Generator:
             cache_prompt=cache_prompt and self.prefix_cache is not None,
             original_length=len(prompt),
             grammar=grammar,
+            adapters=stack,
         )
+        if self.prefix_cache is not None and stack:
+            seq.cache_namespace = self.prefix_cache.namespace + stack_namespace(stack)
         self._waiting.append(seq)
         self._waiting.sort(key=lambda s: (s.priority, s.arrival))
 
@@ -238,7 +248,7 @@ class Generator:
                 continue
             if not self._reserve(seq, seq.cache.length + 1):
                 continue
-            chunks.append(SequenceChunk(seq.cache, seq.cache.length, 1))
+            chunks.append(SequenceChunk(seq.cache, seq.cache.length, 1, seq.adapters))
             tokens.append(seq.next_token)
             wanted.append((len(tokens) - 1, seq))
         budget = min(self.config.max_prefill_tokens, self.config.max_batch_tokens - len(tokens))
@@ -258,7 +268,7 @@ class Generator:
                     self._requeue(seq)
                 break
             budget -= len(piece)
-            chunks.append(SequenceChunk(seq.cache, seq.consumed, len(piece)))
+            chunks.append(SequenceChunk(seq.cache, seq.consumed, len(piece), seq.adapters))
             seq.consumed += len(piece)
             tokens.extend(piece)
             if not seq.prefilling:
@@ -269,7 +279,9 @@ class Generator:
     def _admit(self, seq: _Sequence) -> bool:
         if len(self._running) >= self.config.max_batch:
             return False
-        shared = self.prefix_cache.lookup(seq.prompt_ids) if seq.cache_prompt else []
+        shared = []
+        if seq.cache_prompt:
+            shared = self.prefix_cache.lookup(seq.prompt_ids, seq.cache_namespace)
         seq.cache = PagedKVCache(self.pool, shared)
         seq.consumed = seq.cache.length
         if seq.cached_tokens is None:
@@ -319,7 +331,7 @@ class Generator:
 
     def _remember(self, seq: _Sequence, token_ids: list[int]) -> None:
         if seq.cache_prompt and seq.cache is not None:
-            self.prefix_cache.insert(token_ids, seq.cache.shared_blocks())
+            self.prefix_cache.insert(token_ids, seq.cache.shared_blocks(), seq.cache_namespace)
 
     # ------------------------------------------------------------------ output
 

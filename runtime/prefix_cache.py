@@ -66,15 +66,16 @@ class PrefixCache:
             keys.append(key)
         return keys
 
-    def lookup(self, prompt_ids: Sequence[int]) -> list[SharedBlock]:
+    def lookup(self, prompt_ids: Sequence[int], namespace: str | None = None) -> list[SharedBlock]:
         """Cached blocks for the longest usable prefix of the prompt, leaving at least one
-        token to compute (the last prompt position must run to produce logits)."""
+        token to compute (the last prompt position must run to produce logits). `namespace`
+        (default: the cache's) is the one the blocks were inserted under."""
         self.stats.queries += 1
         self.stats.prompt_tokens += len(prompt_ids)
         bs = self.pool.block_size
         usable = (len(prompt_ids) - 1) // bs
         entries = []
-        for i, key in enumerate(self.block_keys(prompt_ids[: usable * bs])):
+        for i, key in enumerate(self.block_keys(prompt_ids[: usable * bs], namespace)):
             entry = self._entries.get(key)
             if entry is None or entry.tokens != tuple(prompt_ids[i * bs : (i + 1) * bs]):
                 break
@@ -90,10 +91,16 @@ class PrefixCache:
             self.stats.cached_tokens += n * bs
         return [entry.blocks for _, entry in entries[:n]]
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[SharedBlock]) -> None:
-        """Remember the full blocks of a sequence whose KV for `token_ids` is written."""
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        blocks: Sequence[SharedBlock],
+        namespace: str | None = None,
+    ) -> None:
+        """Remember the full blocks of a sequence whose KV for `token_ids` is written, under
+        `namespace` (default: the cache's; e.g. the model's plus the sequence's LoRA set)."""
         bs = self.pool.block_size
-        for i, key in enumerate(self.block_keys(token_ids)):
+        for i, key in enumerate(self.block_keys(token_ids, namespace)):
             if i >= len(blocks):
                 break
             entry = self._entries.get(key)

@@ -35,6 +35,8 @@ class ModelSpec:
     locate: Callable[[], Path] = field(repr=False, compare=False)
     chat_template: str | None = None  # overrides the GGUF's own template when set
     backend: str | None = None  # the kernel backend this model runs on unless told otherwise
+    # LoRA adapters loaded with the model: (name, path inside LLMQ_ADAPTER_DIR)
+    loras: tuple[tuple[str, str], ...] = ()
 
     def path(self) -> Path:
         return self.locate()
@@ -92,7 +94,8 @@ def _file_locator(path: Path) -> Callable[[], Path]:
 
 
 def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]:
-    """Built-in models plus the entries of the TOML registry (`[models.<id>] path = ...`)."""
+    """Built-in models plus the entries of the TOML registry (`[models.<id>] path = ...`,
+    optionally `loras = {name = "file.gguf"}`: adapters in LLMQ_ADAPTER_DIR loaded with it)."""
     registry = dict(BUILTIN_MODELS)
     models_file = models_file or os.environ.get(MODELS_ENV)
     if not models_file:
@@ -114,8 +117,19 @@ def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]
                 f"{toml_path}: [models.{model_id}] backend must be one of "
                 f"{', '.join(BACKENDS)}, got {backend!r}"
             )
+        loras = entry.get("loras", {})
+        if not isinstance(loras, dict) or not all(isinstance(p, str) for p in loras.values()):
+            raise ModelNotFoundError(
+                f"{toml_path}: [models.{model_id}] loras must map adapter names to paths "
+                "inside LLMQ_ADAPTER_DIR"
+            )
         registry[model_id] = ModelSpec(
-            model_id, str(path), _file_locator(path), entry.get("chat_template"), backend
+            model_id,
+            str(path),
+            _file_locator(path),
+            entry.get("chat_template"),
+            backend,
+            tuple(loras.items()),
         )
     return registry
 

@@ -9,17 +9,19 @@ back (`from_record`) and turns it into one `SamplingParams` per choice with
 A record comes back from Redis, so `from_record` treats it as untrusted: every value it
 cannot use raises an `LLMQRuntimeError` whose `param` names the field. Structured output is
 the `constraint` field (`runtime.constraints.Constraint`, read by `constraint_from_request`),
-given to every choice's `SamplingParams`; later features (adapters) get a field here too.
+given to every choice's `SamplingParams`. LoRA adapters are `adapters` (the body's `lora`:
+`{"name", "scale"}` each), resolved by the engine that runs the job (`Engine.adapter_stack`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from runtime.constraints import Constraint, constraint_from_request
-from runtime.errors import EmptyPromptError, InvalidSamplingParams
+from runtime.errors import AdapterError, EmptyPromptError, InvalidSamplingParams
 from runtime.limits import DEFAULT_COMPLETION_TOKENS, MAX_CHOICES
 from runtime.sampling import SamplingParams
 from runtime.tool_calls import calls_possible, check_tools, tool_grammar
@@ -63,6 +65,7 @@ class GenerationSpec:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # [{"name", "scale"}]
 
     @property
     def chat(self) -> bool:
@@ -95,6 +98,7 @@ class GenerationSpec:
             stop=body.get("stop") or [],
             cache_prompt=body.get("cache_prompt") is not False,
             constraint=constraint_from_request(body),
+            adapters=adapter_list(body.get("lora") or []),
         )
         if chat:
             messages = body.get("messages")
@@ -137,6 +141,7 @@ class GenerationSpec:
             )
         spec = cls(**data)
         spec.constraint = _constraint_from_record(spec.constraint)
+        spec.adapters = adapter_list(spec.adapters)
         spec.check_tools()
         _choices_per_prompt(spec.n)
         if (spec.prompts is None) == (spec.messages is None):
@@ -147,6 +152,10 @@ class GenerationSpec:
             raise InvalidSamplingParams("stop must be a list of strings", param="stop")
         spec.check_choices(len(spec.prompts or [None]))
         return spec
+
+    def adapter_pairs(self) -> list[tuple[str, float]]:
+        """The LoRA adapters as (name, scale), what `Engine.adapter_stack` takes."""
+        return [(a["name"], a["scale"]) for a in self.adapters]
 
     def check_tools(self) -> None:
         check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -198,6 +207,29 @@ def _constraint_from_record(data: Any) -> Constraint | None:
             param="response_format",
         )
     return Constraint(data.get("kind"), data.get("value"), data.get("param"))
+
+
+def adapter_list(value: Any) -> list[dict[str, Any]]:
+    """A request's `lora` as `[{"name": str, "scale": float}]` (scale defaults to 1)."""
+    if not isinstance(value, list):
+        raise AdapterError(f"lora must be a list of {{name, scale}} objects, got {value!r:.40}")
+    adapters = []
+    for item in value:
+        if not isinstance(item, Mapping) or set(item) - {"name", "scale"}:
+            raise AdapterError(
+                f"each lora entry must be an object with name and scale, got {item!r:.60}"
+            )
+        name, scale = item.get("name"), item.get("scale", 1.0)
+        if not isinstance(name, str) or not name:
+            raise AdapterError(f"a lora entry's name must be a non-empty string, got {name!r:.40}")
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float)
+            or not math.isfinite(scale)
+        ):
+            raise AdapterError(f"lora {name!r}: scale must be a finite number, got {scale!r:.20}")
+        adapters.append({"name": name, "scale": float(scale)})
+    return adapters
 
 
 def _choices_per_prompt(n: Any) -> int:

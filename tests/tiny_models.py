@@ -183,3 +183,41 @@ def _finish(writer: gguf.GGUFWriter) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+LORA_TARGETS = ("attn_q", "attn_v", "ffn_up")
+
+
+def write_lora(
+    path: Path,
+    base: Path,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    rank: int = 8,
+    alpha: float = 16.0,
+    seed: int = 0,
+    architecture: str | None = None,
+    extra: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+) -> Path:
+    """A LoRA adapter in llama.cpp's GGUF layout for the model at `base`: random A `[rank,
+    in]` and B `[out, rank]` (F32) for `<target>.weight` of every layer; `extra` adds (or
+    replaces) pairs by base tensor name, e.g. to write a bad adapter."""
+    reader = gguf.GGUFReader(base)
+    arch = architecture or reader.fields["general.architecture"].contents()
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    rng = np.random.default_rng(seed)
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, (out, inp) in ((n, s) for n, s in shapes.items() if len(s) == 2):
+        if name.startswith("blk.") and name.split(".")[2] in targets:
+            a = (rng.standard_normal((rank, inp)) / np.sqrt(inp)).astype(np.float32)
+            b = (0.5 * rng.standard_normal((out, rank)) / np.sqrt(rank)).astype(np.float32)
+            pairs[name] = (a, b)
+    pairs.update(extra or {})
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for name, (a, b) in pairs.items():
+        w.add_tensor(name + ".lora_a", a)
+        w.add_tensor(name + ".lora_b", b)
+    _finish(w)
+    return path

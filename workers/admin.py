@@ -12,9 +12,10 @@ import redis
 from runtime.chat_template import has_chat_template
 from runtime.errors import LLMQRuntimeError
 from runtime.registry import load_registry
-from workers import affinity, keys, metrics
+from workers import affinity, keys, loras, metrics
 from workers.errors import JobFailure, PoolFull
 from workers.wire.commands import COMMAND_LOAD
+from workers.wire.loras import read_registry
 
 if TYPE_CHECKING:
     from workers.pool import EnginePool
@@ -101,6 +102,14 @@ class AdminDuties:
         rate = self._throughput.rate()
         self.connection.hset(keys.METRIC_TOKENS_PER_SECOND, self.name, f"{rate:.2f}")
 
+    def sync_adapters(self) -> None:
+        """Load the adapters `/admin/loras` registered on the engines of their base model,
+        unload removed ones (`workers.loras`)."""
+        try:
+            loras.sync(self.pool, read_registry(self.connection))
+        except redis.RedisError as exc:  # the next heartbeat tries again
+            log.warning("worker %s: cannot read the adapter registry: %s", self.name, exc)
+
     def _handle_commands(self, commands: list[tuple[str, str]]) -> None:
         for op, model in commands:
             log.info("worker %s: admin command %s %s", self.name, op, model)
@@ -131,6 +140,9 @@ def describe_models(sources: dict[str, str]) -> dict[str, dict[str, Any]]:
         spec.id: {"id": spec.id, "source": spec.source, "owned_by": "llmq"}
         for spec in load_registry().values()
     }
+    for spec in load_registry().values():  # the registry's adapters, for the API's checks
+        if spec.loras:
+            described[spec.id]["loras"] = [name for name, _ in spec.loras]
     for model, source in sources.items():
         described.setdefault(model, {"id": model, "source": source, "owned_by": "llmq"})
     return described

@@ -52,6 +52,14 @@ class UnknownModelError(JobFailure):
     code = "model_not_found"
 
 
+class UnknownAdapterError(JobFailure):
+    """A job names a LoRA adapter that is not loaded for its model."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "adapter_not_found"
+
+
 class ModelLoadError(JobFailure):
     """The model is known but could not be loaded (missing file, corrupt GGUF, over budget)."""
 

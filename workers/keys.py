@@ -65,6 +65,7 @@ CANCEL_SUFFIX = ":cancel"
 RUNNING = f"{PREFIX}:running"
 WORKERS = f"{PREFIX}:workers"
 MODELS = f"{PREFIX}:models"
+LORAS = f"{PREFIX}:loras"  # hash: adapter name -> JSON {name, path, base_model} (/admin/loras)
 FILES = f"{PREFIX}:files"
 BATCHES = f"{PREFIX}:batches"
 JOBS = f"{PREFIX}:jobs"  # sorted set: job id -> created_at, the jobs of an open /v1

@@ -74,6 +74,7 @@ class PoolEntry:
     unload_requested: bool = False
     preload: bool = False  # loaded at start-up, before any job asked for it
     future: Future | None = field(default=None, repr=False)
+    loras: dict[str, dict[str, Any]] = field(default_factory=dict)  # adapter -> its state
 
     def describe(self) -> dict[str, Any]:
         """The entry as `WorkerInfo.pool` shows it: `memory_mb` is the resident bytes of the
@@ -87,6 +88,9 @@ class PoolEntry:
             "load_seconds": round(self.load_seconds, 3) if self.load_seconds else None,
             "loaded_at": self.loaded_at,
             **_cache_state(self.engine),
+            **(
+                {"loras": {n: dict(state) for n, state in self.loras.items()}} if self.loras else {}
+            ),
         }
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.engine import Engine
-from runtime.errors import LLMQRuntimeError
+from runtime.errors import AdapterNotFoundError, LLMQRuntimeError
 from runtime.request import GenerationSpec, prompt_list
 from runtime.sampling import SamplingParams
-from workers.errors import InvalidJobRequest
+from workers.errors import InvalidJobRequest, JobFailure, UnknownAdapterError
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
 
 
@@ -78,8 +78,11 @@ def embedding_inputs(engine: Engine, body: dict[str, Any]) -> list[list[int]]:
         raise invalid_request(exc) from exc
 
 
-def invalid_request(exc: LLMQRuntimeError) -> InvalidJobRequest:
-    """An engine error a user caused, as the 400 its job fails with."""
+def invalid_request(exc: LLMQRuntimeError) -> JobFailure:
+    """An engine error a user caused, as the 400 its job fails with (an adapter the engine
+    does not have: 404)."""
+    if isinstance(exc, AdapterNotFoundError):
+        return UnknownAdapterError(str(exc), param="lora")
     return InvalidJobRequest(str(exc), param=exc.param)
 
 
@@ -91,7 +94,8 @@ def _plan_completions(engine: Engine, spec: GenerationSpec) -> JobPlan:
         plan.prompt_tokens += len(ids)
         echo_logprobs = None
         if spec.echo and spec.logprobs is not None:
-            scored = engine.prompt_logprobs(ids, spec.logprobs)
+            adapters = engine.adapter_stack(spec.adapter_pairs())
+            scored = engine.prompt_logprobs(ids, spec.logprobs, adapters)
             echo_logprobs = [(t, lp, top) for t, (lp, top) in zip(ids, scored, strict=True)]
         for params in choice_params:
             plan.choices.append(

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.engine import Engine
-from runtime.errors import LLMQRuntimeError
+from runtime.errors import AdapterNotFoundError, LLMQRuntimeError
 from runtime.generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY, Generator
+from runtime.lora import AdapterStack
 from workers import keys
-from workers.errors import JobFailure
+from workers.errors import JobFailure, UnknownAdapterError
 from workers.jobs import ActiveJob
 from workers.pool import FAILED, LOADING, EnginePool, PoolEntry
 from workers.requests import invalid_request
@@ -35,10 +37,18 @@ class _ModelGenerator:
 class RunningJobs:
     """A worker's running jobs (`jobs`) and their sequences in one generator per model."""
 
-    def __init__(self, pool: EnginePool, max_batch: int) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        max_batch: int,
+        refresh_adapters: Callable[[], None] | None = None,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.pool = pool
+        # called once when a job names an adapter its engine lacks (the worker loads the
+        # adapters registered since its last heartbeat)
+        self.refresh_adapters = refresh_adapters
         self.max_batch = max_batch
         self.jobs: dict[str, ActiveJob] = {}
         self.last_step_sizes: dict[str, int] = {}  # model -> sequences in its last step
@@ -152,12 +162,32 @@ class RunningJobs:
         priority = BATCH_PRIORITY if job.record.kind == keys.BATCH else INTERACTIVE_PRIORITY
         assert job.plan is not None
         cache_prompt = job.plan.spec.cache_prompt
+        adapters = self._adapters(job, entry.engine)
         for request_id, prompt_ids, params in sequences:
             resume = job.resumed.get(request_id, 0)
-            model_run.generator.add(request_id, prompt_ids, params, priority, cache_prompt, resume)
+            model_run.generator.add(
+                request_id, prompt_ids, params, priority, cache_prompt, resume, adapters
+            )
             choice = int(request_id.rsplit(":", 1)[1])
             self._owners[request_id] = (job, choice)
             self.pool.acquire(job.model)
+
+    def _adapters(self, job: ActiveJob, engine: Engine) -> AdapterStack:
+        """The job's LoRA stack on `engine`; an adapter it lacks fails the job with 404."""
+        assert job.plan is not None
+        pairs = job.plan.spec.adapter_pairs()
+        if not pairs:
+            return ()
+        for attempt in range(2):
+            try:
+                return engine.adapter_stack(pairs)
+            except AdapterNotFoundError as exc:
+                if attempt or self.refresh_adapters is None:
+                    raise UnknownAdapterError(str(exc), param="lora") from exc
+                self.refresh_adapters()
+            except LLMQRuntimeError as exc:
+                raise invalid_request(exc) from exc
+        return ()  # not reached: the second attempt returns or raises
 
     def _end_sequence(self, request_id: str, job: ActiveJob) -> None:
         if self._owners.pop(request_id, None) is not None:

@@ -105,7 +105,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self.pool = pool or EnginePool(
             config.pool, sources, functools.partial(load_engine, backend=config.backend)
         )
-        self.running = RunningJobs(self.pool, config.max_batch)
+        self.running = RunningJobs(self.pool, config.max_batch, self.sync_adapters)
         self.reaper = Reaper(self.connection, self.name, self._lease_ms)
         self.batch_driver = batches.BatchDriver(self.connection, self.name)
         info = WorkerInfo(
@@ -273,6 +273,8 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             self._renew_leases()
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
             self.heartbeat_executions()
+        if self._due_now("loras", WORKER_HEARTBEAT_SECONDS):
+            self.sync_adapters()
         pool = self.pool.snapshot()
         learned = self._learn_models()
         if (

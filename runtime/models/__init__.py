@@ -5,6 +5,7 @@ from __future__ import annotations
 from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, get_backend
+from runtime.lora import LinearSources
 from runtime.models.gemma3 import Gemma3Model
 from runtime.models.llama import LlamaModel
 
@@ -22,7 +23,10 @@ def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> LlamaMode
             f"{gguf_file.path.name}: architecture {arch!r} is not supported "
             f"(supported: {supported})"
         )
-    return model_class(gguf_file, backend or get_backend())
+    recorder = LinearSources(backend or get_backend())
+    model = model_class(gguf_file, recorder)
+    model.architecture, model.linear_sources = arch, recorder.sources
+    return model
 
 
 LINEAR_SUFFIXES = ("_q.weight", "_k.weight", "_v.weight", "_output.weight", "_gate.weight")

@@ -14,15 +14,18 @@ import numpy as np
 
 from runtime.kernels import Embedding, Weight
 from runtime.kv_pool import BLOCK_SIZE, BlockPool, PagedKVCache
+from runtime.lora import AdapterStack, LinearSource, RowAdapters
 
 
 @dataclass
 class SequenceChunk:
-    """`length` new tokens of one sequence, at positions `start .. start + length - 1`."""
+    """`length` new tokens of one sequence, at positions `start .. start + length - 1`,
+    computed with the LoRA `adapters` (adapter, scale) of that sequence."""
 
     cache: PagedKVCache
     start: int
     length: int
+    adapters: AdapterStack = ()
 
 
 @dataclass
@@ -37,6 +40,8 @@ class BatchLayout:
         self.spans = [(int(offsets[i]), int(offsets[i + 1]), c) for i, c in enumerate(self.chunks)]
         # what attention derives from the layout once per forward pass (slots, groups)
         self.plans: dict[Any, Any] = {}
+        # the rows each LoRA adapter applies to; None (nothing to do) without adapters
+        self.lora = RowAdapters.for_spans([(s, e, c.adapters) for s, e, c in self.spans])
 
     def positions(self) -> np.ndarray:
         return np.concatenate([np.arange(c.start, c.start + c.length) for c in self.chunks])
@@ -99,16 +104,23 @@ def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
-def linear(x: np.ndarray, weight: Weight) -> np.ndarray:
-    """`x` `[T, in]` through `weight` `[out, in]` -> `[T, out]`, however the backend stores it."""
-    return weight(x)
+def linear(x: np.ndarray, weight: Weight, layout: BatchLayout | None = None) -> np.ndarray:
+    """`x` `[T, in]` through `weight` `[out, in]` -> `[T, out]`, however the backend stores it;
+    with a `layout`, each row also gets the LoRA deltas of its own sequence's adapters."""
+    out = weight(x)
+    if layout is not None and layout.lora is not None:
+        layout.lora.apply(weight, x, out)
+    return out
 
 
-def gated_mlp(x: np.ndarray, w_gate_up: Weight, w_down: Weight, activation_mul) -> np.ndarray:
+def gated_mlp(
+    x: np.ndarray, w_gate_up: Weight, w_down: Weight, activation_mul, layout: BatchLayout
+) -> np.ndarray:
     """down(act(gate(x)) * up(x)) with gate and up fused into one `[2F, D]` weight."""
-    gate_up = linear(x, w_gate_up)  # [T, D] -> [T, 2F]
+    gate_up = linear(x, w_gate_up, layout)  # [T, D] -> [T, 2F]
     ffn_dim = w_gate_up.shape[0] // 2
-    return linear(activation_mul(gate_up[:, :ffn_dim], gate_up[:, ffn_dim:]), w_down)  # -> [T, D]
+    hidden = activation_mul(gate_up[:, :ffn_dim], gate_up[:, ffn_dim:])  # [T, F]
+    return linear(hidden, w_down, layout)  # [T, F] -> [T, D]
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -133,6 +145,10 @@ class DecoderModel:
     output: Weight  # [V, D]
     norm: np.ndarray
     layers: list[Any]
+    # set by `load_model`: GGUF's general.architecture, and where each GGUF tensor went in
+    # the linear weights (runtime/lora.py maps adapters the same way)
+    architecture: str
+    linear_sources: dict[str, LinearSource]
 
     @property
     def context_length(self) -> int:

@@ -90,22 +90,22 @@ class Gemma3Layer:
         eps = self.args.norm_eps
         attn = self.attention(rms_normalize(x, eps), layout, ropes[self.sliding])
         h = x + rms_norm(attn, self.post_attn_norm, eps)
-        return h + rms_norm(self.mlp(rms_normalize(h, eps)), self.post_ffn_norm, eps)
+        return h + rms_norm(self.mlp(rms_normalize(h, eps), layout), self.post_ffn_norm, eps)
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         a, t, eps = self.args, x.shape[0], self.args.norm_eps
         q_end, k_end = a.n_heads * a.head_dim, (a.n_heads + a.n_kv_heads) * a.head_dim
-        qkv = linear(x, self.wqkv)  # [T, D] -> [T, (H+2Hkv)*Dh]
+        qkv = linear(x, self.wqkv, layout)  # [T, D] -> [T, (H+2Hkv)*Dh]
         q = qkv[:, :q_end].reshape(t, a.n_heads, a.head_dim)
         k = qkv[:, q_end:k_end].reshape(t, a.n_kv_heads, a.head_dim)
         v = qkv[:, k_end:].reshape(t, a.n_kv_heads, a.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm, eps), *rope)  # [T, H, Dh]
         k = apply_rope(rms_norm(k, self.k_norm, eps), *rope)  # [T, Hkv, Dh]
         out = attend_layout(self.index, q, k, v, layout, self.window)
-        return linear(out, self.wo)  # [T, H*Dh] -> [T, D]
+        return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
-    def mlp(self, x: np.ndarray) -> np.ndarray:
-        return gated_mlp(x, self.w_gate_up, self.w_down, gelu_tanh_mul)
+    def mlp(self, x: np.ndarray, layout: BatchLayout) -> np.ndarray:
+        return gated_mlp(x, self.w_gate_up, self.w_down, gelu_tanh_mul, layout)
 
 
 class Gemma3Model(DecoderModel):

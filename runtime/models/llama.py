@@ -97,21 +97,21 @@ class LlamaLayer:
     def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         eps = self.args.norm_eps
         h = x + self.attention(rms_normalize(x, eps), layout, rope)
-        h += self.mlp(rms_normalize(h, eps))  # in place: h is this layer's own buffer
+        h += self.mlp(rms_normalize(h, eps), layout)  # in place: h is this layer's own buffer
         return h
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         a, t = self.args, x.shape[0]
         n_qk = a.n_heads + a.n_kv_heads
-        qkv = linear(x, self.wqkv)  # [T, D] -> [T, (H+2Hkv)*Dh]
+        qkv = linear(x, self.wqkv, layout)  # [T, D] -> [T, (H+2Hkv)*Dh]
         qk = apply_rope(qkv[:, : n_qk * a.head_dim].reshape(t, n_qk, a.head_dim), *rope)
         q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]  # [T, H, Dh], [T, Hkv, Dh]
         v = qkv[:, n_qk * a.head_dim :].reshape(t, a.n_kv_heads, a.head_dim)
         out = attend_layout(self.index, q, k, v, layout)
-        return linear(out, self.wo)  # [T, H*Dh] -> [T, D]
+        return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
-    def mlp(self, x: np.ndarray) -> np.ndarray:
-        return gated_mlp(x, self.w_gate_up, self.w_down, silu_mul)
+    def mlp(self, x: np.ndarray, layout: BatchLayout) -> np.ndarray:
+        return gated_mlp(x, self.w_gate_up, self.w_down, silu_mul, layout)
 
 
 class LlamaModel(DecoderModel):

@@ -125,10 +125,9 @@ def test_load_refuses_paths_and_urls(client, fake_redis, model) -> None:
     assert fake_redis.llen(keys.worker_commands("fake-1")) == 0
 
 
-def test_loras_not_implemented(client) -> None:
+def test_loras_list_is_empty_without_adapters(client) -> None:
     response = client.get("/admin/loras")
-    assert response.status_code == 501
-    assert response.get_json()["error"]["code"] == "not_implemented"
+    assert response.status_code == 200 and response.get_json()["data"] == []
 
 
 def test_metrics_render_worker_counters(client, fake_redis) -> None:

@@ -143,9 +143,9 @@ ROWS: list[tuple[str, str, Any, str, int, str | None]] = [
         "grammar",
     ),
     (
-        "unsupported-lora",
+        "malformed-lora",
         "/v1/completions",
-        completion(lora=[{"name": "a", "scale": 1.0}]),
+        completion(lora=[{"name": "a", "scale": "1"}]),
         JSON,
         400,
         "lora",

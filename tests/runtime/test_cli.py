@@ -95,6 +95,20 @@ def test_generate_chat_with_smollm2_answers_a_question():
     assert "Tokyo" in result.stdout
 
 
+def test_generate_with_lora_adapters(tiny_llama_path, tmp_path):
+    from tests.tiny_models import write_lora
+
+    adapter = write_lora(tmp_path / "a.gguf", tiny_llama_path, seed=7)
+    args = ("generate", "-m", str(tiny_llama_path), "--temperature", "0", "--max-tokens", "6")
+    plain = llmq(*args, "the cat")
+    adapted = llmq(*args, "--lora", f"{adapter}:2.5", "the cat")
+    off = llmq(*args, "--lora", f"{adapter}:0", "the cat")
+    assert adapted.returncode == 0, adapted.stderr
+    assert adapted.stdout != plain.stdout and off.stdout == plain.stdout
+    wrong = write_lora(tmp_path / "g.gguf", tiny_llama_path, architecture="gemma3")
+    assert_one_line_error(llmq(*args, "--lora", str(wrong), "hi"), "architecture 'gemma3'")
+
+
 def test_unknown_model_is_one_line(tmp_path):
     assert_one_line_error(llmq("generate", "-m", "no-such-model", "hi"), "unknown model")
 

@@ -1,0 +1,306 @@
+"""LoRA adapters in llama.cpp's GGUF layout, applied per row of a batched step.
+
+An adapter file holds `general.type = adapter`, `adapter.type = lora`, `adapter.lora.alpha`
+and, for each adapted base tensor `<name>` (`[out, in]`), `<name>.lora_a` `[rank, in]` and
+`<name>.lora_b` `[out, rank]` (numpy order; GGUF's `ne` reversed). The change to the weight
+is `scale * B @ A` with llama.cpp's scale: user scale x alpha / rank (alpha 0: user scale).
+
+The base weights are never touched. At load, each adapted tensor is mapped onto the model's
+weight exactly as the model built it (`LinearSources` records that): B's rows go where the
+tensor's rows went in a fused weight (q/k/v, gate/up), reordered and scaled as they were
+(llama's q/k un-interleave, the attention scale in q), and A's columns take the input scale
+folded into the weight (an RMSNorm weight). One weight's pieces become one pair `(A, B)`,
+B block-structured, so one adapter costs two small products per weight.
+
+In a step, `RowAdapters` knows which rows use which adapters at what scale; `apply` adds
+`(x[rows] @ A.T * scale) @ B.T` to those rows of the base product, which runs once for all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import AdapterError, ModelFormatError
+from runtime.gguf_file import GGUFFile
+from runtime.kernels import Backend, Embedding, TensorPart, Weight
+
+LORA_A, LORA_B = ".lora_a", ".lora_b"
+UNSUPPORTED_TENSORS = ("token_embd.weight", "output.weight")
+ADAPTER_DIR_ENV = "LLMQ_ADAPTER_DIR"  # the only folder adapters are loaded from by name
+
+
+def adapter_file(path: str, adapter_dir: str | Path | None = None) -> Path:
+    """The adapter file `path` names inside the adapter folder (`LLMQ_ADAPTER_DIR`):
+    relative, no '..' out of it, no URL; `AdapterError` otherwise or if it does not exist."""
+    folder = adapter_dir or os.environ.get(ADAPTER_DIR_ENV)
+    if not folder:
+        raise AdapterError(f"LoRA adapters can only be loaded when {ADAPTER_DIR_ENV} is set")
+    if not isinstance(path, str) or not path or "://" in path or Path(path).is_absolute():
+        raise AdapterError(
+            f"an adapter path must be relative to {ADAPTER_DIR_ENV}, got {str(path)[:80]!r}"
+        )
+    root = Path(folder).resolve()
+    target = (root / path).resolve()
+    if not target.is_relative_to(root):
+        raise AdapterError(f"adapter path {path[:80]!r} leads out of {ADAPTER_DIR_ENV}")
+    if not target.is_file():
+        raise AdapterError(f"no adapter file {path[:80]!r} in {ADAPTER_DIR_ENV}")
+    return target
+
+
+@dataclass(frozen=True)
+class LinearSource:
+    """Where one GGUF tensor `[out, in]` went: rows `row_start ..` of `weight`, as `part`."""
+
+    weight: Weight
+    row_start: int
+    part: TensorPart
+    input_scale: np.ndarray | None
+    shape: tuple[int, int]
+
+
+class LinearSources:
+    """A backend that records, for every tensor a model builds a linear weight from, where
+    it went; passed to a model's constructor in place of the real backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self.sources: dict[str, LinearSource] = {}
+
+    def linear(
+        self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None
+    ) -> Weight:
+        weight = self.backend.linear(f, parts, input_scale)
+        row = 0
+        for part in parts:
+            shape = f.blocks(part.name)[2]
+            out_in = (int(shape[0]), int(shape[1]))
+            self.sources[part.name] = LinearSource(weight, row, part, input_scale, out_in)
+            row += out_in[0]
+        return weight
+
+    def embedding(self, f: GGUFFile, name: str) -> Embedding:
+        return self.backend.embedding(f, name)
+
+    def head(self, f: GGUFFile, name: str, tied: Embedding | None = None) -> Weight:
+        return self.backend.head(f, name, tied)
+
+    def describe(self) -> dict[str, str]:
+        return self.backend.describe()
+
+    def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
+        return self.backend.stored_bytes(f, name, role)
+
+
+@dataclass
+class LoraDelta:
+    """One weight's low-rank change: `A` `[R, in]`, `B` `[out, R]` float32, laid out like the
+    weight (R sums the ranks of the tensors fused into it; alpha / rank is in B)."""
+
+    a: np.ndarray
+    b: np.ndarray
+
+
+class LoraAdapter:
+    """An adapter bound to one loaded model: its deltas keyed by the model's weights."""
+
+    def __init__(self, name: str, path: Path, deltas: dict[int, LoraDelta], alpha: float) -> None:
+        self.name, self.path, self.alpha = name, path, alpha
+        self.deltas = deltas  # id(weight) -> delta; the model keeps its weights alive
+        self.key = f"{name}#{uuid.uuid4().hex[:12]}"  # a reload is a different adapter
+
+    def __repr__(self) -> str:
+        return f"LoraAdapter({self.name!r}, {len(self.deltas)} weights)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.a.nbytes + d.b.nbytes for d in self.deltas.values())
+
+
+def load_adapter(
+    name: str, path: str | Path, sources: dict[str, LinearSource], architecture: str
+) -> LoraAdapter:
+    """Read the adapter at `path` and map it onto the weights `sources` describes (a model
+    of `architecture`); `AdapterError` says what does not fit."""
+    f = _open(path, architecture)
+    alpha = float(f.metadata.get("adapter.lora.alpha", 0.0) or 0.0)
+    pieces: dict[int, list[tuple[LinearSource, np.ndarray, np.ndarray]]] = {}
+    for base in _adapted_tensors(f):
+        source = _source(f, base, sources)
+        _check_shapes(f, base, source.shape)
+        a, b = f.tensor(base + LORA_A), f.tensor(base + LORA_B)  # [r, in], [out, r]
+        rank = a.shape[0]
+        b = b * np.float32(alpha / rank) if alpha else b
+        pieces.setdefault(id(source.weight), []).append((source, a, b))
+    deltas = {key: _fuse(group) for key, group in pieces.items()}
+    return LoraAdapter(name, Path(path), deltas, alpha)
+
+
+def check_adapter(path: str | Path, base: GGUFFile) -> None:
+    """What `load_adapter` would refuse, from the two files' headers alone (no weights are
+    read): for the API, so a wrong architecture or shape is refused before any worker."""
+    f = _open(path, base.architecture)
+    for name in _adapted_tensors(f):
+        if name in UNSUPPORTED_TENSORS or not base.has_tensor(name):
+            _source(f, name, {})  # raises the message the worker would give
+        shape = base.blocks(name)[2]
+        if len(shape) != 2:
+            _source(f, name, {})
+        _check_shapes(f, name, (int(shape[0]), int(shape[1])))
+
+
+def _open(path: str | Path, architecture: str) -> GGUFFile:
+    try:
+        f = GGUFFile(path)
+    except ModelFormatError as exc:
+        raise AdapterError(str(exc)) from exc
+    _check_metadata(f, architecture)
+    return f
+
+
+def _check_metadata(f: GGUFFile, architecture: str) -> None:
+    kind, lora = f.metadata.get("general.type"), f.metadata.get("adapter.type")
+    if kind != "adapter" or lora != "lora":
+        raise AdapterError(
+            f"{f.path.name}: not a LoRA adapter (general.type {kind!r}, adapter.type "
+            f"{lora!r}; expected 'adapter' and 'lora')"
+        )
+    arch = f.metadata.get("general.architecture")
+    if arch != architecture:
+        raise AdapterError(
+            f"{f.path.name}: adapter for architecture {arch!r}, but the model is {architecture!r}"
+        )
+
+
+def _adapted_tensors(f: GGUFFile) -> list[str]:
+    names = f.tensor_names()
+    bases = [n[: -len(LORA_A)] for n in names if n.endswith(LORA_A)]
+    for n in names:
+        if not n.endswith((LORA_A, LORA_B)):
+            raise AdapterError(f"{f.path.name}: tensor {n!r} is not a .lora_a/.lora_b tensor")
+        if n.endswith(LORA_B) and n[: -len(LORA_B)] + LORA_A not in names:
+            raise AdapterError(f"{f.path.name}: {n!r} has no matching .lora_a tensor")
+    for base in bases:
+        if base + LORA_B not in names:
+            raise AdapterError(f"{f.path.name}: {base + LORA_A!r} has no matching .lora_b tensor")
+    if not bases:
+        raise AdapterError(f"{f.path.name}: the adapter holds no .lora_a/.lora_b tensors")
+    return bases
+
+
+def _source(f: GGUFFile, base: str, sources: dict[str, LinearSource]) -> LinearSource:
+    if base in UNSUPPORTED_TENSORS:
+        raise AdapterError(
+            f"{f.path.name}: adapters on {base} are not supported (embedding and output "
+            "adapters); only attention and feed-forward weights can be adapted"
+        )
+    source = sources.get(base)
+    if source is None:
+        raise AdapterError(
+            f"{f.path.name}: tensor {base!r} is not a linear weight of the base model "
+            "(hint: maybe wrong base model?)"
+        )
+    return source
+
+
+def _check_shapes(f: GGUFFile, base: str, weight: tuple[int, int]) -> None:
+    a, b = f.blocks(base + LORA_A)[2], f.blocks(base + LORA_B)[2]
+    out, inp = weight
+    if len(a) != 2 or len(b) != 2 or a[1] != inp or b[0] != out:
+        raise AdapterError(
+            f"{f.path.name}: {base!r} has lora_a {list(a)} and lora_b {list(b)}, but the base "
+            f"weight is [{out}, {inp}] (expected [rank, {inp}] and [{out}, rank]; "
+            "hint: maybe wrong base model?)"
+        )
+    if a[0] != b[1] or a[0] < 1:
+        raise AdapterError(
+            f"{f.path.name}: {base!r} has lora_a rank {a[0]} but lora_b rank {b[1]} "
+            "(lora_a must be [rank, in] and lora_b [out, rank])"
+        )
+
+
+def _fuse(group: list[tuple[LinearSource, np.ndarray, np.ndarray]]) -> LoraDelta:
+    """One weight's pieces as one `(A, B)`: each piece's B in its rows of the fused weight,
+    with the part's row order and scale, and A times the weight's input scale."""
+    out = group[0][0].weight.shape[0]
+    total_rank = sum(a.shape[0] for _, a, _ in group)
+    a_all = np.zeros((total_rank, group[0][1].shape[1]), np.float32)  # [R, in]
+    b_all = np.zeros((out, total_rank), np.float32)  # [out, R]
+    col = 0
+    for source, a, b in group:
+        rank, part = a.shape[0], source.part
+        if part.row_order is not None:
+            b = b[part.row_order]
+        rows = slice(source.row_start, source.row_start + source.shape[0])
+        b_all[rows, col : col + rank] = b * np.float32(part.scale)
+        a_all[col : col + rank] = a if source.input_scale is None else a * source.input_scale
+        col += rank
+    return LoraDelta(a_all, b_all)
+
+
+AdapterStack = tuple[tuple[LoraAdapter, float], ...]
+
+
+def normalize_stack(adapters: Sequence[tuple[LoraAdapter, float]]) -> AdapterStack:
+    """The stack as the engine keeps it: one entry per adapter (scales of a repeated one
+    add up), in a fixed order (the sum does not depend on it), finite scales."""
+    scales: dict[str, tuple[LoraAdapter, float]] = {}
+    for adapter, scale in adapters:
+        if isinstance(scale, bool) or not isinstance(scale, int | float):
+            raise AdapterError(f"a LoRA scale must be a number, got {scale!r}")
+        if not math.isfinite(scale):
+            raise AdapterError(f"a LoRA scale must be finite, got {scale!r}")
+        previous = scales.get(adapter.key, (adapter, 0.0))[1]
+        scales[adapter.key] = (adapter, previous + float(scale))
+    return tuple(scales[key] for key in sorted(scales))
+
+
+def stack_namespace(adapters: AdapterStack) -> str:
+    """What the prefix cache adds to a model's namespace for this stack ('' for none):
+    blocks computed under different adapters or scales are never shared."""
+    return "".join(f"|lora:{a.key}@{scale!r}" for a, scale in adapters)
+
+
+class RowAdapters:
+    """Which rows of a step's packed tokens use which adapter, at what scale."""
+
+    def __init__(self, groups: list[tuple[LoraAdapter, slice | np.ndarray, np.ndarray]]) -> None:
+        self.groups = groups  # (adapter, rows, scales [n, 1])
+
+    @classmethod
+    def for_spans(cls, spans: Sequence[tuple[int, int, AdapterStack]]) -> RowAdapters | None:
+        """From (first row, end row, stack) per sequence; None when no row has an adapter."""
+        rows: dict[str, tuple[LoraAdapter, list[np.ndarray], list[np.ndarray]]] = {}
+        for start, end, stack in spans:
+            for adapter, scale in stack:
+                entry = rows.setdefault(adapter.key, (adapter, [], []))
+                entry[1].append(np.arange(start, end))
+                entry[2].append(np.full(end - start, scale, np.float32))
+        if not rows:
+            return None
+        groups = []  # in key order: a row adds its deltas in the same order in any batch
+        for _, (adapter, index_parts, scale_parts) in sorted(rows.items()):
+            index = np.concatenate(index_parts)
+            contiguous = index[-1] - index[0] + 1 == len(index)
+            where = slice(int(index[0]), int(index[-1]) + 1) if contiguous else index
+            groups.append((adapter, where, np.concatenate(scale_parts)[:, None]))
+        return cls(groups)
+
+    def apply(self, weight: Weight, x: np.ndarray, out: np.ndarray) -> None:
+        """Add each adapter's delta for `weight` to its rows of `out` = weight(x), in place."""
+        key = id(weight)
+        for adapter, rows, scales in self.groups:
+            delta = adapter.deltas.get(key)
+            if delta is None:
+                continue
+            low = x[rows] @ delta.a.T  # [n, in] -> [n, R]
+            low *= scales
+            out[rows] += low @ delta.b.T  # [n, R] -> [n, out]

@@ -1,0 +1,164 @@
+"""LoRA adapters through the API (fakeredis, a fake worker): `/admin/loras` registers,
+lists and deletes adapters, refusing paths outside LLMQ_ADAPTER_DIR and adapters that do
+not fit the base model; a request's `lora`, or a `model` naming an adapter, reaches the job's
+spec, and an unknown adapter is a 404 at submission."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fakeredis
+import pytest
+
+from api.app import create_app
+from api.batch_lines import validate_lines
+from tests.api.fake_worker import FakeWorker
+from tests.tiny_models import write_lora, write_tiny_gemma3, write_tiny_llama
+from workers import keys
+from workers.wire.job import JobRecord
+
+ASYNC = {"Prefer": "respond-async"}
+
+
+@pytest.fixture
+def adapter_dir(tmp_path: Path, monkeypatch) -> Path:
+    """LLMQ_ADAPTER_DIR with `style.gguf` for the tiny llama (registered as model "tiny")
+    and `gemma.gguf` for another architecture."""
+    base = write_tiny_llama(tmp_path / "tiny.gguf")
+    registry = tmp_path / "models.toml"
+    registry.write_text(f'[models.tiny]\npath = "{base}"\n')
+    monkeypatch.setenv("LLMQ_MODELS", str(registry))
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    write_lora(folder / "style.gguf", base)
+    write_lora(folder / "gemma.gguf", write_tiny_gemma3(tmp_path / "gemma.gguf"))
+    monkeypatch.setenv("LLMQ_ADAPTER_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def client(fake_redis: fakeredis.FakeRedis, adapter_dir: Path):
+    FakeWorker(fake_redis).register()
+    return create_app({"TESTING": True, "REDIS_CLIENT": fake_redis}).test_client()
+
+
+def add(client, name: str = "style", path: str = "style.gguf", base: str = "tiny"):
+    return client.post("/admin/loras", json={"name": name, "path": path, "base_model": base})
+
+
+def job_record(fake_redis, response) -> JobRecord:
+    assert response.status_code == 202, response.get_json()
+    return JobRecord.from_hash(fake_redis.hgetall(keys.job(response.get_json()["id"])))
+
+
+def test_register_list_and_delete(client, fake_redis):
+    response = add(client)
+    assert response.status_code == 201, response.get_json()
+    assert response.get_json()["base_model"] == "tiny"
+    [listed] = client.get("/admin/loras").get_json()["data"]
+    assert listed["name"] == "style" and listed["path"] == "style.gguf"
+    assert listed["workers"] == {"fake-1": {"state": "pending"}}  # not loaded there yet
+    assert client.delete("/admin/loras/style").status_code == 200
+    assert client.get("/admin/loras").get_json()["data"] == []
+    assert client.delete("/admin/loras/style").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "words"),
+    [
+        ({"path": "../tiny.gguf"}, 400, "path", "leads out of"),
+        ({"path": "/etc/passwd"}, 400, "path", "must be relative"),
+        ({"path": "https://example.com/a.gguf"}, 400, "path", "must be relative"),
+        ({"path": "missing.gguf"}, 400, "path", "no adapter file"),
+        ({"path": "gemma.gguf"}, 400, "path", "architecture 'gemma3'"),
+        ({"base_model": "nope"}, 404, "model", "does not exist"),
+        ({"name": "tiny"}, 400, "name", "is a model id"),
+        ({"name": "a/b"}, 400, "name", "must be an id"),
+        ({"extra": 1}, 400, "extra", "Unrecognized"),
+    ],
+)
+def test_bad_registrations_are_refused(client, fake_redis, body, status, param, words):
+    fields = {"name": "style", "path": "style.gguf", "base_model": "tiny", **body}
+    response = client.post("/admin/loras", json=fields)
+    assert response.status_code == status, response.get_json()
+    error = response.get_json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert not fake_redis.exists(keys.LORAS)
+
+
+def test_a_request_lora_reaches_the_job_spec(client, fake_redis):
+    add(client)
+    body = {"model": "tiny", "prompt": "hi", "lora": [{"name": "style", "scale": 0.5}]}
+    record = job_record(fake_redis, client.post("/v1/completions", json=body, headers=ASYNC))
+    assert record.spec["adapters"] == [{"name": "style", "scale": 0.5}]
+    assert record.model == "tiny"
+
+
+def test_a_model_naming_an_adapter_runs_its_base_model_with_it(client, fake_redis):
+    add(client)
+    chat = {"model": "style", "messages": [{"role": "user", "content": "hi"}]}
+    record = job_record(fake_redis, client.post("/v1/chat/completions", json=chat, headers=ASYNC))
+    assert record.model == "tiny"
+    assert record.spec["adapters"] == [{"name": "style", "scale": 1.0}]
+
+
+def test_adapters_named_in_a_workers_registry_are_known(client, fake_redis):
+    info = json.loads(fake_redis.hget(keys.MODELS, "tiny"))
+    fake_redis.hset(keys.MODELS, "tiny", json.dumps({**info, "loras": ["fixed"]}))
+    body = {"model": "tiny", "prompt": "hi", "lora": [{"name": "fixed"}]}
+    record = job_record(fake_redis, client.post("/v1/completions", json=body, headers=ASYNC))
+    assert record.spec["adapters"] == [{"name": "fixed", "scale": 1.0}]
+
+
+@pytest.mark.parametrize(
+    ("lora", "status"),
+    [
+        ([{"name": "nope"}], 404),
+        ([{"name": "style"}, {"name": "nope", "scale": 2}], 404),
+        ([{"name": "style", "scale": "big"}], 400),
+        ("style", 400),
+    ],
+)
+def test_unknown_or_malformed_adapters_are_refused_at_submission(client, fake_redis, lora, status):
+    add(client)
+    body = {"model": "tiny", "prompt": "hi", "lora": lora}
+    response = client.post("/v1/completions", json=body, headers=ASYNC)
+    assert response.status_code == status, response.get_json()
+    assert response.get_json()["error"]["param"] == "lora"
+    if status == 404:
+        assert response.get_json()["error"]["code"] == "adapter_not_found"
+
+
+def test_batch_lines_carry_adapters_and_refuse_unknown_ones():
+    def line(custom_id: str, **body) -> str:
+        request = {"model": "tiny", "prompt": "hi", **body}
+        return json.dumps(
+            {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": request}
+        )
+
+    content = "\n".join(
+        [
+            line("a", lora=[{"name": "style", "scale": 0.5}]),
+            line("b", model="style"),
+            line("c", lora=[{"name": "nope"}]),
+        ]
+    ).encode()
+    valid, invalid = validate_lines(
+        content, "/v1/completions", {"tiny": {}}, None, {"style": "tiny"}
+    )
+    assert [v.spec["adapters"] for v in valid] == [
+        [{"name": "style", "scale": 0.5}],
+        [{"name": "style", "scale": 1.0}],
+    ]
+    assert [v.model for v in valid] == ["tiny", "tiny"]
+    [bad] = invalid
+    assert bad.custom_id == "c" and bad.code == "adapter_not_found"
+
+
+def test_models_lists_adapters_with_their_parent(client):
+    add(client)
+    listed = {m["id"]: m for m in client.get("/v1/models").get_json()["data"]}
+    assert listed["style"]["parent"] == "tiny" and listed["style"]["ready"] is True
+    assert client.get("/v1/models/style").get_json()["parent"] == "tiny"
+    assert client.get("/v1/models/nope").status_code == 404
