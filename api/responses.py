@@ -239,6 +239,34 @@ class ModelCommand(Body):
     model: str = Field(description="a model id from the registry (never a path or URL)")
 
 
+class LoraRegistration(Body):
+    """`POST /admin/loras`: an adapter file inside LLMQ_ADAPTER_DIR for a served model."""
+
+    name: str = Field(description="the id requests use (`lora[].name`, or `model`)")
+    path: str = Field(description="relative to LLMQ_ADAPTER_DIR; never a URL")
+    base_model: str
+
+
+class Lora(Body):
+    object: Literal["lora"]
+    name: str
+    base_model: str
+    workers: dict[str, Any] | None = Field(
+        default=None, description="its state on each live worker serving the base model"
+    )
+
+
+class LoraList(Body):
+    object: Literal["list"]
+    data: list[Lora]
+
+
+class LoraDeleted(Body):
+    object: Literal["lora"]
+    name: str
+    deleted: bool
+
+
 class ModelCommandSent(Body):
     op: str
     model: str
