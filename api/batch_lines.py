@@ -19,7 +19,7 @@ from api.body import json_type, parse_json
 from api.errors import APIError
 from api.flow import check_context
 from api.model_texts import ModelTexts
-from api.schemas import parse_request, spec_record
+from api.schemas import parse_request
 from workers.wire.defaults import MAX_LINE_BYTES
 
 BOM = b"\xef\xbb\xbf"
@@ -165,8 +165,10 @@ def _validate(
     info = models.get(req.model)
     if info is None:
         raise LineError("model_not_found", f"The model {req.model!r} does not exist.")
+    spec = req.to_spec()
     try:
-        check_context(req, info, texts)
+        check_context(req, spec, info, texts)
     except APIError as exc:
         raise LineError(exc.code or "invalid_request", exc.message) from None
-    return ValidLine(number, custom_id, req.model, req.to_job_request(), spec_record(req))
+    record = None if spec is None else spec.to_record()
+    return ValidLine(number, custom_id, req.model, req.to_job_request(), record)

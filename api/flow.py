@@ -22,8 +22,8 @@ from api.config import redis_conn
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
 from api.model_texts import ModelTexts
-from api.schemas import spec_record
 from runtime.errors import LLMQRuntimeError
+from runtime.request import GenerationSpec
 from workers.wire.events import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN
 from workers.wire.job import JobRecord
 
@@ -43,7 +43,8 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
     conn = redis_conn()
     loras.resolve(conn, req)  # a model naming an adapter; unknown adapters are a 404
     info = store.require_model(conn, req.model)
-    check_context(req, info, current_app.extensions.get("model_texts"))
+    spec = req.to_spec()  # once, after the adapters are resolved: checked, then stored
+    check_context(req, spec, info, current_app.extensions.get("model_texts"))
     idem = request.headers.get("Idempotency-Key")
     scoped = None
     if idem is not None:
@@ -61,11 +62,16 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
         max_queue=current_app.config["MAX_QUEUE"],
         idempotency=scoped,
         owner=caller_scope(),
-        spec=spec_record(req),
+        spec=None if spec is None else spec.to_record(),
     )
 
 
-def check_context(req: Any, info: dict[str, Any], texts: ModelTexts | None = None) -> None:
+def check_context(
+    req: Any,
+    spec: GenerationSpec | None,
+    info: dict[str, Any],
+    texts: ModelTexts | None = None,
+) -> None:
     """What the model can tell of a request before it is queued: max_tokens against its
     context, and, where this machine has the model's file, everything the engine would
     refuse (prompt + max_tokens beyond the context, token ids outside the vocabulary, chat
@@ -78,7 +84,6 @@ def check_context(req: Any, info: dict[str, Any], texts: ModelTexts | None = Non
             f"got {max_tokens}.",
             param="max_tokens",
         )
-    spec = req.to_spec()
     text = texts.get(req.model) if texts is not None and spec is not None else None
     if text is None:
         return

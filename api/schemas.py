@@ -631,12 +631,6 @@ def validation_error(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"{param}: {err['msg']}.", param=param)
 
 
-def spec_record(req: Any) -> dict[str, Any] | None:
-    """The job record's `spec` for a parsed request (None for embeddings)."""
-    spec = req.to_spec()
-    return None if spec is None else spec.to_record()
-
-
 def parse_request(endpoint: str, body: dict[str, Any]) -> Any:
     """Validate `body` for `endpoint`; raises `InvalidRequest` / `UnsupportedFeature`."""
     try:

@@ -122,17 +122,13 @@ class FakeWorker:
     # ------------------------------------------------------------ one job
 
     def process(self, job_id: str) -> None:
-        """Run one job a test took off its queue itself: claimed as the claim script would
-        (attempt counted, lease taken), then run like any other."""
-        if self.conn.exists(keys.job_cancel(job_id)):
-            with self.conn.pipeline() as pipe:
-                write_ending(pipe, job_id, CANCELLED, cancelled_error())
-                pipe.execute()
-            return
-        attempt = self.conn.hincrby(keys.job(job_id), "attempts", 1)
-        self.conn.sadd(keys.RUNNING, job_id)
-        self.conn.set(keys.job_lease(job_id), f"{self.info.name}:{attempt}", px=LEASE_MS)
-        self._execute(job_id, attempt)
+        """Run one job a test took off its queue itself, claimed by the same script (put on
+        a private list for it to pop)."""
+        hand = f"{keys.PREFIX}:test:hand:{self.info.name}"
+        self.conn.rpush(hand, job_id)
+        claimed = self._claim([hand])
+        if claimed is not None:
+            self._execute(*claimed)
 
     def _execute(self, job_id: str, attempt: int) -> None:
         """Scripted tokens written through the worker's own fenced append
