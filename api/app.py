@@ -17,6 +17,7 @@ from flask import Flask, Response, g, request
 
 from api import admin, batches, files, jobs, metrics, openai_api, openapi, ops, ui
 from api.config import from_env, make_redis, redis_conn
+from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
 
@@ -35,6 +36,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     client = app.config.get("REDIS_CLIENT") or make_redis(app.config["REDIS_URL"])
     app.extensions["redis"] = client
     app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template
+    app.extensions["directory"] = DirectoryCache()  # published and served models, <= 1 s old
 
     register_error_handlers(app)
     for blueprint in (

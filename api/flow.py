@@ -41,8 +41,10 @@ def prefers_async() -> bool:
 def submit_request(endpoint: str, req: Any) -> store.Submission:
     """Check the model and the context, then store and enqueue the job (or find its twin)."""
     conn = redis_conn()
-    loras.resolve(conn, req)  # a model naming an adapter; unknown adapters are a 404
-    info = store.require_model(conn, req.model)
+    # a snapshot <= 1 s old; read now when it lacks the model (an adapter's name, unknown)
+    directory = current_app.extensions["directory"].get(conn, req.model)
+    loras.resolve(conn, req, directory.models)  # a model naming an adapter; unknown: 404
+    info = store.require_model(req.model, directory.models, directory.served)
     spec = req.to_spec()  # once, after the adapters are resolved: checked, then stored
     check_context(req, spec, info, current_app.extensions.get("model_texts"))
     idem = request.headers.get("Idempotency-Key")

@@ -14,11 +14,13 @@ from api.errors import AdapterNotFound
 from workers.wire.loras import read_registry
 
 
-def adapters_of(conn: redis.Redis) -> dict[str, str]:
-    """Every known adapter name -> its base model."""
+def adapters_of(conn: redis.Redis, models: dict[str, Any] | None = None) -> dict[str, str]:
+    """Every known adapter name -> its base model (`models`: `store.known_models`, read
+    here when not given)."""
+    models = store.known_models(conn) if models is None else models
     bases = {
         name: model
-        for model, info in store.known_models(conn).items()
+        for model, info in models.items()
         for name in info.get("loras", []) or []
         if isinstance(name, str)
     }
@@ -28,11 +30,11 @@ def adapters_of(conn: redis.Redis) -> dict[str, str]:
     return bases
 
 
-def resolve(conn: redis.Redis, req: Any) -> None:
-    """Check the adapters of a generation request against what Redis knows (`apply`)."""
-    models = store.known_models(conn)
+def resolve(conn: redis.Redis, req: Any, models: dict[str, Any]) -> None:
+    """Check the adapters of a generation request against what Redis knows (`apply`);
+    `models` as `store.known_models` gives them."""
     if getattr(req, "lora", None) or req.model not in models:
-        apply(req, models, adapters_of(conn))
+        apply(req, models, adapters_of(conn, models))
 
 
 def apply(req: Any, models: dict[str, Any], adapters: dict[str, str]) -> None:

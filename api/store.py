@@ -11,6 +11,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +25,19 @@ from api.auth import visible
 from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
 from api.paging import cursor_page
 from workers import keys
-from workers.wire.defaults import AFFINITY_MAX_QUEUED, CANCEL_FLAG_TTL_SECONDS, JOB_TTL_SECONDS
+from workers.wire.defaults import (
+    AFFINITY_MAX_QUEUED,
+    CANCEL_FLAG_TTL_SECONDS,
+    JOB_TTL_SECONDS,
+    WAKE_MAX_TOKENS,
+    WAKE_TTL_SECONDS,
+)
 from workers.wire.errors import cancelled_error
 from workers.wire.events import write_ending
 from workers.wire.job import CANCELLED, JOB_FUNCTION, QUEUED, TERMINAL_STATUSES, JobRecord
 from workers.wire.prefix import prefix_digest
 from workers.wire.text import as_str
-from workers.wire.wake import push_wake
+from workers.wire.wake import WAKE_TOKEN
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -88,10 +95,12 @@ def served_models(workers: list[WorkerInfo]) -> set[str]:
     return {m for w in workers for m in w.models}
 
 
-def require_model(conn: redis.Redis, model: str) -> dict[str, Any]:
-    """The model's published info; 404 if unknown, 503 if no live worker serves it."""
-    served = served_models(live_workers(conn))
-    info = known_models(conn).get(model)
+def require_model(
+    model: str, models: dict[str, dict[str, Any]], served: Iterable[str]
+) -> dict[str, Any]:
+    """The model's published info (`models`, from `known_models`); 404 if unknown, 503 if
+    no live worker serves it (`served`)."""
+    info = models.get(model)
     if info is None and model not in served:
         raise ModelNotFound(model)
     if model not in served:
@@ -122,66 +131,158 @@ def require_record(conn: redis.Redis, job_id: str, scope: str | None = None) -> 
     return record
 
 
+# The depth check and the push, in one step on the server. KEYS: the shared queue, RQ's set
+# of queues, the job's record, its RQ hash, the own queue to prefer ('' for none), the
+# wake list of each of the two queues, the jobs counter, the owner's index ('' for none).
+# ARGV: max_queue (0: no limit), job id, prefix of the model's own queues ('' for none),
+# room on the own queue, created_at, the index's cut-off score, TTL, wake token, wake list
+# length, wake TTL, the counter's field, the own queue's name. Returns {1 shared | 2 own,
+# depth}, or {0, depth} when full, after deleting the record and RQ's hash.
+_GATE = """
+local depth = redis.call('LLEN', KEYS[1])
+if ARGV[3] ~= '' then
+  for _, queue in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+    if string.sub(queue, 1, #ARGV[3]) == ARGV[3] then
+      depth = depth + redis.call('LLEN', queue)
+    end
+  end
+end
+local limit = tonumber(ARGV[1])
+if limit > 0 and depth >= limit then
+  redis.call('DEL', KEYS[3], KEYS[4])
+  return {0, depth}
+end
+local target, wake, chosen = KEYS[1], KEYS[6], 1
+if KEYS[5] ~= '' and redis.call('LLEN', KEYS[5]) < tonumber(ARGV[4]) then
+  target, wake, chosen = KEYS[5], KEYS[7], 2
+  redis.call('HSET', KEYS[3], 'queue', ARGV[12])
+end
+redis.call('RPUSH', target, ARGV[2])
+redis.call('SADD', KEYS[2], target)
+redis.call('LPUSH', wake, ARGV[8])
+redis.call('LTRIM', wake, 0, tonumber(ARGV[9]) - 1)
+redis.call('EXPIRE', wake, ARGV[10])
+redis.call('HINCRBY', KEYS[8], ARGV[11], 1)
+if KEYS[9] ~= '' then
+  redis.call('ZADD', KEYS[9], ARGV[5], ARGV[2])
+  redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', ARGV[6])
+  redis.call('EXPIRE', KEYS[9], ARGV[7])
+end
+return {chosen, depth}
+"""
+
+
+RQ_VERSION_ATTRIBUTE = "__rq_redis_server_version"  # where RQ caches it on a client
+FAKEREDIS_VERSION = (5, 0, 9)  # what RQ assumes where INFO is unknown
+
+
+def _remember_server_version(conn: redis.Redis) -> None:
+    """Ask the broker's version once per client, for RQ. RQ asks INFO at every enqueue
+    when the answer is an error, and the embedded fakeredis broker answers INFO with an
+    error and then drops the connection, which the next command would meet."""
+    if getattr(conn, RQ_VERSION_ATTRIBUTE, None):
+        return
+    try:
+        version = str(conn.info("server")["redis_version"])
+        parts = tuple(int(p) for p in version.split(".")[:3])
+    except redis.ResponseError:
+        parts = FAKEREDIS_VERSION
+        conn.connection_pool.disconnect()  # not the dropped connection again
+    setattr(conn, RQ_VERSION_ATTRIBUTE, parts + (0,) * (3 - len(parts)))
+
+
+class _WrittenNotPushed(Queue):
+    """RQ's enqueue with the push left out: RQ writes the job's hash, the gate pushes."""
+
+    def push_job_id(self, job_id: str, pipeline: Any = None, at_front: bool = False) -> None:
+        return None
+
+
 def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
-    """Write the record and put its id on one of the model's RQ queues, atomically; returns
-    the queue's name.
+    """Write the record and put its id on one of the model's RQ queues; returns the
+    queue's name.
 
     A job whose prompt prefix a worker holds waits on that worker's own queue while it has
     room (`_affine_queue`; see `workers.affinity`), any other on the shared queue; for RQ it
-    is a job of the shared queue either way. The depth check counts every queue of the model
-    and kind, and it and the push happen in one WATCHed transaction, so concurrent submits
-    from any number of API processes never push past `max_queue` (RELIABILITY F10), and a
-    job id is on a queue only if its record exists. A wake token for that queue goes in the
-    same transaction, so an idle worker serving it starts the job now, not at its next poll.
+    is a job of the shared queue either way. One transaction writes the record and RQ's
+    hash; then one script (`_GATE`) counts every queue of the model and kind and pushes
+    only below `max_queue`, else deletes both. So concurrent submits from any number of API
+    processes never push past it (RELIABILITY F10), a job id is on a queue only if its
+    record exists, and nothing is retried: a WATCHed check-then-push conflicted with every
+    concurrent submission (2,464 retries for ~900 submissions in the load test). The wake
+    token goes in the same script, so an idle worker starts the job now. (The script runs
+    after the transaction, not in it: the embedded fakeredis broker drops a connection
+    that sends EVAL inside MULTI.)
     """
+    _remember_server_version(conn)
     shared = rq_queue(conn, record.model, record.kind)
     affine, room = _affine_queue(conn, record)
+    writer = _WrittenNotPushed(shared.name, connection=conn, serializer=JSONSerializer)
     with conn.pipeline() as pipe:
-        while True:
-            try:
-                queue_keys = _queue_keys(conn, record, affine)
-                pipe.watch(Queue.redis_queues_keys, *queue_keys)  # a new own queue counts too
-                depths = _depths(conn, queue_keys)
-                depth = sum(depths.values())
-                if max_queue > 0 and depth >= max_queue:
-                    raise QueueFull(shared.name, depth)
-                own = affine if affine is not None and depths[affine.key] < room else None
-                record.queue = None if own is None else own.name
-                pipe.multi()
-                pipe.hset(keys.job(record.id), mapping=record.to_hash())
-                pipe.expire(keys.job(record.id), JOB_TTL_SECONDS)
-                shared.enqueue_call(
-                    func=JOB_FUNCTION,
-                    args=[record.id],
-                    job_id=record.id,
-                    description=record.id,  # RQ logs this; never the prompt (RELIABILITY 9)
-                    timeout=RQ_JOB_TIMEOUT_SECONDS,
-                    ttl=JOB_TTL_SECONDS,
-                    result_ttl=JOB_TTL_SECONDS,
-                    failure_ttl=JOB_TTL_SECONDS,
-                    pipeline=pipe,
-                )
-                if own is not None:  # from the shared queue's tail to the own queue, unseen
-                    pipe.lrem(shared.key, -1, record.id)
-                    pipe.rpush(own.key, record.id)
-                    pipe.sadd(Queue.redis_queues_keys, own.key)  # where reapers find it
-                push_wake(pipe, keys.queue_wake((own or shared).name))
-                pipe.hincrby(keys.METRIC_JOBS, QUEUED, 1)
-                if record.kind == keys.INTERACTIVE:
-                    _index(pipe, record)
-                pipe.execute()
-                return (own or shared).name
-            except redis.WatchError:
-                continue
+        pipe.multi()  # MULTI ... EXEC (RQ adds its writes to an explicit transaction)
+        pipe.hset(keys.job(record.id), mapping=record.to_hash())
+        pipe.expire(keys.job(record.id), JOB_TTL_SECONDS)
+        writer.enqueue_call(
+            func=JOB_FUNCTION,
+            args=[record.id],
+            job_id=record.id,
+            description=record.id,  # RQ logs this; never the prompt (RELIABILITY 9)
+            timeout=RQ_JOB_TIMEOUT_SECONDS,
+            ttl=JOB_TTL_SECONDS,
+            result_ttl=JOB_TTL_SECONDS,
+            failure_ttl=JOB_TTL_SECONDS,
+            pipeline=pipe,
+        )
+        pipe.execute()
+    chosen, depth = _gate(conn, record, shared, affine, room, max_queue)
+    if chosen == 0:
+        raise QueueFull(shared.name, int(depth))
+    own = affine if chosen == 2 else None
+    record.queue = None if own is None else own.name
+    return (own or shared).name
 
 
-def _index(pipe: Any, record: JobRecord) -> None:
-    """List the job under its owner for `GET /v1/jobs`; entries older than the records'
-    TTL go (their records are gone), and `list_jobs` prunes any that expired sooner."""
-    index = keys.jobs_of(record.owner)
-    pipe.zadd(index, {record.id: record.created_at})
-    pipe.zremrangebyscore(index, "-inf", record.created_at - JOB_TTL_SECONDS)
-    pipe.expire(index, JOB_TTL_SECONDS)
+def _gate(
+    conn: redis.Redis,
+    record: JobRecord,
+    shared: Queue,
+    affine: Queue | None,
+    room: int,
+    max_queue: int,
+) -> tuple[int, int]:
+    """Run the `_GATE` script for `record`: (0 full | 1 shared | 2 own queue, depth)."""
+    own_prefix = ""
+    if record.kind == keys.INTERACTIVE:
+        own_prefix = Queue.redis_queue_namespace_prefix + keys.personal_queue_name(record.model, "")
+    index = keys.jobs_of(record.owner) if record.kind == keys.INTERACTIVE else ""
+    own_key, own_name = (affine.key, affine.name) if affine is not None else ("", "")
+    own_wake = keys.queue_wake(own_name) if affine is not None else ""
+    chosen, depth = conn.eval(
+        _GATE,
+        9,
+        shared.key,
+        Queue.redis_queues_keys,
+        keys.job(record.id),
+        Job.key_for(record.id),
+        own_key,
+        keys.queue_wake(shared.name),
+        own_wake or keys.queue_wake(shared.name),
+        keys.METRIC_JOBS,
+        index,
+        max_queue,
+        record.id,
+        own_prefix,
+        room,
+        record.created_at,
+        record.created_at - JOB_TTL_SECONDS,
+        JOB_TTL_SECONDS,
+        WAKE_TOKEN,
+        WAKE_MAX_TOKENS,
+        WAKE_TTL_SECONDS,
+        QUEUED,
+        own_name,
+    )
+    return int(chosen), int(depth)
 
 
 def list_jobs(
@@ -219,27 +320,6 @@ def _affine_queue(conn: redis.Redis, record: JobRecord) -> tuple[Queue | None, i
     if info.max_batch > 0:  # beyond its batch a job would wait there while others idle
         room = min(room, info.max_batch - len(info.current_jobs))
     return Queue(name, connection=conn, serializer=JSONSerializer), room
-
-
-def _queue_keys(conn: redis.Redis, record: JobRecord, affine: Queue | None) -> list[str]:
-    """Keys of every queue that holds the model's jobs of this kind: the shared one and the
-    workers' own ones (from RQ's set of queues), and `affine`'s."""
-    found = {rq_queue(conn, record.model, record.kind).key}
-    if affine is not None:
-        found.add(affine.key)
-    if record.kind == keys.INTERACTIVE:
-        own = Queue(keys.personal_queue_name(record.model, ""), connection=conn).key
-        found |= {
-            k for k in map(as_str, conn.smembers(Queue.redis_queues_keys)) if k.startswith(own)
-        }
-    return sorted(found)
-
-
-def _depths(conn: redis.Redis, queue_keys: list[str]) -> dict[str, int]:
-    with conn.pipeline(transaction=False) as pipe:
-        for key in queue_keys:
-            pipe.llen(key)
-        return dict(zip(queue_keys, pipe.execute(), strict=True))
 
 
 def idempotency_key(scope: str, key: str) -> str:
