@@ -2,7 +2,8 @@
 the same GGUF file.
 
     python bench/engine.py [--models smollm2-135m-instruct,gemma-3-270m]
-                           [--backends numpy,torch] [--repeat 3] [--quick] [--json FILE]
+                           [--backends numpy,torch] [--device cpu|cuda[:N]] [--torch-forward]
+                           [--no-llama] [--repeat 3] [--quick] [--json FILE]
 
 Per model it prints prefill speed (512-token prompt), single-stream decode speed at ~600
 tokens of context, load time and peak RSS for each of our backends (`numpy`: float32 and
@@ -11,6 +12,19 @@ llama.cpp, with each backend's ratio to llama.cpp; above the tables, each backen
 plan (`engine.backend.describe()`) and, per model, how many weights each kernel got and the
 bytes they take. The memory bandwidth numpy reaches on this machine, and the float32 decode
 limit it implies for the numpy backend, are printed for reference.
+
+Devices (issue 14): `--device cuda[:N]` (as `llmq worker --device`) runs our engine's tensor
+forward pass on that GPU (`EngineConfig(backend="torch", device=...)`): weights, KV pool and
+activations on the device. `--torch-forward` runs the same tensor path on the CPU (CI's way
+to test the GPU's code). The tensor path has one backend, torch (`--backends` defaults to it
+there; numpy exits 2). A device this machine cannot use exits 2 at once with one line.
+llama.cpp stays a CPU run on the CPU (the installed build is a CPU build), labelled so. On
+CUDA each child also reports its peak device memory (`torch.cuda.max_memory_allocated`),
+printed under peak RSS, and the device (`runtime.devices.describe_device`). Issue 14's
+targets are not judged here: see bench/RESULTS.md "GPU workers (issue 14)" for them and for
+the comparison with the CPU worker (the same script with `--device cpu --backends torch`).
+`--no-llama` skips llama.cpp (where llama-cpp-python is not installed); without it the
+ratios and issue 9's targets are not computed.
 
 Targets (issue 9), judged on the torch backend's best figures:
 - SmolLM2-135M: decode >= 1.0x llama.cpp (moonshot 1.5x), prefill >= 3x llama.cpp,
@@ -64,9 +78,15 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: `runtime` lives 
 
 from bench.harness import (  # noqa: E402
     OPENBLAS_VARS,
+    add_device_args,
+    check_device_args,
+    check_tensor_backends,
     child_main,
     commit,
+    device_figures,
+    engine_config_args,
     env_variants,
+    llama_cpp_version,
     openblas_info,
     openblas_note,
     peak_rss_mib,
@@ -144,6 +164,7 @@ _WARMUP_TEXT = "Warm-up: seven quick questions about lighthouses, tides and maps
 def child_ours(job: dict[str, Any]) -> dict[str, Any]:
     """Load our engine on one backend, warm up, time prefill and decode; one process, one
     model."""
+    from runtime.devices import is_cuda
     from runtime.engine import Engine, EngineConfig
     from runtime.kernels import get_backend
     from runtime.sampling import SamplingParams
@@ -154,9 +175,13 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
     rss_before = peak_rss_mib()
     started = time.perf_counter()
     get_backend(job["backend"])  # imports its libraries (torch): not part of the load
+    if is_cuda(job["device"]):  # nor is creating the CUDA context
+        import torch
+
+        torch.zeros(1, device=job["device"])
     import_s = time.perf_counter() - started
     rss_imported = peak_rss_mib()
-    config = EngineConfig(backend=job["backend"])
+    config = EngineConfig(**engine_config_args(job))
     started = time.perf_counter()
     engine = Engine.load(job["model_path"], config)  # a path is a model id: llama.cpp's file
     load_s = time.perf_counter() - started
@@ -191,6 +216,8 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
         "rss_after_import_mib": rss_imported,
         "peak_rss_mib": peak_rss_mib(),
         "openblas": openblas_info(),
+        "torch_forward": engine.torch_forward,
+        **device_figures(engine.device),
     }
 
 
@@ -337,7 +364,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  [{len(runs):3d}] {label} {_short(kind, result)}", file=sys.stderr, flush=True)
 
     bandwidth_job = {"mib": args.bandwidth_mib, "reps": args.bandwidth_reps}
-    engines = [*args.backends, "llama"]
+    engines = [*args.backends, *(["llama"] if args.llama else [])]
+    device_job = {"device": args.device, "torch_forward": args.tensor_path}
     for rep in range(args.repeat):
         print(f"repetition {rep + 1}/{args.repeat}", file=sys.stderr, flush=True)
         for name, _ in variants:
@@ -349,7 +377,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                     measure(engine, variants[0][0], model_id, model["jobs"])
                     continue
                 for name, _ in variants:
-                    measure(engine, name, model_id, {**model["jobs"], "backend": engine})
+                    job = {**model["jobs"], **device_job, "backend": engine}
+                    measure(engine, name, model_id, job)
     return {
         "variants": [name for name, _ in variants],
         "backends": list(args.backends),
@@ -394,6 +423,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "peak_rss_mib": {"best": max(r["peak_rss_mib"] for r in rs), "n": len(rs)},
         }
 
+    def peak_device(rs: list[dict[str, Any]]) -> dict[str, float] | None:
+        peaks = [r["peak_device_mib"] for r in rs if r.get("peak_device_mib") is not None]
+        return {"best": max(peaks), "n": len(peaks)} if peaks else None
+
     kernels = {}
     for backend in raw["backends"]:
         first = next(r for r in runs if r["engine"] == backend)
@@ -410,17 +443,20 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         }
         for model in raw["models"]:
             llama_runs = pick("llama", first_env, model)
-            m: dict[str, Any] = {"llama": engine_stats(llama_runs), "backends": {}}
+            llama = engine_stats(llama_runs) if llama_runs else None
+            m: dict[str, Any] = {"llama": llama, "backends": {}}
             for backend in raw["backends"]:
-                m["backends"][backend] = _backend_summary(
-                    pick(backend, env, model), engine_stats, m["llama"], llama_runs[0]["tokens"]
-                )
+                rs = pick(backend, env, model)
+                tokens = llama_runs[0]["tokens"] if llama_runs else None
+                m["backends"][backend] = _backend_summary(rs, engine_stats, llama, tokens)
+                m["backends"][backend]["peak_device_mib"] = peak_device(rs)
+                m["backends"][backend]["device"] = rs[0].get("device", "cpu")
             if "numpy" in m["backends"]:  # the float32 limit, for reference
                 numpy = m["backends"]["numpy"]
                 limit = per_env["matvec_gbps"]["best"] * 1e9 / numpy["weight_bytes"]
                 m["numpy_decode_limit_tps"] = limit
                 m["numpy_decode_of_limit"] = numpy["stats"]["decode_tps"]["best"] / limit
-            if TARGET_BACKEND in m["backends"] and model in TARGETS:
+            if TARGET_BACKEND in m["backends"] and model in TARGETS and llama:
                 m["targets"] = _judge(m["backends"][TARGET_BACKEND], TARGETS[model])
             per_env["models"][model] = m
         summary["envs"][env] = per_env
@@ -430,18 +466,21 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 def _backend_summary(
     rs: list[dict[str, Any]],
     engine_stats: Callable[[list[dict[str, Any]]], dict[str, Any]],
-    llama: dict[str, Any],
-    llama_tokens: list[int],
+    llama: dict[str, Any] | None,
+    llama_tokens: list[int] | None,
 ) -> dict[str, Any]:
-    """One backend's figures on one model, and their ratios to llama.cpp's best."""
+    """One backend's figures on one model, and their ratios to llama.cpp's best (none
+    when llama.cpp was not run)."""
     s = engine_stats(rs)
     return {
         "stats": s,
-        "vs_llama": {key: s[key]["best"] / llama[key]["best"] for key in s},
+        "vs_llama": {key: s[key]["best"] / llama[key]["best"] for key in s} if llama else {},
         "weight_kinds": rs[0]["weight_kinds"],
         "weight_bytes": rs[0]["weight_bytes"],
         "import_s": {"best": min(r["import_s"] for r in rs)},
-        "greedy_tokens_agreeing": _common_prefix(rs[0]["tokens"], llama_tokens),
+        "greedy_tokens_agreeing": _common_prefix(rs[0]["tokens"], llama_tokens)
+        if llama_tokens
+        else None,
         "greedy_tokens_total": len(rs[0]["tokens"]),
     }
 
@@ -480,11 +519,17 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     """The printed table: kernel plans, then one block per environment variant and model."""
     lines: list[str] = []
     meta = raw["meta"]
+    llama = (
+        f"vs llama.cpp {meta['llama_cpp_version']} (CPU build, on the CPU)"
+        if meta["llama_cpp_version"]
+        else "(llama.cpp not run)"
+    )
+    path = "tensor forward pass" if meta.get("torch_forward") else "host forward pass"
     lines.append(
         f"llmq engine ({', '.join(raw['backends'])} backend"
-        f"{'s' if len(raw['backends']) > 1 else ''}) vs llama.cpp "
-        f"{meta['llama_cpp_version']} | {meta['cpus']} CPUs | repeat {meta['repeat']} | "
-        f"commit {meta['commit']} | {meta['date']}"
+        f"{'s' if len(raw['backends']) > 1 else ''}; {path} on {_device(raw)}) {llama} | "
+        f"{meta['cpus']} CPUs | repeat {meta['repeat']} | commit {meta['commit']} | "
+        f"{meta['date']}"
     )
     start_load, end_load = meta["loadavg_1m_start_end"]
     lines.append(
@@ -527,6 +572,7 @@ def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str
     backends, llama = m["backends"], m["llama"]
     targets = m.get("targets", {})
     decode_tokens, ctx = raw["meta"]["decode_tokens"], raw["meta"]["decode_context"]
+    on_cpu = all(b["device"] == "cpu" for b in backends.values())
 
     def row(name: str, cells: list[str], ratios: list[str], target: str) -> str:
         out = f"{name:<32}" + "".join(f" {c:>16}" for c in cells)
@@ -534,6 +580,8 @@ def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str
 
     def line(name: str, key: str, digits: int) -> str:
         cells = [_fmt(b["stats"][key], digits) for b in backends.values()]
+        if not llama:
+            return row(name, cells, [], "")
         ratios = [f"{b['vs_llama'][key]:.2f}x" for b in backends.values()]
         return row(name, [*cells, _fmt(llama[key], digits)], ratios, _target_cell(targets, key))
 
@@ -542,39 +590,63 @@ def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str
         for name, b in backends.items()
     )
     imports = [f"{b['import_s']['best']:.2f}" for b in backends.values()]
+    # llama.cpp is a CPU build: on a GPU run its column is the CPU comparison
+    llama_name = "llama.cpp" if on_cpu else "llama.cpp (CPU)"
     lines = [
         "",
         f"{model}: {Path(info['path']).name} ({info['file_bytes'] / 1e6:.0f} MB file)",
         f"  weights per kernel and resident bytes: {weights}",
         row(
             "",
-            [*backends, "llama.cpp"],
-            [f"{name}/llama" for name in backends],
+            [*backends, *([llama_name] if llama else [])],
+            [f"{name}/llama" for name in backends] if llama else [],
             f"target ({TARGET_BACKEND})" if targets else "",
         ),
         line(f"prefill {PREFILL_TOKENS} tok (tok/s)", "prefill_tps", 1),
         line("  time to first token (s)", "ttft_s", 3),
         line(f"decode {decode_tokens} tok @ {ctx}+ ctx (tok/s)", "decode_tps", 2),
         line("load (s)", "load_s", 2),
-        row("  library import, not in load (s)", [*imports, "-"], [], ""),
+        row("  library import, not in load (s)", [*imports, *(["-"] if llama else [])], [], ""),
         line("peak RSS (MiB)", "peak_rss_mib", 0),
     ]
+    peaks = [b["peak_device_mib"] for b in backends.values()]
+    if any(peaks):
+        cells = [f"{p['best']:.0f}" if p else "-" for p in peaks]
+        lines.append(row("peak device memory (MiB)", cells, [], "torch.cuda.max_memory_allocated"))
     if "numpy_decode_limit_tps" in m:
         lines.append(
             f"  numpy f32 decode limit {m['numpy_decode_limit_tps']:.2f} tok/s "
             f"(= {backends['numpy']['weight_bytes'] / 1e6:.0f} MB per token / best matvec "
             f"bandwidth); numpy reaches {m['numpy_decode_of_limit']:.2f} of it (reference)"
         )
+    lines.extend(_agreement_and_targets(model, backends, llama, targets))
+    return lines
+
+
+def _agreement_and_targets(
+    model: str, backends: dict[str, Any], llama: dict[str, Any] | None, targets: dict[str, Any]
+) -> list[str]:
+    """The greedy-token agreement line and why targets were not judged, if they were not."""
+    if not llama:
+        return ["  llama.cpp not run (--no-llama): no ratios, issue 9's targets not judged"]
     agree = ", ".join(
         f"{name} {b['greedy_tokens_agreeing']} of {b['greedy_tokens_total']}"
         for name, b in backends.items()
     )
-    lines.append(f"  greedy tokens identical to llama.cpp's (first run): {agree}")
+    lines = [f"  greedy tokens identical to llama.cpp's (first run): {agree}"]
     if model not in TARGETS:
         lines.append("  no targets for this model")
     elif not targets:
         lines.append(f"  targets not judged: the {TARGET_BACKEND} backend was not run")
     return lines
+
+
+def _device(raw: dict[str, Any]) -> str:
+    """The device our children ran on, as they described it (e.g. the GPU's name)."""
+    for run in raw["runs"]:
+        if run["kind"] == "ours":
+            return run.get("device", "cpu")
+    return raw["meta"].get("device", "cpu")
 
 
 def _kinds(kinds: dict[str, int]) -> str:
@@ -595,19 +667,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated ids")
     p.add_argument(
-        "--backends", default=",".join(BACKENDS), help="our kernel backends, comma-separated"
+        "--backends",
+        help="our kernel backends, comma-separated (default numpy,torch; torch alone on the "
+        "tensor forward pass)",
     )
+    add_device_args(p)
+    p.add_argument("--no-llama", dest="llama", action="store_false", help="skip llama.cpp")
     p.add_argument("--repeat", type=int, default=None, help="repetitions (default 3, quick 1)")
     p.add_argument("--quick", action="store_true", help="1 repetition, 16 decode tokens")
     p.add_argument("--json", type=Path, help="also write the raw figures and summary here")
     p.add_argument("--bandwidth-mib", type=int, default=BANDWIDTH_MIB)
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        return args
+    check_device_args(p, args)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    default = TARGET_BACKEND if args.tensor_path else ",".join(BACKENDS)
+    args.backends = [b.strip() for b in (args.backends or default).split(",") if b.strip()]
     unknown = [b for b in args.backends if b not in BACKENDS]
     if unknown or not args.backends:
         p.error(f"--backends must name some of {', '.join(BACKENDS)}, got {args.backends}")
+    check_tensor_backends(p, args, args.backends)
+    if args.llama and llama_cpp_version() is None:
+        p.error("llama-cpp-python is not installed: install it, or pass --no-llama")
     args.repeat = args.repeat or (1 if args.quick else 3)
     args.decode_tokens = QUICK_DECODE_TOKENS if args.quick else DECODE_TOKENS
     args.bandwidth_reps = 3 if args.quick else BANDWIDTH_REPS
@@ -633,7 +716,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "numpy": version("numpy"),
         "torch": version("torch") if "torch" in args.backends else None,
         "backends": args.backends,
-        "llama_cpp_version": version("llama-cpp-python"),
+        "llama_cpp_version": llama_cpp_version() if args.llama else None,
+        "device": args.device,
+        "torch_forward": args.tensor_path,
         "openblas_env": {k: os.environ.get(k) for k in OPENBLAS_VARS},
         "repeat": args.repeat,
         "decode_tokens": args.decode_tokens,

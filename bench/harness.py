@@ -7,7 +7,9 @@ put on `sys.path` first, as `bench/engine.py` does for `runtime`).
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -114,6 +116,81 @@ def stop_cleanly_on_sigterm() -> None:
     """`kill` of a bench runs its `finally` blocks (a SystemExit), so the systems it started
     (redis-server, gunicorn, workers) are stopped instead of left running."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """`--device` and `--torch-forward`, named as `llmq worker --device` names them."""
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where our engine runs: cpu or cuda[:N] (as `llmq worker --device`; default cpu). "
+        "A CUDA device runs the tensor forward pass with the torch backend; llama.cpp stays "
+        "on the CPU as the comparison",
+    )
+    p.add_argument(
+        "--torch-forward",
+        action="store_true",
+        help="run the tensor forward pass (a GPU's code) on the CPU too; implied by cuda",
+    )
+
+
+def check_device_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Normalise `args.device` and set `args.tensor_path`. A device this machine cannot
+    use exits 2 at once with `DeviceError`'s one line, before any child starts."""
+    from runtime.devices import DeviceError, check_device, is_cuda
+
+    try:
+        args.device = check_device(args.device)
+    except DeviceError as exc:
+        p.exit(2, f"{p.prog}: {exc}\n")
+    args.tensor_path = is_cuda(args.device) or args.torch_forward
+
+
+def check_tensor_backends(
+    p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]
+) -> None:
+    """The tensor forward pass has one backend, torch: exit 2 naming any other."""
+    others = [b for b in names if b != "torch"]
+    if args.tensor_path and others:
+        p.error(
+            f"the tensor forward pass on {args.device} runs only the torch backend; "
+            f"{', '.join(others)} is not valid there"
+        )
+
+
+def engine_config_args(job: dict[str, Any]) -> dict[str, Any]:
+    """`EngineConfig` keywords for a child's job: backend, device, and the tensor forward
+    pass when asked for (None leaves it to the device: on for CUDA, off for the CPU)."""
+    return {
+        "backend": job["backend"],
+        "device": job.get("device", "cpu"),
+        "torch_forward": True if job.get("torch_forward") else None,
+    }
+
+
+def device_figures(device: str) -> dict[str, Any]:
+    """The device's description and, on CUDA, the peak memory torch allocated on it in
+    this process (the child's whole run: weights, KV pool, activations)."""
+    from runtime.devices import describe_device, is_cuda
+
+    peak = None
+    if is_cuda(device):
+        import torch
+
+        peak = torch.cuda.max_memory_allocated(torch.device(device)) / 2**20
+    return {"device": describe_device(device), "peak_device_mib": peak}
+
+
+def llama_cpp_version() -> str | None:
+    """llama-cpp-python's version, or None where it is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from importlib.metadata import version
+
+    return version("llama-cpp-python")
 
 
 # ----------------------------------------------------------------------------- children

@@ -2,16 +2,26 @@
 
     python bench/throughput.py [--quick] [--repeat 3] [--only decode,prefix,offline]
                                [--backend torch] [--backends numpy,torch]
-                               [--offline-requests 200] [--json FILE]
+                               [--device cpu|cuda[:N]] [--torch-forward] [--no-llama]
+                               [--no-api] [--offline-requests 200] [--json FILE]
 
 Four tables, all with SmolLM2 (`smollm2-135m-instruct`, the Q4_1 GGUF both engines load).
 Our engine runs on one kernel backend, `--backend` (default torch): every in-process engine
 is built with it, and the system's worker gets it as `LLMQ_BACKEND`. `--backends numpy,torch`
 also runs table 1's in-process decode on each backend named (one decode table per backend;
-the API column is measured on `--backend` only):
+the API column is measured on `--backend` only).
 
-1. Aggregate decode tokens/s with 1, 4, 16, 32 and 64 concurrent sequences, each with its
-   own ~32-token prompt, greedy with EOS ignored:
+`--device cuda[:N]` (as `llmq worker --device`) runs every in-process engine's tensor
+forward pass on that GPU (`EngineConfig(backend="torch", device=...)`) and gives the system's
+worker `LLMQ_DEVICE`; `--torch-forward` runs the in-process engines' tensor path on the CPU
+(the worker keeps its host path: a worker takes no such flag). The tensor path has one
+backend, torch: numpy there exits 2, as does a device this machine cannot use (one line).
+llama.cpp stays a CPU run on the CPU (a CPU build), labelled so. On CUDA the sequence counts
+default to 1, 32, 64 and 256 (issue 14), each in-process child reports its peak device
+memory (`torch.cuda.max_memory_allocated`) and the decode table shows it.
+
+1. Aggregate decode tokens/s with 1, 4, 16, 32 and 64 concurrent sequences (`--sequences`;
+   on CUDA 1, 32, 64, 256), each with its own ~32-token prompt, greedy with EOS ignored:
    - ours in-process: `engine.new_generator()`, every sequence added (`cache_prompt=False`),
      stepped until each has its first token (prefill done), then `--steps` timed steps,
      each one batched forward pass giving every sequence a token;
@@ -22,10 +32,11 @@ the API column is measured on `--backend` only):
      (`kv_unified = false`), which was the faster layout here at 32 and 64 sequences
      (`--llama-kv unified` for the other);
    - through the API: N concurrent streaming `/v1/completions` clients against a running
-     system (one worker, `--max-batch 64`): chunks that arrive while every stream is
-     decoding, over that window (see bench/harness.py `steady_rate`).
+     system (one worker, `--max-batch` 64 or the largest N): chunks that arrive while every
+     stream is decoding, over that window (see bench/harness.py `steady_rate`). `--no-api`
+     leaves every API figure out (this column, table 2's and table 4's): no system starts.
    Targets (issue 9), judged on the torch backend: ours at 32 sequences >= 8x ours at 1,
-   and >= 2.0x llama.cpp at 32.
+   and >= 2.0x llama.cpp at 32. On CUDA (issue 14): ours at 256 >= 20x ours at 1.
 2. Time to first token of a chat whose ~1,000-token system prompt is in the prefix cache
    (a second question after a first request filled it) vs cold (cache cleared), in-process
    and through the API (a fresh system prompt per repetition, asked twice, each request
@@ -37,7 +48,9 @@ the API column is measured on `--backend` only):
    Shared prefix (`--only shared`): 32 chats whose ~1,000-token system prompt is in the
    prefix cache decode together, ours only: decode groups meet the shared blocks in one
    matmul for all chats (runtime/models/attention.py `SharedRun`), against the ablation
-   where each chat attends over them alone (children alternate).
+   where each chat attends over them alone (children alternate). The ablation patches the
+   host path's attention; on the tensor path (`--device cuda`, `--torch-forward`) both
+   runs are the same code, so the ratio there means nothing.
 3. KV memory per token held: the pool's block size / 16, and `kv_pool.bytes_in_use` against
    the tokens the sequences of table 1 hold after their decode steps.
 4. An offline batch of chat requests (64 tokens each, EOS ignored): requests/s through the
@@ -55,12 +68,13 @@ our engine (in-process and the system's worker) also runs with both removed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,13 +86,19 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: `bench`, `runtim
 from bench.harness import (  # noqa: E402
     MODEL,
     System,
+    add_device_args,
     best,
     broker,
+    check_device_args,
+    check_tensor_backends,
     child_main,
     concurrent_streams,
+    device_figures,
+    engine_config_args,
     env_variants,
     header,
     http_client,
+    llama_cpp_version,
     log,
     median,
     meta,
@@ -95,6 +115,7 @@ from bench.harness import (  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 SEQUENCES = (1, 4, 16, 32, 64)
+CUDA_SEQUENCES = (1, 32, 64, 256)  # issue 14's figures for a GPU worker
 PROMPT_TOKENS = 32
 DECODE_STEPS = 32
 SYSTEM_PROMPT_TOKENS = 1000
@@ -109,6 +130,7 @@ BACKENDS = ("numpy", "torch")
 DEFAULT_BACKEND = "torch"
 TARGET_BACKEND = "torch"  # the backend the decode targets are judged on
 TARGET_VS_SINGLE, TARGET_VS_LLAMA, TARGET_PREFIX = 8.0, 2.0, 20.0
+CUDA_TARGET_N, CUDA_TARGET_VS_SINGLE = 256, 20.0  # issue 14: a GPU worker's batching
 
 
 # ----------------------------------------------------------------------------- children
@@ -151,14 +173,18 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
         "kernels": engine.backend.describe(),
         "weight_kinds": engine.model.weight_kinds(),
         "openblas": openblas_info(),
+        "torch_forward": engine.torch_forward,
+        **device_figures(engine.device),
     }
 
 
 def _load_engine(job: dict[str, Any]) -> Any:
-    """The engine a child measures, on the job's kernel backend."""
+    """The engine a child measures, on the job's kernel backend and device; room for all
+    of its sequences in one batch (256 on a GPU is more than the default 64)."""
     from runtime.engine import Engine, EngineConfig
 
-    return Engine.load(job["model"], EngineConfig(backend=job["backend"]))
+    max_batch = max(64, len(job.get("prompts", ())))
+    return Engine.load(job["model"], EngineConfig(max_batch=max_batch, **engine_config_args(job)))
 
 
 def child_llama(job: dict[str, Any]) -> dict[str, Any]:
@@ -398,11 +424,16 @@ def decode_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) ->
     warmup = encode("Warm-up: seven quick questions about tides.")
     runs: list[dict[str, Any]] = []
     kv_layout = args.llama_kv == "unified"
-    engines = [*args.backends, *(["llama"] if args.llama else []), "api"]
-    with System([MODEL], max_batch=WORKER_MAX_BATCH, env=_api_env(env, args.backend)) as system:
-        with http_client(system.base_url) as client:
-            for _ in range(2):
-                stream(client, "/v1/completions", _completion(texts[0], 4))
+    engines = [
+        *args.backends,
+        *(["llama"] if args.llama else []),
+        *([] if args.no_api else ["api"]),
+    ]
+    with _system(args, env) as system:
+        if system is not None:
+            with http_client(system.base_url) as client:
+                for _ in range(2):
+                    stream(client, "/v1/completions", _completion(texts[0], 4))
         for rep in range(args.repeat):
             for n in args.ns:
                 shift = (rep + args.ns.index(n)) % len(engines)
@@ -421,7 +452,7 @@ def decode_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) ->
                     else:
                         kind, backend = "ours", engine
                         job = {"prompts": ids[:n], "steps": args.steps, "model": path}
-                        job |= {"warmup_ids": warmup, "backend": backend}
+                        job |= {"warmup_ids": warmup, "backend": backend, **args.device_job}
                         result = run_child(SCRIPT, kind, job, env)
                     runs.append({"kind": kind, "n": n, "loadavg_1m": load, **result})
                     runs[-1]["backend"] = backend
@@ -446,6 +477,7 @@ def mixed_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) -> 
             job = {"prompts": ids, "steps": args.steps}
             if kind == "ours":
                 job |= {"model": path, "warmup_ids": warmup, "backend": args.backend}
+                job |= args.device_job
             else:
                 job |= {"model_path": path, "kv_unified": args.llama_kv == "unified"}
             result = run_child(SCRIPT, kind, job, env if kind == "ours" else None)
@@ -473,10 +505,13 @@ def prefix_runs(args: argparse.Namespace, _: str, env: dict[str, str]) -> dict[s
     encode = _encoder()
     system = prompt_of_tokens(encode, SYSTEM_PROMPT_TOKENS, tag="You are the keeper's clerk.")
     job = {"model": MODEL, "system": system, "reps": args.prefix_reps, "backend": args.backend}
+    job |= args.device_job
     ours = run_child(SCRIPT, "prefix", job, env)
     log(f"  prefix in-process: {[round(r['cold_s'] / r['warm_s'], 1) for r in ours['runs']]}")
-    api = []
-    with System([MODEL], max_batch=WORKER_MAX_BATCH, env=_api_env(env, args.backend)) as sys_:
+    api: list[dict[str, float]] = []
+    with _system(args, env) as sys_:
+        if sys_ is None:  # --no-api
+            return {"ours": ours["runs"], "api": api, "system_words": len(system.split())}
         with http_client(sys_.base_url) as client:
             stream(client, "/v1/completions", _completion("Warm-up.", 2))
             for rep in range(args.prefix_reps):
@@ -506,6 +541,7 @@ def shared_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) ->
                 "steps": args.steps,
                 "batch_shared": batch_shared,
                 "backend": args.backend,
+                **args.device_job,
             }
             result = run_child(SCRIPT, "shared", job, env)
             runs.append(result)
@@ -527,6 +563,7 @@ def offline_runs(args: argparse.Namespace, _: str, env: dict[str, str]) -> dict[
         "tokens": OFFLINE_TOKENS,
         "sequential": args.sequential,
         "backend": args.backend,
+        **args.device_job,
     }
     out["ours"] = run_child(SCRIPT, "offline", job, env, timeout=3600)
     r = out["ours"]
@@ -551,7 +588,7 @@ def _offline_api(
         )
         for i, m in enumerate(messages)
     ]
-    with System([MODEL], max_batch=WORKER_MAX_BATCH, env=_api_env(env, args.backend)) as system:
+    with System([MODEL], max_batch=_worker_max_batch(args), env=_api_env(args, env)) as system:
         with http_client(system.base_url) as client:
             client.post("/v1/chat/completions", json=_chat_body(messages[0], 2))  # warm
             files = {"file": ("offline.jsonl", ("\n".join(lines) + "\n").encode())}
@@ -635,9 +672,29 @@ def _chat_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any
     }
 
 
-def _api_env(env: dict[str, str], backend: str) -> dict[str, str]:
-    """The system's environment: API threads, and the worker's backend (`LLMQ_BACKEND`)."""
-    return {**env, "LLMQ_API_THREADS": str(API_THREADS), "LLMQ_BACKEND": backend}
+def _api_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """The system's environment: API threads (a thread per stream, so none queues), the
+    worker's backend (`LLMQ_BACKEND`) and, on a GPU, its device (`LLMQ_DEVICE`)."""
+    threads = max(API_THREADS, max(args.ns) + 16)  # also in main's meta
+    out = {**env, "LLMQ_API_THREADS": str(threads), "LLMQ_BACKEND": args.backend}
+    if args.device != "cpu":
+        out["LLMQ_DEVICE"] = args.device
+    return out
+
+
+def _worker_max_batch(args: argparse.Namespace) -> int:
+    """The worker's --max-batch: room for the largest N in one batch."""
+    return max(WORKER_MAX_BATCH, max(args.ns))
+
+
+@contextlib.contextmanager
+def _system(args: argparse.Namespace, env: dict[str, str]) -> Iterator[System | None]:
+    """The running system the decode table's API column needs; None with --no-api."""
+    if args.no_api:
+        yield None
+        return
+    with System([MODEL], max_batch=_worker_max_batch(args), env=_api_env(args, env)) as system:
+        yield system
 
 
 def _model_path() -> Path:
@@ -660,11 +717,7 @@ def _encoder() -> Any:
 def render(raw: dict[str, Any]) -> str:
     m = raw["meta"]
     lines = header(f"llmq throughput, {MODEL}", m)
-    lines.append(
-        f"llama.cpp: llama-cpp-python {m['llama_cpp_version']}, {m['cpus']} threads; system: "
-        f"one worker --max-batch {WORKER_MAX_BATCH} (LLMQ_BACKEND={m['backend']}), API 2 "
-        f"gunicorn processes x {API_THREADS} threads, broker {m['broker']} on loopback"
-    )
+    lines.append(_setup_line(m))
     lines.append(
         f"our backend: {m['backend']} (every in-process engine and the worker)"
         + (f"; decode tables also for {', '.join(m['backends'])}" if len(m["backends"]) > 1 else "")
@@ -684,6 +737,27 @@ def render(raw: dict[str, Any]) -> str:
         if "offline" in per_env:
             lines += ["", *_offline_block(per_env["offline"])]
     return "\n".join(lines)
+
+
+def _setup_line(m: dict[str, Any]) -> str:
+    """llama.cpp's build and threads, and the system the API figures came from."""
+    llama = (
+        f"llama.cpp (CPU build, on the CPU): llama-cpp-python {m['llama_cpp_version']}, "
+        f"{m['cpus']} threads"
+        if m["llama_cpp_version"]
+        else "llama.cpp not run (--no-llama)"
+    )
+    if m.get("no_api"):
+        return f"{llama}; no system (--no-api): in-process figures only"
+    return (
+        f"{llama}; system: one worker --max-batch {m['worker_max_batch']} "
+        f"(LLMQ_BACKEND={m['backend']}{_device_env(m)}), API 2 gunicorn processes x "
+        f"{m.get('api_threads', API_THREADS)} threads, broker {m['broker']} on loopback"
+    )
+
+
+def _device_env(m: dict[str, Any]) -> str:
+    return f", LLMQ_DEVICE={m['device']}" if m.get("device", "cpu") != "cpu" else ""
 
 
 def _mixed_block(mixed: dict[str, Any]) -> list[str]:
@@ -754,13 +828,18 @@ def _decode_block(
     first = next(r for r in runs if r["kind"] == "ours")
     kernels = "; ".join(f"{k}: {v}" for k, v in first["kernels"].items())
     kinds = ", ".join(f"{k}: {v}" for k, v in sorted(first["weight_kinds"].items()))
+    path = "tensor forward pass" if first.get("torch_forward") else "host forward pass"
+    peaks = {r["n"]: r["peak_device_mib"] for r in runs if r.get("peak_device_mib")}
     lines = [
         f"backend {backend} ({kernels}; weights {{{kinds}}})",
+        f"ours in-process: {path} on {first.get('device', 'cpu')}"
+        + ("; peak dev MiB = torch.cuda.max_memory_allocated of the child" if peaks else ""),
         f"aggregate decode tok/s, {PROMPT_TOKENS}-token prompts, {raw['meta']['steps']} steps "
         f"after prefill (best / median of {raw['meta']['repeat']})"
         + (f"; llama.cpp KV cache: {layout}" if has_llama else ""),
-        f"{'seqs':>4} {'ours in-process':>17} {'via API':>17} {'llama.cpp':>17} "
-        f"{'ours/1 seq':>10} {'ours/llama':>10} {'API/ours':>8} {'ms/step':>8}",
+        f"{'seqs':>4} {'ours in-process':>17} {'via API':>17} {'llama.cpp (CPU)':>17} "
+        f"{'ours/1 seq':>10} {'ours/llama':>10} {'API/ours':>8} {'ms/step':>8}"
+        + (f" {'peak dev MiB':>12}" if peaks else ""),
     ]
     single = best(rates("ours", ns[0]))
     for n in ns:
@@ -770,7 +849,7 @@ def _decode_block(
         lines.append(
             f"{n:>4} {cell('ours', n):>17} {cell('api', n):>17} {cell('llama', n):>17} "
             f"{_times(ours / single):>10} {_times(ours / llama):>10} {_times(api / ours):>8} "
-            f"{n / ours * 1000:>8.1f}"
+            f"{n / ours * 1000:>8.1f}" + (f" {peaks[n]:>12.0f}" if n in peaks else "")
         )
     if 32 in ns and backend != TARGET_BACKEND:
         lines.append(f"targets are judged on the {TARGET_BACKEND} backend, not {backend}")
@@ -786,6 +865,13 @@ def _decode_block(
                 f"; >= {TARGET_VS_LLAMA:.1f}x llama.cpp: {verdict(vs_llama >= TARGET_VS_LLAMA)} "
                 f"({vs_llama:.2f}x)"
             )
+    if CUDA_TARGET_N in ns and peaks and backend == TARGET_BACKEND:
+        vs_single = best(rates("ours", CUDA_TARGET_N)) / single
+        lines.append(
+            f"GPU target (issue 14) at {CUDA_TARGET_N} sequences: >= "
+            f"{CUDA_TARGET_VS_SINGLE:.0f}x single stream: "
+            f"{verdict(vs_single >= CUDA_TARGET_VS_SINGLE)} ({vs_single:.2f}x)"
+        )
     agree = [
         r["n"]
         for r in runs
@@ -810,11 +896,18 @@ def _times(ratio: float) -> str:
 def _kv_block(decode: dict[str, Any], backend: str) -> list[str]:
     ours = [r for r in decode["runs"] if r["kind"] == "ours" and r["backend"] == backend]
     per_token = ours[0]["kv_block_nbytes"] / ours[0]["kv_block_size"]
+    host = not ours[0].get("torch_forward")  # the host path's pool is float32
+    what = "float32 K and V of every layer" if host else "K and V of every layer, pool dtype"
+    llama = (
+        f"; llama.cpp's default f16 cache: {per_token / 2:.0f} B/token, allocated for the "
+        "whole n_ctx up front"
+        if host
+        else ""
+    )
     lines = [
-        f"KV memory per token: {per_token:.0f} B ({per_token / 1024:.1f} KiB, float32 K and V "
-        f"of every layer; blocks of {ours[0]['kv_block_size']} tokens, "
-        f"{ours[0]['kv_block_nbytes'] / 2**20:.2f} MiB each); llama.cpp's default f16 cache: "
-        f"{per_token / 2:.0f} B/token, allocated for the whole n_ctx up front",
+        f"KV memory per token: {per_token:.0f} B ({per_token / 1024:.1f} KiB, {what}; "
+        f"blocks of {ours[0]['kv_block_size']} tokens, "
+        f"{ours[0]['kv_block_nbytes'] / 2**20:.2f} MiB each){llama}",
         f"{'seqs':>4} {'tokens held':>11} {'bytes_in_use':>13} {'B/token held':>13} "
         f"{'overhead':>9} {'RSS growth MiB':>15}",
     ]
@@ -893,7 +986,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, help="decode repetitions (default 2, quick 1)")
     p.add_argument("--steps", type=int, help=f"timed decode steps (default {DECODE_STEPS})")
     p.add_argument("--only", default="decode,mixed,prefix,shared,offline", help="parts to run")
-    p.add_argument("--sequences", default=",".join(map(str, SEQUENCES)), help="values of N")
+    p.add_argument(
+        "--sequences",
+        help=f"values of N (default {','.join(map(str, SEQUENCES))}; on CUDA "
+        f"{','.join(map(str, CUDA_SEQUENCES))})",
+    )
+    add_device_args(p)
     p.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -912,21 +1010,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="per-seq",
         help="llama.cpp KV layout (default per-seq: the faster here at 32 and 64 sequences)",
     )
-    p.add_argument("--no-api", action="store_true", help="offline: in-process only")
+    p.add_argument("--no-api", action="store_true", help="in-process only: no system is started")
     p.add_argument("--offline-requests", type=int, help=f"default {OFFLINE_REQUESTS}")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        return args
+    check_device_args(p, args)
+    args.device_job = {"device": args.device, "torch_forward": args.tensor_path}
     args.repeat = args.repeat or (1 if args.quick else 2)
     args.steps = args.steps or (12 if args.quick else DECODE_STEPS)
     args.only = {s.strip() for s in args.only.split(",") if s.strip()}
-    args.ns = [int(n) for n in args.sequences.split(",")]
+    default_ns = CUDA_SEQUENCES if args.device != "cpu" else SEQUENCES
+    args.ns = [int(n) for n in (args.sequences or ",".join(map(str, default_ns))).split(",")]
     names = args.backends.split(",") if args.backends else [args.backend]
     args.backends = [b.strip() for b in names if b.strip()]
     if any(b not in BACKENDS for b in args.backends):
         p.error(f"--backends must name some of {', '.join(BACKENDS)}, got {args.backends}")
     if args.backend not in args.backends:
         args.backends.append(args.backend)
+    check_tensor_backends(p, args, args.backends)
+    if args.llama and llama_cpp_version() is None:
+        p.error("llama-cpp-python is not installed: install it, or pass --no-llama")
     args.offline_requests = args.offline_requests or (48 if args.quick else OFFLINE_REQUESTS)
     args.sequential = 2 if args.quick else SEQUENTIAL_SAMPLE
     args.prefix_reps = 3 if args.quick else 4
@@ -938,7 +1044,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_cleanly_on_sigterm()
     if args.child:
         return child_main(CHILDREN, args.child)
-    from importlib.metadata import version
 
     started = time.perf_counter()
     raw: dict[str, Any] = {"envs": {}}
@@ -963,7 +1068,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps": args.steps,
         "backend": args.backend,
         "backends": args.backends,
-        "llama_cpp_version": version("llama-cpp-python"),
+        "llama_cpp_version": llama_cpp_version() if args.llama else None,
+        "device": args.device,
+        "torch_forward": args.tensor_path,
+        "worker_max_batch": _worker_max_batch(args),
+        "no_api": args.no_api,
+        "api_threads": max(API_THREADS, max(args.ns) + 16),
         "broker": broker(),
         "wall_s": time.perf_counter() - started,
     }

@@ -55,6 +55,11 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
         "kernels); default: the registry entry's, else torch where installed",
     )
     gen.add_argument(
+        "--device",
+        help="cpu or cuda[:N]: where the forward pass runs; default: the registry entry's, "
+        "else cpu",
+    )
+    gen.add_argument(
         "--lora",
         action="append",
         default=[],
@@ -89,7 +94,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
     )
-    engine = Engine.load(args.model, EngineConfig(backend=args.backend))
+    engine = Engine.load(args.model, EngineConfig(backend=args.backend, device=args.device))
     lora = []
     for i, item in enumerate(args.lora):
         path, scale = _lora_argument(item)

@@ -17,16 +17,15 @@ from typing import Any
 import numpy as np
 
 from runtime.chat_template import ChatTemplate
+from runtime.devices import CPU
 from runtime.errors import AdapterError, AdapterNotFoundError, EmptyPromptError
 from runtime.generator import Generator, GeneratorConfig, TokenEvent
 from runtime.gguf_file import GGUFFile
 from runtime.grammar_vocab import GrammarVocab
-from runtime.kernels import get_backend
-from runtime.kv_pool import BlockPool
 from runtime.lora import AdapterStack, LoraAdapter, adapter_file, load_adapter, normalize_stack
 from runtime.model_text import ModelText
-from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
+from runtime.placement import device_memory_guard, kv_budget_bytes, load_placed, place
 from runtime.prefix_cache import PrefixCache
 from runtime.registry import ModelSpec, resolve
 from runtime.sampling import Sampler, SamplingParams
@@ -38,12 +37,19 @@ class EngineConfig:
 
     max_context: int | None = None
     prefill_chunk: int = 512  # prompt tokens per forward pass (bounds attention memory)
-    kv_memory_mb: int = 1024  # paged KV pool; pages are only backed once blocks are used
-    max_batch: int = 64  # sequences decoding together
+    # paged KV pool; None: 1024 on the CPU (pages are only backed once blocks are used),
+    # on a GPU half the memory free after the weights, at most CUDA_KV_MAX_MB
+    kv_memory_mb: int | None = None
+    max_batch: int | None = None  # sequences decoding together; None: 64, on a GPU 256
     max_batch_tokens: int = 2048  # tokens in one forward pass
     prefix_cache: bool = True
     # "numpy" | "torch"; None: the registry entry's, else torch where installed, else numpy
     backend: str | None = None
+    # "cpu" | "cuda" | "cuda:N"; None: the registry entry's, else "cpu" (runtime/devices.py)
+    device: str | None = None
+    # the tensor forward pass (every tensor on the device); None: on CUDA devices only, and
+    # True runs it on the CPU too, which is how CI tests the GPU's code path
+    torch_forward: bool | None = None
 
 
 class Engine:
@@ -59,14 +65,20 @@ class Engine:
         self.architecture = gguf_file.architecture
         self.text = ModelText.from_file(spec, gguf_file)
         self.tokenizer = self.text.tokenizer
-        self.backend = get_backend(self.config.backend or spec.backend)
-        self.model = load_model(gguf_file, self.backend)
+        placement = place(
+            self.config.device or spec.device,
+            self.config.torch_forward,
+            self.config.backend or spec.backend,
+        )
+        self.device, self.torch_forward = placement.device, placement.torch_forward
+        self.backend = placement.backend
+        self.model = load_placed(gguf_file, placement, spec.id)
         self.sampler = Sampler(self.model.vocab_size, self.tokenizer.stop_ids)
         # llguidance's view of the vocabulary, built on the first constrained request
         self.grammar_vocab = GrammarVocab(self.tokenizer, self.model.vocab_size)
-        self.kv_pool = BlockPool.for_budget(
-            *self.model.kv_shape, self.config.kv_memory_mb * 2**20, windows=self.model.kv_windows
-        )
+        with device_memory_guard(self.device, f"the KV pool of {spec.id}"):
+            kv_bytes = kv_budget_bytes(self.config.kv_memory_mb, self.device)
+            self.kv_pool = self.model.kv_pool_for_budget(kv_bytes)
         self.prefix_cache = (
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )
@@ -98,6 +110,15 @@ class Engine:
     def nbytes(self) -> int:
         """The weights' bytes plus the loaded LoRA adapters'."""
         return self.model.nbytes + sum(a.nbytes for a in self.adapters.values())
+
+    @property
+    def device_bytes(self) -> int:
+        """What this engine holds on its device: on the CPU its weights and adapters (KV
+        pages are backed as they are used); on a GPU also the KV pool, allocated whole."""
+        if self.device == CPU:
+            return self.nbytes
+        on_host = self.model.embed.nbytes  # the embedding stays in the mapped file
+        return self.nbytes - on_host + self.kv_pool.n_blocks * self.kv_pool.block_nbytes
 
     def load_adapter(self, name: str, path: str | Path) -> LoraAdapter:
         """Load the GGUF LoRA adapter at `path` as `name` (replacing one of that name: running
@@ -143,7 +164,7 @@ class Engine:
             self.prefix_cache,
             max_context=self.context_length,
             config=GeneratorConfig(
-                max_batch=self.config.max_batch,
+                max_batch=self.config.max_batch or (256 if self.device != CPU else 64),
                 max_batch_tokens=self.config.max_batch_tokens,
                 max_prefill_tokens=self.config.prefill_chunk,
             ),
@@ -179,7 +200,8 @@ class Engine:
         for start in range(0, len(ids), self.config.prefill_chunk):
             piece = ids[start : start + self.config.prefill_chunk]
             layout = BatchLayout([SequenceChunk(cache, start, len(piece), adapters)])
-            logits = self.model.logits(self.model.forward(np.asarray(piece), layout))  # [n, V]
+            hidden = self.model.forward(np.asarray(piece), layout)
+            logits = self.model.ops.to_host(self.model.logits(hidden))  # [n, V]
             logprobs = logits - _logsumexp(logits)[:, None]
             for row, position in enumerate(range(start, start + len(piece))):
                 if position + 1 >= len(ids):
@@ -206,7 +228,8 @@ class Engine:
         for start in range(0, len(ids), self.config.prefill_chunk):
             piece = ids[start : start + self.config.prefill_chunk]
             layout = BatchLayout([SequenceChunk(cache, start, len(piece))])
-            pooled += self.model.forward(np.asarray(piece), layout).sum(axis=0)  # [n, D] -> [D]
+            hidden = self.model.ops.to_host(self.model.forward(np.asarray(piece), layout))
+            pooled += hidden.sum(axis=0)  # [n, D] -> [D]
         pooled /= len(ids)
         norm = np.linalg.norm(pooled)
         return (pooled / norm if norm > 0 else pooled).astype(np.float32)

@@ -29,7 +29,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -60,6 +60,8 @@ class CausalLM(Protocol):
 
     context_length: int
     vocab_size: int
+
+    ops: Any  # models/ops.py: host or tensor operations
 
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray: ...
     def logits(self, hidden: np.ndarray) -> np.ndarray: ...
@@ -226,15 +228,47 @@ class Generator:
         if not wanted:
             return []
         logits = self.model.logits(hidden[[row for row, _ in wanted]])  # [B, V]
-        constrained = [j for j, (_, seq) in enumerate(wanted) if seq.grammar is not None]
+        sequences = [seq for _, seq in wanted]
+        if isinstance(logits, np.ndarray):
+            samples = self._sample_on_host(logits, sequences)
+        else:
+            samples = self._sample_on_device(logits, sequences)
+        return [self._emit(seq, sample) for seq, sample in zip(sequences, samples, strict=True)]
+
+    def _sample_on_host(self, logits: np.ndarray, sequences: list[_Sequence]) -> list[SampleResult]:
+        """Grammar masks on the constrained rows, then the host sampler on every row."""
+        constrained = [j for j, seq in enumerate(sequences) if seq.grammar is not None]
         if constrained:
             started = time.perf_counter()
-            matchers = [wanted[j][1].grammar for j in constrained]
+            matchers = [sequences[j].grammar for j in constrained]
             apply_grammar_masks(self.grammar_vocab, logits, constrained, matchers)
             self.grammar_seconds += time.perf_counter() - started
             self.grammar_rows += len(constrained)
-        samples = self.sampler.sample(logits, [seq.sampling for _, seq in wanted])
-        return [self._emit(seq, sample) for (_, seq), sample in zip(wanted, samples, strict=True)]
+        return self.sampler.sample(logits, [seq.sampling for seq in sequences])
+
+    def _sample_on_device(self, logits, sequences: list[_Sequence]) -> list[SampleResult]:
+        """Device logits: rows that need only their RNG are sampled where they are and
+        only token ids come back; the others' rows are copied to the host sampler."""
+        from runtime.device_sampling import sample_device_rows, samples_on_device
+
+        on_device = [
+            j
+            for j, seq in enumerate(sequences)
+            if seq.grammar is None and samples_on_device(seq.sampling)
+        ]
+        results: list[SampleResult | None] = [None] * len(sequences)
+        if on_device:
+            states = [sequences[j].sampling for j in on_device]
+            tokens = sample_device_rows(logits, on_device, states)
+            for j, token in zip(on_device, tokens, strict=True):
+                results[j] = SampleResult(token, None)
+        on_host = [j for j in range(len(sequences)) if results[j] is None]
+        if on_host:
+            rows = self.model.ops.to_host(logits[on_host])  # [n, V]
+            samples = self._sample_on_host(rows, [sequences[j] for j in on_host])
+            for j, sample in zip(on_host, samples, strict=True):
+                results[j] = sample
+        return results
 
     # ------------------------------------------------------------------ scheduling
 

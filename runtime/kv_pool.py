@@ -30,7 +30,8 @@ therefore grow toward the pool's budget (`kv_memory_mb`), never past it.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +96,12 @@ class BlockPool:
         n_blocks: int,
         block_size: int = BLOCK_SIZE,
         windows: Sequence[int | None] | None = None,
+        storage: Callable[[int, int, int], Any] | None = None,
+        value_bytes: int = 4,
     ) -> None:
+        """`storage(Hkv, slots, Dh)` makes one layer's keys or values (default: float32
+        numpy `[Hkv, slots, Dh]`, backed as written; the tensor ops keep theirs on the
+        device in their own layout); `value_bytes` is what one stored value takes."""
         if n_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {n_blocks}")
         windows = list(windows) if windows is not None else [None] * n_layers
@@ -109,9 +115,11 @@ class BlockPool:
             _BlockGroup(w, [i for i, lw in enumerate(windows) if lw == w], n_blocks) for w in order
         ]
         self.group_of = [order.index(w) for w in windows]
+        self.value_bytes = value_bytes
         tokens = n_blocks * block_size
-        self.keys = [_lazy_array((n_kv_heads, tokens, head_dim)) for _ in range(n_layers)]
-        self.values = [_lazy_array((n_kv_heads, tokens, head_dim)) for _ in range(n_layers)]
+        storage = storage or (lambda h, t, d: lazy_array((h, t, d)))
+        self.keys = [storage(n_kv_heads, tokens, head_dim) for _ in range(n_layers)]
+        self.values = [storage(n_kv_heads, tokens, head_dim) for _ in range(n_layers)]
 
     @classmethod
     def for_budget(
@@ -121,10 +129,20 @@ class BlockPool:
         head_dim: int,
         memory_bytes: int,
         windows: Sequence[int | None] | None = None,
+        storage: Callable[[int, int, int], Any] | None = None,
+        value_bytes: int = 4,
     ) -> BlockPool:
-        per_block = n_layers * 2 * n_kv_heads * head_dim * BLOCK_SIZE * 4
+        per_block = n_layers * 2 * n_kv_heads * head_dim * BLOCK_SIZE * value_bytes
         n_blocks = max(1, memory_bytes // per_block)
-        return cls(n_layers, n_kv_heads, head_dim, n_blocks, windows=windows)
+        return cls(
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            n_blocks,
+            windows=windows,
+            storage=storage,
+            value_bytes=value_bytes,
+        )
 
     @property
     def refcount(self) -> np.ndarray:
@@ -133,12 +151,14 @@ class BlockPool:
     def group_nbytes(self, group: int) -> int:
         """Bytes of one block of one group (its layers only)."""
         n_layers = len(self.groups[group].layers)
-        return n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * 4
+        return n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * self.value_bytes
 
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block of every layer: the KV memory of `block_size` tokens."""
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * 4
+        return (
+            self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * self.value_bytes
+        )
 
     @property
     def n_free(self) -> int:
@@ -177,7 +197,7 @@ def _runs_from(runs: list[tuple[int, int, int]], index: int) -> list[tuple[int, 
     return kept
 
 
-def _lazy_array(shape: tuple[int, ...]) -> np.ndarray:
+def lazy_array(shape: tuple[int, ...]) -> np.ndarray:
     """float32 zeros backed by an anonymous map: pages become resident when first written."""
     buffer = mmap.mmap(-1, int(np.prod(shape)) * 4)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):

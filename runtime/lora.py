@@ -22,8 +22,9 @@ import math
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,7 @@ class LinearSources:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.name = backend.name
+        self.device = getattr(backend, "device", None)  # the tensor backend's device
         self.sources: dict[str, LinearSource] = {}
 
     def linear(
@@ -107,6 +109,15 @@ class LoraDelta:
 
     a: np.ndarray
     b: np.ndarray
+    on_device: dict[Any, tuple[Any, Any]] = field(default_factory=dict)  # device -> (A, B)
+
+    def tensors(self, device: Any) -> tuple[Any, Any]:
+        """`(A, B)` as float32 tensors on `device`, uploaded once (the tensor forward pass)."""
+        if device not in self.on_device:
+            import torch
+
+            self.on_device[device] = tuple(torch.from_numpy(m).to(device) for m in (self.a, self.b))
+        return self.on_device[device]
 
 
 class LoraAdapter:
@@ -274,6 +285,7 @@ class RowAdapters:
 
     def __init__(self, groups: list[tuple[LoraAdapter, slice | np.ndarray, np.ndarray]]) -> None:
         self.groups = groups  # (adapter, rows, scales [n, 1])
+        self._uploaded: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
     @classmethod
     def for_spans(cls, spans: Sequence[tuple[int, int, AdapterStack]]) -> RowAdapters | None:
@@ -297,10 +309,27 @@ class RowAdapters:
     def apply(self, weight: Weight, x: np.ndarray, out: np.ndarray) -> None:
         """Add each adapter's delta for `weight` to its rows of `out` = weight(x), in place."""
         key = id(weight)
+        on_host = isinstance(x, np.ndarray)
         for adapter, rows, scales in self.groups:
             delta = adapter.deltas.get(key)
             if delta is None:
                 continue
-            low = x[rows] @ delta.a.T  # [n, in] -> [n, R]
-            low *= scales
-            out[rows] += low @ delta.b.T  # [n, R] -> [n, out]
+            if on_host:
+                a, b, where, row_scales = delta.a, delta.b, rows, scales
+            else:  # device tensors: the delta's and the rows' copies on x's device
+                a, b = delta.tensors(x.device)
+                where, row_scales = self._on_device(rows, scales, x.device)
+            low = x[where] @ a.T  # [n, in] -> [n, R]
+            low *= row_scales
+            out[where] += low @ b.T  # [n, R] -> [n, out]
+
+    def _on_device(self, rows: slice | np.ndarray, scales: np.ndarray, device: Any):
+        """Row index and scales as tensors on `device`, uploaded once per forward pass."""
+        cached = self._uploaded.get((id(rows), device))
+        if cached is None:
+            import torch
+
+            index = rows if isinstance(rows, slice) else torch.from_numpy(rows).to(device)
+            cached = (index, torch.from_numpy(scales).to(device))
+            self._uploaded[(id(rows), device)] = cached
+        return cached

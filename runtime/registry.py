@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.devices import DeviceError, parse_device
 from runtime.errors import ModelNotFoundError
 from runtime.kernels import BACKENDS
 
@@ -37,6 +38,7 @@ class ModelSpec:
     backend: str | None = None  # the kernel backend this model runs on unless told otherwise
     # LoRA adapters loaded with the model: (name, path inside LLMQ_ADAPTER_DIR)
     loras: tuple[tuple[str, str], ...] = ()
+    device: str | None = None  # where this model runs unless the worker says (cpu, cuda:N)
 
     def path(self) -> Path:
         return self.locate()
@@ -95,7 +97,8 @@ def _file_locator(path: Path) -> Callable[[], Path]:
 
 def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]:
     """Built-in models plus the entries of the TOML registry (`[models.<id>] path = ...`,
-    optionally `loras = {name = "file.gguf"}`: adapters in LLMQ_ADAPTER_DIR loaded with it)."""
+        optionally `loras = {name = "file.gguf"}`: adapters in LLMQ_ADAPTER_DIR loaded with it, and
+    `device = "cuda:0"`: where it runs unless the worker names a device)."""
     registry = dict(BUILTIN_MODELS)
     models_file = models_file or os.environ.get(MODELS_ENV)
     if not models_file:
@@ -117,6 +120,12 @@ def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]
                 f"{toml_path}: [models.{model_id}] backend must be one of "
                 f"{', '.join(BACKENDS)}, got {backend!r}"
             )
+        device = entry.get("device")
+        if device is not None:
+            try:
+                device = parse_device(device)
+            except DeviceError as exc:
+                raise ModelNotFoundError(f"{toml_path}: [models.{model_id}] {exc}") from None
         loras = entry.get("loras", {})
         if not isinstance(loras, dict) or not all(isinstance(p, str) for p in loras.values()):
             raise ModelNotFoundError(
@@ -130,6 +139,7 @@ def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]
             entry.get("chat_template"),
             backend,
             tuple(loras.items()),
+            device,
         )
     return registry
 

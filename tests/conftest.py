@@ -55,3 +55,18 @@ def gemma3_tokenizer(gemma3_metadata: dict[str, object]):
     from runtime.tokenizer import Tokenizer
 
     return Tokenizer.from_metadata(gemma3_metadata)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run where CUDA is usable and are skipped, with the reason, elsewhere."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    from runtime.devices import DeviceError, check_device
+
+    try:
+        check_device("cuda:0")
+    except DeviceError as exc:
+        skip = pytest.mark.skip(reason=f"no CUDA here ({exc})")
+        for item in gpu_items:
+            item.add_marker(skip)

@@ -1,11 +1,16 @@
 """The engine bench judges issue 9's targets on the torch backend (bench/engine.py), from
-made-up runs: no model is loaded."""
+made-up runs, and bench/device_profile.py counts host syncs from made-up profiler events:
+no model is loaded."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from bench import engine as bench
+from bench import harness
+from bench.device_profile import ProfiledOp, count_syncs
 
 MODEL = "smollm2-135m-instruct"
 
@@ -54,3 +59,59 @@ def test_without_the_torch_backend_nothing_is_judged() -> None:
     m = bench.summarize(raw)["envs"]["as-is"]["models"][MODEL]
     assert "targets" not in m and m["numpy_decode_limit_tps"] > 0
     assert "targets not judged" in bench.render(raw, bench.summarize(raw))
+
+
+def test_without_llama_cpp_the_table_has_our_columns_alone() -> None:
+    raw = _raw(["torch"])
+    raw["runs"] = [r for r in raw["runs"] if r["engine"] != "llama"]
+    raw["meta"]["llama_cpp_version"] = None
+    m = bench.summarize(raw)["envs"]["as-is"]["models"][MODEL]
+    assert m["llama"] is None and "targets" not in m
+    table = bench.render(raw, bench.summarize(raw))
+    assert "llama.cpp not run" in table and "torch/llama" not in table
+
+
+def test_a_gpu_child_shows_its_peak_device_memory() -> None:
+    raw = _raw(["torch"])
+    for run in raw["runs"]:
+        if run["engine"] == "torch":
+            run |= {"device": "cuda:0 (Fake GPU, 80.0 GiB)", "peak_device_mib": 1234.0}
+    table = bench.render(raw, bench.summarize(raw))
+    assert "on cuda:0 (Fake GPU, 80.0 GiB)" in table
+    assert "peak device memory (MiB)" in table and "1234" in table
+    assert "llama.cpp (CPU)" in table
+
+
+def test_the_tensor_path_refuses_numpy_and_a_malformed_device() -> None:
+    for argv in (["--torch-forward", "--backends", "numpy,torch"], ["--device", "gpu"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args([*argv, "--no-llama"])
+        assert exit_.value.code == 2
+    args = bench.parse_args(["--torch-forward", "--no-llama"])
+    assert args.backends == ["torch"] and args.tensor_path and args.device == "cpu"
+    job = {"backend": "torch", "device": args.device, "torch_forward": args.tensor_path}
+    assert harness.engine_config_args(job) == job  # EngineConfig's keywords
+    assert harness.engine_config_args({"backend": "numpy"})["torch_forward"] is None
+
+
+def test_host_syncs_are_counted_once_per_copy_and_scalar_read() -> None:
+    dtoh = "Memcpy DtoH (Device -> Pageable)"
+    ops = [
+        ProfiledOp("aten::to"),  # to -> _to_copy -> copy_: one copy, launched by copy_
+        ProfiledOp("aten::_to_copy"),
+        ProfiledOp("aten::copy_", launched=(dtoh,)),
+        ProfiledOp(dtoh, on_device=True),
+        ProfiledOp("aten::copy_", launched=("Memcpy HtoD (Pageable -> Device)",)),
+        ProfiledOp("aten::item"),  # item -> _local_scalar_dense: one read
+        ProfiledOp("aten::_local_scalar_dense", launched=(dtoh,)),
+        ProfiledOp(dtoh, on_device=True),
+        ProfiledOp("aten::nonzero"),
+        *[ProfiledOp("aten::scaled_dot_product_attention")] * 30,
+        *[ProfiledOp("ampere_bf16_gemm", on_device=True)] * 5,
+        ProfiledOp("Memset (Device)", on_device=True),
+    ]
+    counts = count_syncs(ops)
+    assert (counts.dtoh_copies, counts.to_host_copies, counts.scalar_reads) == (2, 1, 1)
+    assert counts.items == 1 and counts.data_sized == 1 and counts.host_syncs == 3
+    assert counts.sdpa_calls == 30 and counts.kernels == 5
+    assert counts.per_step(2)["host_syncs"] == 1.5

@@ -9,6 +9,9 @@ apply them with `linear(x, w)`; they never see the storage. Two backends:
   the rest bf16; or fp16 throughout; the LM head int8 per row where accurate enough) and
   multiplied by torch's compiled CPU kernels.
 
+- `torch` on a device (device_backend.py): weights that multiply torch tensors on the CPU
+  or a CUDA GPU, for the tensor forward pass that keeps every activation on the device.
+
 `get_backend(None)` picks torch when it is importable, else numpy.
 """
 
@@ -32,9 +35,18 @@ def default_backend_name() -> str:
     return "torch" if torch_available() else "numpy"
 
 
-def get_backend(name: str | None = None) -> Backend:
-    """The backend called `name` (None: the default); a clear error for an unknown one."""
+def get_backend(name: str | None = None, device: str | None = None) -> Backend:
+    """The backend called `name` (None: the default); a clear error for an unknown one.
+    With a `device` ("cpu", "cuda:N"), torch's tensor backend on it whatever `name` says
+    (only torch has one; runtime/placement.py refuses another name): its weights multiply
+    device tensors, for the tensor forward pass."""
     name = name or default_backend_name()
+    if device is not None:
+        if not torch_available():
+            raise ValueError(f"the tensor forward pass on {device} needs torch")
+        from runtime.kernels.device_backend import DeviceBackend
+
+        return DeviceBackend(device)
     if name == "numpy":
         from runtime.kernels.numpy_backend import NumpyBackend
 

@@ -5,10 +5,10 @@ bf16 scale and zero per group) built straight from the file's nibbles, other typ
 or every weight fp16 (fbgemm); the LM head int8 per row where its rows allow it. The int4,
 int8 and bf16 kernels take bf16 activations: torch's int4 kernel with float32 activations
 takes a path ~20x slower. Only int4 applies a preceding RMSNorm weight at run time; the
-dense stores fold it into their columns. Inputs and outputs stay float32 numpy arrays,
-so the model files and attention are shared with the numpy backend; a CUDA device would keep
-the whole forward pass in torch tensors instead, which this module leaves to the GPU worker
-work.
+dense stores fold it into their columns. Called with float32 numpy arrays they
+return numpy arrays, so the host forward pass shares model files and attention with the
+numpy backend; each weight's `product` takes and gives float32 tensors, which is what the
+tensor forward pass (kernels/device_backend.py) calls on the CPU.
 """
 
 from __future__ import annotations
@@ -42,11 +42,9 @@ def _scale(input_scale: np.ndarray | None) -> torch.Tensor | None:
     return None if input_scale is None else _tensor(input_scale.astype(np.float32))
 
 
-def _to_torch(x: np.ndarray, input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    if input_scale is not None:
-        t = t * input_scale
-    return t.to(torch.bfloat16)
+def _as_tensor(x: np.ndarray) -> torch.Tensor:
+    """A float32 tensor sharing `x`'s memory where it can."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
 
 class Int4Weight:
@@ -63,11 +61,17 @@ class Int4Weight:
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(pairs)).to(torch.bfloat16)
         self.input_scale = _scale(input_scale)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 `[T, K]` -> float32 `[T, N]` (the tensor forward pass calls this)."""
+        if self.input_scale is not None:
+            x = x * self.input_scale
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            _to_torch(x, self.input_scale), self.packed, GROUP_SIZE, self.scales_zeros
+            x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros
         )  # [T, K] -> [T, N] bf16
-        return out.float().numpy()
+        return out.float()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.product(_as_tensor(x)).numpy()
 
     @property
     def nbytes(self) -> int:
@@ -115,9 +119,13 @@ class Int8Weight(_RowStore):
         self.codes[start : start + len(rows)] = codes
         self.scales[start : start + len(rows)] = scales
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(
+            x.to(torch.bfloat16), self.codes, self.scales
+        ).float()
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        out = torch.ops.aten._weight_int8pack_mm(_to_torch(x), self.codes, self.scales)
-        return out.float().numpy()
+        return self.product(_as_tensor(x)).numpy()
 
     @property
     def nbytes(self) -> int:
@@ -133,9 +141,11 @@ class Bf16Weight(_RowStore):
     def fill(self, start: int, rows: np.ndarray) -> None:
         self.weight[start : start + len(rows)] = _tensor(rows).to(torch.bfloat16)
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        out = torch.nn.functional.linear(_to_torch(x), self.weight)
-        return out.float().numpy()
+        return self.product(_as_tensor(x)).numpy()
 
     @property
     def nbytes(self) -> int:
@@ -154,9 +164,11 @@ class Fp16Weight:
         self.packed = torch.ops.quantized.linear_prepack_fp16(_tensor(dense), None)
         self._nbytes = 2 * dense.size
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-        return torch.ops.quantized.linear_dynamic_fp16(t, self.packed).numpy()
+        return self.product(_as_tensor(x)).numpy()
 
     @property
     def nbytes(self) -> int:
@@ -210,10 +222,10 @@ class TorchBackend:
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
         four_bit = all(f.blocks(p.name)[1] in FOUR_BIT_TYPES for p in parts)
         if four_bit and self.plan.four_bit == "int4":
-            fused = GroupQuantized.concat([_group_part(f, p) for p in parts])
+            fused = GroupQuantized.concat([group_part(f, p) for p in parts])
             return Int4Weight(fused, input_scale)
         if four_bit:  # torch's threads dequantize nibbles 3x faster than gguf's numpy
-            dense = torch.cat([_dequantize(_group_part(f, p)) for p in parts]).numpy()
+            dense = torch.cat([dequantize_groups(group_part(f, p)) for p in parts]).numpy()
         else:
             dense = np.concatenate([p.dense(f) for p in parts], axis=0, dtype=np.float32)
         if input_scale is not None:  # dense stores fold it into the columns, as numpy does
@@ -270,7 +282,7 @@ class TorchBackend:
         raise ValueError(f"unknown dense kernel {kind!r}")
 
 
-def _dequantize(q: GroupQuantized) -> torch.Tensor:
+def dequantize_groups(q: GroupQuantized) -> torch.Tensor:
     """float32 `[N, K]` from group-wise codes, scales and mins."""
     n, k = q.shape
     codes = torch.from_numpy(q.codes).view(n, k // GROUP_SIZE, GROUP_SIZE).float()
@@ -278,7 +290,7 @@ def _dequantize(q: GroupQuantized) -> torch.Tensor:
     return codes.view(n, k)
 
 
-def _group_part(f: GGUFFile, part: TensorPart) -> GroupQuantized:
+def group_part(f: GGUFFile, part: TensorPart) -> GroupQuantized:
     blocks, qtype, shape = f.blocks(part.name)
     q = read_four_bit(blocks, qtype, (shape[0], shape[1]))
     if part.row_order is not None:

@@ -149,6 +149,7 @@ class DecoderModel:
     # the linear weights (runtime/lora.py maps adapters the same way)
     architecture: str
     linear_sources: dict[str, LinearSource]
+    ops: Any  # models/ops.py: host (numpy) or tensor (torch on a device) operations
 
     @property
     def context_length(self) -> int:
@@ -176,7 +177,24 @@ class DecoderModel:
         """A block pool of this model's shape holding `max_tokens` positions (the engine
         sizes its shared pool by memory instead: `BlockPool.for_budget`)."""
         n_blocks = -(-max_tokens // BLOCK_SIZE)
-        return BlockPool(*self.kv_shape, n_blocks, windows=self.kv_windows)
+        return BlockPool(
+            *self.kv_shape,
+            n_blocks,
+            windows=self.kv_windows,
+            storage=self.ops.kv_storage,
+            value_bytes=self.ops.kv_value_bytes,
+        )
+
+    def kv_pool_for_budget(self, memory_bytes: int) -> BlockPool:
+        """The engine's shared pool: as many blocks as `memory_bytes` holds, on the device
+        the forward pass runs on."""
+        return BlockPool.for_budget(
+            *self.kv_shape,
+            memory_bytes,
+            windows=self.kv_windows,
+            storage=self.ops.kv_storage,
+            value_bytes=self.ops.kv_value_bytes,
+        )
 
     def new_cache(self, max_tokens: int, pool: BlockPool | None = None) -> PagedKVCache:
         """A sequence's cache with room for `max_tokens` positions, in `pool` or in a pool
@@ -186,7 +204,8 @@ class DecoderModel:
         return cache
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """`[N, D]` -> row-major `[N, V]`, as the sampler's per-row reductions want it."""
+        """`[N, D]` -> row-major `[N, V]`, as the sampler's per-row reductions want it (a
+        device tensor under the tensor ops: the sampler copies back only what it needs)."""
         return self.output(hidden)
 
     def weight_kinds(self) -> dict[str, int]:

@@ -13,19 +13,8 @@ import numpy as np
 
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, TensorPart
-from runtime.models.attention import attend_layout
-from runtime.models.base import (
-    BatchLayout,
-    DecoderModel,
-    apply_rope,
-    gated_mlp,
-    gelu_tanh_mul,
-    linear,
-    rms_norm,
-    rms_normalize,
-    rope_inv_freq,
-    rope_tables,
-)
+from runtime.models.base import BatchLayout, DecoderModel, gated_mlp, linear, rope_inv_freq
+from runtime.models.ops import array_ops
 
 SLIDING_WINDOW_PATTERN = 6  # every 6th layer is global (llama.cpp and HF agree)
 LOCAL_ROPE_BASE = 10000.0
@@ -69,16 +58,16 @@ class Gemma3Args:
 
 
 class Gemma3Layer:
-    def __init__(self, f: GGUFFile, i: int, args: Gemma3Args, backend: Backend) -> None:
+    def __init__(self, f: GGUFFile, i: int, args: Gemma3Args, backend: Backend, ops) -> None:
         p = f"blk.{i}."
-        self.index, self.args = i, args
+        self.index, self.args, self.ops = i, args, ops
         self.sliding = args.is_sliding(i)  # picks the local rope base as well as the window
         self.window = args.sliding_window if self.sliding else None
-        self.post_attn_norm = f.tensor(p + "post_attention_norm.weight")
-        self.post_ffn_norm = f.tensor(p + "post_ffw_norm.weight")
+        self.post_attn_norm = ops.vector(f.tensor(p + "post_attention_norm.weight"))
+        self.post_ffn_norm = ops.vector(f.tensor(p + "post_ffw_norm.weight"))
         # the 1/sqrt(Dh) attention scale goes into q's norm, the pre-norms into the matmuls
-        self.q_norm = f.tensor(p + "attn_q_norm.weight") / np.sqrt(args.head_dim)
-        self.k_norm = f.tensor(p + "attn_k_norm.weight")
+        self.q_norm = ops.vector(f.tensor(p + "attn_q_norm.weight") / np.sqrt(args.head_dim))
+        self.k_norm = ops.vector(f.tensor(p + "attn_k_norm.weight"))
         qkv = [TensorPart(p + f"attn_{n}.weight") for n in "qkv"]
         self.wqkv = backend.linear(f, qkv, f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
         self.wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
@@ -87,10 +76,12 @@ class Gemma3Layer:
         self.w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict[bool, tuple]) -> np.ndarray:
-        eps = self.args.norm_eps
-        attn = self.attention(rms_normalize(x, eps), layout, ropes[self.sliding])
-        h = x + rms_norm(attn, self.post_attn_norm, eps)
-        return h + rms_norm(self.mlp(rms_normalize(h, eps), layout), self.post_ffn_norm, eps)
+        eps, ops = self.args.norm_eps, self.ops
+        attn = self.attention(ops.rms_normalize(x, eps), layout, ropes[self.sliding])
+        h = x + ops.rms_norm(attn, self.post_attn_norm, eps)
+        return h + ops.rms_norm(
+            self.mlp(ops.rms_normalize(h, eps), layout), self.post_ffn_norm, eps
+        )
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         a, t, eps = self.args, x.shape[0], self.args.norm_eps
@@ -99,13 +90,14 @@ class Gemma3Layer:
         q = qkv[:, :q_end].reshape(t, a.n_heads, a.head_dim)
         k = qkv[:, q_end:k_end].reshape(t, a.n_kv_heads, a.head_dim)
         v = qkv[:, k_end:].reshape(t, a.n_kv_heads, a.head_dim)
-        q = apply_rope(rms_norm(q, self.q_norm, eps), *rope)  # [T, H, Dh]
-        k = apply_rope(rms_norm(k, self.k_norm, eps), *rope)  # [T, Hkv, Dh]
-        out = attend_layout(self.index, q, k, v, layout, self.window)
+        ops = self.ops
+        q = ops.apply_rope(ops.rms_norm(q, self.q_norm, eps), *rope)  # [T, H, Dh]
+        k = ops.apply_rope(ops.rms_norm(k, self.k_norm, eps), *rope)  # [T, Hkv, Dh]
+        out = ops.attend(self.index, q, k, v, layout, self.window)
         return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray, layout: BatchLayout) -> np.ndarray:
-        return gated_mlp(x, self.w_gate_up, self.w_down, gelu_tanh_mul, layout)
+        return gated_mlp(x, self.w_gate_up, self.w_down, self.ops.gelu_tanh_mul, layout)
 
 
 class Gemma3Model(DecoderModel):
@@ -113,22 +105,24 @@ class Gemma3Model(DecoderModel):
 
     def __init__(self, f: GGUFFile, backend: Backend) -> None:
         self.args = a = Gemma3Args.from_gguf(f)
+        self.ops = ops = array_ops(backend)
         self.embed = backend.embedding(f, "token_embd.weight")  # [V, D]
         self.output = backend.head(f, "token_embd.weight", tied=self.embed)  # tied output head
-        self.norm = f.tensor("output_norm.weight")
+        self.norm = ops.vector(f.tensor("output_norm.weight"))
         self.embed_scale = np.float32(np.sqrt(a.dim))
         self.global_inv_freq = rope_inv_freq(a.head_dim, a.rope_base)
         self.local_inv_freq = rope_inv_freq(a.head_dim, a.local_rope_base)
-        self.layers = [Gemma3Layer(f, i, a, backend) for i in range(a.n_layers)]
+        self.layers = [Gemma3Layer(f, i, a, backend, ops) for i in range(a.n_layers)]
 
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray:
+        self.ops.prepare(layout, self.kv_windows)
         x = self.embed(tokens) * self.embed_scale  # [T] -> [T, D]
         positions = layout.positions()
         ropes = {
-            False: rope_tables(positions, self.global_inv_freq, self.args.rope_scale),
-            True: rope_tables(positions, self.local_inv_freq),
+            False: self.ops.rope_tables(positions, self.global_inv_freq, self.args.rope_scale),
+            True: self.ops.rope_tables(positions, self.local_inv_freq),
         }
         for layer in self.layers:
             x = layer(x, layout, ropes)
         layout.commit()
-        return rms_norm(x, self.norm, self.args.norm_eps)
+        return self.ops.rms_norm(x, self.norm, self.args.norm_eps)

@@ -12,19 +12,8 @@ import numpy as np
 
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, TensorPart
-from runtime.models.attention import attend_layout
-from runtime.models.base import (
-    BatchLayout,
-    DecoderModel,
-    apply_rope,
-    gated_mlp,
-    linear,
-    rms_norm,
-    rms_normalize,
-    rope_inv_freq,
-    rope_tables,
-    silu_mul,
-)
+from runtime.models.base import BatchLayout, DecoderModel, gated_mlp, linear, rope_inv_freq
+from runtime.models.ops import array_ops
 
 
 @dataclass
@@ -74,9 +63,9 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 class LlamaLayer:
-    def __init__(self, f: GGUFFile, i: int, args: LlamaArgs, backend: Backend) -> None:
+    def __init__(self, f: GGUFFile, i: int, args: LlamaArgs, backend: Backend, ops) -> None:
         p = f"blk.{i}."
-        self.index, self.args = i, args
+        self.index, self.args, self.ops = i, args, ops
         # the 1/sqrt(Dh) attention scale goes into q's rows, the norm weights into the inputs
         q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         qkv = [
@@ -95,23 +84,23 @@ class LlamaLayer:
         self.w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
-        eps = self.args.norm_eps
-        h = x + self.attention(rms_normalize(x, eps), layout, rope)
-        h += self.mlp(rms_normalize(h, eps), layout)  # in place: h is this layer's own buffer
+        eps, ops = self.args.norm_eps, self.ops
+        h = x + self.attention(ops.rms_normalize(x, eps), layout, rope)
+        h += self.mlp(ops.rms_normalize(h, eps), layout)  # in place: h is this layer's own buffer
         return h
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         a, t = self.args, x.shape[0]
         n_qk = a.n_heads + a.n_kv_heads
         qkv = linear(x, self.wqkv, layout)  # [T, D] -> [T, (H+2Hkv)*Dh]
-        qk = apply_rope(qkv[:, : n_qk * a.head_dim].reshape(t, n_qk, a.head_dim), *rope)
+        qk = self.ops.apply_rope(qkv[:, : n_qk * a.head_dim].reshape(t, n_qk, a.head_dim), *rope)
         q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]  # [T, H, Dh], [T, Hkv, Dh]
         v = qkv[:, n_qk * a.head_dim :].reshape(t, a.n_kv_heads, a.head_dim)
-        out = attend_layout(self.index, q, k, v, layout)
+        out = self.ops.attend(self.index, q, k, v, layout)
         return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray, layout: BatchLayout) -> np.ndarray:
-        return gated_mlp(x, self.w_gate_up, self.w_down, silu_mul, layout)
+        return gated_mlp(x, self.w_gate_up, self.w_down, self.ops.silu_mul, layout)
 
 
 class LlamaModel(DecoderModel):
@@ -119,20 +108,22 @@ class LlamaModel(DecoderModel):
 
     def __init__(self, f: GGUFFile, backend: Backend) -> None:
         self.args = a = LlamaArgs.from_gguf(f)
+        self.ops = ops = array_ops(backend)
         self.embed = backend.embedding(f, "token_embd.weight")  # [V, D]
         if f.has_tensor("output.weight"):
             self.output = backend.head(f, "output.weight")
         else:
             self.output = backend.head(f, "token_embd.weight", tied=self.embed)
-        self.norm = f.tensor("output_norm.weight")
+        self.norm = ops.vector(f.tensor("output_norm.weight"))
         factors = f.tensor("rope_freqs.weight") if f.has_tensor("rope_freqs.weight") else None
         self.inv_freq = rope_inv_freq(a.n_rot, a.rope_base, factors)
-        self.layers = [LlamaLayer(f, i, a, backend) for i in range(a.n_layers)]
+        self.layers = [LlamaLayer(f, i, a, backend, ops) for i in range(a.n_layers)]
 
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray:
+        self.ops.prepare(layout, self.kv_windows)
         x = self.embed(tokens)  # [T] -> [T, D]
-        rope = rope_tables(layout.positions(), self.inv_freq, self.args.rope_scale)
+        rope = self.ops.rope_tables(layout.positions(), self.inv_freq, self.args.rope_scale)
         for layer in self.layers:
             x = layer(x, layout, rope)
         layout.commit()
-        return rms_norm(x, self.norm, self.args.norm_eps)
+        return self.ops.rms_norm(x, self.norm, self.args.norm_eps)

@@ -24,13 +24,13 @@ def tiny_model_path(request, tiny_llama_path: Path, tiny_gemma3_path: Path) -> P
     return tiny_llama_path if request.param == "llama" else tiny_gemma3_path
 
 
-def _engine(model_id: str, path: Path, backend: str):
+def _engine(model_id: str, path: Path, backend: str, **config):
     from runtime.engine import Engine, EngineConfig
     from runtime.gguf_file import GGUFFile
     from runtime.registry import ModelSpec
 
     spec = ModelSpec(model_id, str(path), lambda: path)
-    return Engine(spec, GGUFFile(path), EngineConfig(backend=backend))
+    return Engine(spec, GGUFFile(path), EngineConfig(backend=backend, **config))
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +53,25 @@ def smollm2_torch_engine(smollm2_gguf_path: Path):
 @pytest.fixture(scope="session")
 def gemma3_torch_engine(gemma3_gguf_path: Path):
     return _engine("gemma-3-270m", gemma3_gguf_path, "torch")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tensor_engine(smollm2_gguf_path: Path):
+    """SmolLM2 on the tensor forward pass (a GPU worker's code) run on the CPU."""
+    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch", torch_forward=True)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tensor_engine(gemma3_gguf_path: Path):
+    return _engine("gemma-3-270m", gemma3_gguf_path, "torch", torch_forward=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cuda_engine(smollm2_gguf_path: Path):
+    """SmolLM2 on the first GPU (tests using it are marked `gpu`)."""
+    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch", device="cuda:0")
+
+
+@pytest.fixture(scope="session")
+def gemma3_cuda_engine(gemma3_gguf_path: Path):
+    return _engine("gemma-3-270m", gemma3_gguf_path, "torch", device="cuda:0")

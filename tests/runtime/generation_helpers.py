@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.engine import Engine
+from runtime.engine import Engine, EngineConfig
 from runtime.generator import Generator
-from runtime.kv_pool import BlockPool
+from runtime.kv_pool import BLOCK_SIZE
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
 
@@ -21,11 +21,11 @@ def random_tokens(n: int, seed: int, vocab: int = 250) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(10, vocab, n)]
 
 
-def tight_engine(path: Path, n_blocks: int = 12) -> Engine:
+def tight_engine(path: Path, n_blocks: int = 12, config: EngineConfig | None = None) -> Engine:
     """An engine whose KV pool holds only `n_blocks` blocks (12 = 192 tokens: too few for
     several sequences at once), so the generator must preempt."""
-    engine = Engine.load(str(path))
-    engine.kv_pool = BlockPool(*engine.model.kv_shape, n_blocks=n_blocks)
+    engine = Engine.load(str(path), config)
+    engine.kv_pool = engine.model.new_kv_pool(n_blocks * BLOCK_SIZE)
     engine.prefix_cache = PrefixCache(engine.kv_pool, "tight")
     return engine
 

@@ -203,3 +203,19 @@ def test_generate_answers_paris_on_both_backends(backend):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert json.loads(result.stderr.strip().splitlines()[-1])["completion_tokens"] == 4
+
+
+def test_generate_on_a_gpu_without_cuda_is_a_one_line_error(tiny_llama_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = llmq("generate", "-m", str(tiny_llama_path), "--device", "cuda", "hi")
+    assert_one_line_error(result, "sees no CUDA device")
+
+
+def test_generate_runs_on_the_cpu_device(tiny_llama_path):
+    result = llmq(
+        "generate", "-m", str(tiny_llama_path), "--device", "cpu", "--max-tokens", "3", "hi"
+    )
+    assert result.returncode == 0, result.stderr

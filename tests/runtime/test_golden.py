@@ -67,7 +67,8 @@ def _all_logits(engine, token_ids: list[int]) -> np.ndarray:
     """Logits at every position of one forward pass over `token_ids`: `[n, V]`."""
     cache = engine.model.new_cache(len(token_ids))
     layout = BatchLayout([SequenceChunk(cache, 0, len(token_ids))])
-    return engine.model.logits(engine.model.forward(np.asarray(token_ids), layout))
+    logits = engine.model.logits(engine.model.forward(np.asarray(token_ids), layout))
+    return engine.model.ops.to_host(logits)
 
 
 def test_fixture_was_made_from_this_file(case):
@@ -141,12 +142,28 @@ TORCH_MIN_TOP1_VS_FLOAT32 = 0.97
 CLEAR_MARGIN = 0.5  # llama.cpp's top-2 margin (logits) above which its greedy pick is clear
 
 
-@pytest.fixture(scope="module", params=MODELS)
+# torch's kernels on the host forward pass (a CPU worker), and the tensor forward pass that
+# a GPU worker runs, on the CPU here and on CUDA where there is a GPU
+TORCH_PATHS = {"host": "torch", "tensor-cpu": "tensor", "tensor-cuda": "cuda"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(
+            (model, path),
+            id=f"{model}-{path}",
+            marks=[pytest.mark.gpu] if path == "tensor-cuda" else [],
+        )
+        for model in MODELS
+        for path in TORCH_PATHS
+    ],
+)
 def torch_case(request):
-    engine = request.getfixturevalue(
-        "smollm2_torch_engine" if request.param == MODELS[0] else "gemma3_torch_engine"
-    )
-    return engine, _reference(request.param)
+    model, path = request.param
+    prefix = "smollm2" if model == MODELS[0] else "gemma3"
+    engine = request.getfixturevalue(f"{prefix}_{TORCH_PATHS[path]}_engine")
+    return engine, _reference(model)
 
 
 def _teacher_forced_agreement(engine, ref: dict, source: str) -> float:

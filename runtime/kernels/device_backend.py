@@ -1,0 +1,220 @@
+"""The tensor backend: weights that take and give torch tensors on one device.
+
+The tensor forward pass (runtime/models/tensor_ops.py) keeps every activation on the
+device, so its weights must multiply device tensors and return device tensors:
+
+- on a CUDA device: GGUF's 4-bit types as torch's CUDA int4 layout (group 32, bf16 scale and
+  zero per group) where the GPU runs that kernel and a load-time check of its product
+  passes, else bf16 (fp16 on GPUs without bf16); every other weight and the LM head bf16.
+- on the CPU: the CPU plan's own weights (torch_backend.py: int4 / int8 / bf16 / fp16 per
+  CPU), through their tensor `product`. This is how CI runs the GPU's code path.
+
+The token embedding stays in the mapped file on the host: a step dequantizes only its own
+rows and uploads them with the token ids, one small copy per forward pass (T x D floats).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from runtime.gguf_file import GGUFFile
+from runtime.kernels.base import TensorPart
+from runtime.kernels.gguf_blocks import FOUR_BIT_TYPES, GROUP_SIZE, GroupQuantized
+from runtime.kernels.torch_backend import (
+    HEAD_CHUNK_ROWS,
+    BlockEmbedding,
+    TorchBackend,
+    dequantize_groups,
+    group_part,
+)
+
+log = logging.getLogger("llmq.kernels")
+
+CUDA_INNER_K_TILES = 8  # the CUDA int4 packing's tile; 2, 4 and 8 are allowed
+# the int4 product of a random input must match the dequantized weight's product this
+# closely (relative RMS) for the int4 kernel to be used; bf16 rounding alone gives ~0.5%
+INT4_CHECK_TOLERANCE = 0.03
+
+
+def device_vector(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A float32 copy of `values` on `device` (a copy: the file's arrays are read-only)."""
+    return torch.from_numpy(np.array(values, np.float32)).to(device)
+
+
+class TensorWeight:
+    """A CPU plan's weight (torch_backend.py) called with float32 tensors."""
+
+    def __init__(self, weight) -> None:
+        self.weight = weight
+        self.shape: tuple[int, int] = weight.shape
+        self.kind: str = weight.kind
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.product(x)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+class DenseDeviceWeight:
+    """`[out, in]` in bf16 or fp16 on the device, multiplied by cuBLAS; an RMSNorm weight
+    before it is folded into its columns."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+        self.weight = torch.empty(self.shape, dtype=dtype, device=device)
+
+    @classmethod
+    def from_dense(cls, dense: torch.Tensor, dtype: torch.dtype, device: torch.device):
+        weight = cls(tuple(dense.shape), dtype, device)
+        weight.fill(0, dense)
+        return weight
+
+    def fill(self, start: int, rows: torch.Tensor) -> None:
+        self.weight[start : start + len(rows)] = rows.to(self.weight.device, self.weight.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+class CudaInt4Weight:
+    """torch's CUDA int4 layout: value = (code - 8) * scale + zero per 32 weights of a row,
+    codes packed two to a byte, then retiled by `_convert_weight_to_int4pack`."""
+
+    kind = "int4"
+
+    def __init__(self, q: GroupQuantized, input_scale: torch.Tensor | None, device) -> None:
+        self.shape: tuple[int, int] = q.shape
+        codes = torch.from_numpy(q.codes).to(torch.uint8)  # [N, K], values 0..15
+        packed = (codes[:, ::2] << 4) | codes[:, 1::2]  # [N, K/2]: even k in the high nibble
+        self.packed = torch.ops.aten._convert_weight_to_int4pack(
+            packed.to(device), CUDA_INNER_K_TILES
+        )
+        zeros = q.mins + np.float32(8) * q.scales
+        pairs = np.stack([q.scales, zeros], axis=-1).transpose(1, 0, 2)  # [K/32, N, 2]
+        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(pairs)).to(device, torch.bfloat16)
+        self.input_scale = input_scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = x * self.input_scale
+        out = torch.ops.aten._weight_int4pack_mm(
+            x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros
+        )  # [T, K] -> [T, N]
+        return out.float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+def int4_matches_dense(weight: CudaInt4Weight, q: GroupQuantized, device) -> bool:
+    """Whether the int4 kernel reproduces the dequantized weight's product: a GPU or torch
+    build whose packing differs must fall back to bf16, never compute wrong products."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, q.shape[1], generator=generator).to(device)
+    rows = min(q.shape[0], 256)
+    scaled = x if weight.input_scale is None else x * weight.input_scale
+    expected = scaled @ dequantize_groups(q.take_rows(np.arange(rows))).to(device).T  # [4, rows]
+    try:
+        got = weight(x)[:, :rows]
+    except RuntimeError as exc:  # no kernel for this GPU (int4 needs sm_80 or newer)
+        log.info("CUDA int4 kernel unavailable (%s): 4-bit weights go bf16", exc)
+        return False
+    error = float(torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected))
+    return error < INT4_CHECK_TOLERANCE
+
+
+class DeviceEmbedding:
+    """Embedding rows dequantized on the host from the mapped file, uploaded per step."""
+
+    def __init__(self, f: GGUFFile, name: str, device: torch.device) -> None:
+        self.table = BlockEmbedding(f, name)
+        self.shape = self.table.shape
+        self.device = device
+
+    def __call__(self, tokens: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(self.table(tokens)).to(self.device)  # [T] -> [T, D]
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+
+class DeviceBackend:
+    """Weights on `device` ("cpu" or "cuda:N") that multiply device tensors."""
+
+    name = "torch"
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        # the CPU plan supplies the CPU's kernels (and gives torch the CPU's cores)
+        self.cpu = None if self.cuda else TorchBackend()
+        self.dense_dtype = torch.bfloat16
+        if self.cuda and not torch.cuda.is_bf16_supported():
+            self.dense_dtype = torch.float16
+        self.int4 = self.cuda  # until a weight's check fails on this GPU
+
+    def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
+        if self.cpu is not None:
+            return TensorWeight(self.cpu.linear(f, parts, input_scale))
+        four_bit = all(f.blocks(p.name)[1] in FOUR_BIT_TYPES for p in parts)
+        if four_bit:
+            fused = GroupQuantized.concat([group_part(f, p) for p in parts])
+            if self.int4:
+                scale = None if input_scale is None else device_vector(input_scale, self.device)
+                weight = CudaInt4Weight(fused, scale, self.device)
+                if int4_matches_dense(weight, fused, self.device):
+                    return weight
+                self.int4 = False
+                log.warning("CUDA int4 product does not match its weights: using bf16")
+            dense = dequantize_groups(fused)
+        else:
+            dense = torch.from_numpy(np.concatenate([p.dense(f) for p in parts], axis=0))
+        if input_scale is not None:
+            dense = dense * torch.from_numpy(np.asarray(input_scale, np.float32))[None, :]
+        return DenseDeviceWeight.from_dense(dense, self.dense_dtype, self.device)
+
+    def embedding(self, f: GGUFFile, name: str) -> DeviceEmbedding:
+        return DeviceEmbedding(f, name, self.device)
+
+    def head(self, f: GGUFFile, name: str, tied: object | None = None):
+        if self.cpu is not None:
+            return TensorWeight(self.cpu.head(f, name, tied))
+        shape = f.blocks(name)[2]
+        head = DenseDeviceWeight((shape[0], shape[1]), self.dense_dtype, self.device)
+        for start in range(0, shape[0], HEAD_CHUNK_ROWS):  # no float32 copy of the whole head
+            head.fill(start, torch.from_numpy(f.rows(name, slice(start, start + HEAD_CHUNK_ROWS))))
+        return head
+
+    def describe(self) -> dict[str, str]:
+        if self.cpu is not None:
+            return {"device": "cpu (tensor forward pass)", **self.cpu.describe()}
+        dense = "bf16" if self.dense_dtype == torch.bfloat16 else "fp16"
+        return {
+            "device": str(self.device),
+            "4-bit weights": "int4" if self.int4 else dense,
+            "other weights": dense,
+            "lm head": dense,
+        }
+
+    def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
+        if self.cpu is not None:
+            return self.cpu.stored_bytes(f, name, role)
+        blocks, qtype, shape = f.blocks(name)
+        n = int(np.prod(shape))
+        if role == "embedding":
+            return int(blocks.nbytes)  # stays in the mapped file, on the host
+        if role == "linear" and qtype in FOUR_BIT_TYPES and self.int4:
+            return n // 2 + 4 * (n // GROUP_SIZE)
+        return 4 * n if role == "vector" else 2 * n

@@ -1,0 +1,62 @@
+"""The array operations a forward pass is written in, for the host or for a device.
+
+An architecture file writes its layers once, in these operations plus `linear`, slicing,
+reshape and `+`: the host ops work on float32 numpy arrays (attention.py over the pool's
+memory-mapped blocks), the tensor ops (tensor_ops.py) on float32 torch tensors that never
+leave their device. The backend that built the weights decides which a model gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from runtime.kv_pool import lazy_array
+from runtime.models import attention, base
+
+
+class HostOps:
+    """numpy on the CPU: what the numpy backend and the torch CPU kernels run under."""
+
+    device = None
+    kv_value_bytes = 4  # float32 keys and values
+    rms_normalize = staticmethod(base.rms_normalize)
+    rms_norm = staticmethod(base.rms_norm)
+    rope_tables = staticmethod(base.rope_tables)
+    apply_rope = staticmethod(base.apply_rope)
+    silu_mul = staticmethod(base.silu_mul)
+    gelu_tanh_mul = staticmethod(base.gelu_tanh_mul)
+    attend = staticmethod(attention.attend_layout)
+
+    @staticmethod
+    def prepare(layout: Any, windows: list[int | None]) -> None:
+        """Nothing to do before the layers: attention plans as it goes."""
+
+    @staticmethod
+    def vector(values: np.ndarray) -> np.ndarray:
+        """A norm's weight as the ops use it: the float32 array itself."""
+        return values
+
+    @staticmethod
+    def kv_storage(n_kv_heads: int, tokens: int, head_dim: int) -> np.ndarray:
+        """One layer's keys (or values), `[Hkv, slots, Dh]`, backed as blocks are written."""
+        return lazy_array((n_kv_heads, tokens, head_dim))
+
+    @staticmethod
+    def to_host(x: np.ndarray) -> np.ndarray:
+        return x
+
+
+HOST_OPS = HostOps()
+
+
+def array_ops(backend: Any) -> Any:
+    """The ops for the arrays `backend`'s weights take: a backend with a `device` (the
+    tensor backend) gets tensor ops on it, every other one the host ops."""
+    device = getattr(backend, "device", None)
+    if device is None:
+        return HOST_OPS
+    from runtime.models.tensor_ops import TensorOps
+
+    return TensorOps(device)

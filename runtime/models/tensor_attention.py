@@ -1,0 +1,136 @@
+"""Attention for the tensor forward pass: the paged KV pool on the device, gathered.
+
+The pool keeps each layer's keys and values slot-major, `[slots, Hkv, Dh]`. A step's new
+keys and values go in with one `index_copy_` per layer. Decode rows are cut into groups of
+similar length (as the host path does, attention.group_by_length); each group gathers its
+members' slots into a padded `[M, L]` batch and runs one `scaled_dot_product_attention` with
+a mask for the padding and the window. A prefill chunk attends alone with a causal mask.
+Every index and mask is built on the host once per forward pass and uploaded once; the
+layers then only launch device work, so no layer waits on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.models.attention import _plan, _shared_pool, group_by_length
+from runtime.models.base import BatchLayout
+
+
+@dataclass
+class GatheredRows:
+    """Queries `rows` of the packed tokens over the pool slots `index` `[M, L]` (decode) or
+    `[L]` (one prefill chunk), where `mask` is True."""
+
+    rows: torch.Tensor | slice
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class TensorAttentionPlan:
+    slots: torch.Tensor  # [T]: where each packed token's key and value are written
+    decode: list[GatheredRows]
+    prefill: list[GatheredRows]
+
+
+def attend_layout(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BatchLayout,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q `[T, H, Dh]` (already scaled by 1/sqrt(Dh)), k and v `[T, Hkv, Dh]` -> `[T, H*Dh]`."""
+    t, n_heads, head_dim = q.shape
+    pool = _shared_pool(layout)
+    group = pool.group_of[layer]
+    if pool.groups[group].window not in (None, window):
+        raise ValueError(f"layer {layer} attends over {window} positions, its KV pool keeps less")
+    keys, values = pool.keys[layer], pool.values[layer]  # [slots, Hkv, Dh]
+    plan = _plan(
+        layout, ("tensor", group, window), lambda lay: _build(lay, group, window, q.device)
+    )
+    keys.index_copy_(0, plan.slots, k.to(keys.dtype))
+    values.index_copy_(0, plan.slots, v.to(values.dtype))
+    out = torch.empty((t, n_heads * head_dim), dtype=torch.float32, device=q.device)
+    for rows in plan.decode:
+        qd = q[rows.rows].unsqueeze(2).to(keys.dtype)  # [M, H, 1, Dh]
+        kd = keys[rows.index].transpose(1, 2)  # [M, L, Hkv, Dh] -> [M, Hkv, L, Dh]
+        vd = values[rows.index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=rows.mask, scale=1.0, enable_gqa=True
+        )  # [M, H, 1, Dh]
+        out[rows.rows] = o.reshape(len(rows.index), n_heads * head_dim).float()
+    for rows in plan.prefill:
+        qp = q[rows.rows].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, H, n, Dh]
+        kp = keys[rows.index].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
+        vp = values[rows.index].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=rows.mask, scale=1.0, enable_gqa=True
+        )  # [1, H, n, Dh]
+        out[rows.rows] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim).float()
+    return out
+
+
+def prepare(layout: BatchLayout, windows: list[int | None], device: torch.device) -> None:
+    """Build and upload every layer group's plan before the forward pass enqueues device
+    work: an upload from pageable memory waits for the stream, so a plan built at its first
+    layer would make the host wait for the layers before it."""
+    pool = _shared_pool(layout)
+    for layer, window in enumerate(windows):
+        group = pool.group_of[layer]
+        _plan(
+            layout,
+            ("tensor", group, window),
+            lambda lay, g=group, w=window: _build(lay, g, w, device),
+        )
+
+
+def _build(
+    layout: BatchLayout, group: int, window: int | None, device: torch.device
+) -> TensorAttentionPlan:
+    """Slots, gather indices and masks of one layer group for this forward pass."""
+    slots = np.concatenate(
+        [c.cache.slot_ids(c.start, c.start + c.length, group) for c in layout.chunks]
+    )
+    decode_rows, prefill = [], []
+    for lo, hi, chunk in layout.spans:
+        first = 0 if window is None else max(0, chunk.start + 1 - window)  # the first query's
+        if hi - lo == 1:
+            decode_rows.append((lo, chunk.cache.slot_ids(first, chunk.start + 1, group)))
+            continue
+        index = chunk.cache.slot_ids(first, chunk.start + hi - lo, group)
+        q_pos = np.arange(chunk.start, chunk.start + hi - lo)[:, None]  # [n, 1]
+        k_pos = np.arange(first, chunk.start + hi - lo)[None, :]  # [1, L]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= (q_pos - k_pos) < window
+        prefill.append(
+            GatheredRows(slice(lo, hi), _upload(index, device), _upload(visible, device))
+        )
+    decode = []
+    for members in group_by_length([len(ids) for _, ids in decode_rows]):
+        width = len(decode_rows[members[0]][1])
+        index = np.zeros((len(members), width), np.int64)
+        visible = np.zeros((len(members), 1, 1, width), bool)  # [M, heads, queries, L]
+        for i, m in enumerate(members):
+            ids = decode_rows[m][1]
+            index[i, : len(ids)], visible[i, ..., : len(ids)] = ids, True
+        rows = np.array([decode_rows[m][0] for m in members])
+        decode.append(
+            GatheredRows(_upload(rows, device), _upload(index, device), _upload(visible, device))
+        )
+    return TensorAttentionPlan(_upload(slots, device), decode, prefill)
+
+
+def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if tensor.dtype != torch.bool:
+        tensor = tensor.to(torch.int64)
+    return tensor.to(device, non_blocking=True)

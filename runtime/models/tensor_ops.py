@@ -1,0 +1,83 @@
+"""The forward pass's operations on float32 torch tensors that stay on one device.
+
+The layers of every architecture run unchanged on these (models/ops.py): norms, rope and the
+gated activations are a few torch ops each; attention is tensor_attention.py over a KV pool
+kept on the device. What crosses from the host per forward pass is small and goes one way:
+token ids' embedding rows, rope's cos/sin rows and attention's slot indices, all computed
+from the step's layout once, never per layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels.device_backend import device_vector
+from runtime.kv_pool import lazy_array
+from runtime.models import base, tensor_attention
+
+
+class TensorOps:
+    """Operations on `device`; keys and values are kept fp16 on a GPU (as llama.cpp's
+    default cache type), float32 on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.kv_dtype = torch.float16 if self.cuda else torch.float32
+        self.kv_value_bytes = 2 if self.cuda else 4
+
+    def vector(self, values: np.ndarray) -> torch.Tensor:
+        """A float32 vector (a norm's weight) on the device."""
+        return device_vector(values, self.device)
+
+    @staticmethod
+    def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last axis without its weight (folded into the next matmul)."""
+        return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.rms_normalize(x, eps) * weight
+
+    def rope_tables(self, positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0):
+        """cos/sin `[T, 1, n_rot/2]`, computed as the host computes them, then uploaded."""
+        cos, sin = base.rope_tables(positions, inv_freq, scale)
+        return torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
+
+    @staticmethod
+    def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """NeoX rotation of `x` `[T, heads, Dh]`: dims i and i + n_rot/2 form a pair."""
+        half = cos.shape[-1]
+        x1, x2 = x[..., :half], x[..., half : 2 * half]
+        rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        return torch.cat(rotated + ([x[..., 2 * half :]] if 2 * half < x.shape[-1] else []), -1)
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    @staticmethod
+    def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") * up
+
+    def prepare(self, layout, windows: list[int | None]) -> None:
+        """Attention's indices and masks for this forward pass, uploaded before any layer."""
+        tensor_attention.prepare(layout, windows, self.device)
+
+    @staticmethod
+    def attend(layer, q, k, v, layout, window=None) -> torch.Tensor:
+        return tensor_attention.attend_layout(layer, q, k, v, layout, window)
+
+    def kv_storage(self, n_kv_heads: int, tokens: int, head_dim: int) -> torch.Tensor:
+        """One layer's keys (or values), slot-major `[slots, Hkv, Dh]` so that a gather
+        of slots is one index; on the CPU backed only as blocks are written."""
+        if self.cuda:
+            return torch.zeros(
+                (tokens, n_kv_heads, head_dim), dtype=self.kv_dtype, device=self.device
+            )
+        return torch.from_numpy(lazy_array((tokens, n_kv_heads, head_dim)))
+
+    @staticmethod
+    def to_host(x: torch.Tensor) -> np.ndarray:
+        return x.float().cpu().numpy()

@@ -1,0 +1,87 @@
+"""Where an engine puts its model and KV pool, and how a GPU that is too small says so.
+
+The CPU runs the host forward pass (numpy arrays through the kernel backend) unless the
+tensor forward pass is asked for; a CUDA device always runs the tensor forward pass, with
+weights, KV pool and activations on the GPU. A model that does not fit a GPU is a
+`DeviceMemoryError` at load, before anything is allocated where the estimate already says
+so, and translated from torch's out-of-memory error otherwise: a worker marks the model
+failed and goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from runtime.devices import CPU, DeviceError, DeviceMemoryError, check_device, device_memory
+from runtime.devices import is_cuda as on_cuda
+from runtime.gguf_file import GGUFFile
+from runtime.kernels import Backend, get_backend
+from runtime.models import estimate_weight_bytes, load_model
+
+CPU_KV_MB = 1024  # pages are backed only as blocks are written
+CUDA_KV_SHARE = 0.5  # of the memory free once the weights are loaded
+CUDA_KV_MAX_MB = 16384
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str  # "cpu" or "cuda:N"
+    torch_forward: bool  # the tensor forward pass (always on CUDA)
+    backend: Backend
+
+
+def place(device: str | None, torch_forward: bool | None, backend_name: str | None) -> Placement:
+    """The checked device, whether the tensor forward pass runs, and the backend for it."""
+    device = check_device(device or CPU)
+    tensor_path = on_cuda(device) if torch_forward is None else torch_forward
+    if on_cuda(device) and not tensor_path:
+        raise DeviceError(f"device {device} runs only the tensor forward pass")
+    if tensor_path and backend_name not in (None, "torch"):
+        raise DeviceError(
+            f"the tensor forward pass on {device} needs the torch backend, not {backend_name!r}"
+        )
+    backend = get_backend("torch", device) if tensor_path else get_backend(backend_name)
+    return Placement(device, tensor_path, backend)
+
+
+@contextlib.contextmanager
+def device_memory_guard(device: str, what: str) -> Iterator[None]:
+    """torch's out-of-memory error on `device` as a `DeviceMemoryError` about `what`."""
+    if not on_cuda(device):
+        yield
+        return
+    import torch
+
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        raise DeviceMemoryError(f"{what} does not fit {device}: {exc}".split("\n")[0]) from None
+
+
+def load_placed(gguf_file: GGUFFile, placement: Placement, model_id: str):
+    """The model on its device; on a GPU, refused before loading when its weights alone
+    are more than the device has free."""
+    free = device_memory(placement.device)
+    if free is not None:
+        need = estimate_weight_bytes(gguf_file, placement.backend)
+        if need > free.free:
+            raise DeviceMemoryError(
+                f"{model_id} needs about {need / 2**20:.0f} MiB for its weights, but "
+                f"{placement.device} has {free.free / 2**20:.0f} MiB free"
+            )
+    with device_memory_guard(placement.device, model_id):
+        return load_model(gguf_file, placement.backend)
+
+
+def kv_budget_bytes(kv_memory_mb: int | None, device: str) -> int:
+    """The KV pool's bytes: as configured, else 1 GiB on the CPU and, on a GPU, half of
+    what is free after the weights (at most CUDA_KV_MAX_MB)."""
+    if kv_memory_mb is not None:
+        return kv_memory_mb * 2**20
+    free = device_memory(device)
+    if free is None:
+        return CPU_KV_MB * 2**20
+    return int(min(free.free * CUDA_KV_SHARE, CUDA_KV_MAX_MB * 2**20))
