@@ -213,7 +213,7 @@ ROUTES: tuple[Op, ...] = (
         ok={200: {JSON: r.Batch}},
         params=(Param("batch_id", "path", {"type": "string"}),),
     ),
-    Op("get", "/admin/workers", "admin", "Workers", ok={200: {JSON: r.AdminList}}),
+    Op("get", "/admin/workers", "admin", "Workers", ok={200: {JSON: r.WorkerList}}),
     Op("get", "/admin/jobs", "admin", "Jobs in flight", ok={200: {JSON: r.AdminList}}),
     Op("get", "/admin/models", "admin", "Model pools", ok={200: {JSON: r.AdminList}}),
     Op("get", "/admin/queues", "admin", "Queues", ok={200: {JSON: r.AdminList}}),

@@ -227,10 +227,52 @@ class BatchList(Body):
 
 
 class AdminList(Body):
-    """Workers, in-flight jobs, model pools or queues: one object per entry."""
+    """In-flight jobs, model pools or queues: one object per entry."""
 
     object: Literal["list"]
     data: list[dict[str, Any]]
+
+
+class PoolEntryState(Body):
+    """One model in a worker's engine pool."""
+
+    state: Literal["loading", "ready", "failed"]
+    device: str | None = Field(
+        default=None, description="where its engine runs: cpu or cuda:N (once loaded)"
+    )
+    memory_mb: float | None = Field(
+        default=None,
+        description="what its engine holds on that device (on a GPU its KV pool too); "
+        "LLMQ_POOL_MEMORY_MB bounds each device's sum",
+    )
+    in_flight: int | None = None
+    error: str | None = None
+
+
+class WorkerObject(Body):
+    """A worker as it publishes itself, with whether its heartbeat is still live."""
+
+    name: str
+    pid: int
+    host: str
+    state: str = Field(description="idle | busy | stopping")
+    alive: bool
+    device: str = Field(
+        description="where its models run: cpu, cuda:N, or (no --device) the registry "
+        "devices of its models, comma-separated, e.g. cpu,cuda:0"
+    )
+    max_batch: int = Field(description="sequences it steps together (0: not published)")
+    models: list[str]
+    queues: list[str]
+    current_jobs: list[str]
+    pool: dict[str, PoolEntryState] = Field(description="model id -> its pool entry")
+    started_at: float
+    heartbeat: float
+
+
+class WorkerList(Body):
+    object: Literal["list"]
+    data: list[WorkerObject]
 
 
 class ModelCommand(Body):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from runtime.devices import DeviceError, parse_device
 from runtime.kernels import BACKENDS
 from runtime.registry import DEFAULT_MODEL
 
@@ -25,9 +25,11 @@ def _csv(value: str) -> list[str]:
 
 
 def _device(value: str) -> str:
-    if value == "cpu" or re.fullmatch(r"cuda(:\d+)?", value):
-        return value
-    raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N], got {value!r}")
+    """The device's form only: whether this machine can run it is the config's check."""
+    try:
+        return parse_device(value)
+    except DeviceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_worker_commands(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +42,8 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "rest are requeued for another worker to resume; a second signal requeues at once.",
         epilog="Environment: REDIS_URL, LLMQ_MODELS (model registry TOML), "
         "LLMQ_POOL_CAPACITY (models kept loaded, default 2), LLMQ_POOL_MEMORY_MB (memory "
-        "budget of the loaded models, default unlimited).",
+        "budget of the loaded models on each device, default unlimited), LLMQ_DEVICE, "
+        "LLMQ_BACKEND.",
     )
     worker.add_argument(
         "--models",
@@ -67,8 +70,9 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         type=_device,
         default=None,
         metavar="cpu|cuda[:N]",
-        help="where the engine runs (default: $LLMQ_DEVICE, else cpu); cuda is refused with "
-        "the reason until GPU workers exist",
+        help="where every served model runs; cuda means cuda:0, and a machine without CUDA "
+        "refuses it in one line (default: $LLMQ_DEVICE, else each model's registry "
+        "`device`, else cpu)",
     )
     worker.add_argument(
         "--backend",
@@ -82,7 +86,8 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="sequences generated together, across jobs and models (default: 32)",
+        help="sequences generated together, across jobs and models (default: 32 on the "
+        "cpu, 256 on a cuda device)",
     )
     worker.add_argument("--name", help="worker name (default: HOST.PID); unique per worker")
     worker.add_argument(

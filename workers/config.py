@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.devices import CPU, DeviceError, check_device, is_cuda
 from runtime.kernels import BACKEND_ENV, BACKENDS
 from runtime.registry import DEFAULT_MODEL, load_registry
 from workers import keys
@@ -25,6 +26,10 @@ DEVICE_ENV = "LLMQ_DEVICE"
 # The idle wait is one BLPOP, which must end before the worker's Redis socket timeout (5 s)
 # and leave its heartbeat (every 5 s, TTL 15 s) on time.
 MAX_POLL_INTERVAL = 4.0
+# sequences stepped together, across models: a CPU decode step's weight products cost about
+# the same for 1 and 32 rows, so 32 gives ~5x one stream's tokens/s (bench/RESULTS.md); a
+# GPU's step costs about the same for 1 and 256 rows
+MAX_BATCH_CPU, MAX_BATCH_GPU = 32, 256
 
 
 class ConfigError(WorkerError):
@@ -37,11 +42,10 @@ class WorkerConfig:
     name: str | None = None  # default "{host}.{pid}", unique per process
     models: list[str] = field(default_factory=list)  # registry ids or .gguf paths; [] = all
     queues: list[str] = field(default_factory=list)  # llmq queue names or kinds; [] = all
-    device: str = "cpu"
+    # "cpu" or "cuda[:N]" for every model it serves; None: each model's registry entry, else cpu
+    device: str | None = None
     backend: str | None = None  # kernel backend; None: each model's registry entry, else torch
-    # sequences stepped together, across models: a decode step's weight products cost about
-    # the same for 1 and 32 rows, so 32 gives ~5x one stream's tokens/s (bench/RESULTS.md)
-    max_batch: int = 32
+    max_batch: int | None = None  # None: MAX_BATCH_GPU on a CUDA device, else MAX_BATCH_CPU
     grace: float = 25.0  # seconds a SIGTERM lets running jobs finish before checkpointing
     poll_interval: float = 0.05  # idle wait between looks at the queues (a queued job's
     # wake token ends it at once: the poll is the fallback for jobs queued without one)
@@ -58,8 +62,10 @@ class WorkerConfig:
             raise ConfigError(
                 f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
             )
-        if self.device != "cpu":
-            raise ConfigError(_device_error(self.device))
+        if self.device is not None:
+            self.device = _checked_device(self.device)
+        if self.max_batch is None:
+            self.max_batch = default_max_batch(self.device)
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.grace < 0:
@@ -81,7 +87,7 @@ class WorkerConfig:
         base = {
             "redis_url": os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL,
             "backend": os.environ.get(BACKEND_ENV) or None,
-            "device": os.environ.get(DEVICE_ENV) or "cpu",
+            "device": os.environ.get(DEVICE_ENV) or None,
             "pool": PoolConfig.from_env(),
             "step_delay": float(delay) / 1000 if delay else 0.0,
         }
@@ -89,17 +95,29 @@ class WorkerConfig:
         return cls(**base)  # type: ignore[arg-type]
 
 
-def _device_error(device: str) -> str:
-    """No silent CPU run for a GPU request: say what is missing."""
-    if not device.startswith("cuda"):
-        return f"--device must be cpu or cuda[:N], got {device!r}"
+def _checked_device(device: str) -> str:
+    """`device` normalised ("cuda" -> "cuda:0") once this machine is known to run it: no
+    silent CPU run for a GPU request, and the reason in one line."""
     try:
-        import torch
-    except ImportError:
-        return f"--device {device} needs torch with CUDA; torch is not installed"
-    if not torch.cuda.is_available():
-        return f"--device {device}: this torch ({torch.__version__}) sees no CUDA device"
-    return f"--device {device}: GPU workers are not built yet; run this worker on the CPU"
+        return check_device(device)
+    except DeviceError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def default_max_batch(device: str | None) -> int:
+    """The batch a worker steps by default: a GPU's decode step is flat in the batch far
+    longer than a CPU's. `device` None (each model's registry entry decides) counts as cpu."""
+    return MAX_BATCH_GPU if device is not None and is_cuda(device) else MAX_BATCH_CPU
+
+
+def worker_device(config: WorkerConfig, sources: dict[str, str]) -> str:
+    """The device a worker advertises: its --device, else the devices its models' registry
+    entries name (cpu where none does), comma-separated, e.g. "cpu" or "cpu,cuda:0"."""
+    if config.device is not None:
+        return config.device
+    registry = load_registry()
+    named = {(registry[s].device or CPU) if s in registry else CPU for s in sources.values()}
+    return ",".join(sorted(named)) or CPU
 
 
 def serving(config: WorkerConfig) -> tuple[dict[str, str], list[str]]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.errors import AdapterError
 from runtime.lora import adapter_file
+from workers.pool import engine_memory
 
 if TYPE_CHECKING:
     from workers.pool import EnginePool
@@ -40,7 +41,7 @@ def sync(pool: EnginePool, registry: dict[str, dict[str, Any]]) -> bool:
         for name, wanted_entry in wanted.items():
             if name not in fixed:
                 changed |= _load(engine, entry.loras, name, wanted_entry["path"])
-        entry.memory_bytes = int(engine.nbytes)
+        entry.memory_bytes = engine_memory(engine)
     return changed
 
 

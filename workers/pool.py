@@ -1,5 +1,8 @@
 """The warm engines of one worker: an LRU pool bounded by a model count and a memory budget.
 
+The memory budget (`LLMQ_POOL_MEMORY_MB`) holds per device: a GPU's memory and the host's
+are separate, so models on cuda:0 never evict, nor count against, models on the cpu.
+
 After mlx-lm's and vLLM's model caches: each model is an entry that is `loading` (in a
 background thread, so the decode loop of the other models keeps stepping), `ready` or
 `failed`; it counts the sequences in flight on it, and a model with work in flight is never
@@ -66,7 +69,8 @@ class PoolEntry:
     engine: Engine | None = None  # once ready
     error: JobFailure | None = None
     in_flight: int = 0
-    memory_bytes: int = 0
+    device: str = "cpu"  # where its engine runs, once loaded (the budget it counts against)
+    memory_bytes: int = 0  # what its engine holds on `device` (engine_memory)
     load_seconds: float | None = None
     last_used: float = field(default_factory=time.monotonic)
     failed_at: float = 0.0
@@ -77,10 +81,12 @@ class PoolEntry:
     loras: dict[str, dict[str, Any]] = field(default_factory=dict)  # adapter -> its state
 
     def describe(self) -> dict[str, Any]:
-        """The entry as `WorkerInfo.pool` shows it: `memory_mb` is the resident bytes of the
-        weights as the backend stores them (int4/fp16/... for torch, float32 for numpy)."""
+        """The entry as `WorkerInfo.pool` shows it: `memory_mb` is what the engine holds on its
+        `device`: the weights as the backend stores them (int4/fp16/... for torch, float32 for
+        numpy), and on a GPU also the KV pool, allocated whole."""
         return {
             "state": self.state,
+            "device": self.device,
             "memory_mb": round(self.memory_bytes / 2**20, 1),
             **_backend_state(self.engine),
             "in_flight": self.in_flight,
@@ -120,11 +126,19 @@ def _cache_state(engine: Engine | None) -> dict[str, Any]:
     return state
 
 
-def load_engine(source: str, backend: str | None = None) -> Engine:
-    """`backend` None: the model's registry entry decides, else torch where installed."""
+def load_engine(source: str, backend: str | None = None, device: str | None = None) -> Engine:
+    """`backend` None: the model's registry entry decides, else torch where installed;
+    `device` None: the registry entry's `device`, else cpu."""
     from runtime.engine import Engine, EngineConfig  # loaded with the first model
 
-    return Engine.load(source, EngineConfig(backend=backend))
+    return Engine.load(source, EngineConfig(backend=backend, device=device))
+
+
+def engine_memory(engine: Any) -> int:
+    """The bytes `engine` holds on its device (`Engine.device_bytes`); the weights' `nbytes`
+    for an engine that does not say (the tests' fakes)."""
+    held = getattr(engine, "device_bytes", None)
+    return int(held if held is not None else getattr(engine, "nbytes", 0))
 
 
 class EnginePool:
@@ -156,9 +170,13 @@ class EnginePool:
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {model: entry.describe() for model, entry in self._entries.items()}
 
-    @property
-    def used_bytes(self) -> int:
-        return sum(e.memory_bytes for e in self._entries.values() if e.state == READY)
+    def used_bytes(self, device: str) -> int:
+        """Bytes held by the ready models on `device` (what its memory budget counts)."""
+        return sum(
+            e.memory_bytes
+            for e in self._entries.values()
+            if e.state == READY and e.device == device
+        )
 
     def can_accept(self, model: str) -> bool:
         """Whether a job for `model` can be taken now without waiting for other work to end."""
@@ -235,7 +253,8 @@ class EnginePool:
             entry.future = None
             if error is None:
                 entry.engine, entry.load_seconds = engine, seconds
-                entry.memory_bytes = int(getattr(engine, "nbytes", 0))
+                entry.device = str(getattr(engine, "device", "cpu"))
+                entry.memory_bytes = engine_memory(engine)
                 error = self._fit_budget(entry)
             if error is not None and entry.preload:
                 # nobody asked for it yet: keep what is loaded; it loads on its first job
@@ -244,8 +263,9 @@ class EnginePool:
             if error is None:
                 entry.state, entry.loaded_at = READY, time.time()
                 log.info(
-                    "model %s ready in %.2fs (%.0f MiB)",
+                    "model %s ready on %s in %.2fs (%.0f MiB)",
                     entry.model,
+                    entry.device,
                     seconds,
                     entry.memory_bytes / 2**20,
                 )
@@ -310,31 +330,38 @@ class EnginePool:
         return engine, time.perf_counter() - started, None
 
     def _fit_budget(self, entry: PoolEntry) -> JobFailure | None:
-        """Evict idle models until the new one fits the memory budget, or say why it can't."""
+        """Evict idle models on the new one's device until it fits that device's memory
+        budget, or say why it can't."""
         budget = self.config.memory_mb
         if budget is None:
             return None
-        limit = budget * 2**20
+        limit, device = budget * 2**20, entry.device
         while (
-            not entry.preload and entry.memory_bytes <= limit < self.used_bytes + entry.memory_bytes
+            not entry.preload
+            and entry.memory_bytes <= limit < self.used_bytes(device) + entry.memory_bytes
         ):
-            victim = self._evictable(exclude=entry.model)
+            victim = self._evictable(exclude=entry.model, device=device)
             if victim is None:
                 break
-            self._evict(victim, "memory budget")
-        if self.used_bytes + entry.memory_bytes <= limit:
+            self._evict(victim, f"memory budget on {device}")
+        free = limit - self.used_bytes(device)
+        if entry.memory_bytes <= free:
             return None
         return ModelLoadError(
             f"model {entry.model} needs {entry.memory_bytes / 2**20:.0f} MiB but only "
-            f"{(limit - self.used_bytes) / 2**20:.0f} MiB of the {budget:g} MiB pool budget "
-            f"({MEMORY_ENV}) is free"
+            f"{free / 2**20:.0f} MiB of the {budget:g} MiB pool budget ({MEMORY_ENV}) on "
+            f"{device} is free"
         )
 
-    def _evictable(self, exclude: str | None = None) -> PoolEntry | None:
+    def _evictable(self, exclude: str | None = None, device: str | None = None) -> PoolEntry | None:
+        """The least recently used idle entry (on `device`, if given): the one to drop."""
         idle = [
             e
             for e in self._entries.values()
-            if e.in_flight == 0 and e.state != LOADING and e.model != exclude
+            if e.in_flight == 0
+            and e.state != LOADING
+            and e.model != exclude
+            and (device is None or e.device == device)
         ]
         return min(idle, key=lambda e: e.last_used) if idle else None
 

@@ -54,6 +54,7 @@ class ServeConfig:
     models: list[str] = field(default_factory=list)
     max_batch: int | None = None
     redis_url: str | None = None
+    device: str | None = None  # every worker's --device; None: $LLMQ_DEVICE, else per model
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -293,8 +294,24 @@ def activate_hint() -> str | None:
     return f"llmq commands in another shell (llmq generate, llmq batch ...): source {shown}"
 
 
+def check_device_usable(device: str | None) -> None:
+    """Raise ServeError (one line) if the workers' device cannot run here: refused before
+    anything starts, rather than by each worker in turn until serve gives up."""
+    from runtime.devices import DeviceError, check_device
+    from workers.config import DEVICE_ENV
+
+    device = device or os.environ.get(DEVICE_ENV)
+    if not device:
+        return
+    try:
+        check_device(device)
+    except DeviceError as exc:
+        raise ServeError(str(exc)) from None
+
+
 def serve(config: ServeConfig) -> int:
     check_port_free(config.host, config.port)  # before anything starts: nothing to undo
+    check_device_usable(config.device)
     broker = Broker(config.redis_url or os.environ.get("REDIS_URL"))
     url = broker.start()
     env = {**os.environ, "REDIS_URL": url, "HOST": config.host, "PORT": str(config.port)}
@@ -306,6 +323,8 @@ def serve(config: ServeConfig) -> int:
         worker_args += ["--models", ",".join(config.models)]
     if config.max_batch:
         worker_args += ["--max-batch", str(config.max_batch)]
+    if config.device:
+        worker_args += ["--device", config.device]
     for i in range(config.workers):
         children.append(Child(f"worker-{i}", llmq_command(*worker_args), env))
 
@@ -392,7 +411,16 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         "model; the default one is loaded at start, the others on first use)",
     )
     serve_parser.add_argument(
-        "--max-batch", type=int, help="sequences each worker steps together (default: 32)"
+        "--max-batch",
+        type=int,
+        help="sequences each worker steps together (default: 32 on the cpu, 256 on a cuda device)",
+    )
+    serve_parser.add_argument(
+        "--device",
+        metavar="cpu|cuda[:N]",
+        help="where the workers run every model; refused in one line before anything starts "
+        "if this machine cannot (default: $LLMQ_DEVICE, else each model's registry `device`, "
+        "else cpu)",
     )
     serve_parser.set_defaults(handler=run_serve)
 
@@ -408,5 +436,6 @@ def run_serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         models=[m.strip() for m in args.models.split(",") if m.strip()],
         max_batch=args.max_batch,
+        device=args.device,
     )
     return serve(config)

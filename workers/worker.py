@@ -41,7 +41,7 @@ from rq.worker import WorkerStatus
 
 from workers import affinity, batches, keys, metrics, scripts
 from workers.admin import AdminDuties, describe_models
-from workers.config import WorkerConfig, preload_models, serving
+from workers.config import WorkerConfig, preload_models, serving, worker_device
 from workers.errors import JobFailure, PoolFull
 from workers.job_writes import JobWrites
 from workers.jobs import ActiveJob
@@ -103,7 +103,9 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             job_monitoring_interval=RQ_MONITORING_INTERVAL,
         )
         self.pool = pool or EnginePool(
-            config.pool, sources, functools.partial(load_engine, backend=config.backend)
+            config.pool,
+            sources,
+            functools.partial(load_engine, backend=config.backend, device=config.device),
         )
         self.running = RunningJobs(self.pool, config.max_batch, self.sync_adapters)
         self.reaper = Reaper(self.connection, self.name, self._lease_ms)
@@ -115,6 +117,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             models=list(sources),
             queues=queue_names,
             max_batch=config.max_batch,
+            device=worker_device(config, sources),
         )
         wake_keys = [keys.queue_wake(name) for name in queue_names]  # jobs queued wake it
         self.presence = Presence(self.connection, info, describe_models(sources), wake_keys)

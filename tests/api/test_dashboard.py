@@ -5,6 +5,7 @@ Gemma 3 (which has no chat template), as a user's first visit goes."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,7 +68,9 @@ def test_dashboard_shows_the_system_and_streams_a_chat(
     text = lambda element_id: browser.find_element(By.ID, element_id).text  # noqa: E731
 
     page.until(lambda _: smollm2_worker in text("workers"))
-    page.until(lambda _: f"{DEFAULT} yes {smollm2_worker} ready" in text("models"))
+    # each worker's device, and each pool entry's
+    assert re.search(rf"^{smollm2_worker} \S+ / \d+ (idle|busy) cpu ", text("workers"), re.M)
+    page.until(lambda _: f"{DEFAULT} yes {smollm2_worker} ready cpu " in text("models"))
     assert f"{NO_TEMPLATE} no template - not loaded" in text("models")
 
     model = Select(browser.find_element(By.ID, "model"))

@@ -8,7 +8,7 @@ from openapi_spec_validator import validate
 from openapi_spec_validator.validation.exceptions import OpenAPIValidationError
 
 from api.openapi import ROUTES
-from api.responses import Completion, Job
+from api.responses import Completion, Job, WorkerList
 
 DOCUMENTED_PREFIXES = ("/v1", "/admin", "/health", "/ready", "/metrics", "/openapi.json")
 
@@ -70,6 +70,18 @@ def test_schemas_come_from_the_pydantic_models(client) -> None:
     job = document["paths"]["/v1/jobs/{job_id}"]["get"]["responses"]
     assert job["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Job")
     assert job["404"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+
+
+def test_admin_workers_documents_each_workers_device(client) -> None:
+    """The body /admin/workers serves is what the document says, device included."""
+    document = client.get("/openapi.json").get_json()
+    schemas = document["components"]["schemas"]
+    workers = document["paths"]["/admin/workers"]["get"]["responses"]["200"]
+    assert workers["content"]["application/json"]["schema"]["$ref"].endswith("/WorkerList")
+    assert "device" in schemas["WorkerObject"]["required"]
+    assert "device" in schemas["PoolEntryState"]["properties"]
+    served = WorkerList.model_validate(client.get("/admin/workers").get_json())
+    assert served.data[0].device == "cpu"
 
 
 def test_docs_page_and_its_assets_are_served_locally(client) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from workers import keys
-from workers.config import ConfigError, WorkerConfig, serving
+from workers.config import ConfigError, WorkerConfig, serving, worker_device
 from workers.wire.commands import decode_command, encode_command
 
 
@@ -73,11 +73,54 @@ def test_a_cuda_device_is_refused_with_its_reason_never_run_on_the_cpu(monkeypat
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal is for machines without it")
-    with pytest.raises(ConfigError, match="sees no CUDA device"):
+    with pytest.raises(ConfigError, match="sees no CUDA device") as refused:
         WorkerConfig(device="cuda")
+    assert "\n" not in str(refused.value) and "--device cpu" in str(refused.value)
     monkeypatch.setenv("LLMQ_DEVICE", "cuda:1")
     with pytest.raises(ConfigError, match="cuda:1"):
         WorkerConfig.from_env()
+    with pytest.raises(ConfigError, match="device must be cpu or cuda"):
+        WorkerConfig(device="tpu")
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """torch reporting two CUDA devices: what check_device asks on a GPU machine."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_a_cuda_device_is_normalised_and_batches_256_by_default(two_gpus):
+    config = WorkerConfig(device="cuda")
+    assert (config.device, config.max_batch) == ("cuda:0", 256)
+    assert WorkerConfig(device="cuda:1", max_batch=8).max_batch == 8  # an explicit value wins
+    with pytest.raises(ConfigError, match="this machine has 2 CUDA device"):
+        WorkerConfig(device="cuda:2")
+
+
+def test_without_a_device_each_model_decides_and_the_batch_is_the_cpus(monkeypatch):
+    monkeypatch.delenv("LLMQ_DEVICE", raising=False)
+    config = WorkerConfig.from_env()
+    assert (config.device, config.max_batch) == (None, 32)
+    monkeypatch.setenv("LLMQ_DEVICE", "cpu")
+    assert WorkerConfig.from_env().device == "cpu"
+    assert WorkerConfig.from_env(device="cpu", max_batch=4).max_batch == 4
+
+
+def test_a_worker_advertises_its_device_or_its_models_registry_devices(
+    tiny_model: Path, tmp_path: Path, monkeypatch, two_gpus
+):
+    registry = tmp_path / "models.toml"
+    registry.write_text(f'[models.gpu-tiny]\npath = "{tiny_model}"\ndevice = "cuda"\n')
+    monkeypatch.setenv("LLMQ_MODELS", str(registry))
+    both = WorkerConfig(models=["gpu-tiny", str(tiny_model)])
+    assert worker_device(both, serving(both)[0]) == "cpu,cuda:0"
+    only_gpu = WorkerConfig(models=["gpu-tiny"])
+    assert worker_device(only_gpu, serving(only_gpu)[0]) == "cuda:0"
+    forced = WorkerConfig(models=["gpu-tiny"], device="cpu")
+    assert worker_device(forced, serving(forced)[0]) == "cpu"
 
 
 def test_pool_entries_show_the_backend_and_its_kernels(tiny_model: Path):
@@ -91,3 +134,26 @@ def test_pool_entries_show_the_backend_and_its_kernels(tiny_model: Path):
     assert shown["memory_mb"] == round(engine.nbytes / 2**20, 1)
     fast = load_engine(str(tiny_model), backend="torch")
     assert fast.backend.name == "torch" and fast.nbytes < engine.nbytes
+
+
+def test_the_pool_loads_each_model_on_the_workers_device(tiny_model: Path):
+    """The worker's device reaches the engine: on the cpu it runs there; a GPU this machine
+    lacks is a failed entry with the reason, never a silent CPU run."""
+    import functools
+
+    import torch
+
+    from workers.pool import EnginePool, PoolConfig, load_engine
+
+    sources = {"tiny-llama": str(tiny_model)}
+    on_cpu = EnginePool(PoolConfig(), sources, functools.partial(load_engine, device="cpu"))
+    on_cpu.request("tiny-llama")
+    [entry] = on_cpu.wait_loaded(60)
+    assert (entry.state, entry.device, entry.engine.device) == ("ready", "cpu", "cpu")
+    assert entry.describe()["device"] == "cpu"
+    if torch.cuda.is_available():
+        return
+    on_gpu = EnginePool(PoolConfig(), sources, functools.partial(load_engine, device="cuda:0"))
+    on_gpu.request("tiny-llama")
+    [entry] = on_gpu.wait_loaded(60)
+    assert entry.state == "failed" and "sees no CUDA device" in str(entry.error)

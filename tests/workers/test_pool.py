@@ -48,6 +48,7 @@ def test_loads_in_the_background_then_serves_the_same_engine():
     assert pool.request("a") is entry
     assert pool.snapshot()["a"] == {
         "state": "ready",
+        "device": "cpu",  # an engine that does not say runs on the cpu
         "memory_mb": 100.0,
         "in_flight": 0,
         "error": None,
@@ -106,11 +107,66 @@ def test_memory_budget_evicts_idle_models_and_refuses_what_cannot_fit():
     ready(pool, "a")
     ready(pool, "b")
     ready(pool, "c")  # 320 MiB would not fit: the least recent (a) goes
-    assert pool.get("a") is None and pool.used_bytes == 220 * 2**20
+    assert pool.get("a") is None and pool.used_bytes("cpu") == 220 * 2**20
     entry = ready(pool, "huge")
     assert entry.state == FAILED and isinstance(entry.error, ModelLoadError)
     assert "300 MiB" in str(entry.error) and "LLMQ_POOL_MEMORY_MB" in str(entry.error)
     assert pool.get("b").state == pool.get("c").state == READY  # nothing evicted in vain
+
+
+@dataclass
+class DeviceEngine(FakeEngine):
+    """An engine on a device that holds more there than its weights (a GPU's KV pool)."""
+
+    device: str = "cuda:0"
+    device_bytes: int = 0
+
+
+def device_pool(memory_mb: float, **placed: tuple[str, int]) -> EnginePool:
+    """A pool of models each on (device, MiB it holds there); weights are 10 MiB each."""
+
+    def loader(source: str) -> DeviceEngine:
+        device, mib = placed[source]
+        return DeviceEngine(source, 10 * 2**20, device=device, device_bytes=mib * 2**20)
+
+    return EnginePool(PoolConfig(capacity=8, memory_mb=memory_mb), {m: m for m in placed}, loader)
+
+
+def test_each_device_gets_the_whole_memory_budget_and_counts_what_the_engine_holds_there():
+    pool = device_pool(250, g=("cuda:0", 200), h=("cuda:1", 200), c=("cpu", 200))
+    for model in ("g", "h", "c"):
+        assert ready(pool, model).state == READY  # 600 MiB in all, 200 on each device
+    assert [pool.used_bytes(d) // 2**20 for d in ("cuda:0", "cuda:1", "cpu")] == [200] * 3
+    shown = pool.snapshot()["g"]
+    assert shown["device"] == "cuda:0" and shown["memory_mb"] == 200.0  # not the 10 of weights
+
+
+def test_the_memory_budget_evicts_only_idle_models_on_the_new_models_device():
+    pool = device_pool(
+        250, old_gpu=("cuda:0", 100), cpu=("cpu", 200), busy=("cuda:0", 100), new=("cuda:0", 120)
+    )
+    ready(pool, "old_gpu")
+    ready(pool, "cpu")  # the least recent of all once old_gpu is used again, but on the cpu
+    ready(pool, "busy")
+    pool.acquire("busy")
+    pool.request("old_gpu")
+    ready(pool, "cpu").last_used = 0.0
+    assert ready(pool, "new").state == READY  # 320 MiB on cuda:0: old_gpu goes, busy stays
+    assert pool.get("old_gpu") is None
+    assert pool.get("cpu").state == pool.get("busy").state == READY
+
+
+def test_a_model_that_cannot_fit_its_device_says_which_device():
+    pool = device_pool(250, busy=("cuda:0", 200), big=("cuda:0", 100), small=("cpu", 100))
+    ready(pool, "small")
+    ready(pool, "busy")
+    pool.acquire("busy")
+    entry = ready(pool, "big")
+    assert entry.state == FAILED and pool.get("small").state == READY  # the cpu's is no help
+    assert str(entry.error) == (
+        "model big needs 100 MiB but only 50 MiB of the 250 MiB pool budget "
+        "(LLMQ_POOL_MEMORY_MB) on cuda:0 is free"
+    )
 
 
 def test_a_failed_load_is_an_error_for_its_jobs_and_is_retried_later():

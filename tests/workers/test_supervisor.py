@@ -149,6 +149,22 @@ def test_a_port_in_use_is_refused_before_anything_starts(serve) -> None:
     assert run.leftovers() == []
 
 
+def test_a_cuda_device_without_cuda_is_refused_in_one_line_before_anything_starts(
+    serve,
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    run = serve("--port", str(free_port()), "--device", "cuda")
+    assert run.wait(60) == 1, run.output()
+    assert run.stderr == [
+        f"llmq: error: device cuda:0: this torch ({torch.__version__}) sees no CUDA device; "
+        "install a CUDA build of torch on a machine with an NVIDIA GPU, or use --device cpu"
+    ]
+    assert "serving" not in run.output() and run.leftovers() == []
+
+
 def test_a_child_that_fails_at_once_again_and_again_stops_everything(serve) -> None:
     """A worker that cannot start (here: an unknown model) is not restarted for ever while
     the API and the broker run on: serve gives up with the worker's own error."""

@@ -86,8 +86,13 @@ def test_write_ending_writes_record_event_and_count_in_one_pipeline():
 def test_records_round_trip_through_a_redis_hash():
     record = JobRecord("j1", "/v1/chat/completions", "m", {"messages": []}, attempts=2)
     assert JobRecord.from_hash(record.to_hash()) == record
-    info = WorkerInfo("w", pid=3, models=["m"], pool={"m": {"state": "ready"}})
+    info = WorkerInfo("w", pid=3, models=["m"], pool={"m": {"state": "ready"}}, device="cuda:1")
     assert WorkerInfo.from_hash(info.to_hash()) == info
+
+
+def test_a_worker_record_from_before_devices_reads_as_a_cpu_worker():
+    old = {k: v for k, v in WorkerInfo("w", device="cuda:0").to_hash().items() if k != "device"}
+    assert WorkerInfo.from_hash(old).device == "cpu"
 
 
 def test_admin_commands_round_trip_and_refuse_anything_else():

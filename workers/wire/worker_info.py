@@ -21,9 +21,12 @@ LOADING, READY, FAILED = "loading", "ready", "failed"  # states of a `WorkerInfo
 
 @dataclass
 class WorkerInfo:
-    """`pool` maps model id -> {"state": "loading" | "ready" | "failed", "memory_mb": float,
-    "in_flight": int, "error": str | None}; `models` are the models it serves (ready or
-    loadable), `queues` the RQ queues it takes jobs from, `current_jobs` the job ids it runs.
+    """`pool` maps model id -> {"state": "loading" | "ready" | "failed", "device": str,
+    "memory_mb": float, "in_flight": int, "error": str | None}; `models` are the models it
+    serves (ready or loadable), `queues` the RQ queues it takes jobs from, `current_jobs` the
+    job ids it runs; `device` where its models run ("cpu", "cuda:0", or the registry's
+    devices of its models comma-separated, e.g. "cpu,cuda:0"; "cpu" in records of workers
+    that predate it).
     """
 
     name: str
@@ -37,6 +40,7 @@ class WorkerInfo:
     started_at: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)
     max_batch: int = 0  # sequences it steps together (0: not published)
+    device: str = "cpu"
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -59,6 +63,7 @@ class WorkerInfo:
             started_at=float(h.get("started_at", 0)),
             heartbeat=float(h.get("heartbeat", 0)),
             max_batch=int(h.get("max_batch", 0)),
+            device=h.get("device") or "cpu",
         )
 
     def is_alive(self, now: float | None = None) -> bool:
