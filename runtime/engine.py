@@ -22,6 +22,7 @@ from runtime.errors import AdapterError, AdapterNotFoundError, EmptyPromptError
 from runtime.generator import Generator, GeneratorConfig, TokenEvent
 from runtime.gguf_file import GGUFFile
 from runtime.grammar_vocab import GrammarVocab
+from runtime.kernels.cpu import KernelPlan
 from runtime.lora import AdapterStack, LoraAdapter, adapter_file, load_adapter, normalize_stack
 from runtime.model_text import ModelText
 from runtime.models.base import BatchLayout, SequenceChunk
@@ -50,6 +51,8 @@ class EngineConfig:
     # the tensor forward pass (every tensor on the device); None: on CUDA devices only, and
     # True runs it on the CPU too, which is how CI tests the GPU's code path
     torch_forward: bool | None = None
+    # torch's CPU kernels (runtime/kernels/cpu.py); None: the ones measured best on this CPU
+    kernels: KernelPlan | None = None
 
 
 class Engine:
@@ -69,6 +72,7 @@ class Engine:
             self.config.device or spec.device,
             self.config.torch_forward,
             self.config.backend or spec.backend,
+            self.config.kernels,
         )
         self.device, self.torch_forward = placement.device, placement.torch_forward
         self.backend = placement.backend

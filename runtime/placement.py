@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from runtime.devices import CPU, DeviceError, DeviceMemoryError, check_device, device_memory
 from runtime.devices import is_cuda as on_cuda
 from runtime.gguf_file import GGUFFile
-from runtime.kernels import Backend, get_backend
+from runtime.kernels import Backend, KernelPlan, get_backend
 from runtime.models import estimate_weight_bytes, load_model
 
 CPU_KV_MB = 1024  # pages are backed only as blocks are written
@@ -32,8 +32,14 @@ class Placement:
     backend: Backend
 
 
-def place(device: str | None, torch_forward: bool | None, backend_name: str | None) -> Placement:
-    """The checked device, whether the tensor forward pass runs, and the backend for it."""
+def place(
+    device: str | None,
+    torch_forward: bool | None,
+    backend_name: str | None,
+    plan: KernelPlan | None = None,
+) -> Placement:
+    """The checked device, whether the tensor forward pass runs, and the backend for it
+    (`plan`: torch's CPU kernels, None for this CPU's)."""
     device = check_device(device or CPU)
     tensor_path = on_cuda(device) if torch_forward is None else torch_forward
     if on_cuda(device) and not tensor_path:
@@ -42,7 +48,10 @@ def place(device: str | None, torch_forward: bool | None, backend_name: str | No
         raise DeviceError(
             f"the tensor forward pass on {device} needs the torch backend, not {backend_name!r}"
         )
-    backend = get_backend("torch", device) if tensor_path else get_backend(backend_name)
+    if tensor_path:
+        backend = get_backend("torch", device, plan)
+    else:
+        backend = get_backend(backend_name, plan=plan)
     return Placement(device, tensor_path, backend)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 
 from runtime.kernels.base import Backend, Embedding, TensorPart, Weight
+from runtime.kernels.cpu import KernelPlan
 
 BACKENDS = ("numpy", "torch")
 BACKEND_ENV = "LLMQ_BACKEND"
@@ -35,18 +36,21 @@ def default_backend_name() -> str:
     return "torch" if torch_available() else "numpy"
 
 
-def get_backend(name: str | None = None, device: str | None = None) -> Backend:
+def get_backend(
+    name: str | None = None, device: str | None = None, plan: KernelPlan | None = None
+) -> Backend:
     """The backend called `name` (None: the default); a clear error for an unknown one.
     With a `device` ("cpu", "cuda:N"), torch's tensor backend on it whatever `name` says
     (only torch has one; runtime/placement.py refuses another name): its weights multiply
-    device tensors, for the tensor forward pass."""
+    device tensors, for the tensor forward pass. `plan`: torch's CPU kernels (None: this
+    CPU's, kernels/cpu.py)."""
     name = name or default_backend_name()
     if device is not None:
         if not torch_available():
             raise ValueError(f"the tensor forward pass on {device} needs torch")
         from runtime.kernels.device_backend import DeviceBackend
 
-        return DeviceBackend(device)
+        return DeviceBackend(device, plan)
     if name == "numpy":
         from runtime.kernels.numpy_backend import NumpyBackend
 
@@ -58,5 +62,5 @@ def get_backend(name: str | None = None, device: str | None = None) -> Backend:
             )
         from runtime.kernels.torch_backend import TorchBackend
 
-        return TorchBackend()
+        return TorchBackend(plan)
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")

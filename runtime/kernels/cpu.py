@@ -89,4 +89,13 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
     if features.level in ("amx", "avx512_bf16", "avx512"):
         dense = "bf16" if features.native_bf16 else "fp16"
         return KernelPlan("int4", dense, "int8", features.cores, head_fallback=dense)
-    return KernelPlan("fp16", "fp16", "fp16", features.cores, head_fallback="fp16")
+    return fp16_plan(features.cores)
+
+
+def fp16_plan(threads: int) -> KernelPlan:
+    """fbgemm's fp16 for every weight, on any AVX2 CPU. Its products take float32
+    activations, so two forward passes over the same weights round alike wherever their
+    own float32 code does; int4, int8 and bf16 round activations to bf16 first, where a
+    last-bit difference upstream becomes a bf16 step (tests comparing two forward passes
+    name this plan)."""
+    return KernelPlan("fp16", "fp16", "fp16", threads, head_fallback="fp16")

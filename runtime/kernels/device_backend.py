@@ -22,6 +22,7 @@ import torch
 
 from runtime.gguf_file import GGUFFile
 from runtime.kernels.base import TensorPart
+from runtime.kernels.cpu import KernelPlan
 from runtime.kernels.gguf_blocks import FOUR_BIT_TYPES, GROUP_SIZE, GroupQuantized
 from runtime.kernels.torch_backend import (
     HEAD_CHUNK_ROWS,
@@ -155,11 +156,11 @@ class DeviceBackend:
 
     name = "torch"
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, plan: KernelPlan | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         # the CPU plan supplies the CPU's kernels (and gives torch the CPU's cores)
-        self.cpu = None if self.cuda else TorchBackend()
+        self.cpu = None if self.cuda else TorchBackend(plan)
         self.dense_dtype = torch.bfloat16
         if self.cuda and not torch.cuda.is_bf16_supported():
             self.dense_dtype = torch.float16

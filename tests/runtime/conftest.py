@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.runtime.generation_helpers import same_kernels
 from tests.tiny_models import write_tiny_gemma3, write_tiny_llama
 
 
@@ -53,6 +54,24 @@ def smollm2_torch_engine(smollm2_gguf_path: Path):
 @pytest.fixture(scope="session")
 def gemma3_torch_engine(gemma3_gguf_path: Path):
     return _engine("gemma-3-270m", gemma3_gguf_path, "torch")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp16_engine(smollm2_gguf_path: Path):
+    """SmolLM2 on the host torch path with `same_kernels()`."""
+    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch", kernels=same_kernels())
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp16_tensor_engine(smollm2_gguf_path: Path):
+    """SmolLM2 on the tensor forward pass (on the CPU) with `same_kernels()`."""
+    return _engine(
+        "smollm2-135m-instruct",
+        smollm2_gguf_path,
+        "torch",
+        torch_forward=True,
+        kernels=same_kernels(),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -42,3 +42,13 @@ def run_all(
         for event in generator.step():
             out[event.request_id].append(event)
     return out
+
+
+def same_kernels():
+    """fbgemm's fp16 for every weight (kernels/cpu.py `fp16_plan`): float32 activations,
+    so two forward passes on it differ only by their own float32 code. Tests comparing the
+    tensor path with the host path name it; this CPU's own plan may round activations to
+    bf16 (AVX-512), where a last-bit difference grows to a bf16 step."""
+    from runtime.kernels.cpu import cpu_features, fp16_plan
+
+    return fp16_plan(cpu_features().cores)

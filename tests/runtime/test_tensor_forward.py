@@ -17,19 +17,27 @@ import torch
 from runtime.devices import DeviceError, DeviceMemoryError
 from runtime.engine import Engine, EngineConfig
 from runtime.gguf_file import GGUFFile
+from runtime.kernels.cpu import cpu_features, plan_for
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.placement import Placement, load_placed, place
 from runtime.sampling import Sampler, SamplingParams
-from tests.runtime.generation_helpers import GREEDY, random_tokens, run_all, tight_engine
+from tests.runtime.generation_helpers import (
+    GREEDY,
+    random_tokens,
+    run_all,
+    same_kernels,
+    tight_engine,
+)
 from tests.tiny_models import write_lora
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda:0", id="cuda", marks=pytest.mark.gpu),
 ]
-# On the CPU the tensor path multiplies with the host torch path's own kernels, so the two
-# differ only in the forward pass's code (attention, norms, rope, KV pool): float32
-# rounding. On a GPU, bf16 weights and fp16 keys/values against exact float32.
+# On the CPU the tensor path and the host torch path multiply with the same kernels (fp16,
+# `same_kernels`), so the two differ only in the forward pass's code (attention, norms,
+# rope, KV pool): float32 rounding. On a GPU, bf16 weights and fp16 keys/values against
+# exact float32.
 REFERENCE = {"cpu": "torch", "cuda:0": "numpy"}
 LOGIT_TOLERANCE = {"cpu": 1e-4, "cuda:0": 0.25}
 
@@ -67,8 +75,11 @@ def _packed_logits(engine: Engine, prompts: list[list[int]], decode: int) -> lis
 def test_tensor_logits_equal_the_host_path(tiny_model_path: Path, device: str):
     """Mixed prefill and decode rows of sequences of different lengths (the tiny gemma3's
     sliding window is 32, so the longest attend past it)."""
-    exact = Engine.load(str(tiny_model_path), EngineConfig(backend=REFERENCE[device]))
-    tensor = Engine.load(str(tiny_model_path), tensor_config(device))
+    kernels = same_kernels()
+    exact = Engine.load(
+        str(tiny_model_path), EngineConfig(backend=REFERENCE[device], kernels=kernels)
+    )
+    tensor = Engine.load(str(tiny_model_path), tensor_config(device, kernels=kernels))
     vocab = exact.model.vocab_size
     prompts = [random_tokens(n, seed=n, vocab=vocab) for n in (9, 40, 75)]
     expected = _packed_logits(exact, prompts, decode=4)
@@ -172,17 +183,17 @@ def test_device_sampling_draws_what_the_host_sampler_draws(device: str):
 
 @pytest.mark.slow
 def test_sampled_generation_on_the_tensor_path_equals_the_host_path(
-    smollm2_torch_engine: Engine, smollm2_tensor_engine: Engine
+    smollm2_fp16_engine: Engine, smollm2_fp16_tensor_engine: Engine
 ):
     """Seeded requests of every sampling kind, batched: the tensor path samples the same
-    tokens as a CPU worker (the logits agree to ~1e-4 on the CPU)."""
-    prompt = smollm2_tensor_engine.encode("Write a short poem about the sea.")
+    tokens as a CPU worker on the same kernels (the logits agree to ~1e-4)."""
+    prompt = smollm2_fp16_tensor_engine.encode("Write a short poem about the sea.")
     requests = {
         str(i): (prompt, SamplingParams(max_tokens=16, ignore_eos=True, **case))
         for i, case in enumerate(SAMPLING_CASES)
     }
-    host = run_all(smollm2_torch_engine.new_generator(), requests)
-    tensor = run_all(smollm2_tensor_engine.new_generator(), requests)
+    host = run_all(smollm2_fp16_engine.new_generator(), requests)
+    tensor = run_all(smollm2_fp16_tensor_engine.new_generator(), requests)
     for rid in requests:
         assert [e.token_id for e in tensor[rid]] == [e.token_id for e in host[rid]]
     assert tensor["6"][0].top_logprobs and tensor["6"][0].logprob is not None
@@ -190,17 +201,30 @@ def test_sampled_generation_on_the_tensor_path_equals_the_host_path(
 
 @pytest.mark.slow
 def test_prompt_logprobs_and_embeddings_come_back_as_host_arrays(
-    smollm2_engine: Engine, smollm2_tensor_engine: Engine
+    smollm2_engine: Engine, smollm2_fp16_tensor_engine: Engine
 ):
+    """Against exact float32; on fp16 kernels (with this CPU's bf16-activation kernels
+    a logprob here was 0.09 off)."""
+    tensor_engine = smollm2_fp16_tensor_engine
     ids = smollm2_engine.encode("The quick brown fox jumps")
     exact = smollm2_engine.prompt_logprobs(ids, top_n=2)
-    tensor = smollm2_tensor_engine.prompt_logprobs(ids, top_n=2)
+    tensor = tensor_engine.prompt_logprobs(ids, top_n=2)
     assert [t for _, t in tensor][1:] and len(tensor) == len(exact)
     for (want, _), (have, _) in zip(exact[1:], tensor[1:], strict=True):
         assert abs(have - want) < 0.05
-    vectors = smollm2_tensor_engine.embed([ids])
+    vectors = tensor_engine.embed([ids])
     assert isinstance(vectors, np.ndarray) and vectors.shape == (1, 576)
     assert float(vectors[0] @ smollm2_engine.embed([ids])[0]) > 0.999
+
+
+def test_a_named_kernel_plan_reaches_both_paths(tiny_llama_path: Path):
+    plan = same_kernels()
+    host = Engine.load(str(tiny_llama_path), EngineConfig(backend="torch", kernels=plan))
+    tensor = Engine.load(str(tiny_llama_path), tensor_config("cpu", kernels=plan))
+    assert host.backend.plan == plan == tensor.backend.cpu.plan
+    assert Engine.load(str(tiny_llama_path), EngineConfig(backend="torch")).backend.plan == (
+        plan_for(cpu_features())
+    )
 
 
 def test_cuda_without_cuda_is_one_line_error():
