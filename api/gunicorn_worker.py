@@ -5,13 +5,19 @@ thread then blocks until the whole header block is in: a few dozen clients sendi
 byte every few seconds hold every thread, forever (measured: 30 such sockets stalled a
 2 x 32-thread API; none was ever closed). Here a thread only takes what the socket already
 holds, without blocking; until the blank line that ends the headers has arrived, the
-connection goes back to the worker's poller (gunicorn's deferred connections, which it
-closes after `keepalive` seconds of silence), and a connection whose headers take longer
-than HEADER_TIMEOUT_SECONDS in all is closed (RELIABILITY F15). A body with a
-Content-Length up to MAX_BUFFERED_BODY is gathered the same way before a thread sees the
-request, and one still incomplete BODY_TIMEOUT_SECONDS after its headers is answered 408
-and closed: a client trickling its body one byte a second holds no thread (issue 15).
-Chunked and larger bodies (file uploads) are read by the thread, as stock gthread does.
+connection goes back to the worker's poller (gunicorn's deferred connections), and a
+connection whose headers take longer than HEADER_TIMEOUT_SECONDS in all is closed
+(RELIABILITY F15). A body with a Content-Length up to MAX_BUFFERED_BODY is gathered the
+same way before a thread sees the request, and one still incomplete BODY_TIMEOUT_SECONDS
+after its headers is answered 408 and closed: a client trickling its body one byte a second
+holds no thread (issue 15). Chunked and larger bodies (file uploads) are read by the
+thread, as stock gthread does.
+
+A deferred connection waits for these deadlines, not for gunicorn's `keepalive` (5 s),
+which gunicorn gives every deferred connection: a client that connected during a burst and
+sent its request 5 s later found the connection closed (measured: 1-2 of F10's 200
+simultaneous clients, "Server disconnected" or "Connection reset by peer"). Kept-alive
+connections between requests still close after `keepalive` seconds.
 
 TLS and HTTP/2 prior-knowledge connections, and gunicorn versions without deferred
 connections, fall back to the stock behaviour.
@@ -49,6 +55,38 @@ class HeaderDeadlineWorker(gthread.ThreadWorker):
         except ImportError:
             return False
         return bool(negotiation.prior_knowledge_allowed(self.cfg, conn.client))
+
+    def finish_request(self, conn: Any, fs: Any) -> None:
+        super().finish_request(conn, fs)
+        deadline = getattr(conn, "llmq_deadline", 0.0)
+        if deadline and self.pending_conns and self.pending_conns[-1] is conn:
+            conn.timeout = deadline  # deferred by _gather_head: its own deadline
+
+    def murder_pending(self) -> None:
+        """Deferred connections past their deadline go to a thread, where `_gather_head`
+        reads what came, answers a late body 408 and closes (closing here, with bytes
+        unread, would reset the connection and lose the 408). gunicorn's own stops at the
+        first one not yet due, as its deadlines come in arrival order; these do not (a
+        connection keeps its first deadline however often it is deferred)."""
+        now = time.monotonic()
+        for conn in [c for c in self.pending_conns if c.timeout <= now]:
+            self.pending_conns.remove(conn)
+            try:
+                self.poller.unregister(conn.sock)
+            except (OSError, KeyError, ValueError):
+                pass  # already unregistered
+            if getattr(conn, "llmq_deadline", 0.0):
+                self.enqueue_req(conn)
+            else:  # deferred by stock gthread (TLS, HTTP/2): closed as gunicorn does
+                self.nr_conns -= 1
+                conn.close()
+
+    @staticmethod
+    def _answer_timed_out(conn: Any) -> None:
+        try:
+            conn.sock.send(TIMED_OUT)
+        except OSError:
+            pass
 
     @staticmethod
     def _drop(conn: Any) -> bool:
@@ -95,10 +133,7 @@ class HeaderDeadlineWorker(gthread.ThreadWorker):
             slow = "body" if HEAD_END in buffered + data else "headers"
             self.log.debug("closing %s: request %s too slow", conn.client, slow)
             if slow == "body":
-                try:
-                    conn.sock.send(TIMED_OUT)
-                except OSError:
-                    pass
+                self._answer_timed_out(conn)
             return self._drop(conn)
         conn.llmq_head, conn.llmq_deadline = data, deadline
         return _DEFER

@@ -4,6 +4,7 @@ SmolLM2 (`smollm2_*`, db 10) for the structured-output and tool-calling tests.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -133,30 +134,16 @@ def server(live_app: Flask) -> Iterator[str]:
     thread.join(timeout=5)
 
 
-@pytest.fixture
-def gunicorn(redis_url: str, real_redis) -> Iterator[str]:
-    """`llmq api`'s gunicorn (config and worker class) on a free port, key sk-test."""
+@contextlib.contextmanager
+def _gunicorn(redis_url: str, **env_overrides: str) -> Iterator[str]:
+    """`llmq api`'s gunicorn (config and worker class), one process on a free port."""
     port = _free_port()
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_url,
-        "LLMQ_API_KEYS": "sk-test",
-        "LLMQ_HEADER_TIMEOUT": "2",
-        "LLMQ_BODY_TIMEOUT": "2",
-    }
+    timeouts = ("LLMQ_HEADER_TIMEOUT", "LLMQ_BODY_TIMEOUT")
+    env = {k: v for k, v in os.environ.items() if k not in timeouts}
+    env.update(REDIS_URL=redis_url, LLMQ_API_KEYS="sk-test", **env_overrides)
+    argv = [sys.executable, "-m", "gunicorn", "-c", str(CONF), "-b", f"127.0.0.1:{port}"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-c",
-            str(CONF),
-            "-b",
-            f"127.0.0.1:{port}",
-            "-w",
-            "1",
-            "api.app:create_app()",
-        ],
+        [*argv, "-w", "1", "api.app:create_app()"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -177,6 +164,20 @@ def gunicorn(redis_url: str, real_redis) -> Iterator[str]:
     yield base
     proc.terminate()
     proc.wait(timeout=15)
+
+
+@pytest.fixture
+def gunicorn(redis_url: str, real_redis) -> Iterator[str]:
+    """The API under gunicorn, key sk-test, header and body timeouts 2 s."""
+    with _gunicorn(redis_url, LLMQ_HEADER_TIMEOUT="2", LLMQ_BODY_TIMEOUT="2") as base:
+        yield base
+
+
+@pytest.fixture
+def gunicorn_default_timeouts(redis_url: str, real_redis) -> Iterator[str]:
+    """The API under gunicorn, key sk-test, with the timeouts users get (10 s)."""
+    with _gunicorn(redis_url) as base:
+        yield base
 
 
 # ---------------------------------------------------------------- the real SmolLM2
