@@ -142,7 +142,6 @@ def test_load_200_clients_against_llmq_serve(fault_redis, fault_model: Path) -> 
         p50 = submits[len(submits) // 2]
         p99 = submits[int(len(submits) * 0.99)]
         # the API's own time per submission, from gunicorn's access log (%(M)s)
-        print("RETRIES", _read(log).count("ENQUEUE-RETRY"))
         own = sorted(int(ms) for ms in SUBMIT_LINE.findall(_read(log)))
         assert len(own) == len(tally["accepted"])  # one log line per 202
         own_p99 = own[int(len(own) * 0.99)]
