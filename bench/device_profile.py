@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.devices import describe_device, is_cuda
     from runtime.engine import Engine, EngineConfig
 
-    max_batch = max(EngineConfig.max_batch, args.sequences)  # every sequence in one batch
+    max_batch = args.sequences  # every sequence in one batch
     config = EngineConfig(
         max_batch=max_batch, backend="torch", device=args.device, torch_forward=True
     )

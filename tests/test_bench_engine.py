@@ -115,3 +115,16 @@ def test_host_syncs_are_counted_once_per_copy_and_scalar_read() -> None:
     assert counts.items == 1 and counts.data_sized == 1 and counts.host_syncs == 3
     assert counts.sdpa_calls == 30 and counts.kernels == 5
     assert counts.per_step(2)["host_syncs"] == 1.5
+
+
+@pytest.mark.slow
+def test_device_profile_runs_end_to_end_on_the_cpu(capsys) -> None:
+    """The profiler bench on the real SmolLM2 (CPU tensor path): its table, and no host sync
+    in a decode step (what a GPU run must show too)."""
+    from bench import device_profile
+
+    assert device_profile.main(["--device", "cpu", "--sequences", "4", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor forward pass: True; 4 sequences" in out
+    assert "host syncs per step 0.0 <= 4" in out and "PASS" in out
+    assert "per layer (decode groups)                               1.0" in out
