@@ -165,6 +165,7 @@ class DeviceBackend:
         if self.cuda and not torch.cuda.is_bf16_supported():
             self.dense_dtype = torch.float16
         self.int4 = self.cuda  # until a weight's check fails on this GPU
+        self.int4_checked: set[tuple[int, int]] = set()  # shapes whose product matched
 
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
         if self.cpu is not None:
@@ -175,7 +176,11 @@ class DeviceBackend:
             if self.int4:
                 scale = None if input_scale is None else device_vector(input_scale, self.device)
                 weight = CudaInt4Weight(fused, scale, self.device)
-                if int4_matches_dense(weight, fused, self.device):
+                # once per shape (the kernel's tiling depends on it), not per weight
+                if fused.shape in self.int4_checked or int4_matches_dense(
+                    weight, fused, self.device
+                ):
+                    self.int4_checked.add(fused.shape)
                     return weight
                 self.int4 = False
                 log.warning("CUDA int4 product does not match its weights: using bf16")

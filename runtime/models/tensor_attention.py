@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.models.attention import _plan, _shared_pool, group_by_length
+from runtime.models.attention import _plan, _shared_pool, _slot_ids, group_by_length
 from runtime.models.base import BatchLayout
 
 
@@ -96,9 +96,7 @@ def _build(
     layout: BatchLayout, group: int, window: int | None, device: torch.device
 ) -> TensorAttentionPlan:
     """Slots, gather indices and masks of one layer group for this forward pass."""
-    slots = np.concatenate(
-        [c.cache.slot_ids(c.start, c.start + c.length, group) for c in layout.chunks]
-    )
+    slots = _slot_ids(layout, group)
     decode_rows, prefill = [], []
     for lo, hi, chunk in layout.spans:
         first = 0 if window is None else max(0, chunk.start + 1 - window)  # the first query's
