@@ -37,6 +37,7 @@ from runtime.constraints import GrammarMatcher, apply_grammar_masks, validate_co
 from runtime.detokenizer import TextAssembler
 from runtime.errors import ContextLengthError, EmptyPromptError, check_context_length
 from runtime.grammar_vocab import GrammarVocab
+from runtime.kernels.core_share import before_forward_pass
 from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
 from runtime.lora import AdapterStack, LoraAdapter, normalize_stack, stack_namespace
 from runtime.models.base import BatchLayout, SequenceChunk
@@ -224,6 +225,7 @@ class Generator:
         tokens, chunks, wanted = self._schedule()
         if not chunks:
             return []
+        before_forward_pass()  # the thread count follows the machine's load (core_share.py)
         hidden = self.model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
         if not wanted:
             return []

@@ -21,6 +21,7 @@ import torch
 
 from runtime.gguf_file import GGUFFile
 from runtime.kernels.base import TensorPart
+from runtime.kernels.core_share import share_cores
 from runtime.kernels.cpu import KernelPlan, cpu_features, plan_for
 from runtime.kernels.gguf_blocks import FOUR_BIT_TYPES, GROUP_SIZE, GroupQuantized, read_four_bit
 
@@ -182,6 +183,7 @@ def _give_torch_the_cores(threads: int) -> None:
     3.3 tok/s with both at 2 threads and 24.9 with OpenBLAS at 1."""
     torch.set_num_threads(threads)
     threadpoolctl.threadpool_limits(1, user_api="blas")
+    share_cores(threads, torch.set_num_threads)  # fewer while other processes hold cores
 
 
 def int8_row_error(dense: np.ndarray) -> float:
