@@ -53,10 +53,9 @@ class BatchLayout:
 
 
 def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis without its weight (folded into the next matmul)."""
-    if x.ndim == 2 and x.shape[0] == 1:  # single-token decode: a scalar is cheaper
-        row = x[0]
-        return x * np.float32(1.0 / np.sqrt(float(row @ row) / row.shape[0] + eps))
+    """RMSNorm over the last axis without its weight (folded into the next matmul). One
+    formula for any number of rows: a row's result must not depend on its batch (a BLAS
+    dot for a lone row rounded differently from einsum's per-row sums)."""
     mean_sq = np.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1]  # [..., 1]
     return x * (1.0 / np.sqrt(mean_sq + eps)).astype(np.float32)
 
