@@ -99,6 +99,12 @@ def share_cores(cores: int, set_threads: Callable[[int], None]) -> CoreShare:
     return _shared
 
 
+def threads() -> int:
+    """Threads for the engine's own parallel kernels (runtime/kernels/native.py): torch's
+    count where a torch backend shares the cores, else one."""
+    return _shared.threads if _shared is not None else 1
+
+
 def before_forward_pass() -> None:
     """What a generator calls before each step: a no-op unless a torch backend shares the
     cores."""

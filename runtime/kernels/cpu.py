@@ -92,6 +92,32 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
     return fp16_plan(features.cores)
 
 
+KERNELS_ENV = "LLMQ_KERNELS"  # "cpu" (default), "row-invariant" or "fp16"
+PLAN_NAMES = ("cpu", "row-invariant", "fp16")
+
+
+def row_invariant_plan(threads: int) -> KernelPlan:
+    """Only kernels whose result for a row does not depend on how many rows they are given
+    (torch's int4, int8 per row and bf16; bench/invariance.py checks them on this CPU), so
+    with runtime/kernels/paged_attention.c a sequence's logits are bitwise the same alone,
+    batched, cached or resumed. The AVX-512 plans are this already; on AVX2 it trades batched
+    speed for that (bench/RESULTS.md "Same request, same answer")."""
+    return KernelPlan("int4", "bf16", "int8", threads, head_fallback="bf16")
+
+
+def default_plan() -> KernelPlan:
+    """The plan `LLMQ_KERNELS` names, else this CPU's (`plan_for`)."""
+    name = os.environ.get(KERNELS_ENV) or "cpu"
+    features = cpu_features()
+    if name == "cpu":
+        return plan_for(features)
+    if name == "row-invariant":
+        return row_invariant_plan(features.cores)
+    if name == "fp16":
+        return fp16_plan(features.cores)
+    raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(PLAN_NAMES)}, got {name!r}")
+
+
 def fp16_plan(threads: int) -> KernelPlan:
     """fbgemm's fp16 for every weight, on any AVX2 CPU. Its products take float32
     activations, so two forward passes over the same weights round alike wherever their

@@ -22,7 +22,7 @@ import torch
 from runtime.gguf_file import GGUFFile
 from runtime.kernels.base import TensorPart
 from runtime.kernels.core_share import share_cores
-from runtime.kernels.cpu import KernelPlan, cpu_features, plan_for
+from runtime.kernels.cpu import KernelPlan, cpu_features, default_plan
 from runtime.kernels.gguf_blocks import FOUR_BIT_TYPES, GROUP_SIZE, GroupQuantized, read_four_bit
 
 INNER_K_TILES = 2  # what the CPU int4 packing accepts (2, 4 or 8); the CPU kernel ignores it
@@ -218,7 +218,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, plan: KernelPlan | None = None) -> None:
-        self.plan = plan or plan_for(cpu_features())
+        self.plan = plan or default_plan()
         _give_torch_the_cores(self.plan.threads)
 
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):

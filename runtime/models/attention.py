@@ -2,12 +2,18 @@
 
 Every cache is a `PagedKVCache`, and the sequences of one forward pass share one block
 pool (the generator's; a single-sequence helper's cache has a small pool of its own). A
-step's keys/values are stored with one scatter per layer, and decode rows - one new token
-per sequence, the bulk of a busy step - attend in length-sorted groups: per sequence only
-two small matmuls write into a shared padded score buffer, and one softmax covers the
-whole group. Members that hold the same cached prefix (a shared system prompt) meet its
-keys and values in one matmul for all of them, instead of one small matmul each over the
-same blocks. Prefill chunks attend one sequence at a time over their runs of blocks.
+step's keys/values are stored with one scatter per layer. Then, where the C kernel builds
+(runtime/kernels/native.py), every packed row - a decode token or a prefill token alike -
+attends over its own keys in position order, read through their pool slots: one call per
+layer for the whole batch, and a row's numbers are the same whatever shares its forward
+pass, however its blocks lie in the pool, cached or not (docs/contract.md, "same request, same
+answer"; bench/invariance.py measures it).
+
+Without a C compiler the numpy path below runs: decode rows attend in length-sorted groups
+(per sequence two small matmuls write into a shared padded score buffer, and one softmax
+covers the group; members holding the same cached prefix meet its keys in one matmul), and
+prefill chunks one sequence at a time over their runs of blocks. BLAS rounds those sums
+differently with the batch, by ~1e-6.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from runtime.kernels.native import paged_attention
 from runtime.kv_pool import BlockPool
 from runtime.models.base import BatchLayout
 
@@ -91,7 +98,6 @@ def attend_layout(
     q `[T, H, Dh]`, k and v `[T, Hkv, Dh]` for the packed tokens -> `[T, H * Dh]`.
     """
     t, n_heads, head_dim = q.shape
-    out = np.empty((t, n_heads * head_dim), np.float32)
     pool = _shared_pool(layout)
     group = pool.group_of[layer]
     if pool.groups[group].window not in (None, window):
@@ -100,6 +106,11 @@ def attend_layout(
     slots = _plan(layout, ("slots", group), lambda lay: _slot_ids(lay, group))
     keys[:, slots] = k.transpose(1, 0, 2)  # [T, Hkv, Dh] -> [Hkv, T, Dh]
     values[:, slots] = v.transpose(1, 0, 2)
+    kernel = paged_attention()
+    if kernel is not None:  # every row alike, whatever shares its forward pass
+        rows = _plan(layout, ("rows", group, window), lambda lay: _row_keys(lay, group, window))
+        return kernel(q, keys, values, *rows)
+    out = np.empty((t, n_heads * head_dim), np.float32)
     plan = _plan(
         layout, ("decode", group, window), lambda lay: _decode_groups(lay, group, window, n_heads)
     )
@@ -240,6 +251,26 @@ def _slot_ids(layout: BatchLayout, group: int) -> np.ndarray:
     return np.concatenate(
         [c.cache.slot_ids(c.start, c.start + c.length, group) for c in layout.chunks]
     )
+
+
+def _row_keys(
+    layout: BatchLayout, group: int, window: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the compiled kernel: the pool slots of every sequence's visible keys in position
+    order, and per packed row where its own keys start in them and how many it sees (the
+    row at position p sees positions max(0, p + 1 - window) .. p)."""
+    slots, offsets, counts, base = [], [], [], 0
+    for lo, hi, chunk in layout.spans:
+        positions = np.arange(chunk.start, chunk.start + hi - lo)
+        first = positions - (window - 1) if window is not None else positions * 0
+        first = np.maximum(first, 0)
+        seq_first = int(first[0])
+        seq_slots = chunk.cache.slot_ids(seq_first, int(positions[-1]) + 1, group)
+        slots.append(seq_slots)
+        offsets.append(base + first - seq_first)
+        counts.append(positions + 1 - first)
+        base += len(seq_slots)
+    return np.concatenate(slots), np.concatenate(offsets), np.concatenate(counts)
 
 
 def _decode_groups(

@@ -94,3 +94,20 @@ def smollm2_cuda_engine(smollm2_gguf_path: Path):
 @pytest.fixture(scope="session")
 def gemma3_cuda_engine(gemma3_gguf_path: Path):
     return _engine("gemma-3-270m", gemma3_gguf_path, "torch", device="cuda:0")
+
+
+@pytest.fixture(scope="session")
+def smollm2_invariant_engine(smollm2_gguf_path: Path):
+    """SmolLM2 on kernels whose rows do not depend on their batch (`row_invariant_plan`)."""
+    from runtime.kernels.cpu import cpu_features, row_invariant_plan
+
+    plan = row_invariant_plan(cpu_features().cores)
+    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch", kernels=plan)
+
+
+@pytest.fixture(scope="session")
+def gemma3_invariant_engine(gemma3_gguf_path: Path):
+    from runtime.kernels.cpu import cpu_features, row_invariant_plan
+
+    plan = row_invariant_plan(cpu_features().cores)
+    return _engine("gemma-3-270m", gemma3_gguf_path, "torch", kernels=plan)

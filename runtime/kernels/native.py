@@ -1,0 +1,158 @@
+"""The engine's own C kernels: built once per machine with the system's C compiler, loaded
+with ctypes.
+
+`paged_attention.c` is attention whose per-row result does not depend on the batch
+(runtime/models/attention.py uses it for the host forward pass). It is compiled the first
+time a process asks for it, into `LLMQ_CACHE_DIR` (default `~/.cache/llmq`) under a name
+that hashes the source, the flags and this CPU's feature flags, so an edited source or
+another CPU kind gets its own build and a later process only loads the file. `-fopenmp`
+links libgomp by its soname, the one torch's wheel ships and loads: one OpenMP runtime per
+process. The kernel runs on as many threads as runtime/kernels/core_share.py gives torch,
+and on one where no torch backend shares the cores (the numpy backend's OpenBLAS threads
+spin after each product: two spinning teams on two cores slowed a test 12x).
+
+Where no compiler works, `paged_attention()` is None and attention keeps its numpy path
+(rows then depend on their batch in the last bits); the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from runtime.kernels.core_share import threads
+from runtime.kernels.cpu import cpu_features
+
+log = logging.getLogger("llmq.kernels")
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+# no -ffast-math: the order of every sum is the source's, on every row
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-shared", "-fPIC")
+FLAGS += ("-fno-math-errno",)
+DISABLE_ENV = "LLMQ_NUMPY_ATTENTION"  # "1": keep the numpy path (benches compare the two)
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLMQ_CACHE_DIR") or Path.home() / ".cache" / "llmq")
+
+
+def _library_path() -> Path:
+    features = cpu_features()
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(FLAGS).encode() + " ".join(sorted(features.flags)).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / f"paged_attention-{key}.so"
+
+
+def _compile(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built beside the target and renamed: processes building at once never load half a file
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(partial, target)
+    except subprocess.CalledProcessError as exc:
+        raise OSError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    target = _library_path()
+    try:
+        if not target.exists():
+            _compile(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native attention unavailable, using numpy's (%s)", exc)
+        return None
+    fn = lib.llmq_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
+    fn.argtypes += [ctypes.c_int, _ptr]
+    return lib
+
+
+class PagedAttention:
+    """`__call__` runs the kernel over numpy arrays, checking what it must not get wrong."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.llmq_paged_attention
+
+    def __call__(
+        self,
+        q: np.ndarray,  # [T, H, Dh] float32, rows may be strided
+        keys: np.ndarray,  # [Hkv, slots, Dh] float32, C-contiguous
+        values: np.ndarray,
+        slots: np.ndarray,  # int64 pool slots, each row's keys in position order
+        offset: np.ndarray,  # [T] int64: where row t's slots start in `slots`
+        count: np.ndarray,  # [T] int64: how many keys row t sees (>= 1)
+    ) -> np.ndarray:
+        rows, heads, head_dim = q.shape
+        kv_heads, pool_slots, _ = keys.shape
+        if q.dtype != np.float32 or q.strides[1:] != (4 * head_dim, 4):
+            q = np.ascontiguousarray(q, np.float32)
+        for name, a in (("keys", keys), ("values", values)):
+            if a.dtype != np.float32 or not a.flags.c_contiguous or a.shape != keys.shape:
+                raise ValueError(f"{name} must be C-contiguous float32 {keys.shape}")
+        slots, offset, count = (np.ascontiguousarray(a, np.int64) for a in (slots, offset, count))
+        if len(offset) != rows or len(count) != rows or (rows and count.min() < 1):
+            raise ValueError("every row needs an offset and at least one key")
+        if len(slots) and (slots.min() < 0 or slots.max() >= pool_slots):
+            raise ValueError("a slot lies outside the pool")
+        if rows and (offset + count).max() > len(slots):
+            raise ValueError("a row's slots run past the slot array")
+        out = np.empty((rows, heads * head_dim), np.float32)
+        failed = self._fn(
+            q.ctypes.data,
+            q.strides[0] // 4,
+            keys.ctypes.data,
+            values.ctypes.data,
+            pool_slots,
+            slots.ctypes.data,
+            offset.ctypes.data,
+            count.ctypes.data,
+            rows,
+            heads,
+            kv_heads,
+            head_dim,
+            int(count.max()) if rows else 0,
+            threads(),
+            out.ctypes.data,
+        )
+        if failed:
+            raise MemoryError("paged attention could not allocate its score buffer")
+        return out
+
+
+@functools.cache
+def paged_attention() -> PagedAttention | None:
+    """The compiled kernel, or None where it cannot be built here."""
+    lib = _library()
+    return PagedAttention(lib) if lib is not None else None
