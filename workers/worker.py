@@ -1,11 +1,11 @@
 """`llmq worker`: an RQ worker that keeps engines warm and runs many jobs in one batch.
 
 RQ's own workers run one job at a time and fork per job, which throws away every loaded
-model (RELIABILITY 5). This one is an RQ `BaseWorker` with its own loop, in one process:
+model (docs/faults.md). This one is an RQ `BaseWorker` with its own loop, in one process:
 while it generates it keeps taking jobs (up to `max_batch` sequences) and steps them
 together, one forward pass per model per step. RQ still sees everything: the worker is
 registered (`rq info` lists it and its queues), and each job goes through RQ's own
-bookkeeping with several executions open at once (`workers.executions`).
+bookkeeping with several executions open at once (`workers.rq_registries`).
 
 Per step, one pipeline carries every job's new token events (each write fenced by the
 job's lease), their progress counters and the metrics, and reads every job's cancel flag.
@@ -15,10 +15,13 @@ SIGTERM drains (no new jobs, `grace` seconds for running ones, then checkpoint-a
 a second SIGTERM or SIGINT checkpoints at once. A Redis outage pauses the loop, which
 reconnects with backoff and never exits; events not yet written are kept and written first.
 
-This module is the main loop and claiming; the rest of the worker is in one module each:
-fenced writes, ends of jobs and leases (`workers.job_writes`), RQ's bookkeeping
-(`workers.rq_bookkeeping`), presence and admin commands (`workers.admin`); which sequences
-step together is `workers.running`.
+This module is the loop, and what a job's outcome means (its end, its drop, its checkpoint).
+The loop holds its collaborators, each an object with its own state and tests: `Claims`
+(taking and giving back jobs, `workers.claims`), `Leases` (`workers.leases`), `EventWriter`
+(the fenced writes of a step, `workers.event_writer`), `RQRegistries` (RQ's view, public rq
+calls only, `workers.rq_registries`), `Presence` and `Admin` (what it publishes, admin
+commands, `workers.presence`, `workers.admin`), `RunningJobs` (which sequences step
+together, `workers.running`) and the `EnginePool` (`workers.pool`).
 """
 
 from __future__ import annotations
@@ -34,34 +37,42 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.worker import WorkerStatus
 
-from workers import affinity, batches, keys, metrics, scripts
-from workers.admin import AdminDuties, describe_models
+from workers import affinity, batches, keys, metrics
+from workers.admin import Admin, describe_models
+from workers.claims import CANCELLED as CLAIMED_CANCELLED
+from workers.claims import MISSING as CLAIMED_MISSING
+from workers.claims import Claims
 from workers.config import WorkerConfig, preload_models, serving, worker_device
 from workers.errors import JobFailure, PoolFull
-from workers.job_writes import JobWrites
+from workers.event_writer import EventWriter
 from workers.jobs import ActiveJob
+from workers.leases import Leases
 from workers.pool import EnginePool, load_engine
 from workers.presence import Presence
 from workers.progress import read_progress
 from workers.recovery import Reaper
-from workers.rq_bookkeeping import REDIS_SOCKET_TIMEOUT, RQBookkeeping, refusal
-from workers.running import RunningJobs
-from workers.wire.defaults import MAX_ATTEMPTS, WORKER_HEARTBEAT_SECONDS
-from workers.wire.job import (
-    TERMINAL_STATUSES,
-    JobRecord,
+from workers.rq_registries import (
+    REDIS_SOCKET_TIMEOUT,
+    RQ_MONITORING_INTERVAL,
+    RQ_WORKER_TTL,
+    RQRegistries,
+    RQWorker,
+    refusal,
 )
+from workers.running import RunningJobs
+from workers.wire.defaults import JOB_TTL_SECONDS, MAX_ATTEMPTS, WORKER_HEARTBEAT_SECONDS
+from workers.wire.errors import cancelled_error
+from workers.wire.job import CANCELLED, FAILED, FINISHED, STARTED, TERMINAL_STATUSES, JobRecord
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger("llmq.worker")
 
-RQ_WORKER_TTL = 20  # RQ's worker hash lives this + 60 s past the last heartbeat
-RQ_MONITORING_INTERVAL = 10  # our executions' StartedJobRegistry scores are refreshed this often
 BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
 PRUNE_SECONDS = 10
 SUSPENSION_CHECK_SECONDS = 1
@@ -81,8 +92,8 @@ def connect(url: str) -> redis.Redis:
     )
 
 
-class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
-    log_result_lifespan = False
+class LLMQWorker:
+    """The loop: claim -> step -> flush -> chores, over the collaborators it holds."""
 
     def __init__(
         self,
@@ -93,22 +104,31 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self.config = config
         sources, shared_queues = serving(config)
         queue_names = affinity.personal_queues(shared_queues, config.worker_name)
-        super().__init__(
+        self.rq_worker = RQWorker(
             queue_names,
             name=config.worker_name,
             connection=connection or connect(config.redis_url),
             serializer=JSONSerializer,
-            log_job_description=False,  # RELIABILITY 9: nothing about a job's text in logs
+            log_job_description=False,  # docs/faults.md, F17: nothing of a job's text in logs
             worker_ttl=RQ_WORKER_TTL,
             job_monitoring_interval=RQ_MONITORING_INTERVAL,
+            on_stop_job=self._stop_job,
         )
+        self.name: str = self.rq_worker.name
+        self.connection: redis.Redis = self.rq_worker.connection
         self.pool = pool or EnginePool(
             config.pool,
             sources,
             functools.partial(load_engine, backend=config.backend, device=config.device),
         )
-        self.running = RunningJobs(self.pool, config.max_batch, self.sync_adapters)
-        self.reaper = Reaper(self.connection, self.name, self._lease_ms)
+        # models whose jobs the API may route here: only these record prefix affinity
+        own_models = {keys.parse_queue_name(n)[0] for n in queue_names if keys.queue_owner(n)}
+        self.leases = Leases(self.connection, self.name, config.lease_ttl)
+        self.claims = Claims(self.connection, self.leases)
+        self.writer = EventWriter(self.connection, self.name, own_models)
+        self.rq = RQRegistries(self.rq_worker)
+        self.running = RunningJobs(self.pool, config.max_batch, self._sync_adapters)
+        self.reaper = Reaper(self.connection, self.name, self.leases.ttl_ms)
         self.batch_driver = batches.BatchDriver(self.connection, self.name)
         info = WorkerInfo(
             name=self.name,
@@ -121,11 +141,11 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         )
         wake_keys = [keys.queue_wake(name) for name in queue_names]  # jobs queued wake it
         self.presence = Presence(self.connection, info, describe_models(sources), wake_keys)
+        self.admin = Admin(self.connection, self.name, self.pool, self.presence)
+        queues = self.rq_worker.queues
         # a job on this worker's own queue is a job of the shared queue for RQ (its origin)
-        self._queues_by_key = {q.key: self._rq_queue(q) for q in self.queues}
-        self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in self.queues}
-        # models whose jobs the API may route here: only these record prefix affinity
-        self._own_models = {keys.parse_queue_name(n)[0] for n in queue_names if keys.queue_owner(n)}
+        self._queues_by_key = {q.key: self.rq.queue(q) for q in queues}
+        self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in queues}
         self._released = False  # own queues handed back to the shared ones (draining)
         self._due: dict[str, float] = {}
         self._drain_deadline: float | None = None
@@ -133,8 +153,6 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self._done = False
         self._suspended = False
         self._started = False
-        self._throughput = metrics.Throughput()
-        self._inspections = {}  # model -> has it a chat template (`inspect_models`)
         self.steps = 0  # decode steps run (tests and logs read it)
 
     # ------------------------------------------------------------------ signals
@@ -152,6 +170,13 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         else:
             log.warning("worker %s: second signal: checkpointing running jobs now", self.name)
             self._stop_now = True
+
+    def _stop_job(self, job_id: str) -> bool:
+        """RQ's `stop-job` command (`rq_registries.RQWorker`): our cancel flag, if we run it."""
+        if job_id not in self.running.jobs:
+            return False
+        self.connection.set(keys.job_cancel(job_id), "1", ex=JOB_TTL_SECONDS)
+        return True
 
     # ------------------------------------------------------------------ main loop
 
@@ -176,7 +201,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                 time.sleep(delay)
         self._started = True
 
-    def work(self, **_: Any) -> bool:  # type: ignore[override]
+    def work(self) -> bool:
         """Run until drained or stopped; True if any job was run."""
         self.start()
         backoff = 0
@@ -199,38 +224,39 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                     time.sleep(1)
         finally:
             self._shutdown()
-        return self.successful_job_count + self.failed_job_count > 0
+        return self.rq.closed > 0
 
     def _bootstrap(self) -> None:
-        live = self.connection.exists(self.key) and not self.connection.hexists(self.key, "death")
+        rq_key = self.rq_worker.key
+        live = self.connection.exists(rq_key) and not self.connection.hexists(rq_key, "death")
         if live and not self.connection.exists(keys.worker(self.name)):
-            self.connection.delete(self.key)  # a dead worker of this name left its RQ hash
-        self.register_birth()
+            self.connection.delete(rq_key)  # a dead worker of this name left its RQ hash
+        self.rq_worker.register_birth()
         # `rq info` lists queues from this set, which RQ fills on the first enqueue
-        self.connection.sadd(Queue.redis_queues_keys, *self.queue_keys())
-        self.subscribe()
-        self.set_state(WorkerStatus.IDLE)
+        self.connection.sadd(Queue.redis_queues_keys, *self.rq_worker.queue_keys())
+        self.rq_worker.subscribe()
+        self.rq_worker.set_state(WorkerStatus.IDLE)
         # loads run in the pool's thread: the worker registers now and takes jobs meanwhile
         self.pool.preload(preload_models(self.config, self.pool.sources))
-        self.inspect_models()
+        self.admin.inspect_models()
         self.presence.publish("idle", [], self.pool.snapshot())
         log.info(
             "worker %s (pid %d): serving %s on queues %s, max batch %d",
             self.name,
             os.getpid(),
             ", ".join(self.pool.sources) or "no models",
-            ", ".join(self.queue_names()),
+            ", ".join(self.rq_worker.queue_names()),
             self.config.max_batch,
         )
 
     def _tick(self) -> None:
-        if self._has_output():
+        if self.writer.has_output(self.running.jobs.values()):
             self._flush()  # events a Redis outage kept from being written go out first
         self._chores()
         if self._drain_deadline is not None:
             if not self._released:
                 self._publish()  # "stopping" first: the API routes nothing more here
-                self._release_own_queues()
+                self.admin.release_own_queues(self.rq_worker.queue_names())
                 self._released = True
             if not self.running.jobs:
                 self._done = True
@@ -241,7 +267,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                 return
         elif not self._suspended:
             self._claim()
-        if self._has_output():
+        if self.writer.has_output(self.running.jobs.values()):
             self._flush()
         if self.running.has_work():
             _, broken = self.running.step()
@@ -266,23 +292,23 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         wait = self.config.poll_interval
         if self.pool.loading:  # a preload's end is published (/ready) without delay
             wait = min(wait, LOAD_PUBLISH_SECONDS)
-        self._handle_commands(self.presence.commands(wait=wait))
+        self.admin.obey(self.presence.commands(wait=wait))
 
     def _chores(self) -> None:
         """Periodic work, each at its own pace."""
         for failed_job, failure in self.running.settle_loads():
             self._fail(failed_job, failure)
         if self._due_now("renew", self.config.lease_renew):
-            self._renew_leases()
+            for job in self.leases.renew(self.running.jobs.values()):
+                self._drop(job)
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
-            self.heartbeat_executions()
+            self.rq.heartbeat()
         if self._due_now("loras", WORKER_HEARTBEAT_SECONDS):
-            self.sync_adapters()
-        pool = self.pool.snapshot()
-        learned = self._learn_models()
+            self._sync_adapters()
+        learned = self.admin.learn_models()
         if (
             learned
-            or pool != self.presence.info.pool
+            or self.presence.pool_changed(self.pool.snapshot())
             or self._due_now("presence", WORKER_HEARTBEAT_SECONDS)
         ):
             self._publish()
@@ -293,13 +319,13 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         if self._due_now("batches", batches.TICK_SECONDS):
             self.batch_driver.tick()  # offline batches: feed, collect, finalize (any worker)
         if self._due_now("suspension", SUSPENSION_CHECK_SECONDS):
-            self._suspended = is_suspended(self.connection, self)
+            self._suspended = is_suspended(self.connection, self.rq_worker)
         if self._due_now("prune", PRUNE_SECONDS):
             self.presence.prune()
-            if not self.running.jobs and self.should_run_maintenance_tasks:
-                self.run_maintenance_tasks()
+            if not self.running.jobs and self.rq_worker.should_run_maintenance_tasks:
+                self.rq_worker.run_maintenance_tasks()
         if self.running.jobs and self._due_now("commands", 0.5):  # busy or loading
-            self._handle_commands(self.presence.commands())
+            self.admin.obey(self.presence.commands())
 
     def _due_now(self, chore: str, every: float) -> bool:
         at = time.monotonic()
@@ -308,6 +334,28 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self._due[chore] = at + every
         return True
 
+    def _publish(self) -> None:
+        if self._stop_now or self._drain_deadline is not None:
+            state = "stopping"
+        else:
+            state = "busy" if self.running.jobs else "idle"
+        self.admin.publish(state, list(self.running.jobs), self.writer.tokens_per_second())
+
+    def _sync_adapters(self) -> None:
+        self.admin.sync_adapters()
+
+    def _flush(self, step: bool = False) -> None:
+        """Write what the running jobs produced (`EventWriter.flush`), then act on it."""
+        step_sizes = self.running.last_step_sizes if step else None
+        flushed = self.writer.flush(self.running.jobs.values(), step_sizes)
+        for job in flushed.lost:
+            self._drop(job)
+        for job in flushed.finished:
+            self._finish(job)
+        for job in flushed.cancel_requested:
+            if job.id in self.running.jobs:
+                self._cancel(job)
+
     # ------------------------------------------------------------------ taking jobs
 
     def _claim(self) -> None:
@@ -315,26 +363,25 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             if not self.running.has_room():
                 return
             queue_keys = [k for k, m in self._models_by_key.items() if self.pool.can_accept(m)]
-            claimed = scripts.claim(self.connection, queue_keys, self.name, self._lease_ms)
-            if claimed is None:
+            claim = self.claims.take(queue_keys)
+            if claim is None:
                 return
-            index, job_id, attempt = claimed
             try:
-                self._take(self._queues_by_key[queue_keys[index]], job_id, attempt)
+                queue = self._queues_by_key[queue_keys[claim.queue_index]]
+                self._take(queue, claim.job_id, claim.attempt)
             except (redis.ConnectionError, redis.TimeoutError):
                 raise
             except Exception:  # the reaper requeues it when the claim's lease runs out
-                log.exception("job %s: could not be started", job_id)
+                log.exception("job %s: could not be started", claim.job_id)
 
     def _take(self, queue: Queue, job_id: str, attempt: int) -> None:
-        rq_job = self._fetch_rq_job(job_id)
-        if attempt == scripts.CLAIMED_MISSING:
+        rq_job = self.rq.fetch(job_id)
+        if attempt == CLAIMED_MISSING:
             self._fail_orphan(rq_job, queue, "its job record is gone (expired or deleted)")
             return
-        if attempt == scripts.CLAIMED_CANCELLED:
+        if attempt == CLAIMED_CANCELLED:
             self._cancel_queued(job_id, rq_job, queue)
             return
-        lease = f"{self.name}:{attempt}"
         failure: JobFailure | None = refusal(rq_job, job_id)
         if attempt > MAX_ATTEMPTS:  # it took down (or out) every worker that ran it
             failure = failure or JobFailure(
@@ -345,7 +392,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         except (KeyError, ValueError, TypeError):
             record = JobRecord(job_id, "", "", {})
             failure = failure or JobFailure(f"job {job_id}: its record cannot be read")
-        job = ActiveJob(record, attempt, lease, rq_job, queue)
+        job = ActiveJob(record, attempt, self.leases.name(attempt), rq_job, queue)
         try:
             job.progress = read_progress(self.connection, job_id)
         except (KeyError, ValueError, TypeError):
@@ -358,7 +405,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         if record.status in TERMINAL_STATUSES or job.progress.terminal is not None:
             self._settle_ended(job)
             return
-        self._rq_start(job)
+        self._start(job)
         log.info(
             "job %s: started (attempt %d, model %s, %s, %d tokens already streamed)",
             job_id,
@@ -374,6 +421,106 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         except PoolFull:
             self._checkpoint(job)
 
+    def _start(self, job: ActiveJob) -> None:
+        """RQ's start of an execution (one of several this worker has open), and ours."""
+        with self.connection.pipeline() as pipe:
+            if job.rq_job is not None:
+                self.rq.open(job.rq_job, pipe)
+            pipe.hset(keys.job(job.id), mapping={"status": STARTED, "worker": self.name})
+            pipe.hsetnx(keys.job(job.id), "started_at", time.time())
+            metrics.count_job(pipe, "started")
+            if job.model in self.writer.own_models:
+                affinity.remember_start(pipe, self.name, job.record)
+            pipe.execute()
+        self.rq.sync_state()
+
+    # ------------------------------------------------------------------ ends of jobs
+
+    def _finish(self, job: ActiveJob) -> None:
+        self.running.remove(job)
+        log.info("job %s: finished (%d completion tokens)", job.id, job.completion_tokens)
+        self._rq_success(job)
+
+    def _fail(self, job: ActiveJob, failure: JobFailure) -> None:
+        log.warning("job %s: failed with %d: %s", job.id, failure.status, failure)
+        if self._end(job, FAILED, failure.body()) and job.rq_job is not None:
+            self.rq.close_failure(job.rq_job, job.queue, f"{type(failure).__name__}: {failure}")
+
+    def _cancel(self, job: ActiveJob) -> None:
+        log.info("job %s: cancelled after %d tokens", job.id, job.completion_tokens)
+        if self._end(job, CANCELLED, cancelled_error()) and job.rq_job is not None:
+            self.rq.close_cancelled(job.rq_job, job.queue)
+
+    def _end(self, job: ActiveJob, status: str, body: dict[str, Any]) -> bool:
+        """Stop the job and write its end (fenced); False if it was not ours any more."""
+        self.running.remove(job)
+        if self.writer.end(job, status, body):
+            return True
+        self._drop(job)
+        return False
+
+    def _drop(self, job: ActiveJob) -> None:
+        """The job is not ours any more (lease lost): stop it without writing anything."""
+        log.warning("job %s: lease lost (another worker owns it now); dropped", job.id)
+        self.running.remove(job)
+        self.rq.forget(job.id)
+        self.rq.sync_state()
+
+    def _rq_success(self, job: ActiveJob) -> None:
+        if job.rq_job is not None:  # RQ keeps a stub result: the body stays in our record
+            self.rq.close_success(job.rq_job, job.queue, {"job_id": job.id, "status": FINISHED})
+
+    def _settle_ended(self, job: ActiveJob) -> None:
+        """A claimed job that had already ended (an earlier worker died between its final
+        write and RQ's bookkeeping): give the claim back and make RQ agree. Its end was
+        counted by the write that ended it."""
+        with self.connection.pipeline() as pipe:
+            pipe.srem(keys.RUNNING, job.id)
+            pipe.delete(keys.job_lease(job.id))
+            pipe.execute()
+        status = job.record.status
+        if status == FINISHED:
+            self._rq_success(job)
+        elif job.rq_job is None:
+            return
+        elif status == CANCELLED:
+            self.rq.close_cancelled(job.rq_job, job.queue)
+        else:
+            self.rq.close_failure(job.rq_job, job.queue, "the job had already ended")
+
+    def _cancel_queued(self, job_id: str, rq_job: Job | None, queue: Queue) -> None:
+        """Its cancel flag was set while it waited: it never runs."""
+        self.writer.cancel_unclaimed(job_id)
+        log.info("job %s: cancelled before it started", job_id)
+        if rq_job is not None:
+            self.rq.close_cancelled(rq_job, queue)
+
+    def _fail_orphan(self, rq_job: Job | None, queue: Queue, why: str) -> None:
+        if rq_job is None:
+            return
+        refused = refusal(rq_job, rq_job.id)
+        message = str(refused) if refused else why
+        log.error("job %s: not run: %s", rq_job.id, message)
+        self.writer.count_job(FAILED)
+        self.rq.close_failure(rq_job, queue, message)
+
+    def _checkpoint(self, job: ActiveJob) -> None:
+        """Give a running job back: requeued at the front, resumed from its stream."""
+        self.running.remove(job)
+        self.rq.forget(job.id)
+        if self.claims.give_back(job):
+            log.info(
+                "job %s: checkpointed after %d tokens and requeued", job.id, job.completion_tokens
+            )
+            self.writer.count_job("requeued")
+        self.rq.sync_state()
+
+    def _checkpoint_all(self) -> None:
+        if self.writer.has_output(self.running.jobs.values()):
+            self._flush()
+        for job in list(self.running.jobs.values()):
+            self._checkpoint(job)
+
     def _shutdown(self) -> None:
         try:
             if self.running.jobs:
@@ -383,11 +530,11 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                 "worker %s: could not checkpoint (%s); the reaper will requeue", self.name, exc
             )
         self.pool.close()
-        self.close_inspections()
+        self.admin.close()
         try:
             self.presence.withdraw()
-            self._release_own_queues()
-            self.teardown()
+            self.admin.release_own_queues(self.rq_worker.queue_names())
+            self.rq_worker.teardown()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.error("worker %s: could not unregister (%s)", self.name, exc)
         log.info("worker %s: stopped", self.name)
