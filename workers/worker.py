@@ -126,6 +126,7 @@ class LLMQWorker:
         self.leases = Leases(self.connection, self.name, config.lease_ttl)
         self.claims = Claims(self.connection, self.leases)
         self.writer = EventWriter(self.connection, self.name, own_models)
+        self._own_models = own_models
         self.rq = RQRegistries(self.rq_worker)
         self.running = RunningJobs(self.pool, config.max_batch, self._sync_adapters)
         self.reaper = Reaper(self.connection, self.name, self.leases.ttl_ms)
@@ -429,7 +430,7 @@ class LLMQWorker:
             pipe.hset(keys.job(job.id), mapping={"status": STARTED, "worker": self.name})
             pipe.hsetnx(keys.job(job.id), "started_at", time.time())
             metrics.count_job(pipe, "started")
-            if job.model in self.writer.own_models:
+            if job.model in self._own_models:
                 affinity.remember_start(pipe, self.name, job.record)
             pipe.execute()
         self.rq.sync_state()
