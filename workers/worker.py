@@ -1,11 +1,12 @@
 """`llmq worker`: an RQ worker that keeps engines warm and runs many jobs in one batch.
 
 RQ's own workers run one job at a time and fork per job, which throws away every loaded
-model (docs/faults.md). This one is an RQ `BaseWorker` with its own loop, in one process:
-while it generates it keeps taking jobs (up to `max_batch` sequences) and steps them
-together, one forward pass per model per step. RQ still sees everything: the worker is
-registered (`rq info` lists it and its queues), and each job goes through RQ's own
-bookkeeping with several executions open at once (`workers.rq_registries`).
+model (docs/faults.md). This one registers with RQ as a worker (`rq_registries.RQWorker`)
+and runs its own loop, in one process: while it generates it keeps taking jobs (up to
+`max_batch` sequences) and steps them together, one forward pass per model per step. RQ
+still sees everything: the worker is registered (`rq info` lists it and its queues), and
+each job goes through RQ's own bookkeeping with several executions open at once
+(`workers.rq_registries`).
 
 Per step, one pipeline carries every job's new token events (each write fenced by the
 job's lease), their progress counters and the metrics, and reads every job's cancel flag.
@@ -15,13 +16,14 @@ SIGTERM drains (no new jobs, `grace` seconds for running ones, then checkpoint-a
 a second SIGTERM or SIGINT checkpoints at once. A Redis outage pauses the loop, which
 reconnects with backoff and never exits; events not yet written are kept and written first.
 
-This module is the loop, and what a job's outcome means (its end, its drop, its checkpoint).
-The loop holds its collaborators, each an object with its own state and tests: `Claims`
-(taking and giving back jobs, `workers.claims`), `Leases` (`workers.leases`), `EventWriter`
-(the fenced writes of a step, `workers.event_writer`), `RQRegistries` (RQ's view, public rq
-calls only, `workers.rq_registries`), `Presence` and `Admin` (what it publishes, admin
-commands, `workers.presence`, `workers.admin`), `RunningJobs` (which sequences step
-together, `workers.running`) and the `EnginePool` (`workers.pool`).
+This module is the loop and the intake of claimed jobs. The loop holds its collaborators,
+each an object with its own state and tests: `Claims` (taking and giving back jobs,
+`workers.claims`), `Leases` (`workers.leases`), `EventWriter` (the fenced writes of a step,
+`workers.event_writer`), `RQRegistries` (RQ's view, public rq calls only,
+`workers.rq_registries`), `JobEnds` (what each way a job leaves means, `workers.job_ends`),
+`Presence` and `Admin` (what it publishes, admin commands, `workers.presence`,
+`workers.admin`), `RunningJobs` (which sequences step together, `workers.running`) and the
+`EnginePool` (`workers.pool`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
@@ -51,6 +52,7 @@ from workers.claims import Claims
 from workers.config import WorkerConfig, preload_models, serving, worker_device
 from workers.errors import JobFailure, PoolFull
 from workers.event_writer import EventWriter
+from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.pool import EnginePool, load_engine
@@ -67,8 +69,7 @@ from workers.rq_registries import (
 )
 from workers.running import RunningJobs
 from workers.wire.defaults import JOB_TTL_SECONDS, MAX_ATTEMPTS, WORKER_HEARTBEAT_SECONDS
-from workers.wire.errors import cancelled_error
-from workers.wire.job import CANCELLED, FAILED, FINISHED, STARTED, TERMINAL_STATUSES, JobRecord
+from workers.wire.job import STARTED, TERMINAL_STATUSES, JobRecord
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger("llmq.worker")
@@ -129,6 +130,7 @@ class LLMQWorker:
         self._own_models = own_models
         self.rq = RQRegistries(self.rq_worker)
         self.running = RunningJobs(self.pool, config.max_batch, self._sync_adapters)
+        self.ends = JobEnds(self.connection, self.running, self.writer, self.rq, self.claims)
         self.reaper = Reaper(self.connection, self.name, self.leases.ttl_ms)
         self.batch_driver = batches.BatchDriver(self.connection, self.name)
         info = WorkerInfo(
@@ -276,7 +278,7 @@ class LLMQWorker:
             for job, exc in broken:
                 if not isinstance(exc, JobFailure):
                     exc = JobFailure(f"the engine failed: {type(exc).__name__}: {exc}")
-                self._fail(job, exc)
+                self.ends.fail(job, exc)
             self._flush(step=True)
             if self.config.step_delay:
                 time.sleep(self.config.step_delay)
@@ -298,10 +300,10 @@ class LLMQWorker:
     def _chores(self) -> None:
         """Periodic work, each at its own pace."""
         for failed_job, failure in self.running.settle_loads():
-            self._fail(failed_job, failure)
+            self.ends.fail(failed_job, failure)
         if self._due_now("renew", self.config.lease_renew):
             for job in self.leases.renew(self.running.jobs.values()):
-                self._drop(job)
+                self.ends.drop(job)
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
             self.rq.heartbeat()
         if self._due_now("loras", WORKER_HEARTBEAT_SECONDS):
@@ -350,12 +352,12 @@ class LLMQWorker:
         step_sizes = self.running.last_step_sizes if step else None
         flushed = self.writer.flush(self.running.jobs.values(), step_sizes)
         for job in flushed.lost:
-            self._drop(job)
+            self.ends.drop(job)
         for job in flushed.finished:
-            self._finish(job)
+            self.ends.finished(job)
         for job in flushed.cancel_requested:
             if job.id in self.running.jobs:
-                self._cancel(job)
+                self.ends.cancel(job)
 
     # ------------------------------------------------------------------ taking jobs
 
@@ -378,10 +380,10 @@ class LLMQWorker:
     def _take(self, queue: Queue, job_id: str, attempt: int) -> None:
         rq_job = self.rq.fetch(job_id)
         if attempt == CLAIMED_MISSING:
-            self._fail_orphan(rq_job, queue, "its job record is gone (expired or deleted)")
+            self.ends.fail_orphan(rq_job, queue, "its job record is gone (expired or deleted)")
             return
         if attempt == CLAIMED_CANCELLED:
-            self._cancel_queued(job_id, rq_job, queue)
+            self.ends.cancel_queued(job_id, rq_job, queue)
             return
         failure: JobFailure | None = refusal(rq_job, job_id)
         if attempt > MAX_ATTEMPTS:  # it took down (or out) every worker that ran it
@@ -401,10 +403,10 @@ class LLMQWorker:
             failure = failure or JobFailure(f"job {job_id}: its event stream cannot be read")
         job.written = job.progress.length  # every write of ours is fenced on this
         if failure is not None:
-            self._fail(job, failure)
+            self.ends.fail(job, failure)
             return
         if record.status in TERMINAL_STATUSES or job.progress.terminal is not None:
-            self._settle_ended(job)
+            self.ends.settle_ended(job)
             return
         self._start(job)
         log.info(
@@ -418,9 +420,9 @@ class LLMQWorker:
         try:
             self.running.add(job)
         except JobFailure as exc:
-            self._fail(job, exc)
+            self.ends.fail(job, exc)
         except PoolFull:
-            self._checkpoint(job)
+            self.ends.checkpoint(job)
 
     def _start(self, job: ActiveJob) -> None:
         """RQ's start of an execution (one of several this worker has open), and ours."""
@@ -435,92 +437,11 @@ class LLMQWorker:
             pipe.execute()
         self.rq.sync_state()
 
-    # ------------------------------------------------------------------ ends of jobs
-
-    def _finish(self, job: ActiveJob) -> None:
-        self.running.remove(job)
-        log.info("job %s: finished (%d completion tokens)", job.id, job.completion_tokens)
-        self._rq_success(job)
-
-    def _fail(self, job: ActiveJob, failure: JobFailure) -> None:
-        log.warning("job %s: failed with %d: %s", job.id, failure.status, failure)
-        if self._end(job, FAILED, failure.body()) and job.rq_job is not None:
-            self.rq.close_failure(job.rq_job, job.queue, f"{type(failure).__name__}: {failure}")
-
-    def _cancel(self, job: ActiveJob) -> None:
-        log.info("job %s: cancelled after %d tokens", job.id, job.completion_tokens)
-        if self._end(job, CANCELLED, cancelled_error()) and job.rq_job is not None:
-            self.rq.close_cancelled(job.rq_job, job.queue)
-
-    def _end(self, job: ActiveJob, status: str, body: dict[str, Any]) -> bool:
-        """Stop the job and write its end (fenced); False if it was not ours any more."""
-        self.running.remove(job)
-        if self.writer.end(job, status, body):
-            return True
-        self._drop(job)
-        return False
-
-    def _drop(self, job: ActiveJob) -> None:
-        """The job is not ours any more (lease lost): stop it without writing anything."""
-        log.warning("job %s: lease lost (another worker owns it now); dropped", job.id)
-        self.running.remove(job)
-        self.rq.forget(job.id)
-        self.rq.sync_state()
-
-    def _rq_success(self, job: ActiveJob) -> None:
-        if job.rq_job is not None:  # RQ keeps a stub result: the body stays in our record
-            self.rq.close_success(job.rq_job, job.queue, {"job_id": job.id, "status": FINISHED})
-
-    def _settle_ended(self, job: ActiveJob) -> None:
-        """A claimed job that had already ended (an earlier worker died between its final
-        write and RQ's bookkeeping): give the claim back and make RQ agree. Its end was
-        counted by the write that ended it."""
-        with self.connection.pipeline() as pipe:
-            pipe.srem(keys.RUNNING, job.id)
-            pipe.delete(keys.job_lease(job.id))
-            pipe.execute()
-        status = job.record.status
-        if status == FINISHED:
-            self._rq_success(job)
-        elif job.rq_job is None:
-            return
-        elif status == CANCELLED:
-            self.rq.close_cancelled(job.rq_job, job.queue)
-        else:
-            self.rq.close_failure(job.rq_job, job.queue, "the job had already ended")
-
-    def _cancel_queued(self, job_id: str, rq_job: Job | None, queue: Queue) -> None:
-        """Its cancel flag was set while it waited: it never runs."""
-        self.writer.cancel_unclaimed(job_id)
-        log.info("job %s: cancelled before it started", job_id)
-        if rq_job is not None:
-            self.rq.close_cancelled(rq_job, queue)
-
-    def _fail_orphan(self, rq_job: Job | None, queue: Queue, why: str) -> None:
-        if rq_job is None:
-            return
-        refused = refusal(rq_job, rq_job.id)
-        message = str(refused) if refused else why
-        log.error("job %s: not run: %s", rq_job.id, message)
-        self.writer.count_job(FAILED)
-        self.rq.close_failure(rq_job, queue, message)
-
-    def _checkpoint(self, job: ActiveJob) -> None:
-        """Give a running job back: requeued at the front, resumed from its stream."""
-        self.running.remove(job)
-        self.rq.forget(job.id)
-        if self.claims.give_back(job):
-            log.info(
-                "job %s: checkpointed after %d tokens and requeued", job.id, job.completion_tokens
-            )
-            self.writer.count_job("requeued")
-        self.rq.sync_state()
-
     def _checkpoint_all(self) -> None:
         if self.writer.has_output(self.running.jobs.values()):
             self._flush()
         for job in list(self.running.jobs.values()):
-            self._checkpoint(job)
+            self.ends.checkpoint(job)
 
     def _shutdown(self) -> None:
         try:

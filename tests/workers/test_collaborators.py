@@ -1,6 +1,6 @@
 """The worker's collaborators one at a time, against real Redis (db 14): `Leases`,
-`Claims`, `EventWriter`, `RQRegistries` and `Presence` each keep their own state and are tested
-without a worker loop or an engine."""
+`Claims`, `EventWriter`, `RQRegistries`, `JobEnds` and `Presence` each keep their own
+state and are tested without a worker loop or an engine."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ from rq.serializers import JSONSerializer
 from tests.workers.conftest import TINY, stream, submit
 from workers import keys
 from workers.claims import CANCELLED, Claim, Claims
+from workers.errors import JobFailure
 from workers.event_writer import EventWriter
+from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.presence import Presence
 from workers.rq_registries import RQRegistries, RQWorker
+from workers.running import RunningJobs
 from workers.wire.job import COMPLETIONS, FAILED, JobRecord
 from workers.wire.worker_info import WorkerInfo
 
@@ -183,3 +186,49 @@ def test_presence_learns_model_facts_and_notices_a_changed_pool(conn):
     assert presence.described(TINY) == {"id": TINY, "chat_template": True}
     presence.publish("idle", [], {TINY: "ready"})
     assert not presence.pool_changed({TINY: "ready"}) and presence.pool_changed({})
+
+
+def job_ends(conn) -> tuple[JobEnds, Leases]:
+    leases = Leases(conn, "w", 10)
+    running = RunningJobs(pool=None, max_batch=4)  # type: ignore[arg-type]  # no sequences here
+    writer = EventWriter(conn, "w", own_models=set())
+    return JobEnds(conn, running, writer, registries(conn), Claims(conn, leases)), leases
+
+
+def opened(ends: JobEnds, job: ActiveJob, conn) -> ActiveJob:
+    with conn.pipeline() as pipe:
+        ends.rq.open(job.rq_job, pipe)
+        pipe.execute()
+    return job
+
+
+def test_job_ends_write_the_stream_before_rq_and_drop_what_is_not_theirs(conn):
+    ends, leases = job_ends(conn)
+    failed, stolen = (opened(ends, claimed(conn, leases), conn) for _ in range(2))
+    ends.fail(failed, JobFailure("the engine failed"))
+    assert [kind for kind, _ in stream(conn, failed.id)] == ["error"]
+    assert failed.id in rq_queue(conn).failed_job_registry
+
+    conn.set(keys.job_lease(stolen.id), "other:2")
+    ends.cancel(stolen)  # not ours: nothing written, RQ's record left to the new owner
+    assert stream(conn, stolen.id) == []
+    assert stolen.id in rq_queue(conn).started_job_registry.get_job_ids()
+
+
+def test_job_ends_checkpoint_requeues_and_counts(conn):
+    ends, leases = job_ends(conn)
+    job = opened(ends, claimed(conn, leases), conn)
+    ends.checkpoint(job)
+    assert rq_queue(conn).get_job_ids() == [job.id]
+    assert conn.hget(keys.METRIC_JOBS, "requeued") == b"1"
+    assert conn.hget(ends.rq.worker.key, "state") == b"idle"
+
+
+def test_job_ends_of_jobs_that_never_ran(conn):
+    ends, _ = job_ends(conn)
+    job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
+    rq_job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    ends.cancel_queued(job_id, rq_job, rq_queue(conn))
+    assert [kind for kind, _ in stream(conn, job_id)] == ["error"]
+    assert job_id in rq_queue(conn).canceled_job_registry
+    assert conn.hget(keys.METRIC_JOBS, "cancelled") == b"1"
