@@ -62,7 +62,7 @@ def test_rq_calls_keep_the_arguments_workers_rq_registries_passes():
     has_params(Result.create, "type", "return_value")
     has_params(Result.create_failure, "exc_string")
     has_params(Job.save, "pipeline", "include_meta", "include_result")
-    has_params(Job.cleanup, "ttl", "pipeline")
+    has_params(Job.cleanup, "ttl", "pipeline", "remove_from_queue")
     has_params(Job.set_status, "status", "pipeline")
     has_params(FailedJobRegistry.add, "job", "ttl", "exc_string", "pipeline")
     has_params(is_suspended, "connection", "worker")

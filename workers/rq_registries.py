@@ -126,6 +126,7 @@ class RQRegistries:
                     **_execution_fields(execution, rq_job),
                 )
                 queue.finished_job_registry.add(rq_job, ttl, pipe)
+            rq_job.cleanup(ttl, pipeline=pipe, remove_from_queue=False)  # RQ's hash expires
             self.worker.increment_successful_job_count(pipeline=pipe)
             self._working_time(rq_job, pipe)
             pipe.execute()

@@ -140,6 +140,8 @@ def test_rq_registries_show_several_open_executions_then_a_finished_result(conn)
     assert result.type == Result.Type.SUCCESSFUL and result.return_value["job_id"] == first.id
     assert started.get_job_ids() == [second.id]
     assert conn.hget(rq.worker.key, "current_job").decode() == second.id
+    ttl = conn.ttl(first.rq_job.key)
+    assert 0 < ttl <= first.rq_job.get_result_ttl(rq.worker.default_result_ttl)
 
     rq.close_failure(second.rq_job, second.queue, "JobFailure: no")
     assert second.id in rq_queue(conn).failed_job_registry
