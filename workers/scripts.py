@@ -162,10 +162,14 @@ def append(
 
 
 def renew(client: Any, job_id: str, lease: str, lease_ms: int) -> Any:
+    """Extend `lease` on the job by `lease_ms` if it is still the job's lease (`_RENEW`):
+    1 if renewed, 0 if another worker holds the job now."""
     return client.eval(_RENEW, 1, keys.job_lease(job_id), lease, lease_ms)
 
 
 def requeue(client: Any, job_id: str, lease: str, queue_key: str, rq_job_key: str) -> Any:
+    """Put the job back at the front of `queue_key`, queued, and give up `lease` (`_REQUEUE`);
+    1 if done, 0 if `lease` was not the job's lease."""
     job_keys = [keys.job_lease(job_id), queue_key, keys.RUNNING, rq_job_key, keys.job(job_id)]
     return client.eval(_REQUEUE, len(job_keys), *job_keys, lease, job_id)
 

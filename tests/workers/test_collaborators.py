@@ -234,3 +234,11 @@ def test_job_ends_of_jobs_that_never_ran(conn):
     assert [kind for kind, _ in stream(conn, job_id)] == ["error"]
     assert job_id in rq_queue(conn).canceled_job_registry
     assert conn.hget(keys.METRIC_JOBS, "cancelled") == b"1"
+
+
+def test_the_worker_is_one_class_in_one_module_holding_its_collaborators():
+    from workers.worker import LLMQWorker
+
+    assert LLMQWorker.__bases__ == (object,), "the loop holds its collaborators; no mixins"
+    for held in (Claims, Leases, EventWriter, RQRegistries, JobEnds, Presence, RunningJobs):
+        assert held.__bases__ == (object,), f"{held.__name__} is one class in one module"
