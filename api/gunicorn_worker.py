@@ -7,10 +7,10 @@ byte every few seconds hold every thread, forever (measured: 30 such sockets sta
 holds, without blocking; until the blank line that ends the headers has arrived, the
 connection goes back to the worker's poller (gunicorn's deferred connections), and a
 connection whose headers take longer than HEADER_TIMEOUT_SECONDS in all is closed
-(RELIABILITY F15). A body with a Content-Length up to MAX_BUFFERED_BODY is gathered the
+(docs/faults.md, F15). A body with a Content-Length up to MAX_BUFFERED_BODY is gathered the
 same way before a thread sees the request, and one still incomplete BODY_TIMEOUT_SECONDS
 after its headers is answered 408 and closed: a client trickling its body one byte a second
-holds no thread (issue 15). Chunked and larger bodies (file uploads) are read by the
+holds no thread. Chunked and larger bodies (file uploads) are read by the
 thread, as stock gthread does.
 
 A deferred connection waits for these deadlines, not for gunicorn's `keepalive` (5 s),
@@ -21,6 +21,11 @@ connections between requests still close after `keepalive` seconds.
 
 TLS and HTTP/2 prior-knowledge connections, and gunicorn versions without deferred
 connections, fall back to the stock behaviour.
+
+gunicorn has no public API for this: the class overrides gthread's `handle`,
+`finish_request` and `murder_pending` and uses its `_DEFER` verdict, `pending_conns`,
+`poller`, `nr_conns`, `enqueue_req` and the connection's parser. gunicorn is pinned in
+pyproject.toml, and tests/test_pinned_internals.py fails naming what an upgrade changed.
 """
 
 from __future__ import annotations

@@ -18,11 +18,13 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
 
 from api.auth import visible
 from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
+from api.gate import GateArgs, GateKeys, gate_submission
 from api.paging import cursor_page
 from workers import keys
 from workers.wire.defaults import (
@@ -131,71 +133,26 @@ def require_record(conn: redis.Redis, job_id: str, scope: str | None = None) -> 
     return record
 
 
-# The depth check and the push, in one step on the server. KEYS: the shared queue, RQ's set
-# of queues, the job's record, its RQ hash, the own queue to prefer ('' for none), the
-# wake list of each of the two queues, the jobs counter, the owner's index ('' for none).
-# ARGV: max_queue (0: no limit), job id, prefix of the model's own queues ('' for none),
-# room on the own queue, created_at, the index's cut-off score, TTL, wake token, wake list
-# length, wake TTL, the counter's field, the own queue's name. Returns {1 shared | 2 own,
-# depth}, or {0, depth} when full, after deleting the record and RQ's hash.
-_GATE = """
-local depth = redis.call('LLEN', KEYS[1])
-if ARGV[3] ~= '' then
-  for _, queue in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-    if string.sub(queue, 1, #ARGV[3]) == ARGV[3] then
-      depth = depth + redis.call('LLEN', queue)
-    end
-  end
-end
-local limit = tonumber(ARGV[1])
-if limit > 0 and depth >= limit then
-  redis.call('DEL', KEYS[3], KEYS[4])
-  return {0, depth}
-end
-local target, wake, chosen = KEYS[1], KEYS[6], 1
-if KEYS[5] ~= '' and redis.call('LLEN', KEYS[5]) < tonumber(ARGV[4]) then
-  target, wake, chosen = KEYS[5], KEYS[7], 2
-  redis.call('HSET', KEYS[3], 'queue', ARGV[12])
-end
-redis.call('RPUSH', target, ARGV[2])
-redis.call('SADD', KEYS[2], target)
-redis.call('LPUSH', wake, ARGV[8])
-redis.call('LTRIM', wake, 0, tonumber(ARGV[9]) - 1)
-redis.call('EXPIRE', wake, ARGV[10])
-redis.call('HINCRBY', KEYS[8], ARGV[11], 1)
-if KEYS[9] ~= '' then
-  redis.call('ZADD', KEYS[9], ARGV[5], ARGV[2])
-  redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', ARGV[6])
-  redis.call('EXPIRE', KEYS[9], ARGV[7])
-end
-return {chosen, depth}
-"""
-
-
-RQ_VERSION_ATTRIBUTE = "__rq_redis_server_version"  # where RQ caches it on a client
-FAKEREDIS_VERSION = (5, 0, 9)  # what RQ assumes where INFO is unknown
-
-
-def _remember_server_version(conn: redis.Redis) -> None:
-    """Ask the broker's version once per client, for RQ. RQ asks INFO at every enqueue
-    when the answer is an error, and the embedded fakeredis broker answers INFO with an
-    error and then drops the connection, which the next command would meet."""
-    if getattr(conn, RQ_VERSION_ATTRIBUTE, None):
-        return
-    try:
-        version = str(conn.info("server")["redis_version"])
-        parts = tuple(int(p) for p in version.split(".")[:3])
-    except redis.ResponseError:
-        parts = FAKEREDIS_VERSION
-        conn.connection_pool.disconnect()  # not the dropped connection again
-    setattr(conn, RQ_VERSION_ATTRIBUTE, parts + (0,) * (3 - len(parts)))
-
-
-class _WrittenNotPushed(Queue):
-    """RQ's enqueue with the push left out: RQ writes the job's hash, the gate pushes."""
-
-    def push_job_id(self, job_id: str, pipeline: Any = None, at_front: bool = False) -> None:
-        return None
+def _rq_job(conn: redis.Redis, record: JobRecord, queue: Queue) -> Job:
+    """The RQ job of `record`, queued on `queue` but not pushed (the gate pushes it), built
+    with RQ's public `Job.create`, so `rq info` and rq-dashboard read it like any job. Its
+    only argument is the job id: the request stays in our record (docs/faults.md, F17)."""
+    job = Job.create(
+        JOB_FUNCTION,
+        args=[record.id],
+        connection=conn,
+        id=record.id,
+        description=record.id,  # RQ logs this; never the prompt
+        timeout=RQ_JOB_TIMEOUT_SECONDS,
+        ttl=JOB_TTL_SECONDS,
+        result_ttl=JOB_TTL_SECONDS,
+        failure_ttl=JOB_TTL_SECONDS,
+        origin=queue.name,
+        status=JobStatus.QUEUED,
+        serializer=JSONSerializer,
+    )
+    job.enqueued_at = rq_now()
+    return job
 
 
 def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
@@ -205,34 +162,23 @@ def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
     A job whose prompt prefix a worker holds waits on that worker's own queue while it has
     room (`_affine_queue`; see `workers.affinity`), any other on the shared queue; for RQ it
     is a job of the shared queue either way. One transaction writes the record and RQ's
-    hash; then one script (`_GATE`) counts every queue of the model and kind and pushes
+    hash; then one script (`api.gate`) counts every queue of the model and kind and pushes
     only below `max_queue`, else deletes both. So concurrent submits from any number of API
-    processes never push past it (RELIABILITY F10), a job id is on a queue only if its
+    processes never push past it (docs/faults.md, F10), a job id is on a queue only if its
     record exists, and nothing is retried: a WATCHed check-then-push conflicted with every
     concurrent submission (2,464 retries for ~900 submissions in the load test). The wake
     token goes in the same script, so an idle worker starts the job now. (The script runs
     after the transaction, not in it: the embedded fakeredis broker drops a connection
     that sends EVAL inside MULTI.)
     """
-    _remember_server_version(conn)
     shared = rq_queue(conn, record.model, record.kind)
     affine, room = _affine_queue(conn, record)
-    writer = _WrittenNotPushed(shared.name, connection=conn, serializer=JSONSerializer)
+    rq_job = _rq_job(conn, record, shared)
     with conn.pipeline() as pipe:
-        pipe.multi()  # MULTI ... EXEC (RQ adds its writes to an explicit transaction)
         pipe.hset(keys.job(record.id), mapping=record.to_hash())
         pipe.expire(keys.job(record.id), JOB_TTL_SECONDS)
-        writer.enqueue_call(
-            func=JOB_FUNCTION,
-            args=[record.id],
-            job_id=record.id,
-            description=record.id,  # RQ logs this; never the prompt (RELIABILITY 9)
-            timeout=RQ_JOB_TIMEOUT_SECONDS,
-            ttl=JOB_TTL_SECONDS,
-            result_ttl=JOB_TTL_SECONDS,
-            failure_ttl=JOB_TTL_SECONDS,
-            pipeline=pipe,
-        )
+        rq_job.save(pipeline=pipe)
+        rq_job.cleanup(ttl=JOB_TTL_SECONDS, pipeline=pipe)  # RQ's hash expires with ours
         pipe.execute()
     chosen, depth = _gate(conn, record, shared, affine, room, max_queue)
     if chosen == 0:
@@ -250,39 +196,39 @@ def _gate(
     room: int,
     max_queue: int,
 ) -> tuple[int, int]:
-    """Run the `_GATE` script for `record`: (0 full | 1 shared | 2 own queue, depth)."""
+    """The submission gate (`api.gate`) for `record`: (0 full | 1 shared | 2 own queue, depth)."""
     own_prefix = ""
     if record.kind == keys.INTERACTIVE:
         own_prefix = Queue.redis_queue_namespace_prefix + keys.personal_queue_name(record.model, "")
     index = keys.jobs_of(record.owner) if record.kind == keys.INTERACTIVE else ""
     own_key, own_name = (affine.key, affine.name) if affine is not None else ("", "")
-    own_wake = keys.queue_wake(own_name) if affine is not None else ""
-    chosen, depth = conn.eval(
-        _GATE,
-        9,
-        shared.key,
-        Queue.redis_queues_keys,
-        keys.job(record.id),
-        Job.key_for(record.id),
-        own_key,
-        keys.queue_wake(shared.name),
-        own_wake or keys.queue_wake(shared.name),
-        keys.METRIC_JOBS,
-        index,
-        max_queue,
-        record.id,
-        own_prefix,
-        room,
-        record.created_at,
-        record.created_at - JOB_TTL_SECONDS,
-        JOB_TTL_SECONDS,
-        WAKE_TOKEN,
-        WAKE_MAX_TOKENS,
-        WAKE_TTL_SECONDS,
-        QUEUED,
-        own_name,
+    shared_wake = keys.queue_wake(shared.name)
+    gate_keys = GateKeys(
+        shared_queue=shared.key,
+        queues_set=Queue.redis_queues_keys,
+        record=keys.job(record.id),
+        rq_job=Job.key_for(record.id),
+        own_queue=own_key,
+        shared_wake=shared_wake,
+        own_wake=keys.queue_wake(own_name) if affine is not None else shared_wake,
+        jobs_metric=keys.METRIC_JOBS,
+        owner_index=index,
     )
-    return int(chosen), int(depth)
+    args = GateArgs(
+        max_queue=max_queue,
+        job_id=record.id,
+        own_prefix=own_prefix,
+        own_room=room,
+        created_at=record.created_at,
+        index_cutoff=record.created_at - JOB_TTL_SECONDS,
+        index_ttl=JOB_TTL_SECONDS,
+        wake_token=WAKE_TOKEN,
+        wake_max_tokens=WAKE_MAX_TOKENS,
+        wake_ttl=WAKE_TTL_SECONDS,
+        counted_status=QUEUED,
+        own_queue_name=own_name,
+    )
+    return gate_submission(conn, gate_keys, args)
 
 
 def list_jobs(

@@ -12,7 +12,7 @@ import redis
 from runtime.chat_template import has_chat_template
 from runtime.errors import LLMQRuntimeError
 from runtime.registry import load_registry
-from workers import affinity, keys, loras, metrics
+from workers import affinity, keys, loras
 from workers.errors import JobFailure, PoolFull
 from workers.wire.commands import COMMAND_LOAD
 from workers.wire.loras import read_registry
@@ -20,25 +20,23 @@ from workers.wire.loras import read_registry
 if TYPE_CHECKING:
     from workers.pool import EnginePool
     from workers.presence import Presence
-    from workers.running import RunningJobs
 
 log = logging.getLogger("llmq.worker")
 
 
-class AdminDuties:
-    """Mixin of `LLMQWorker`: publishing its presence, obeying admin commands, and handing
-    its own queues back when it leaves."""
+class Admin:
+    """What a worker learns about its models and publishes (through `Presence`), the
+    load/unload commands it obeys, and the own queues it hands back when it leaves."""
 
-    name: str
-    connection: redis.Redis
-    pool: EnginePool
-    presence: Presence
-    running: RunningJobs
-    _stop_now: bool
-    _drain_deadline: float | None
-    _throughput: metrics.Throughput
-    _inspections: dict[str, Future[bool]]
-    _inspector: ThreadPoolExecutor | None = None
+    def __init__(
+        self, connection: redis.Redis, worker_name: str, pool: EnginePool, presence: Presence
+    ) -> None:
+        self.connection = connection
+        self.worker = worker_name
+        self.pool = pool
+        self.presence = presence
+        self._inspector: ThreadPoolExecutor | None = None
+        self._inspections: dict[str, Future[bool]] = {}  # model -> has it a chat template
 
     def inspect_models(self) -> None:
         """Read whether each served model has a chat template from its GGUF header, in a
@@ -52,16 +50,16 @@ class AdminDuties:
             for model, source in self.pool.sources.items()
         }
 
-    def close_inspections(self) -> None:
+    def close(self) -> None:
         if self._inspector is not None:
             self._inspector.shutdown(wait=False, cancel_futures=True)
 
-    def _learn_models(self) -> bool:
+    def learn_models(self) -> bool:
         """Fold what loads and header reads found out into the published model info;
         True if it changed (then it is published at once, not at the next heartbeat)."""
         changed = False
         for model in self.pool.sources:
-            described = self.presence.models.get(model)
+            described = self.presence.described(model)
             if described is None:
                 continue
             entry = self.pool.get(model)
@@ -74,9 +72,7 @@ class AdminDuties:
                 learned = self._inspected(model)
             else:
                 continue
-            if any(described.get(k) != v for k, v in learned.items()):
-                described.update(learned)
-                changed = True
+            changed = self.presence.learn(model, learned) or changed
         return changed
 
     def _inspected(self, model: str) -> dict[str, Any]:
@@ -92,15 +88,11 @@ class AdminDuties:
             return {}
         return {"chat_template": future.result()}
 
-    def _publish(self) -> None:
-        self._learn_models()
-        if self._stop_now or self._drain_deadline is not None:
-            state = "stopping"
-        else:
-            state = "busy" if self.running.jobs else "idle"
-        self.presence.publish(state, list(self.running.jobs), self.pool.snapshot())
-        rate = self._throughput.rate()
-        self.connection.hset(keys.METRIC_TOKENS_PER_SECOND, self.name, f"{rate:.2f}")
+    def publish(self, state: str, job_ids: list[str], tokens_per_second: float) -> None:
+        self.learn_models()
+        self.presence.publish(state, job_ids, self.pool.snapshot())
+        rate = f"{tokens_per_second:.2f}"
+        self.connection.hset(keys.METRIC_TOKENS_PER_SECOND, self.worker, rate)
 
     def sync_adapters(self) -> None:
         """Load the adapters `/admin/loras` registered on the engines of their base model,
@@ -108,28 +100,28 @@ class AdminDuties:
         try:
             loras.sync(self.pool, read_registry(self.connection))
         except redis.RedisError as exc:  # the next heartbeat tries again
-            log.warning("worker %s: cannot read the adapter registry: %s", self.name, exc)
+            log.warning("worker %s: cannot read the adapter registry: %s", self.worker, exc)
 
-    def _handle_commands(self, commands: list[tuple[str, str]]) -> None:
+    def obey(self, commands: list[tuple[str, str]]) -> None:
         for op, model in commands:
-            log.info("worker %s: admin command %s %s", self.name, op, model)
+            log.info("worker %s: admin command %s %s", self.worker, op, model)
             try:
                 if op == COMMAND_LOAD:
                     self.pool.request(model)
                 else:
                     self.pool.unload(model)
             except (JobFailure, PoolFull) as exc:
-                log.warning("worker %s: cannot %s %s: %s", self.name, op, model, exc)
+                log.warning("worker %s: cannot %s %s: %s", self.worker, op, model, exc)
 
-    def _release_own_queues(self) -> None:
+    def release_own_queues(self, queue_names: list[str]) -> None:
         """Jobs routed to this worker's own queues go back to the shared ones (it is leaving)."""
-        for name in self.queue_names():
-            if keys.queue_owner(name) == self.name:
+        for name in queue_names:
+            if keys.queue_owner(name) == self.worker:
                 moved = affinity.release(self.connection, name)
                 if moved:
                     log.info(
                         "worker %s: moved %d job(s) from %s to the shared queue",
-                        self.name,
+                        self.worker,
                         moved,
                         name,
                     )

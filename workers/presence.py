@@ -55,6 +55,22 @@ class Presence:
                 pipe.hset(keys.MODELS, mapping={m: json.dumps(d) for m, d in self.models.items()})
             pipe.execute()
 
+    def described(self, model: str) -> dict[str, Any] | None:
+        """What `keys.MODELS` says of `model`, or None if this worker does not describe it."""
+        return self.models.get(model)
+
+    def learn(self, model: str, learned: dict[str, Any]) -> bool:
+        """Fold facts about `model` into its description; True if any changed."""
+        described = self.models.get(model)
+        if described is None or all(described.get(k) == v for k, v in learned.items()):
+            return False
+        described.update(learned)
+        return True
+
+    def pool_changed(self, pool: dict[str, Any]) -> bool:
+        """True if the pool differs from the one last published."""
+        return pool != self.info.pool
+
     def withdraw(self) -> None:
         with self.connection.pipeline() as pipe:
             pipe.delete(keys.worker(self.info.name))

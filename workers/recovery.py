@@ -1,4 +1,4 @@
-"""Getting a job whose worker died back on its queue, fast (RELIABILITY 1).
+"""Getting a job whose worker died back on its queue, fast (docs/faults.md).
 
 RQ alone notices a dead worker's job only after its StartedJobRegistry entry expires (a
 minute or more) and then fails it. Here every running job has a short lease; a reaper in

@@ -2,7 +2,7 @@
 
 Why scripts: taking a job off a queue must mark it running in the same instant (else a
 worker that dies between the two loses the job), and every write a worker makes for a job
-must be fenced by its lease (RELIABILITY F12: a worker that stalled past its lease, whose
+must be fenced by its lease (docs/faults.md, F12: a worker that stalled past its lease, whose
 job another worker now runs, must not write a single token more). Each wrapper takes a
 pipeline or a client, so a step's writes for every job go out in one round trip.
 
@@ -26,7 +26,7 @@ CLAIMED_CANCELLED = -2  # its cancel flag was set while it was queued: it must n
 # cancel suffix, worker name, lease TTL (ms). Returns {queue index, job id, attempt} where
 # attempt is the new attempt number (>= 1) or one of the CLAIMED_* codes; nil if all empty.
 _CLAIM = """
-local running, prefix, lease_suffix, cancel_suffix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local running, prefix, lease_suffix, cancel_suffix, worker, lease_ms = unpack(ARGV)
 for i, queue in ipairs(KEYS) do
   local id = redis.call('LPOP', queue)
   if id then
@@ -35,7 +35,7 @@ for i, queue in ipairs(KEYS) do
     if redis.call('EXISTS', record .. cancel_suffix) == 1 then return {i, id, -2} end
     local attempt = redis.call('HINCRBY', record, 'attempts', 1)
     redis.call('SADD', running, id)
-    redis.call('SET', record .. lease_suffix, ARGV[5] .. ':' .. attempt, 'PX', ARGV[6])
+    redis.call('SET', record .. lease_suffix, worker .. ':' .. attempt, 'PX', lease_ms)
     return {i, id, attempt}
   end
 end
@@ -51,51 +51,55 @@ return false
 # The write that ends a job also counts it under its final status, so each job's end is
 # counted exactly once, even when its worker dies right after.
 _APPEND = """
-local n = tonumber(ARGV[6])
+local lease_key, events_key, record_key, running, jobs_metric = unpack(KEYS)
+local lease, job_id, ttl, final, expected, n = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+n, expected = tonumber(n), tonumber(expected)
 local first_event = 7 + 2 * n
 local n_events = (#ARGV - first_event + 1) / 2
-local length = redis.call('XLEN', KEYS[2])
-local expected = tonumber(ARGV[5])
+local length = redis.call('XLEN', events_key)
 if n_events > 0 and length == expected + n_events then
-  local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+  local last = redis.call('XREVRANGE', events_key, '+', '-', 'COUNT', 1)[1]
   if last[2][4] == ARGV[#ARGV] then return last[1] end
 end
-if redis.call('GET', KEYS[1]) ~= ARGV[1] or length ~= expected then return false end
+if redis.call('GET', lease_key) ~= lease or length ~= expected then return false end
 if n > 0 then
   local fields = {}
   for j = 7, first_event - 1 do fields[#fields + 1] = ARGV[j] end
-  redis.call('HSET', KEYS[3], unpack(fields))
-  redis.call('EXPIRE', KEYS[3], ARGV[3])
+  redis.call('HSET', record_key, unpack(fields))
+  redis.call('EXPIRE', record_key, ttl)
 end
 local last = ''
 for i = first_event, #ARGV - 1, 2 do
-  last = redis.call('XADD', KEYS[2], '*', 'event', ARGV[i], 'data', ARGV[i + 1])
+  last = redis.call('XADD', events_key, '*', 'event', ARGV[i], 'data', ARGV[i + 1])
 end
-if last ~= '' then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
-if ARGV[4] == '1' then
-  redis.call('DEL', KEYS[1])
-  redis.call('SREM', KEYS[4], ARGV[2])
-  local status = redis.call('HGET', KEYS[3], 'status')
-  if status then redis.call('HINCRBY', KEYS[5], status, 1) end
+if last ~= '' then redis.call('EXPIRE', events_key, ttl) end
+if final == '1' then
+  redis.call('DEL', lease_key)
+  redis.call('SREM', running, job_id)
+  local status = redis.call('HGET', record_key, 'status')
+  if status then redis.call('HINCRBY', jobs_metric, status, 1) end
 end
 return last
 """
 
 # KEYS: lease. ARGV: expected lease, TTL (ms). 1 if renewed, 0 if the lease is not ours.
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+local lease_key, lease, lease_ms = KEYS[1], ARGV[1], ARGV[2]
+if redis.call('GET', lease_key) == lease then return redis.call('PEXPIRE', lease_key, lease_ms) end
 return 0
 """
 
 # KEYS: lease, RQ queue, running set, RQ job hash, record. ARGV: expected lease, job id.
 # Puts the job back at the front of its queue, as queued, and gives up the lease.
 _REQUEUE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('LPUSH', KEYS[2], ARGV[2])
-redis.call('SREM', KEYS[3], ARGV[2])
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('HSET', KEYS[4], 'status', 'queued') end
-if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('HSET', KEYS[5], 'status', 'queued') end
-redis.call('DEL', KEYS[1])
+local lease_key, queue, running, rq_job, record = unpack(KEYS)
+local lease, job_id = ARGV[1], ARGV[2]
+if redis.call('GET', lease_key) ~= lease then return 0 end
+redis.call('LPUSH', queue, job_id)
+redis.call('SREM', running, job_id)
+if redis.call('EXISTS', rq_job) == 1 then redis.call('HSET', rq_job, 'status', 'queued') end
+if redis.call('EXISTS', record) == 1 then redis.call('HSET', record, 'status', 'queued') end
+redis.call('DEL', lease_key)
 return 1
 """
 
@@ -104,9 +108,10 @@ return 1
 # to the front of the destination, then drops the emptied source from RQ's queue set; all
 # at once, so no job is ever on neither queue (or on both).
 _RELEASE = """
+local source, target, queues_set = unpack(KEYS)
 local moved = 0
-while redis.call('RPOPLPUSH', KEYS[1], KEYS[2]) do moved = moved + 1 end
-redis.call('SREM', KEYS[3], KEYS[1])
+while redis.call('RPOPLPUSH', source, target) do moved = moved + 1 end
+redis.call('SREM', queues_set, source)
 return moved
 """
 
@@ -157,10 +162,14 @@ def append(
 
 
 def renew(client: Any, job_id: str, lease: str, lease_ms: int) -> Any:
+    """Extend `lease` on the job by `lease_ms` if it is still the job's lease (`_RENEW`):
+    1 if renewed, 0 if another worker holds the job now."""
     return client.eval(_RENEW, 1, keys.job_lease(job_id), lease, lease_ms)
 
 
 def requeue(client: Any, job_id: str, lease: str, queue_key: str, rq_job_key: str) -> Any:
+    """Put the job back at the front of `queue_key`, queued, and give up `lease` (`_REQUEUE`);
+    1 if done, 0 if `lease` was not the job's lease."""
     job_keys = [keys.job_lease(job_id), queue_key, keys.RUNNING, rq_job_key, keys.job(job_id)]
     return client.eval(_REQUEUE, len(job_keys), *job_keys, lease, job_id)
 

@@ -1,11 +1,12 @@
 """`llmq worker`: an RQ worker that keeps engines warm and runs many jobs in one batch.
 
 RQ's own workers run one job at a time and fork per job, which throws away every loaded
-model (RELIABILITY 5). This one is an RQ `BaseWorker` with its own loop, in one process:
-while it generates it keeps taking jobs (up to `max_batch` sequences) and steps them
-together, one forward pass per model per step. RQ still sees everything: the worker is
-registered (`rq info` lists it and its queues), and each job goes through RQ's own
-bookkeeping with several executions open at once (`workers.executions`).
+model (docs/faults.md). This one registers with RQ as a worker (`rq_registries.RQWorker`)
+and runs its own loop, in one process: while it generates it keeps taking jobs (up to
+`max_batch` sequences) and steps them together, one forward pass per model per step. RQ
+still sees everything: the worker is registered (`rq info` lists it and its queues), and
+each job goes through RQ's own bookkeeping with several executions open at once
+(`workers.rq_registries`).
 
 Per step, one pipeline carries every job's new token events (each write fenced by the
 job's lease), their progress counters and the metrics, and reads every job's cancel flag.
@@ -15,10 +16,14 @@ SIGTERM drains (no new jobs, `grace` seconds for running ones, then checkpoint-a
 a second SIGTERM or SIGINT checkpoints at once. A Redis outage pauses the loop, which
 reconnects with backoff and never exits; events not yet written are kept and written first.
 
-This module is the main loop and claiming; the rest of the worker is in one module each:
-fenced writes, ends of jobs and leases (`workers.job_writes`), RQ's bookkeeping
-(`workers.rq_bookkeeping`), presence and admin commands (`workers.admin`); which sequences
-step together is `workers.running`.
+This module is the loop and the intake of claimed jobs. The loop holds its collaborators,
+each an object with its own state and tests: `Claims` (taking and giving back jobs,
+`workers.claims`), `Leases` (`workers.leases`), `EventWriter` (the fenced writes of a step,
+`workers.event_writer`), `RQRegistries` (RQ's view, public rq calls only,
+`workers.rq_registries`), `JobEnds` (what each way a job leaves means, `workers.job_ends`),
+`Presence` and `Admin` (what it publishes, admin commands, `workers.presence`,
+`workers.admin`), `RunningJobs` (which sequences step together, `workers.running`) and the
+`EnginePool` (`workers.pool`).
 """
 
 from __future__ import annotations
@@ -39,29 +44,36 @@ from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.worker import WorkerStatus
 
-from workers import affinity, batches, keys, metrics, scripts
-from workers.admin import AdminDuties, describe_models
+from workers import affinity, batches, keys, metrics
+from workers.admin import Admin, describe_models
+from workers.claims import CANCELLED as CLAIMED_CANCELLED
+from workers.claims import MISSING as CLAIMED_MISSING
+from workers.claims import Claims
 from workers.config import WorkerConfig, preload_models, serving, worker_device
 from workers.errors import JobFailure, PoolFull
-from workers.job_writes import JobWrites
+from workers.event_writer import EventWriter
+from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
+from workers.leases import Leases
 from workers.pool import EnginePool, load_engine
 from workers.presence import Presence
 from workers.progress import read_progress
 from workers.recovery import Reaper
-from workers.rq_bookkeeping import REDIS_SOCKET_TIMEOUT, RQBookkeeping, refusal
-from workers.running import RunningJobs
-from workers.wire.defaults import MAX_ATTEMPTS, WORKER_HEARTBEAT_SECONDS
-from workers.wire.job import (
-    TERMINAL_STATUSES,
-    JobRecord,
+from workers.rq_registries import (
+    REDIS_SOCKET_TIMEOUT,
+    RQ_MONITORING_INTERVAL,
+    RQ_WORKER_TTL,
+    RQRegistries,
+    RQWorker,
+    refusal,
 )
+from workers.running import RunningJobs
+from workers.wire.defaults import JOB_TTL_SECONDS, MAX_ATTEMPTS, WORKER_HEARTBEAT_SECONDS
+from workers.wire.job import STARTED, TERMINAL_STATUSES, JobRecord
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger("llmq.worker")
 
-RQ_WORKER_TTL = 20  # RQ's worker hash lives this + 60 s past the last heartbeat
-RQ_MONITORING_INTERVAL = 10  # our executions' StartedJobRegistry scores are refreshed this often
 BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
 PRUNE_SECONDS = 10
 SUSPENSION_CHECK_SECONDS = 1
@@ -81,8 +93,8 @@ def connect(url: str) -> redis.Redis:
     )
 
 
-class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
-    log_result_lifespan = False
+class LLMQWorker:
+    """The loop: claim -> step -> flush -> chores, over the collaborators it holds."""
 
     def __init__(
         self,
@@ -93,22 +105,33 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self.config = config
         sources, shared_queues = serving(config)
         queue_names = affinity.personal_queues(shared_queues, config.worker_name)
-        super().__init__(
+        self.rq_worker = RQWorker(
             queue_names,
             name=config.worker_name,
             connection=connection or connect(config.redis_url),
             serializer=JSONSerializer,
-            log_job_description=False,  # RELIABILITY 9: nothing about a job's text in logs
+            log_job_description=False,  # docs/faults.md, F17: nothing of a job's text in logs
             worker_ttl=RQ_WORKER_TTL,
             job_monitoring_interval=RQ_MONITORING_INTERVAL,
+            on_stop_job=self._stop_job,
         )
+        self.name: str = self.rq_worker.name
+        self.connection: redis.Redis = self.rq_worker.connection
         self.pool = pool or EnginePool(
             config.pool,
             sources,
             functools.partial(load_engine, backend=config.backend, device=config.device),
         )
-        self.running = RunningJobs(self.pool, config.max_batch, self.sync_adapters)
-        self.reaper = Reaper(self.connection, self.name, self._lease_ms)
+        # models whose jobs the API may route here: only these record prefix affinity
+        own_models = {keys.parse_queue_name(n)[0] for n in queue_names if keys.queue_owner(n)}
+        self.leases = Leases(self.connection, self.name, config.lease_ttl)
+        self.claims = Claims(self.connection, self.leases)
+        self.writer = EventWriter(self.connection, self.name, own_models)
+        self._own_models = own_models
+        self.rq = RQRegistries(self.rq_worker)
+        self.running = RunningJobs(self.pool, config.max_batch, self._sync_adapters)
+        self.ends = JobEnds(self.connection, self.running, self.writer, self.rq, self.claims)
+        self.reaper = Reaper(self.connection, self.name, self.leases.ttl_ms)
         self.batch_driver = batches.BatchDriver(self.connection, self.name)
         info = WorkerInfo(
             name=self.name,
@@ -121,11 +144,11 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         )
         wake_keys = [keys.queue_wake(name) for name in queue_names]  # jobs queued wake it
         self.presence = Presence(self.connection, info, describe_models(sources), wake_keys)
+        self.admin = Admin(self.connection, self.name, self.pool, self.presence)
+        queues = self.rq_worker.queues
         # a job on this worker's own queue is a job of the shared queue for RQ (its origin)
-        self._queues_by_key = {q.key: self._rq_queue(q) for q in self.queues}
-        self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in self.queues}
-        # models whose jobs the API may route here: only these record prefix affinity
-        self._own_models = {keys.parse_queue_name(n)[0] for n in queue_names if keys.queue_owner(n)}
+        self._queues_by_key = {q.key: self.rq.queue(q) for q in queues}
+        self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in queues}
         self._released = False  # own queues handed back to the shared ones (draining)
         self._due: dict[str, float] = {}
         self._drain_deadline: float | None = None
@@ -133,8 +156,6 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self._done = False
         self._suspended = False
         self._started = False
-        self._throughput = metrics.Throughput()
-        self._inspections = {}  # model -> has it a chat template (`inspect_models`)
         self.steps = 0  # decode steps run (tests and logs read it)
 
     # ------------------------------------------------------------------ signals
@@ -152,6 +173,13 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         else:
             log.warning("worker %s: second signal: checkpointing running jobs now", self.name)
             self._stop_now = True
+
+    def _stop_job(self, job_id: str) -> bool:
+        """RQ's `stop-job` command (`rq_registries.RQWorker`): our cancel flag, if we run it."""
+        if job_id not in self.running.jobs:
+            return False
+        self.connection.set(keys.job_cancel(job_id), "1", ex=JOB_TTL_SECONDS)
+        return True
 
     # ------------------------------------------------------------------ main loop
 
@@ -176,7 +204,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                 time.sleep(delay)
         self._started = True
 
-    def work(self, **_: Any) -> bool:  # type: ignore[override]
+    def work(self) -> bool:
         """Run until drained or stopped; True if any job was run."""
         self.start()
         backoff = 0
@@ -199,38 +227,39 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                     time.sleep(1)
         finally:
             self._shutdown()
-        return self.successful_job_count + self.failed_job_count > 0
+        return self.rq.closed > 0
 
     def _bootstrap(self) -> None:
-        live = self.connection.exists(self.key) and not self.connection.hexists(self.key, "death")
+        rq_key = self.rq_worker.key
+        live = self.connection.exists(rq_key) and not self.connection.hexists(rq_key, "death")
         if live and not self.connection.exists(keys.worker(self.name)):
-            self.connection.delete(self.key)  # a dead worker of this name left its RQ hash
-        self.register_birth()
+            self.connection.delete(rq_key)  # a dead worker of this name left its RQ hash
+        self.rq_worker.register_birth()
         # `rq info` lists queues from this set, which RQ fills on the first enqueue
-        self.connection.sadd(Queue.redis_queues_keys, *self.queue_keys())
-        self.subscribe()
-        self.set_state(WorkerStatus.IDLE)
+        self.connection.sadd(Queue.redis_queues_keys, *self.rq_worker.queue_keys())
+        self.rq_worker.subscribe()
+        self.rq_worker.set_state(WorkerStatus.IDLE)
         # loads run in the pool's thread: the worker registers now and takes jobs meanwhile
         self.pool.preload(preload_models(self.config, self.pool.sources))
-        self.inspect_models()
+        self.admin.inspect_models()
         self.presence.publish("idle", [], self.pool.snapshot())
         log.info(
             "worker %s (pid %d): serving %s on queues %s, max batch %d",
             self.name,
             os.getpid(),
             ", ".join(self.pool.sources) or "no models",
-            ", ".join(self.queue_names()),
+            ", ".join(self.rq_worker.queue_names()),
             self.config.max_batch,
         )
 
     def _tick(self) -> None:
-        if self._has_output():
+        if self.writer.has_output(self.running.jobs.values()):
             self._flush()  # events a Redis outage kept from being written go out first
         self._chores()
         if self._drain_deadline is not None:
             if not self._released:
                 self._publish()  # "stopping" first: the API routes nothing more here
-                self._release_own_queues()
+                self.admin.release_own_queues(self.rq_worker.queue_names())
                 self._released = True
             if not self.running.jobs:
                 self._done = True
@@ -241,7 +270,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                 return
         elif not self._suspended:
             self._claim()
-        if self._has_output():
+        if self.writer.has_output(self.running.jobs.values()):
             self._flush()
         if self.running.has_work():
             _, broken = self.running.step()
@@ -249,7 +278,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             for job, exc in broken:
                 if not isinstance(exc, JobFailure):
                     exc = JobFailure(f"the engine failed: {type(exc).__name__}: {exc}")
-                self._fail(job, exc)
+                self.ends.fail(job, exc)
             self._flush(step=True)
             if self.config.step_delay:
                 time.sleep(self.config.step_delay)
@@ -266,23 +295,23 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         wait = self.config.poll_interval
         if self.pool.loading:  # a preload's end is published (/ready) without delay
             wait = min(wait, LOAD_PUBLISH_SECONDS)
-        self._handle_commands(self.presence.commands(wait=wait))
+        self.admin.obey(self.presence.commands(wait=wait))
 
     def _chores(self) -> None:
         """Periodic work, each at its own pace."""
         for failed_job, failure in self.running.settle_loads():
-            self._fail(failed_job, failure)
+            self.ends.fail(failed_job, failure)
         if self._due_now("renew", self.config.lease_renew):
-            self._renew_leases()
+            for job in self.leases.renew(self.running.jobs.values()):
+                self.ends.drop(job)
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
-            self.heartbeat_executions()
+            self.rq.heartbeat()
         if self._due_now("loras", WORKER_HEARTBEAT_SECONDS):
-            self.sync_adapters()
-        pool = self.pool.snapshot()
-        learned = self._learn_models()
+            self._sync_adapters()
+        learned = self.admin.learn_models()
         if (
             learned
-            or pool != self.presence.info.pool
+            or self.presence.pool_changed(self.pool.snapshot())
             or self._due_now("presence", WORKER_HEARTBEAT_SECONDS)
         ):
             self._publish()
@@ -293,13 +322,13 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         if self._due_now("batches", batches.TICK_SECONDS):
             self.batch_driver.tick()  # offline batches: feed, collect, finalize (any worker)
         if self._due_now("suspension", SUSPENSION_CHECK_SECONDS):
-            self._suspended = is_suspended(self.connection, self)
+            self._suspended = is_suspended(self.connection, self.rq_worker)
         if self._due_now("prune", PRUNE_SECONDS):
             self.presence.prune()
-            if not self.running.jobs and self.should_run_maintenance_tasks:
-                self.run_maintenance_tasks()
+            if not self.running.jobs and self.rq_worker.should_run_maintenance_tasks:
+                self.rq_worker.run_maintenance_tasks()
         if self.running.jobs and self._due_now("commands", 0.5):  # busy or loading
-            self._handle_commands(self.presence.commands())
+            self.admin.obey(self.presence.commands())
 
     def _due_now(self, chore: str, every: float) -> bool:
         at = time.monotonic()
@@ -308,6 +337,28 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         self._due[chore] = at + every
         return True
 
+    def _publish(self) -> None:
+        if self._stop_now or self._drain_deadline is not None:
+            state = "stopping"
+        else:
+            state = "busy" if self.running.jobs else "idle"
+        self.admin.publish(state, list(self.running.jobs), self.writer.tokens_per_second())
+
+    def _sync_adapters(self) -> None:
+        self.admin.sync_adapters()
+
+    def _flush(self, step: bool = False) -> None:
+        """Write what the running jobs produced (`EventWriter.flush`), then act on it."""
+        step_sizes = self.running.last_step_sizes if step else None
+        flushed = self.writer.flush(self.running.jobs.values(), step_sizes)
+        for job in flushed.lost:
+            self.ends.drop(job)
+        for job in flushed.finished:
+            self.ends.finished(job)
+        for job in flushed.cancel_requested:
+            if job.id in self.running.jobs:
+                self.ends.cancel(job)
+
     # ------------------------------------------------------------------ taking jobs
 
     def _claim(self) -> None:
@@ -315,26 +366,25 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             if not self.running.has_room():
                 return
             queue_keys = [k for k, m in self._models_by_key.items() if self.pool.can_accept(m)]
-            claimed = scripts.claim(self.connection, queue_keys, self.name, self._lease_ms)
-            if claimed is None:
+            claim = self.claims.take(queue_keys)
+            if claim is None:
                 return
-            index, job_id, attempt = claimed
             try:
-                self._take(self._queues_by_key[queue_keys[index]], job_id, attempt)
+                queue = self._queues_by_key[queue_keys[claim.queue_index]]
+                self._take(queue, claim.job_id, claim.attempt)
             except (redis.ConnectionError, redis.TimeoutError):
                 raise
             except Exception:  # the reaper requeues it when the claim's lease runs out
-                log.exception("job %s: could not be started", job_id)
+                log.exception("job %s: could not be started", claim.job_id)
 
     def _take(self, queue: Queue, job_id: str, attempt: int) -> None:
-        rq_job = self._fetch_rq_job(job_id)
-        if attempt == scripts.CLAIMED_MISSING:
-            self._fail_orphan(rq_job, queue, "its job record is gone (expired or deleted)")
+        rq_job = self.rq.fetch(job_id)
+        if attempt == CLAIMED_MISSING:
+            self.ends.fail_orphan(rq_job, queue, "its job record is gone (expired or deleted)")
             return
-        if attempt == scripts.CLAIMED_CANCELLED:
-            self._cancel_queued(job_id, rq_job, queue)
+        if attempt == CLAIMED_CANCELLED:
+            self.ends.cancel_queued(job_id, rq_job, queue)
             return
-        lease = f"{self.name}:{attempt}"
         failure: JobFailure | None = refusal(rq_job, job_id)
         if attempt > MAX_ATTEMPTS:  # it took down (or out) every worker that ran it
             failure = failure or JobFailure(
@@ -345,7 +395,7 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         except (KeyError, ValueError, TypeError):
             record = JobRecord(job_id, "", "", {})
             failure = failure or JobFailure(f"job {job_id}: its record cannot be read")
-        job = ActiveJob(record, attempt, lease, rq_job, queue)
+        job = ActiveJob(record, attempt, self.leases.name(attempt), rq_job, queue)
         try:
             job.progress = read_progress(self.connection, job_id)
         except (KeyError, ValueError, TypeError):
@@ -353,12 +403,12 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
             failure = failure or JobFailure(f"job {job_id}: its event stream cannot be read")
         job.written = job.progress.length  # every write of ours is fenced on this
         if failure is not None:
-            self._fail(job, failure)
+            self.ends.fail(job, failure)
             return
         if record.status in TERMINAL_STATUSES or job.progress.terminal is not None:
-            self._settle_ended(job)
+            self.ends.settle_ended(job)
             return
-        self._rq_start(job)
+        self._start(job)
         log.info(
             "job %s: started (attempt %d, model %s, %s, %d tokens already streamed)",
             job_id,
@@ -370,9 +420,28 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
         try:
             self.running.add(job)
         except JobFailure as exc:
-            self._fail(job, exc)
+            self.ends.fail(job, exc)
         except PoolFull:
-            self._checkpoint(job)
+            self.ends.checkpoint(job)
+
+    def _start(self, job: ActiveJob) -> None:
+        """RQ's start of an execution (one of several this worker has open), and ours."""
+        with self.connection.pipeline() as pipe:
+            if job.rq_job is not None:
+                self.rq.open(job.rq_job, pipe)
+            pipe.hset(keys.job(job.id), mapping={"status": STARTED, "worker": self.name})
+            pipe.hsetnx(keys.job(job.id), "started_at", time.time())
+            metrics.count_job(pipe, "started")
+            if job.model in self._own_models:
+                affinity.remember_start(pipe, self.name, job.record)
+            pipe.execute()
+        self.rq.sync_state()
+
+    def _checkpoint_all(self) -> None:
+        if self.writer.has_output(self.running.jobs.values()):
+            self._flush()
+        for job in list(self.running.jobs.values()):
+            self.ends.checkpoint(job)
 
     def _shutdown(self) -> None:
         try:
@@ -383,11 +452,11 @@ class LLMQWorker(JobWrites, AdminDuties, RQBookkeeping):
                 "worker %s: could not checkpoint (%s); the reaper will requeue", self.name, exc
             )
         self.pool.close()
-        self.close_inspections()
+        self.admin.close()
         try:
             self.presence.withdraw()
-            self._release_own_queues()
-            self.teardown()
+            self.admin.release_own_queues(self.rq_worker.queue_names())
+            self.rq_worker.teardown()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.error("worker %s: could not unregister (%s)", self.name, exc)
         log.info("worker %s: stopped", self.name)

@@ -1,10 +1,11 @@
 """A stand-in worker for API tests: a thread with a scripted engine and the worker's writes.
 
 It registers itself like a real worker (keys.WORKERS, a WorkerInfo hash, keys.MODELS),
-claims job ids from the models' RQ queues with the worker's claim script, reads each job's
-record and generation spec, and writes token events and a terminal event through the
-worker's own fenced append (`workers.scripts`), honouring the cancel flag between tokens. What it
-generates is scripted by the prompt text (the last message's content for chat):
+claims job ids from the models' RQ queues with the worker's own `Claims` and `Leases`, reads
+each job's record and generation spec, and writes token events and a terminal event through
+the worker's own `EventWriter` (every write fenced by the job's lease), honouring the cancel
+flag between tokens. What it generates is scripted by the prompt text (the last
+message's content for chat):
 
 - tokens are "t0 ", "t1 ", ... (`max_tokens` of them, or 8 when unset);
 - "slow" in the prompt waits `slow_delay` seconds per token;
@@ -19,20 +20,25 @@ import json
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from runtime.request import GenerationSpec
-from workers import keys, scripts
+from workers import keys
+from workers.claims import CANCELLED as CLAIMED_CANCELLED
+from workers.claims import Claims
+from workers.event_writer import EventWriter
+from workers.jobs import ActiveJob
+from workers.leases import Leases
 from workers.wire.errors import cancelled_error, error_body
-from workers.wire.events import ending, token_event, write_ending
+from workers.wire.events import token_event
 from workers.wire.job import (
     CANCELLED,
     CHAT_COMPLETIONS,
     COMPLETIONS,
     FAILED,
-    FINISHED,
     STARTED,
     TERMINAL_STATUSES,
     JobRecord,
@@ -60,6 +66,9 @@ class FakeWorker:
         self.slow_delay = slow_delay
         self.paused = threading.Event()  # set: registered and alive, but takes no jobs
         self.processed: list[str] = []
+        self.leases = Leases(conn, name, LEASE_MS / 1000)
+        self.claims = Claims(conn, self.leases)
+        self.writer = EventWriter(conn, name, own_models=set())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -107,17 +116,14 @@ class FakeWorker:
             self._execute(job_id, attempt)
 
     def _claim(self, queues: list[str]) -> tuple[str, int] | None:
-        """The real worker's claim (`workers.scripts.claim`): pop, count the attempt, lease."""
-        found = scripts.claim(self.conn, queues, self.info.name, LEASE_MS)
-        if found is None:
+        """The real worker's claim (`workers.claims`): pop, count the attempt, lease."""
+        claim = self.claims.take(queues)
+        if claim is None:
             return None
-        _, job_id, attempt = found
-        if attempt == scripts.CLAIMED_CANCELLED:
-            with self.conn.pipeline() as pipe:  # never ran, no lease: as the worker does
-                write_ending(pipe, job_id, CANCELLED, cancelled_error())
-                pipe.execute()
+        if claim.attempt == CLAIMED_CANCELLED:  # never ran, no lease: as the worker does
+            self.writer.cancel_unclaimed(claim.job_id)
             return None
-        return (job_id, attempt) if attempt > 0 else None
+        return (claim.job_id, claim.attempt) if claim.attempt > 0 else None
 
     # ------------------------------------------------------------ one job
 
@@ -131,15 +137,19 @@ class FakeWorker:
             self._execute(*claimed)
 
     def _execute(self, job_id: str, attempt: int) -> None:
-        """Scripted tokens written through the worker's own fenced append
-        (`workers.scripts.append`) and ended with `wire.events.ending`."""
+        """Scripted tokens written as the worker writes a step (`EventWriter.flush`), and
+        its end as the worker ends a job (`flush` with a result, or `EventWriter.end`)."""
         record = JobRecord.from_hash(self.conn.hgetall(keys.job(job_id)))
         if record.status in TERMINAL_STATUSES:  # ended by an earlier run: as the worker does
             self.conn.srem(keys.RUNNING, job_id)
             self.conn.delete(keys.job_lease(job_id))
             return
-        job = _Writes(self.conn, job_id, f"{self.info.name}:{attempt}")
-        job.write([], {"status": STARTED, "started_at": str(time.time()), "worker": self.info.name})
+        job = _ScriptedJob(record, attempt, self.leases.name(attempt), None, None)
+        job.written = self.conn.xlen(keys.job_events(job_id))
+        with self.conn.pipeline() as pipe:  # as the worker starts a job
+            pipe.hset(keys.job(job_id), mapping={"status": STARTED, "worker": self.info.name})
+            pipe.hsetnx(keys.job(job_id), "started_at", time.time())
+            pipe.execute()
         prompt = self._prompt_text(record)
         if "toolong" in prompt:
             error = error_body(
@@ -147,13 +157,15 @@ class FakeWorker:
                 param="prompt",
                 status=400,
             )
-            job.end(FAILED, error)
+            self._end(job, FAILED, error)
             return
         if "crash" in prompt:
-            job.end(FAILED, error_body("The engine failed.", type_="server_error", status=500))
+            crashed = error_body("The engine failed.", type_="server_error", status=500)
+            self._end(job, FAILED, crashed)
             return
         if record.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
-            job.end(FINISHED, self._embeddings(record))
+            job.result = self._embeddings(record)
+            self._flush(job)
             return
         spec = GenerationSpec.from_record(record.spec or {})
         count = spec.max_tokens or 8
@@ -162,9 +174,8 @@ class FakeWorker:
         texts = [""] * choices
         for i in range(count):
             if self.conn.exists(keys.job_cancel(job_id)):
-                job.end(CANCELLED, cancelled_error())
+                self._end(job, CANCELLED, cancelled_error())
                 return
-            events = []
             for c in range(choices):
                 text = f"t{i} "
                 texts[c] += text
@@ -172,11 +183,23 @@ class FakeWorker:
                 if spec.logprobs is not None:
                     entry = self._logprobs_entry(record, text, len(texts[c]) - 3)
                 finish = "length" if i == count - 1 else None
-                events.append(token_event(c, i, text, 100 + i, -0.5, finish, attempt, entry))
-            job.write(events, {"completion_tokens": str(i + 1)})
+                event = token_event(c, i, text, 100 + i, -0.5, finish, attempt, entry)
+                job.pending.append(event)
+            job.tokens = i + 1
+            self._flush(job)
             if delay:
                 time.sleep(delay)
-        job.end(FINISHED, self._result(record, texts, count))
+        job.result = self._result(record, texts, count)
+        self._flush(job)
+
+    def _flush(self, job: _ScriptedJob) -> None:
+        """One step's writes for `job` (the cancel flag is checked before each token)."""
+        if self.writer.flush([job], step_sizes=None).lost:
+            raise RuntimeError(f"job {job.id}: the fake worker lost its lease")
+
+    def _end(self, job: _ScriptedJob, status: str, body: dict[str, Any]) -> None:
+        if not self.writer.end(job, status, body):
+            raise RuntimeError(f"job {job.id}: the fake worker lost its lease")
 
     @staticmethod
     def _logprobs_entry(record: JobRecord, text: str, offset: int) -> dict[str, Any]:
@@ -245,23 +268,12 @@ class FakeWorker:
         return {"object": "list", "data": data, "model": record.model, "usage": usage}
 
 
-class _Writes:
-    """One claimed job's writes, each fenced by its lease like the worker's."""
+@dataclass(eq=False)
+class _ScriptedJob(ActiveJob):
+    """An `ActiveJob` without an engine: its completion tokens are the script's count."""
 
-    def __init__(self, conn: redis.Redis, job_id: str, lease: str) -> None:
-        self.conn, self.job_id, self.lease, self.written = conn, job_id, lease, 0
+    tokens: int = 0
 
-    def write(self, events: list[tuple[str, str]], fields: dict[str, str]) -> None:
-        self._append(events, fields, final=False)
-
-    def end(self, status: str, body: dict[str, Any]) -> None:
-        fields, event = ending(status, body)
-        self._append([event], fields, final=True)
-
-    def _append(self, events: list[tuple[str, str]], fields: dict[str, str], final: bool) -> None:
-        written = scripts.append(
-            self.conn, self.job_id, self.lease, self.written, events, fields, final
-        )
-        if written is None:
-            raise RuntimeError(f"job {self.job_id}: the fake worker lost its lease")
-        self.written += len(events)
+    @property
+    def completion_tokens(self) -> int:
+        return self.tokens

@@ -1,0 +1,88 @@
+"""The submission gate: the queue-depth check and the push of a job id, in one step on
+the server, so concurrent submits from any number of API processes never push past the
+limit (docs/faults.md, F10) and a job id is on a queue only if its record exists.
+
+`gate_submission` is the only caller of the script: it lays out KEYS and ARGV from two
+dataclasses whose fields are named in the order the script unpacks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GateKeys:
+    shared_queue: str  # the model's shared RQ queue
+    queues_set: str  # RQ's set of queue keys (`rq info` lists queues from it)
+    record: str  # the job's record
+    rq_job: str  # the job's RQ hash
+    own_queue: str  # a worker's own queue to prefer, '' for none
+    shared_wake: str  # the wake list of the shared queue
+    own_wake: str  # the wake list of the own queue (the shared one's if none)
+    jobs_metric: str  # the jobs counter
+    owner_index: str  # the owner's index of jobs, '' for none
+
+
+@dataclass(frozen=True)
+class GateArgs:
+    max_queue: int  # 0: no limit
+    job_id: str
+    own_prefix: str  # prefix of the model's own queues, '' to count only the shared one
+    own_room: int  # how many jobs the own queue may hold
+    created_at: float  # the index's score of this job
+    index_cutoff: float  # index entries scored below this are dropped
+    index_ttl: int
+    wake_token: str
+    wake_max_tokens: int
+    wake_ttl: int
+    counted_status: str  # the jobs counter's field
+    own_queue_name: str  # written to the record when the own queue is chosen
+
+
+# Returns {1 shared | 2 own, depth}, or {0, depth} when full, after deleting the record and
+# RQ's hash.
+_GATE = """
+local shared_queue, queues_set, record, rq_job, own_queue, shared_wake, own_wake,
+      jobs_metric, owner_index = unpack(KEYS)
+local max_queue, job_id, own_prefix, own_room, created_at, index_cutoff, index_ttl,
+      wake_token, wake_max_tokens, wake_ttl, counted_status, own_queue_name = unpack(ARGV)
+local depth = redis.call('LLEN', shared_queue)
+if own_prefix ~= '' then
+  for _, queue in ipairs(redis.call('SMEMBERS', queues_set)) do
+    if string.sub(queue, 1, #own_prefix) == own_prefix then
+      depth = depth + redis.call('LLEN', queue)
+    end
+  end
+end
+local limit = tonumber(max_queue)
+if limit > 0 and depth >= limit then
+  redis.call('DEL', record, rq_job)
+  return {0, depth}
+end
+local target, wake, chosen = shared_queue, shared_wake, 1
+if own_queue ~= '' and redis.call('LLEN', own_queue) < tonumber(own_room) then
+  target, wake, chosen = own_queue, own_wake, 2
+  redis.call('HSET', record, 'queue', own_queue_name)
+end
+redis.call('RPUSH', target, job_id)
+redis.call('SADD', queues_set, target)
+redis.call('LPUSH', wake, wake_token)
+redis.call('LTRIM', wake, 0, tonumber(wake_max_tokens) - 1)
+redis.call('EXPIRE', wake, wake_ttl)
+redis.call('HINCRBY', jobs_metric, counted_status, 1)
+if owner_index ~= '' then
+  redis.call('ZADD', owner_index, created_at, job_id)
+  redis.call('ZREMRANGEBYSCORE', owner_index, '-inf', index_cutoff)
+  redis.call('EXPIRE', owner_index, index_ttl)
+end
+return {chosen, depth}
+"""
+
+
+def gate_submission(client: Any, gate_keys: GateKeys, args: GateArgs) -> tuple[int, int]:
+    """Push `args.job_id` unless the queues are full: (0 full | 1 shared | 2 own, depth)."""
+    key_values = astuple(gate_keys)
+    chosen, depth = client.eval(_GATE, len(key_values), *key_values, *astuple(args))
+    return int(chosen), int(depth)

@@ -1,0 +1,50 @@
+"""Taking jobs off queues and giving them back, atomically (`scripts.claim`, `recovery.requeue`).
+
+A claim pops a job id, marks it running and takes its lease in one script, so a worker that
+dies between the two loses nothing: the reaper finds the job running without a lease.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from workers import scripts
+from workers.jobs import ActiveJob
+from workers.leases import Leases
+from workers.recovery import requeue
+
+MISSING = scripts.CLAIMED_MISSING  # the job's record is gone
+CANCELLED = scripts.CLAIMED_CANCELLED  # its cancel flag was set while it was queued
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A job taken off `queue_keys[queue_index]`; `attempt` is its run number (>= 1) or
+    `MISSING` / `CANCELLED` (then no lease was taken and it must not run)."""
+
+    queue_index: int
+    job_id: str
+    attempt: int
+
+
+class Claims:
+    def __init__(self, connection: Any, leases: Leases) -> None:
+        self.connection = connection
+        self.leases = leases
+
+    def take(self, queue_keys: Sequence[str]) -> Claim | None:
+        """The first job of the first non-empty queue (in priority order), or None."""
+        claimed = scripts.claim(
+            self.connection,
+            queue_keys=queue_keys,
+            worker=self.leases.worker,
+            lease_ms=self.leases.ttl_ms,
+        )
+        return None if claimed is None else Claim(*claimed)
+
+    def give_back(self, job: ActiveJob) -> bool:
+        """Requeue a running job at the front of its queue (drain, no room), to be resumed
+        from its stream; False if its lease was not ours any more."""
+        return job.rq_job is not None and requeue(self.connection, job.id, job.lease, job.rq_job)
