@@ -97,11 +97,14 @@ def test_the_probe_sees_another_process_running():
 
 def test_the_torch_backend_shares_the_cores_and_fixed_threads_turns_it_off(monkeypatch):
     torch = pytest.importorskip("torch")
-    from runtime.kernels.torch_backend import TorchBackend
+    from runtime.kernels import torch_backend
 
-    TorchBackend()
+    monkeypatch.setattr(core_share, "_shared", None)  # as in a fresh process
+    torch_backend._give_torch_the_cores.cache_clear()
+    backend = torch_backend.TorchBackend()
     shared = core_share._shared
-    assert shared is not None and shared.cores == torch.get_num_threads()
+    assert shared is not None and shared.cores == backend.plan.threads
+    assert torch.get_num_threads() == shared.threads == core_share.threads()
     monkeypatch.setattr(core_share, "_shared", None)
     monkeypatch.setenv("LLMQ_FIXED_THREADS", "1")
     fixed = core_share.share_cores(2, lambda n: None)
