@@ -2,7 +2,7 @@
 
 Every error body is `{"error": {"message", "type", "param", "code"}}`, whatever raised it:
 our own `APIError`s, Flask/Werkzeug's HTTP errors (404, 405, 413, 415, ...), Redis being
-unreachable (503 + Retry-After, RELIABILITY F7) and unexpected exceptions (500, logged with
+unreachable (503 + Retry-After, docs/faults.md F7) and unexpected exceptions (500, logged with
 their traceback but never with it in the body).
 """
 

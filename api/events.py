@@ -1,7 +1,7 @@
 """Following a job's event stream, and noticing clients that went away.
 
 The stream (`keys.job_events`) is the only source of truth for what a client may see
-(RELIABILITY 7): readers XREAD it from an entry id, so a late or reconnecting reader gets
+(docs/faults.md L7): readers XREAD it from an entry id, so a late or reconnecting reader gets
 every later event exactly once. XREAD BLOCK wakes us as soon as a worker appends; the block
 is shorter than the Redis socket timeout, and each empty wait is reported to the caller as an
 idle tick (for pings, disconnect checks and lost-job checks).
@@ -56,7 +56,7 @@ def follow(conn: redis.Redis, job_id: str, after: str = "0") -> Iterator[Event |
 
     If the job's record vanishes (expired, or Redis lost it) or is terminal without a
     terminal event in the stream, a synthesized terminal event ends the iteration instead
-    of leaving the reader waiting forever (RELIABILITY F8).
+    of leaving the reader waiting forever (docs/faults.md F8).
     """
     stream = keys.job_events(job_id)
     last = after

@@ -151,7 +151,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def _connected(make: Callable[[], T]) -> T:
     """`make()`, retried with backoff while Redis is unreachable: a worker started before
-    its broker waits for it instead of exiting (RELIABILITY 6)."""
+    its broker waits for it instead of exiting (docs/faults.md L6)."""
     import redis
 
     delay = 0.5

@@ -66,7 +66,7 @@ class ModelLoadError(JobFailure):
 
 class JobRefused(JobFailure):
     """A queue entry that is not an llmq job: another function, other arguments, or data
-    that cannot be read as JSON (RELIABILITY F19). It is failed, never executed."""
+    that cannot be read as JSON (docs/faults.md F19). It is failed, never executed."""
 
     code = "job_refused"
 

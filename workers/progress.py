@@ -1,7 +1,7 @@
 """A job's event stream as the worker sees it: what to append, and what was already sent.
 
 The stream is the job's durable output log. A worker that takes over a job reads it to learn
-which tokens each choice already streamed (RELIABILITY 1: the worker that resumes a job
+which tokens each choice already streamed (docs/faults.md L1: the worker that resumes a job
 learns from the Stream what was already sent) and continues after the last one.
 """
 
