@@ -34,7 +34,7 @@ from workers.responses import (
     embeddings_body,
 )
 from workers.wire.errors import error_body
-from workers.wire.events import token_event, write_ending
+from workers.wire.events import StreamToken, encode, write_ending
 from workers.wire.job import CHAT_COMPLETIONS, EMBEDDINGS, FAILED, JobRecord
 
 
@@ -155,17 +155,19 @@ class ActiveJob:
             )
             out.logprobs.append(entry)
         self.pending.append(
-            token_event(
-                out.index,
-                out.tokens,
-                text,
-                event.token_id,
-                event.logprob,
-                finish,
-                self.attempt,
-                entry,
-                event.top_logprobs if entry is not None else None,
-                delta,
+            encode(
+                StreamToken(
+                    choice=out.index,
+                    index=out.tokens,
+                    text=text,
+                    token_id=event.token_id,
+                    logprob=event.logprob,
+                    finish_reason=finish,
+                    attempt=self.attempt,
+                    top_logprobs=tuple(event.top_logprobs) if entry is not None else (),
+                    logprobs=entry,
+                    delta=delta,
+                )
             )
         )
         out.text.append(text)
