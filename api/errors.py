@@ -15,19 +15,16 @@ import redis
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
-from workers.wire.errors import openai_error
+from workers.wire.errors import OpenAIError, openai_error
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 2
 
 
-class APIError(Exception):
-    """An error with an HTTP status and OpenAI's error fields."""
-
-    status = 400
-    type = "invalid_request_error"
-    code: str | None = None
+class APIError(OpenAIError):
+    """An error the API answers with at once: its HTTP status, OpenAI's error body
+    (`OpenAIError`, shared with the workers' errors) and any headers it needs."""
 
     def __init__(
         self,
@@ -37,15 +34,12 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        if code is not None:
-            self.code = code
+        super().__init__(message, param, code=code)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return openai_error(self.message, self.type, self.param, self.code)
+        """What the HTTP answer carries."""
+        return self.openai_body()
 
 
 class InvalidRequest(APIError):

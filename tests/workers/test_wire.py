@@ -10,7 +10,7 @@ import pytest
 
 from workers import keys
 from workers.wire.commands import COMMAND_LOAD, decode_command, encode_command
-from workers.wire.errors import cancelled_error, error_body, openai_error
+from workers.wire.errors import OpenAIError, cancelled_error, error_body, openai_error
 from workers.wire.events import (
     EVENT_DONE,
     EVENT_ERROR,
@@ -149,3 +149,18 @@ def test_terminal_events_decode_to_their_types_and_unknown_kinds_are_kept_apart(
     odd = decode({"event": "note", "data": '{"x": 1}'})
     assert odd == StreamOther("note", {"x": 1}) and not is_terminal(odd)
     assert StreamError.from_data({"error": {"message": "m"}, "status": 200}).status == 500
+
+
+def test_the_api_and_the_workers_build_error_bodies_in_one_place():
+    from api.errors import ModelNotFound
+    from workers.errors import UnknownModelError
+
+    api_error, job_error = ModelNotFound("m"), UnknownModelError("no such model", param="model")
+    assert isinstance(api_error, OpenAIError) and isinstance(job_error, OpenAIError)
+    assert api_error.body() == openai_error(
+        "The model 'm' does not exist.", param="model", code="model_not_found"
+    )
+    assert job_error.body() == error_body(
+        "no such model", param="model", code="model_not_found", status=404
+    )
+    assert job_error.body() == {**job_error.openai_body(), "status": 404}
