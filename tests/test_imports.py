@@ -185,3 +185,18 @@ def test_no_room_imports_one_it_must_not() -> None:
         "api.flow -> runtime.engine",
         "runtime.x -> api.app",
     ]
+
+
+def test_the_tokenizer_loads_neither_the_sampler_nor_llguidance() -> None:
+    """The API reads tokenizers to check requests; that must not pull in the sampler."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, runtime.tokenizer, runtime.detokenizer;"
+        "print(sorted(m for m in ('llguidance', 'runtime.sampling') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"

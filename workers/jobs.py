@@ -19,8 +19,9 @@ from rq.queue import Queue
 
 from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
+from runtime.finish import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from runtime.generator import TokenEvent
-from runtime.sampling import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from runtime.sampling import SamplingParams
 from runtime.tool_calls import ToolCallParser
 from workers import keys
 from workers.errors import ConstrainedDecodingError, InvalidJobRequest, JobFailure, JobRefused
