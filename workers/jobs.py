@@ -114,7 +114,7 @@ class ActiveJob:
 
     def start(self, engine: Engine) -> list[tuple[str, list[int], SamplingParams]]:
         """Plan the job on `engine` and resume what earlier attempts streamed; the sequences
-        to add to the batch as (request id, prompt ids, params). A resumed sequence's prompt
+        to add to the generator as (request id, prompt ids, params). A resumed sequence's prompt
         ends with the tokens already sent (`resumed` says how many; the engine replays
         them) and its `max_tokens` counts only what is left. Raises InvalidJobRequest."""
         body = self.record.request
