@@ -9,7 +9,7 @@ import fakeredis
 import pytest
 
 from workers import keys
-from workers.wire.commands import COMMAND_LOAD, decode_command, encode_command
+from workers.wire.commands import COMMAND_LOAD, AdminCommand, decode_command, encode_command
 from workers.wire.errors import OpenAIError, cancelled_error, error_body, openai_error
 from workers.wire.events import (
     EVENT_DONE,
@@ -164,3 +164,11 @@ def test_the_api_and_the_workers_build_error_bodies_in_one_place():
         "no such model", param="model", code="model_not_found", status=404
     )
     assert job_error.body() == {**job_error.openai_body(), "status": 404}
+
+
+def test_an_admin_command_is_typed_and_keeps_its_json():
+    command = AdminCommand(COMMAND_LOAD, "m")
+    assert command.encode() == encode_command(COMMAND_LOAD, "m") == '{"op": "load", "model": "m"}'
+    assert AdminCommand.decode(command.encode().encode()) == command
+    with pytest.raises(ValueError, match="not an admin command"):
+        AdminCommand.decode('{"op": "load", "model": 3}')

@@ -4,7 +4,7 @@ Shared by `api/` and `workers/`; imports only the standard library, pydantic (fo
 documented response bodies) and `workers.keys`, never the engine. Nothing here is ever
 pickled: records are Redis hashes of strings, events are stream entries of JSON. Each
 message has one encoder and one decoder: `JobRecord.to_hash` / `from_hash`, `events.encode`
-/ `decode`, `commands.encode_command` / `decode_command`.
+/ `decode`, `commands.AdminCommand.encode` / `decode`.
 
 | noun | module |
 | --- | --- |
