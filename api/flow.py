@@ -22,6 +22,7 @@ from api.config import redis_conn
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
 from api.model_texts import ModelTexts
+from api.responses import JobSummary
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec
 from workers.wire.events import StreamDone, StreamError, StreamEvent, StreamToken
@@ -101,7 +102,8 @@ def _sentence(message: str) -> str:
 
 
 def job_summary(record: JobRecord) -> dict[str, Any]:
-    return {"id": record.id, "object": "job", "status": record.status}
+    """The 202 body, built with the model `/openapi.json` documents for it."""
+    return JobSummary(id=record.id, object="job", status=record.status).dump()
 
 
 def accepted(record: JobRecord) -> Response:
