@@ -46,7 +46,7 @@ EVENT_TOKEN, EVENT_DONE, EVENT_ERROR = "token", "done", "error"
 Event = tuple[str, str]  # (kind, JSON data): what XADD and `workers.scripts.append` take
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen one took ~4 us more per token to build here
 class StreamToken:
     """One generated token of one choice, as the worker appends it and readers relay it."""
 
@@ -211,7 +211,7 @@ def token_event(
         logprob=logprob,
         finish_reason=finish_reason,
         attempt=attempt,
-        top_logprobs=tuple((t, lp) for t, lp in top_logprobs or ()),
+        top_logprobs=tuple(top_logprobs) if top_logprobs else (),
         logprobs=logprobs,
         delta=delta,
     )
