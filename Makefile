@@ -35,12 +35,12 @@ serve: install
 test: install $(VENV)/.chromium
 	$(PY) -m pytest
 
-# RELIABILITY.md's fault injection alone (each test starts its own redis-server and real
+# docs/faults.md's fault injection alone (each test starts its own redis-server and real
 # workers); they are part of `make test` too.
 test-faults: install
 	$(PY) -m pytest -m faults tests/faults
 
-# 200 clients for 60 s against `llmq serve --workers 2` (issue 15); not part of `make test`
+# 200 clients for 60 s against `llmq serve --workers 2` (tests/README.md "Load"); not part of `make test`
 test-load: install
 	LLMQ_LOAD_SECONDS=60 $(PY) -m pytest -s tests/faults/test_load.py
 

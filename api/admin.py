@@ -2,7 +2,7 @@
 
 Guarded by `require_admin` (admin key, or loopback only). Model ids in load/unload must be
 ids the workers published in `keys.MODELS`: the API never forwards paths or URLs, so a
-worker is never asked to open a file the registry does not name (RELIABILITY 5.2 row 30).
+worker is never asked to open a file the registry does not name (docs/faults.md M30).
 """
 
 from __future__ import annotations

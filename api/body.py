@@ -2,7 +2,7 @@
 
 Flask's `request.get_json()` accepts NaN/Infinity, lone surrogates and unbounded nesting
 (which raises RecursionError, a 500). Every POST body goes through `json_object()` instead,
-so malformed input always ends as a 400/413/415 in OpenAI's shape (RELIABILITY 5.2).
+so malformed input always ends as a 400/413/415 in OpenAI's shape (docs/faults.md, the M rows).
 """
 
 from __future__ import annotations

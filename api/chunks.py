@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from workers.wire.events import StreamToken
 from workers.wire.job import CHAT_COMPLETIONS, JobRecord, response_id
 
 
@@ -76,36 +77,37 @@ class ChunkStream:
             return chunks
         return []
 
-    def token(self, data: dict[str, Any]) -> dict[str, Any] | None:
-        text = data.get("text", "")
-        delta = data.get("delta") if self.chat else None
-        if isinstance(delta, dict):
-            return self._parsed_token(data, delta, text)
+    def token(self, event: StreamToken) -> dict[str, Any] | None:
+        text = event.text
+        delta = event.delta if self.chat else None
+        if delta is not None:
+            return self._parsed_token(event, delta)
         if not text and not self.logprobs:
             return None
-        index = int(data.get("choice", 0))
-        logprobs = self._logprobs(index, data, text) if self.logprobs else None
-        return self._chunk([self._choice(index, text, None, logprobs)])
+        logprobs = self._logprobs(event) if self.logprobs else None
+        return self._chunk([self._choice(event.choice, text, None, logprobs)])
 
-    def _parsed_token(
-        self, data: dict[str, Any], delta: dict[str, Any], text: str
-    ) -> dict[str, Any] | None:
+    def _parsed_token(self, event: StreamToken, delta: dict[str, Any]) -> dict[str, Any] | None:
         """A chat token whose worker split it into content and tool-call deltas."""
         if not delta and not self.logprobs:
             return None
-        index = int(data.get("choice", 0))
-        logprobs = self._logprobs(index, data, text) if self.logprobs else None
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        logprobs = self._logprobs(event) if self.logprobs else None
+        choice = {
+            "index": event.choice,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": None,
+        }
         return self._chunk([choice])
 
-    def _logprobs(self, index: int, data: dict[str, Any], text: str) -> dict[str, Any]:
+    def _logprobs(self, event: StreamToken) -> dict[str, Any]:
         """The chunk's `logprobs`: the worker's ready-made entry, else a minimal one."""
-        entry = data.get("logprobs")
+        entry, text, index = event.logprobs, event.text, event.choice
         if self.chat:
-            if not isinstance(entry, dict):
+            if entry is None:
                 entry = {
                     "token": text,
-                    "logprob": data.get("logprob"),
+                    "logprob": event.logprob,
                     "bytes": list(text.encode()),
                     "top_logprobs": [],
                 }
@@ -113,8 +115,8 @@ class ChunkStream:
         offset = self.offsets[index] if index < len(self.offsets) else 0
         if index < len(self.offsets):
             self.offsets[index] += len(text)
-        if not isinstance(entry, dict):
-            entry = {"token": text, "logprob": data.get("logprob"), "top_logprobs": None}
+        if entry is None:
+            entry = {"token": text, "logprob": event.logprob, "top_logprobs": None}
         return {
             "tokens": [entry.get("token", text)],
             "token_logprobs": [entry.get("logprob")],

@@ -1,4 +1,4 @@
-"""Settings from the environment (documented in CONTRACT.md), and the shared Redis client.
+"""Settings from the environment (documented in docs/contract.md), and the shared Redis client.
 
 `create_app(test_config)` starts from `from_env()` and lets the test config override any
 key; blueprints reach Redis through `redis_conn()`, never through a module global.
@@ -16,7 +16,7 @@ from flask import current_app
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MAX_QUEUE = 1000
 MAX_CONTENT_LENGTH = 1024 * 1024  # 1 MiB: far above any sane prompt, far below memory trouble
-REDIS_SOCKET_TIMEOUT = 2.0  # a stalled Redis turns into a 503 within ~2 s (RELIABILITY F7)
+REDIS_SOCKET_TIMEOUT = 2.0  # a stalled Redis turns into a 503 within ~2 s (docs/faults.md F7)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

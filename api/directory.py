@@ -7,7 +7,7 @@ time waiting on round trips. One API process keeps the answer for `MAX_AGE_SECON
 model that the snapshot says is missing or unserved is read again before the request is
 refused, so a worker that just came up is never reported absent; a worker that died
 within the last second may still be taken for live, which a submission can meet anyway
-(its job waits on the queue for the next worker, as RELIABILITY's recovery expects).
+(its job waits on the queue for the next worker, as recovery expects: docs/faults.md F1).
 """
 
 from __future__ import annotations

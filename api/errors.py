@@ -2,7 +2,7 @@
 
 Every error body is `{"error": {"message", "type", "param", "code"}}`, whatever raised it:
 our own `APIError`s, Flask/Werkzeug's HTTP errors (404, 405, 413, 415, ...), Redis being
-unreachable (503 + Retry-After, RELIABILITY F7) and unexpected exceptions (500, logged with
+unreachable (503 + Retry-After, docs/faults.md F7) and unexpected exceptions (500, logged with
 their traceback but never with it in the body).
 """
 
@@ -15,19 +15,16 @@ import redis
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
-from workers.wire.errors import openai_error
+from workers.wire.errors import OpenAIError, openai_error
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 2
 
 
-class APIError(Exception):
-    """An error with an HTTP status and OpenAI's error fields."""
-
-    status = 400
-    type = "invalid_request_error"
-    code: str | None = None
+class APIError(OpenAIError):
+    """An error the API answers with at once: its HTTP status, OpenAI's error body
+    (`OpenAIError`, shared with the workers' errors) and any headers it needs."""
 
     def __init__(
         self,
@@ -37,15 +34,12 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        if code is not None:
-            self.code = code
+        super().__init__(message, param, code=code)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return openai_error(self.message, self.type, self.param, self.code)
+        """What the HTTP answer carries."""
+        return self.openai_body()
 
 
 class InvalidRequest(APIError):

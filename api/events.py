@@ -1,7 +1,7 @@
 """Following a job's event stream, and noticing clients that went away.
 
 The stream (`keys.job_events`) is the only source of truth for what a client may see
-(RELIABILITY 7): readers XREAD it from an entry id, so a late or reconnecting reader gets
+(docs/faults.md L7): readers XREAD it from an entry id, so a late or reconnecting reader gets
 every later event exactly once. XREAD BLOCK wakes us as soon as a worker appends; the block
 is shorter than the Redis socket timeout, and each empty wait is reported to the caller as an
 idle tick (for pings, disconnect checks and lost-job checks).
@@ -22,7 +22,7 @@ import redis
 from api.errors import InvalidRequest
 from workers import keys
 from workers.wire.errors import cancelled_error, error_body
-from workers.wire.events import EVENT_DONE, EVENT_ERROR, decode_event
+from workers.wire.events import StreamDone, StreamError, StreamEvent, decode, is_terminal
 from workers.wire.job import FAILED, FINISHED, TERMINAL_STATUSES
 from workers.wire.text import as_str
 
@@ -33,13 +33,18 @@ STREAM_ID = re.compile(r"^\d{1,20}(-\d{1,20})?$")
 
 @dataclass
 class Event:
+    """A job event as a reader meets it: its stream entry id (the SSE `id:`) and what it says."""
+
     id: str
-    kind: str
-    data: dict[str, Any]
+    message: StreamEvent
+
+    @property
+    def kind(self) -> str:
+        return self.message.kind
 
     @property
     def terminal(self) -> bool:
-        return self.kind in (EVENT_DONE, EVENT_ERROR)
+        return is_terminal(self.message)
 
 
 def parse_event_id(value: str | None, name: str = "Last-Event-ID") -> str:
@@ -56,7 +61,7 @@ def follow(conn: redis.Redis, job_id: str, after: str = "0") -> Iterator[Event |
 
     If the job's record vanishes (expired, or Redis lost it) or is terminal without a
     terminal event in the stream, a synthesized terminal event ends the iteration instead
-    of leaving the reader waiting forever (RELIABILITY F8).
+    of leaving the reader waiting forever (docs/faults.md F8).
     """
     stream = keys.job_events(job_id)
     last = after
@@ -73,8 +78,7 @@ def follow(conn: redis.Redis, job_id: str, after: str = "0") -> Iterator[Event |
         idle_since = time.monotonic()
         for entry_id, fields in reply[0][1]:
             last = as_str(entry_id)
-            kind, data = decode_event(fields)
-            event = Event(last, kind, data)
+            event = Event(last, decode(fields))
             yield event
             if event.terminal:
                 return
@@ -89,13 +93,13 @@ def _repair(conn: redis.Redis, job_id: str, last: str, idle: float) -> Event | N
             code="job_lost",
             status=404,
         )
-        return Event(last, EVENT_ERROR, error)
+        return Event(last, StreamError.from_data(error))
     if status in TERMINAL_STATUSES and idle >= LOST_GRACE_SECONDS:
         if status == FINISHED and raw[1] is not None:
-            return Event(last, EVENT_DONE, _json(raw[1]))
+            return Event(last, StreamDone.from_data(_json(raw[1])))
         if status == FAILED and raw[2] is not None:
-            return Event(last, EVENT_ERROR, _json(raw[2]))
-        return Event(last, EVENT_ERROR, cancelled_error())
+            return Event(last, StreamError.from_data(_json(raw[2])))
+        return Event(last, StreamError.from_data(cancelled_error()))
     return None
 
 

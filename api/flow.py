@@ -22,9 +22,10 @@ from api.config import redis_conn
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
 from api.model_texts import ModelTexts
+from api.responses import JobSummary
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec
-from workers.wire.events import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN
+from workers.wire.events import StreamDone, StreamError, StreamEvent, StreamToken
 from workers.wire.job import JobRecord
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ def _sentence(message: str) -> str:
 
 
 def job_summary(record: JobRecord) -> dict[str, Any]:
-    return {"id": record.id, "object": "job", "status": record.status}
+    """The 202 body, built with the model `/openapi.json` documents for it."""
+    return JobSummary(id=record.id, object="job", status=record.status).dump()
 
 
 def accepted(record: JobRecord) -> Response:
@@ -112,13 +114,11 @@ def accepted(record: JobRecord) -> Response:
     return response
 
 
-def error_from_event(data: dict[str, Any]) -> Response:
+def error_from_event(event: StreamError) -> Response:
     """An `error` event (OpenAI body plus `status`) as the HTTP response."""
-    status = data.get("status", 500)
-    status = status if isinstance(status, int) and 400 <= status <= 599 else 500
-    response = jsonify({"error": data.get("error") or {"message": "Job failed."}})
-    response.status_code = status
-    if status in (429, 503):
+    response = jsonify({"error": event.error or {"message": "Job failed."}})
+    response.status_code = event.status
+    if event.status in (429, 503):
         response.headers["Retry-After"] = "2"
     return response
 
@@ -137,10 +137,10 @@ def wait(record: JobRecord) -> Response:
                 store.set_cancel_flag(conn, record.id)
                 raise ServiceUnavailable("The job did not finish in time.", code="timeout")
             continue
-        if event.kind == EVENT_DONE:
-            return jsonify(event.data)
-        if event.kind == EVENT_ERROR:
-            return error_from_event(event.data)
+        if isinstance(event.message, StreamDone):
+            return jsonify(event.message.result)
+        if isinstance(event.message, StreamError):
+            return error_from_event(event.message)
     raise ServiceUnavailable("The job's event stream ended unexpectedly.")
 
 
@@ -165,7 +165,7 @@ def stream(record: JobRecord, req: Any) -> Response:
                         last_sent = time.monotonic()
                         yield ": ping\n\n"
                     continue
-                out = _chunks_for(chunks, event.kind, event.data)
+                out = _chunks_for(chunks, event.message)
                 finished = event.terminal
                 for item in out:
                     last_sent = time.monotonic()
@@ -189,15 +189,15 @@ def stream(record: JobRecord, req: Any) -> Response:
     return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
 
 
-def _chunks_for(chunks: ChunkStream, kind: str, data: dict[str, Any]) -> list[str]:
-    if kind == EVENT_TOKEN:
-        chunk = chunks.token(data)
+def _chunks_for(chunks: ChunkStream, event: StreamEvent) -> list[str]:
+    if isinstance(event, StreamToken):
+        chunk = chunks.token(event)
         return [_data(chunk)] if chunk is not None else []
-    if kind == EVENT_DONE:
-        return [_data(c) for c in chunks.done(data)] + ["data: [DONE]\n\n"]
-    if kind == EVENT_ERROR:
-        return [_data({"error": data.get("error")}), "data: [DONE]\n\n"]
-    return []  # other kinds (e.g. worker bookkeeping) are not part of the OpenAI stream
+    if isinstance(event, StreamDone):
+        return [_data(c) for c in chunks.done(event.result)] + ["data: [DONE]\n\n"]
+    if isinstance(event, StreamError):
+        return [_data({"error": event.error}), "data: [DONE]\n\n"]
+    return []  # kinds this version does not know are not part of the OpenAI stream
 
 
 def _data(payload: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from api.flow import accepted, submit_request
 from api.paging import int_arg, list_page
 from api.schemas import parse_request
 from workers import keys
-from workers.wire.events import EVENT_ERROR, EVENT_TOKEN
+from workers.wire.events import EVENT_ERROR, StreamError, StreamEvent, StreamToken
 from workers.wire.job import ENDPOINTS, JOB_STATUSES, TERMINAL_STATUSES, JobRecord
 
 BROKER_DOWN = ServiceUnavailable("The job broker is unavailable; reconnect.", code="broker_down")
@@ -155,7 +155,7 @@ def job_events(job_id: str) -> Response:
                     continue
                 last_sent = time.monotonic()
                 yield sse(
-                    json.dumps(_event_data(event.kind, event.data), ensure_ascii=False),
+                    json.dumps(_public_data(event.message), ensure_ascii=False),
                     event=event.kind,
                     id=event.id,
                 )
@@ -167,9 +167,15 @@ def job_events(job_id: str) -> Response:
     return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
 
 
-def _event_data(kind: str, data: dict[str, Any]) -> dict[str, Any]:
-    if kind == EVENT_TOKEN:
-        return {k: data[k] for k in ("index", "text", "choice", "token_id") if k in data}
-    if kind == EVENT_ERROR:
-        return {"error": data.get("error")}
-    return data
+def _public_data(event: StreamEvent) -> dict[str, Any]:
+    """What `/v1/jobs/{id}/events` shows of an event (docs/contract.md, Async jobs)."""
+    if isinstance(event, StreamToken):
+        return {
+            "index": event.index,
+            "text": event.text,
+            "choice": event.choice,
+            "token_id": event.token_id,
+        }
+    if isinstance(event, StreamError):
+        return {"error": event.error}
+    return event.to_data()

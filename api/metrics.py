@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from rq import Queue
 
 from workers import keys
-from workers.wire.histograms import BATCH_SIZE_BUCKETS, TTFT_BUCKETS, format_bucket
+from workers.wire.histograms import STEP_SIZE_BUCKETS, TTFT_BUCKETS, format_bucket
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class RedisCollector(Collector):
             keys.METRIC_TOKENS_GENERATED,
             keys.METRIC_PROMPT_TOKENS,
             keys.METRIC_TTFT,
-            keys.METRIC_BATCH_SIZE,
+            keys.METRIC_STEP_SIZE,
             keys.METRIC_TOKENS_PER_SECOND,
             keys.METRIC_PREFIX_CACHE,
         ]
@@ -95,8 +95,8 @@ class RedisCollector(Collector):
         yield self._histogram(
             "llmq_batch_size",
             "Sequences per decode step.",
-            h[keys.METRIC_BATCH_SIZE],
-            BATCH_SIZE_BUCKETS,
+            h[keys.METRIC_STEP_SIZE],
+            STEP_SIZE_BUCKETS,
         )
         yield from self._queues(queue_keys)
         yield GaugeMetricFamily("llmq_jobs_running", "Jobs being generated now.", value=running)

@@ -1,39 +1,30 @@
 """Pydantic models of the bodies the API answers with, for the OpenAPI document.
 
-The handlers build their bodies as plain dicts (the worker writes results, the wire types
-write files and batches); these models describe those bodies as they are, so that
-`/openapi.json` documents what a client really gets and schemathesis can check it. They
-allow extra fields: a body may carry more than is documented, never less.
+The bodies of generations and errors are `workers.wire.bodies`' models, re-exported here:
+workers build every result from them. The others (jobs, files, batches, admin) are built as
+plain dicts by their handlers and the wire records; these models describe them as they are,
+so that `/openapi.json` documents what a client really gets and schemathesis can check it.
+They allow extra fields: a body may carry more than is documented, never less.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+# the generation and error bodies, re-exported for `api.openapi` (`X as X`: on purpose)
+from workers.wire.bodies import AssistantMessage as AssistantMessage
+from workers.wire.bodies import Body, ErrorDetail
+from workers.wire.bodies import ChatChoice as ChatChoice
+from workers.wire.bodies import ChatCompletion as ChatCompletion
+from workers.wire.bodies import Completion as Completion
+from workers.wire.bodies import CompletionChoice as CompletionChoice
+from workers.wire.bodies import Embedding as Embedding
+from workers.wire.bodies import EmbeddingList as EmbeddingList
+from workers.wire.bodies import ErrorBody as ErrorBody
+from workers.wire.bodies import Usage as Usage
 from workers.wire.job import JOB_STATUSES
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-# ---------------------------------------------------------------- errors
-
-
-class ErrorDetail(Body):
-    message: str
-    type: str
-    param: str | None
-    code: str | int | None
-
-
-class ErrorBody(Body):
-    """Every error, whatever its status: OpenAI's shape."""
-
-    error: ErrorDetail
-
 
 # ---------------------------------------------------------------- models
 
@@ -51,66 +42,6 @@ class ModelObject(Body):
 class ModelList(Body):
     object: Literal["list"]
     data: list[ModelObject]
-
-
-# ---------------------------------------------------------------- generations
-
-
-class Usage(Body):
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
-
-
-class CompletionChoice(Body):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None
-    finish_reason: str | None
-
-
-class Completion(Body):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class AssistantMessage(Body):
-    role: Literal["assistant"]
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChoice(Body):
-    index: int
-    message: AssistantMessage
-    logprobs: dict[str, Any] | None
-    finish_reason: str | None
-
-
-class ChatCompletion(Body):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Embedding(Body):
-    object: Literal["embedding"]
-    index: int
-    embedding: list[float] | str = Field(description="floats, or base64 of little-endian f32")
-
-
-class EmbeddingList(Body):
-    object: Literal["list"]
-    data: list[Embedding]
-    model: str
-    usage: Usage
 
 
 # ---------------------------------------------------------------- jobs

@@ -176,7 +176,7 @@ class SamplingRequest(StrictModel):
     ignore_eos: bool = False  # vLLM's extension; the engine supports it
     priority: int = 0
     # LoRA adapters [{"name", "scale"}], read by the engine's `adapter_list`; which ones
-    # exist is checked at submission (`api.store.require_adapters`)
+    # exist is checked at submission (`api.loras.resolve`)
     lora: Any = None
     # structured output (extensions; chat also has response_format), read by the engine's
     # `constraint_from_request` in `to_spec`

@@ -17,7 +17,7 @@ import codecs
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from runtime.sampling import FINISH_STOP
+from runtime.finish import FINISH_STOP
 from runtime.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:

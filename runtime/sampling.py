@@ -20,6 +20,11 @@ import numpy as np
 
 from runtime.constraints import Constraint
 from runtime.errors import InvalidSamplingParams
+
+# the finish reasons' home is runtime.finish; runtime.generator still imports them from here
+from runtime.finish import FINISH_ERROR as FINISH_ERROR
+from runtime.finish import FINISH_LENGTH as FINISH_LENGTH
+from runtime.finish import FINISH_STOP as FINISH_STOP
 from runtime.limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -30,11 +35,6 @@ from runtime.limits import (
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as greedy; dividing by them only risks overflow."""
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ERROR = "error"
-"""The engine ended the sequence on a fault of its own (`TokenEvent.error` says which)."""
 
 
 # ---------------------------------------------------------------- parameters

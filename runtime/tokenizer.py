@@ -14,7 +14,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import InvalidTokenIdError, TokenizerError, UnsupportedTokenizerError
 from runtime.tokenizer_backends import (
     BYTE,
@@ -28,8 +27,6 @@ from runtime.tokenizer_backends import (
     SpmBackend,
     unicode_to_byte,
 )
-
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
 log = logging.getLogger(__name__)
 

@@ -304,7 +304,7 @@ class BatchDriver:
             func=JOB_FUNCTION,
             args=[job_id],
             job_id=job_id,
-            description=job_id,  # RQ logs this; never the prompt (RELIABILITY 9)
+            description=job_id,  # RQ logs this; never the prompt (docs/faults.md L9)
             timeout=RQ_JOB_TIMEOUT_SECONDS,
             ttl=JOB_TTL_SECONDS,
             result_ttl=JOB_TTL_SECONDS,
@@ -351,8 +351,8 @@ class BatchDriver:
                 return  # cancelled meanwhile: the next tick ends it as cancelled
         if ending is not None:
             self._write_off_unfed(rec, ending)
-        output = self._fileas_str(keys.batch_output(rec.id))
-        errors = self._fileas_str(keys.batch_errors(rec.id))
+        output = self._joined_lines(keys.batch_output(rec.id))
+        errors = self._joined_lines(keys.batch_errors(rec.id))
         final = ending or BATCH_COMPLETED
         fields: dict[str, str] = {"status": final, f"{final}_at": str(now)}
         with self.conn.pipeline() as pipe:
@@ -396,7 +396,8 @@ class BatchDriver:
                     self._record(pipe, rec, line, "errors", text, (0, 0, 0))
                 pipe.execute()
 
-    def _fileas_str(self, key: str) -> bytes:
+    def _joined_lines(self, key: str) -> bytes:
+        """A hash of line number -> JSONL line as one file's bytes, in line order."""
         entries = sorted((int(k), v) for k, v in self.conn.hgetall(key).items())
         return b"".join(v + b"\n" for _, v in entries)
 

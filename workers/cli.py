@@ -37,7 +37,7 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "worker",
         help="run a worker: take jobs from Redis and generate with warm engines",
         description="Take jobs for the given models from their RQ queues (interactive before "
-        "batch), keep the engines loaded, and run many jobs in one batch, streaming their "
+        "batch), keep the engines loaded, and step many jobs together, streaming their "
         "tokens to Redis. SIGTERM drains: no new jobs, running ones get --grace seconds, the "
         "rest are requeued for another worker to resume; a second signal requeues at once.",
         epilog="Environment: REDIS_URL, LLMQ_MODELS (model registry TOML), "
@@ -151,7 +151,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def _connected(make: Callable[[], T]) -> T:
     """`make()`, retried with backoff while Redis is unreachable: a worker started before
-    its broker waits for it instead of exiting (RELIABILITY 6)."""
+    its broker waits for it instead of exiting (docs/faults.md L6)."""
     import redis
 
     delay = 0.5

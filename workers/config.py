@@ -105,8 +105,9 @@ def _checked_device(device: str) -> str:
 
 
 def default_max_batch(device: str | None) -> int:
-    """The batch a worker steps by default: a GPU's decode step is flat in the batch far
-    longer than a CPU's. `device` None (each model's registry entry decides) counts as cpu."""
+    """The sequences a worker steps together by default: a GPU's decode step costs about the
+    same for far more sequences than a CPU's. `device` None (each model's registry entry
+    decides) counts as cpu."""
     return MAX_BATCH_GPU if device is not None and is_cuda(device) else MAX_BATCH_CPU
 
 

@@ -1,38 +1,35 @@
 """Named exceptions of the workers. Each one that ends a job knows the OpenAI error body the
-job fails with, so the code that catches it never has to guess a status.
+job fails with, so the code that catches it never has to guess a status; the body is built
+where the API's errors build theirs (`workers.wire.errors.OpenAIError`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from workers.wire.errors import error_body
+from workers.wire.errors import OpenAIError
 
 
 class WorkerError(Exception):
     """Base of every error the worker raises on purpose."""
 
 
-class JobFailure(WorkerError):
+class JobFailure(WorkerError, OpenAIError):
     """Ends one job as `failed` with an OpenAI error body; the worker carries on."""
 
     status = 500
-    error_type = "server_error"
-    code: str | None = None
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+    type = "server_error"
 
     def body(self) -> dict[str, Any]:
-        return error_body(str(self), self.error_type, self.param, self.code, self.status)
+        """What the failed job's `error` event and record carry (with its HTTP status)."""
+        return self.job_body()
 
 
 class InvalidJobRequest(JobFailure):
     """The request cannot be served as asked (context too long, empty prompt, bad values)."""
 
     status = 400
-    error_type = "invalid_request_error"
+    type = "invalid_request_error"
 
 
 class ConstrainedDecodingError(JobFailure):
@@ -48,7 +45,7 @@ class UnknownModelError(JobFailure):
     """The job names a model the registry does not know."""
 
     status = 404
-    error_type = "invalid_request_error"
+    type = "invalid_request_error"
     code = "model_not_found"
 
 
@@ -56,7 +53,7 @@ class UnknownAdapterError(JobFailure):
     """A job names a LoRA adapter that is not loaded for its model."""
 
     status = 404
-    error_type = "invalid_request_error"
+    type = "invalid_request_error"
     code = "adapter_not_found"
 
 
@@ -66,7 +63,7 @@ class ModelLoadError(JobFailure):
 
 class JobRefused(JobFailure):
     """A queue entry that is not an llmq job: another function, other arguments, or data
-    that cannot be read as JSON (RELIABILITY F19). It is failed, never executed."""
+    that cannot be read as JSON (docs/faults.md F19). It is failed, never executed."""
 
     code = "job_refused"
 

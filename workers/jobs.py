@@ -19,8 +19,9 @@ from rq.queue import Queue
 
 from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
+from runtime.finish import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from runtime.generator import TokenEvent
-from runtime.sampling import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from runtime.sampling import SamplingParams
 from runtime.tool_calls import ToolCallParser
 from workers import keys
 from workers.errors import ConstrainedDecodingError, InvalidJobRequest, JobFailure, JobRefused
@@ -34,7 +35,7 @@ from workers.responses import (
     embeddings_body,
 )
 from workers.wire.errors import error_body
-from workers.wire.events import token_event, write_ending
+from workers.wire.events import StreamToken, encode, write_ending
 from workers.wire.job import CHAT_COMPLETIONS, EMBEDDINGS, FAILED, JobRecord
 
 
@@ -113,7 +114,7 @@ class ActiveJob:
 
     def start(self, engine: Engine) -> list[tuple[str, list[int], SamplingParams]]:
         """Plan the job on `engine` and resume what earlier attempts streamed; the sequences
-        to add to the batch as (request id, prompt ids, params). A resumed sequence's prompt
+        to add to the generator as (request id, prompt ids, params). A resumed sequence's prompt
         ends with the tokens already sent (`resumed` says how many; the engine replays
         them) and its `max_tokens` counts only what is left. Raises InvalidJobRequest."""
         body = self.record.request
@@ -155,17 +156,19 @@ class ActiveJob:
             )
             out.logprobs.append(entry)
         self.pending.append(
-            token_event(
-                out.index,
-                out.tokens,
-                text,
-                event.token_id,
-                event.logprob,
-                finish,
-                self.attempt,
-                entry,
-                event.top_logprobs if entry is not None else None,
-                delta,
+            encode(
+                StreamToken(
+                    choice=out.index,
+                    index=out.tokens,
+                    text=text,
+                    token_id=event.token_id,
+                    logprob=event.logprob,
+                    finish_reason=finish,
+                    attempt=self.attempt,
+                    top_logprobs=tuple(event.top_logprobs) if entry is not None else (),
+                    logprobs=entry,
+                    delta=delta,
+                )
             )
         )
         out.text.append(text)

@@ -51,6 +51,8 @@ import re
 
 PREFIX = "llmq"
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # RQ's own id alphabet, bounded
+# queue kinds: `batch` holds only the jobs of Batch API lines (`workers.batches`); every
+# other job is `interactive`
 INTERACTIVE, BATCH = "interactive", "batch"
 QUEUE_KINDS = (INTERACTIVE, BATCH)  # workers serve them in this order
 OWNER_SEPARATOR = "@"  # between a queue's name and its worker in `personal_queue_name`
@@ -180,7 +182,9 @@ METRIC_JOBS = metric("jobs")  # state -> jobs that reached it (API: queued/cance
 METRIC_TOKENS_GENERATED = metric("tokens_generated")  # model -> count (workers, HINCRBY)
 METRIC_PROMPT_TOKENS = metric("prompt_tokens")  # model -> count (workers, HINCRBY)
 METRIC_TTFT = metric("ttft_seconds")  # histogram by model: wire.histograms.histogram_fields
-METRIC_BATCH_SIZE = metric("batch_size")  # histogram by model of sequences per decode step
+# histogram by model of the sequences a decode step ran together; the key and the Prometheus
+# name (`llmq_batch_size`) keep their published spelling
+METRIC_STEP_SIZE = metric("batch_size")
 METRIC_TOKENS_PER_SECOND = metric("tokens_per_second")  # worker name -> recent decode tok/s
 METRIC_PREFIX_CACHE = metric("prefix_cache")  # "{model}|hit_tokens", "{model}|prompt_tokens"
 

@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from workers import keys
-from workers.wire.histograms import BATCH_SIZE_BUCKETS, TTFT_BUCKETS, histogram_fields
+from workers.wire.histograms import STEP_SIZE_BUCKETS, TTFT_BUCKETS, histogram_fields
 
 
 def observe(pipe: Any, key: str, label: str, value: float, buckets: tuple[float, ...]) -> None:
@@ -41,9 +41,10 @@ def count_prefix_cache(pipe: Any, model: str, prefilled: int, cached: int) -> No
         pipe.hincrby(keys.METRIC_PREFIX_CACHE, f"{model}|hit_tokens", cached)
 
 
-def record_step(pipe: Any, batch_sizes: dict[str, int], tokens: dict[str, int]) -> None:
-    for model, size in batch_sizes.items():
-        observe(pipe, keys.METRIC_BATCH_SIZE, model, size, BATCH_SIZE_BUCKETS)
+def record_step(pipe: Any, step_sizes: dict[str, int], tokens: dict[str, int]) -> None:
+    """One decode step: the sequences it ran per model, and the tokens they made."""
+    for model, size in step_sizes.items():
+        observe(pipe, keys.METRIC_STEP_SIZE, model, size, STEP_SIZE_BUCKETS)
     for model, count in tokens.items():
         if count:
             pipe.hincrby(keys.METRIC_TOKENS_GENERATED, model, count)

@@ -1,7 +1,7 @@
 """A job's event stream as the worker sees it: what to append, and what was already sent.
 
 The stream is the job's durable output log. A worker that takes over a job reads it to learn
-which tokens each choice already streamed (RELIABILITY 1: the worker that resumes a job
+which tokens each choice already streamed (docs/faults.md L1: the worker that resumes a job
 learns from the Stream what was already sent) and continues after the last one.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers import keys
-from workers.wire.events import EVENT_DONE, EVENT_ERROR, EVENT_TOKEN, decode_event
+from workers.wire.events import StreamToken, decode, is_terminal
 from workers.wire.text import as_str
 
 READ_PAGE = 1000
@@ -28,7 +28,7 @@ class StreamedChoice:
 @dataclass
 class StreamProgress:
     choices: dict[int, StreamedChoice] = field(default_factory=dict)
-    terminal: str | None = None  # EVENT_DONE or EVENT_ERROR once the job has ended
+    terminal: str | None = None  # the terminal event's kind once the job has ended
     length: int = 0  # entries in the stream (the next write is fenced on it)
 
     @property
@@ -44,18 +44,18 @@ def read_progress(client: Any, job_id: str) -> StreamProgress:
         page = client.xrange(keys.job_events(job_id), min=start, count=READ_PAGE)
         for _, fields in page:
             progress.length += 1
-            kind, data = decode_event(fields)
-            if kind in (EVENT_DONE, EVENT_ERROR):
-                progress.terminal = kind
-            elif kind == EVENT_TOKEN:
-                choice = progress.choices.setdefault(int(data.get("choice", 0)), StreamedChoice())
-                if int(data["index"]) != len(choice.token_ids):
+            event = decode(fields)
+            if is_terminal(event):
+                progress.terminal = event.kind
+            elif isinstance(event, StreamToken):
+                choice = progress.choices.setdefault(event.choice, StreamedChoice())
+                if event.index != len(choice.token_ids):
                     continue  # never expected (writes are fenced); keep the first copy
-                choice.token_ids.append(int(data["token_id"]))
-                choice.texts.append(data.get("text", ""))
-                if data.get("logprobs") is not None:
-                    choice.logprobs.append(data["logprobs"])
-                choice.finish_reason = data.get("finish_reason")
+                choice.token_ids.append(event.token_id)
+                choice.texts.append(event.text)
+                if event.logprobs is not None:
+                    choice.logprobs.append(event.logprobs)
+                choice.finish_reason = event.finish_reason
         if len(page) < READ_PAGE:
             return progress
         start = "(" + as_str(page[-1][0])

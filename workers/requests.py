@@ -3,9 +3,9 @@
 The API validated the body already (pydantic); this module still treats it as untrusted
 input from Redis, so anything it cannot use becomes a 400 for that job, never a crash.
 Every engine error a user can cause (empty prompt, bad sampling values, no chat template)
-is found here, and the context check when the choices join the batch (`workers.running`),
-both before the first token; each becomes `InvalidJobRequest` with the field the engine's
-error names (`LLMQRuntimeError.param`).
+is found here, and the context check when the choices join the generator
+(`workers.running`), both before the first token; each becomes `InvalidJobRequest` with the
+field the engine's error names (`LLMQRuntimeError.param`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def plan_generation(engine: Engine, record: JobRecord) -> JobPlan:
     """The choices of a completions or chat completions job, from the spec the API's schemas
     made (`record.spec`; a record without one, from an API that predates it, is read from
     its body by the same reader). Raises InvalidJobRequest with the field the engine named;
-    the context check comes when the choices join the batch (`workers.running`), against
+    the context check comes when the choices join the generator (`workers.running`), against
     the generator that will run them."""
     if record.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
         raise InvalidJobRequest(f"endpoint {record.endpoint!r} does not generate text")

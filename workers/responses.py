@@ -1,9 +1,11 @@
 """OpenAI response bodies, built from what the choices of a job produced.
 
 A job's `done` event carries exactly the body the synchronous call returns, so these
-functions are the single source of that shape. Per-token logprob entries are rendered once,
-when the token is generated, in the endpoint's own layout; the same entry goes into the
-token event (the API streams it as is) and, at the end, into the body.
+functions are the single source of that shape, and they build it through the pydantic
+models that `/openapi.json` documents (`workers.wire.bodies`): a body that does not match
+its documented schema fails here, in the worker, not in a client. Per-token logprob entries
+are rendered once, when the token is generated, in the endpoint's own layout; the same
+entry goes into the token event (the API streams it as is) and, at the end, into the body.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ from typing import Any
 import numpy as np
 
 from runtime.tokenizer import Tokenizer
+from workers.wire.bodies import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    Completion,
+    CompletionChoice,
+    Embedding,
+    EmbeddingList,
+    Usage,
+)
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, response_id
 
 
@@ -101,13 +113,17 @@ def usage(
 ) -> dict[str, Any]:
     """OpenAI's usage object; `cached_tokens` (prompt tokens the prefix cache served) goes in
     `prompt_tokens_details` as OpenAI reports prompt caching."""
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens}
+    return _usage(prompt_tokens, completion_tokens, cached_tokens).dump()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int | None, cached_tokens: int | None) -> Usage:
+    fields: dict[str, Any] = {"prompt_tokens": prompt_tokens}
     if completion_tokens is not None:
-        out["completion_tokens"] = completion_tokens
-    out["total_tokens"] = prompt_tokens + (completion_tokens or 0)
+        fields["completion_tokens"] = completion_tokens
+    fields["total_tokens"] = prompt_tokens + (completion_tokens or 0)
     if cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": min(cached_tokens, prompt_tokens)}
-    return out
+        fields["prompt_tokens_details"] = {"cached_tokens": min(cached_tokens, prompt_tokens)}
+    return Usage(**fields)
 
 
 def completion_body(
@@ -119,22 +135,22 @@ def completion_body(
     logprobs: bool,
     cached_tokens: int = 0,
 ) -> dict[str, Any]:
-    return {
-        "id": response_id(COMPLETIONS, job_id),
-        "object": "text_completion",
-        "created": int(created),
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.echo_text + "".join(c.text),
-                "logprobs": _legacy_logprobs(c.echo_logprobs + c.logprobs) if logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
+    return Completion(
+        id=response_id(COMPLETIONS, job_id),
+        object="text_completion",
+        created=int(created),
+        model=model,
+        choices=[
+            CompletionChoice(
+                index=c.index,
+                text=c.echo_text + "".join(c.text),
+                logprobs=_legacy_logprobs(c.echo_logprobs + c.logprobs) if logprobs else None,
+                finish_reason=c.finish_reason,
+            )
             for c in choices
         ],
-        "usage": usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
-    }
+        usage=_usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
+    ).dump()
 
 
 def chat_body(
@@ -146,31 +162,32 @@ def chat_body(
     logprobs: bool,
     cached_tokens: int = 0,
 ) -> dict[str, Any]:
-    return {
-        "id": response_id(CHAT_COMPLETIONS, job_id),
-        "object": "chat.completion",
-        "created": int(created),
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": _message(c),
-                "logprobs": {"content": c.logprobs} if logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
+    return ChatCompletion(
+        id=response_id(CHAT_COMPLETIONS, job_id),
+        object="chat.completion",
+        created=int(created),
+        model=model,
+        choices=[
+            ChatChoice(
+                index=c.index,
+                message=_message(c),
+                logprobs={"content": c.logprobs} if logprobs else None,
+                finish_reason=c.finish_reason,
+            )
             for c in choices
         ],
-        "usage": usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
-    }
+        usage=_usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
+    ).dump()
 
 
-def _message(choice: ChoiceOutput) -> dict[str, Any]:
+def _message(choice: ChoiceOutput) -> AssistantMessage:
     if not choice.parsed:
-        return {"role": "assistant", "content": "".join(choice.text)}
-    message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+        return AssistantMessage(role="assistant", content="".join(choice.text))
     if choice.tool_calls:
-        message["tool_calls"] = choice.tool_calls
-    return message
+        return AssistantMessage(
+            role="assistant", content=choice.content, tool_calls=choice.tool_calls
+        )
+    return AssistantMessage(role="assistant", content=choice.content)
 
 
 def embeddings_body(
@@ -183,8 +200,10 @@ def embeddings_body(
             embedding: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
         else:
             embedding = [float(x) for x in vector]
-        data.append({"object": "embedding", "index": index, "embedding": embedding})
-    return {"object": "list", "data": data, "model": model, "usage": usage(prompt_tokens)}
+        data.append(Embedding(object="embedding", index=index, embedding=embedding))
+    return EmbeddingList(
+        object="list", data=data, model=model, usage=_usage(prompt_tokens, None, None)
+    ).dump()
 
 
 def _legacy_logprobs(entries: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:

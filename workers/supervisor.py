@@ -3,7 +3,7 @@
 The broker is `REDIS_URL` when set; else a `redis-server` found on PATH, started on a free
 loopback port; else an embedded fakeredis server in this process (not durable, and said
 so). The API and the workers run as child processes (`llmq api`, `llmq worker`), restarted
-if they die (RELIABILITY 6: workers must run under a supervisor). Ctrl-C or SIGTERM stops
+if they die (docs/faults.md L6: workers must run under a supervisor). Ctrl-C or SIGTERM stops
 every process this command started: children get SIGTERM (workers drain), then SIGKILL
 after a grace period.
 

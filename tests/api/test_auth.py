@@ -1,4 +1,4 @@
-"""RELIABILITY 5.2 rows 23-24: bearer keys on /v1, the admin key (or loopback) on /admin."""
+"""docs/faults.md M23-M24: bearer keys on /v1, the admin key (or loopback) on /admin."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Batch input lines are validated one by one, exactly like live requests (RELIABILITY 5.2 #29)."""
+"""Batch input lines are validated one by one, exactly like live requests (docs/faults.md M29)."""
 
 from __future__ import annotations
 

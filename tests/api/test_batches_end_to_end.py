@@ -1,6 +1,6 @@
 """Offline batches end to end: the official `openai` client against the API on a real HTTP
 server, real `llmq worker` processes serving a tiny model, real Redis (db 11, flushed
-before and after each test). Includes RELIABILITY F13 at full size: 10,000 lines, a worker's
+before and after each test). Includes docs/faults.md F13 at full size: 10,000 lines, a worker's
 whole process tree killed half-way, and every valid line still answered exactly once."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 REDIS_URL = os.environ.get("LLMQ_BATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 MODEL = "tiny-batch"
 TOKENS = 8  # every line generates exactly this many tokens (ignore_eos)
-F13_LINES, F13_VALID = 10_000, 9_900  # RELIABILITY F13: 1% of the lines are invalid
+F13_LINES, F13_VALID = 10_000, 9_900  # docs/faults.md F13: 1% of the lines are invalid
 F13_TOKENS = 4  # short generations, so that 10,000 lines run in about a minute
 F13_MAX_BATCH = 64
 
@@ -277,7 +277,7 @@ def test_cancel_midway_gives_partial_output(oai, workers, tmp_path) -> None:
 def test_f13_worker_killed_halfway_every_valid_line_exactly_once(
     oai, workers, conn, tmp_path
 ) -> None:
-    """RELIABILITY F13 at full size: 10,000 lines, 1% invalid (11 kinds), kill -9 one
+    """docs/faults.md F13 at full size: 10,000 lines, 1% invalid (11 kinds), kill -9 one
     worker's whole process tree when half the valid lines are answered; a second worker
     finishes. Every valid line is answered exactly once, every invalid one has its error
     record, and nothing was generated twice (the workers' own counters say so)."""

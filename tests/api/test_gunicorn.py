@@ -1,4 +1,4 @@
-"""The API under gunicorn as `llmq api` runs it: slow-loris clients (RELIABILITY F15)."""
+"""The API under gunicorn as `llmq api` runs it: slow-loris clients (docs/faults.md F15)."""
 
 from __future__ import annotations
 

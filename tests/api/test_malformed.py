@@ -1,4 +1,4 @@
-"""RELIABILITY 5.2: malformed input gets the right status in OpenAI's error shape, and the
+"""docs/faults.md M rows: malformed input gets the right status in OpenAI's error shape, and the
 app keeps serving. Unit tier: Flask test client over fakeredis, a registered idle worker."""
 
 from __future__ import annotations
@@ -457,7 +457,7 @@ def test_unexpected_exception_is_a_500_without_internals(app) -> None:
 
 
 def test_broker_down_is_503_with_retry_after(registered) -> None:
-    """RELIABILITY F7: Redis unreachable -> 503 + Retry-After, not 500."""
+    """docs/faults.md F7: Redis unreachable -> 503 + Retry-After, not 500."""
     from api.app import create_app
 
     app = create_app({"TESTING": True, "REDIS_URL": "redis://127.0.0.1:1/0"})

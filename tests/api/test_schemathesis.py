@@ -1,4 +1,4 @@
-"""schemathesis against the running API, from the API's own /openapi.json (issue 15).
+"""schemathesis against the running API, from the API's own /openapi.json (docs/faults.md, Fuzzing).
 
 The app runs on a real HTTP server over real Redis with the scripted worker, and every
 operation of the document gets generated requests, valid (positive) and invalid
@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 pytestmark = pytest.mark.integration
 
-# per operation and mode; LLMQ_FUZZ_CASES=100 runs the >= 2,000-case sweep of issue 15
+# per operation and mode; LLMQ_FUZZ_CASES=100 runs a sweep of over 2,000 cases (tests/README.md)
 CASES_PER_OPERATION = int(os.environ.get("LLMQ_FUZZ_CASES", "25"))
 CHECKS = [
     not_a_server_error,

@@ -1,4 +1,4 @@
-"""The fault-injection harness of RELIABILITY.md 5.0, on one machine, loopback only.
+"""The fault-injection harness of docs/faults.md (its F section), on one machine, loopback only.
 
 Each test gets its own `redis-server` on a free port (never the shared 6379: these tests
 shut theirs down and restart it), the API under gunicorn as `llmq api` runs it (access log
@@ -70,7 +70,7 @@ class RedisServer:
             return False
 
     def shutdown(self) -> None:
-        """`redis-cli shutdown`, as RELIABILITY's F7 does (an AOF server writes it first)."""
+        """`redis-cli shutdown`, as docs/faults.md F7 does (an AOF server writes it first)."""
         assert self.process is not None
         with redis.Redis.from_url(self.url) as client:
             try:
@@ -135,7 +135,7 @@ class Api:
         return Path(self.log.name).read_text()
 
     def server_errors(self) -> list[str]:
-        """Access-log lines of answers with a 5xx status (RELIABILITY 5.0: none allowed
+        """Access-log lines of answers with a 5xx status (docs/faults.md: none allowed
         except the 503s of a broker that is down)."""
         lines = re.findall(r'^.*"[A-Z]+ [^"]*" (5\d\d) .*$', self.output(), re.M)
         return [s for s in lines if s != "503"]
@@ -311,7 +311,7 @@ def jdump(value: Any) -> str:
 class StallingProxy:
     """A TCP proxy between one client (a worker) and Redis that can stall: while stalled it
     forwards nothing either way and holds new connections, like a partition that drops
-    packets rather than refusing them (RELIABILITY F12)."""
+    packets rather than refusing them (docs/faults.md F12)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port

@@ -1,4 +1,4 @@
-"""RELIABILITY F10 at full size: 200 simultaneous `POST /v1/jobs` against a queue limit of
+"""docs/faults.md F10 at full size: 200 simultaneous `POST /v1/jobs` against a queue limit of
 100 (`LLMQ_MAX_QUEUE`), with 3 real workers taking one job at a time.
 
 Pass: exactly 200 answers, each 202 or 429 (429 with Retry-After), no connection error, no

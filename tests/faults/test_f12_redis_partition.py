@@ -1,4 +1,4 @@
-"""RELIABILITY F12: a TCP proxy between a worker and Redis stalls mid-job (bytes held, not
+"""docs/faults.md F12: a TCP proxy between a worker and Redis stalls mid-job (bytes held, not
 refused) for 10 s, and on until the job's lease has expired and another worker has taken
 it over; then it flows again, and the first worker's late writes reach Redis.
 

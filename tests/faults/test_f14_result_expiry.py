@@ -1,4 +1,4 @@
-"""RELIABILITY F14: a finished job polled after its result TTL gets 404 with a clear
+"""docs/faults.md F14: a finished job polled after its result TTL gets 404 with a clear
 message, never a 500 (real Redis of its own, gunicorn, a real worker process).
 
 The TTL is `JOB_TTL_SECONDS` (a day), too long to wait for: the test checks that every key

@@ -1,4 +1,4 @@
-"""RELIABILITY F4's stress variant (after vLLM's test_request_cancellation): 200 streaming
+"""docs/faults.md F4's stress variant (after vLLM's test_request_cancellation): 200 streaming
 requests that each hang up after 0.5 s, against gunicorn and one real worker.
 
 Pass: a fresh request completes within 5 s of the last hang-up, no job is still running 5 s

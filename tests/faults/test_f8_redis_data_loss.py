@@ -1,4 +1,4 @@
-"""RELIABILITY F8: Redis loses everything (no AOF, no RDB) while jobs stream: shut down
+"""docs/faults.md F8: Redis loses everything (no AOF, no RDB) while jobs stream: shut down
 mid-generation and started again empty 5 s later.
 
 Pass: no 500 from the API at any point; a lost job's GET is a 404 that says so; every SSE

@@ -1,4 +1,4 @@
-"""RELIABILITY F9: kill -9 the gunicorn process serving a job's event stream.
+"""docs/faults.md F9: kill -9 the gunicorn process serving a job's event stream.
 
 Pass: the client reconnects (to the other process, or to the one gunicorn starts in its
 place) and resumes from Last-Event-ID with no token missing and none repeated; the

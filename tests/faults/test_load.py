@@ -1,4 +1,4 @@
-"""A bounded load test (issue 15), loopback only: `llmq serve --workers 2` on a Redis of
+"""A bounded load test (tests/README.md), loopback only: `llmq serve --workers 2` on a Redis of
 its own and a tiny model; 200 concurrent clients mixing synchronous, streaming and async
 requests for LLMQ_LOAD_SECONDS (`make test-load`: 60).
 

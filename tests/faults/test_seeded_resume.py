@@ -1,4 +1,4 @@
-"""Issue 15: a seeded, sampled job resumed after its worker is killed (RELIABILITY F1) must
+"""docs/faults.md F21: a seeded, sampled job resumed after its worker is killed (F1) must
 produce the same tokens as an uninterrupted run of the same request: the resumed attempt's
 sampler moves past the tokens sent before it (`SequenceSamplingState.replay`: one uniform
 per draw, as `runtime.sampling._draw` takes, and the penalty counts).

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.tokenizer import Tokenizer
 from tests.runtime.tokenizer_vocabs import gpt2_metadata, spm_metadata
 
 MULTIBYTE = "🙂👍🏽 日本語の中文和한국어 👨‍👩‍👧 café 🫨"

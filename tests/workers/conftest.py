@@ -211,7 +211,7 @@ class WorkerProcess:
         assert self.process.poll() is None, f"worker {self.name} exited:\n{self.output()}"
 
     def kill_tree(self) -> list[psutil.Process]:
-        """kill -9 the worker and every process it started (RELIABILITY 2: the whole tree);
+        """kill -9 the worker and every process it started (docs/faults.md L2: the whole tree);
         returns them, so a test can check that none survived (`psutil.wait_procs`)."""
         root = psutil.Process(self.process.pid)
         tree = [root, *root.children(recursive=True)]

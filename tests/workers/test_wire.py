@@ -9,15 +9,22 @@ import fakeredis
 import pytest
 
 from workers import keys
-from workers.wire.commands import COMMAND_LOAD, decode_command, encode_command
-from workers.wire.errors import cancelled_error, error_body, openai_error
+from workers.wire.commands import COMMAND_LOAD, AdminCommand, decode_command, encode_command
+from workers.wire.errors import OpenAIError, cancelled_error, error_body, openai_error
 from workers.wire.events import (
     EVENT_DONE,
     EVENT_ERROR,
     EVENT_TOKEN,
+    StreamDone,
+    StreamError,
+    StreamOther,
+    StreamToken,
+    decode,
     decode_event,
+    encode,
     ending,
     event_fields,
+    is_terminal,
     token_event,
     write_ending,
 )
@@ -106,3 +113,62 @@ def test_admin_commands_round_trip_and_refuse_anything_else():
 def test_histogram_fields_pick_the_first_bucket_that_holds_the_value():
     assert histogram_fields("m", 0.3, (0.1, 0.5, 1.0)) == ("m|0.5", "m|count", "m|sum")
     assert histogram_fields("m", 5, (0.1, 0.5, 1.0))[0] == "m|+Inf"
+
+
+def test_a_token_event_keeps_its_bytes_on_the_wire():
+    """Workers of this version resume streams older ones wrote, and the other way round:
+    the typed event writes exactly the JSON the stream always held."""
+    event = StreamToken(
+        choice=0,
+        index=3,
+        text="é",
+        token_id=9,
+        logprob=-0.25,
+        finish_reason="stop",
+        attempt=1,
+        top_logprobs=((9, -0.25),),
+        logprobs={"token": "é", "logprob": -0.25},
+        delta={"content": "é"},
+    )
+    assert encode(event) == (
+        EVENT_TOKEN,
+        '{"choice": 0, "index": 3, "text": "é", "token_id": 9, "logprob": -0.25, '
+        '"top_logprobs": [[9, -0.25]], "finish_reason": "stop", "attempt": 1, '
+        '"logprobs": {"token": "é", "logprob": -0.25}, "delta": {"content": "é"}}',
+    )
+    assert decode(event_fields(encode(event))) == event
+
+
+def test_terminal_events_decode_to_their_types_and_unknown_kinds_are_kept_apart():
+    _, done = ending(FINISHED, {"id": "x"})
+    assert decode(event_fields(done)) == StreamDone({"id": "x"})
+    _, error = ending(CANCELLED, cancelled_error())
+    decoded = decode(event_fields(error))
+    assert isinstance(decoded, StreamError) and decoded.status == 409
+    assert is_terminal(decoded) and not is_terminal(StreamToken(0, 0, "", 1))
+    odd = decode({"event": "note", "data": '{"x": 1}'})
+    assert odd == StreamOther("note", {"x": 1}) and not is_terminal(odd)
+    assert StreamError.from_data({"error": {"message": "m"}, "status": 200}).status == 500
+
+
+def test_the_api_and_the_workers_build_error_bodies_in_one_place():
+    from api.errors import ModelNotFound
+    from workers.errors import UnknownModelError
+
+    api_error, job_error = ModelNotFound("m"), UnknownModelError("no such model", param="model")
+    assert isinstance(api_error, OpenAIError) and isinstance(job_error, OpenAIError)
+    assert api_error.body() == openai_error(
+        "The model 'm' does not exist.", param="model", code="model_not_found"
+    )
+    assert job_error.body() == error_body(
+        "no such model", param="model", code="model_not_found", status=404
+    )
+    assert job_error.body() == {**job_error.openai_body(), "status": 404}
+
+
+def test_an_admin_command_is_typed_and_keeps_its_json():
+    command = AdminCommand(COMMAND_LOAD, "m")
+    assert command.encode() == encode_command(COMMAND_LOAD, "m") == '{"op": "load", "model": "m"}'
+    assert AdminCommand.decode(command.encode().encode()) == command
+    with pytest.raises(ValueError, match="not an admin command"):
+        AdminCommand.decode('{"op": "load", "model": 3}')

@@ -150,7 +150,7 @@ def test_concurrent_jobs_share_decode_steps(conn, start_worker):
     assert worker.steps < 30  # 60 tokens in one batch; one at a time would take 60 steps
     latest_start = max(d.started_at for d in done)
     assert all(latest_start < d.finished_at for d in done)  # all three ran at once
-    sizes = conn.hgetall(keys.METRIC_BATCH_SIZE)
+    sizes = conn.hgetall(keys.METRIC_STEP_SIZE)
     assert int(sizes[f"{TINY}|4".encode()]) > 0  # steps of 3 sequences fall in the "4" bucket
 
 

@@ -1,5 +1,5 @@
 """Real `llmq worker` processes: a worker killed with kill -9 (its whole process tree) loses
-no job and no token, SIGTERM drains, and RQ's own tools see the worker (RELIABILITY 1-3)."""
+no job and no token, SIGTERM drains, and RQ's own tools see the worker (docs/faults.md L1-L3)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_a_killed_workers_job_resumes_on_another_worker_without_gap_or_repeat(co
         return bool(tokens(conn, job_id))
 
     wait_for(victim_started, timeout=30, what="the victim to take the job")
-    spawn_worker("rescuer").wait_registered(conn)  # idle, as in RELIABILITY F1
+    spawn_worker("rescuer").wait_registered(conn)  # idle, as in docs/faults.md F1
     wait_for(lambda: len(tokens(conn, job_id)) >= 20, timeout=30, what="20 tokens")
     first.kill_tree()
     killed_at = time.monotonic()
@@ -134,7 +134,7 @@ def test_rq_info_shows_the_worker_its_queues_and_its_jobs_and_logs_no_prompt(
     [line] = [line for line in out.stdout.splitlines() if line.startswith("visible ")]
     assert "idle" in line and "1 finished, 1 failed" in line
     assert "1 workers, 3 queues" in out.stdout  # its own queue (prefix affinity) and 2 shared
-    assert job_id in worker.output() and "CANARY" not in worker.output()  # RELIABILITY F17
+    assert job_id in worker.output() and "CANARY" not in worker.output()  # docs/faults.md F17
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """What crosses Redis between the API and the workers, one module per noun (like rq's).
 
-Shared by `api/` and `workers/`; imports only the standard library and `workers.keys`.
-Nothing here is ever pickled: records are Redis hashes of strings, events are stream entries
-of JSON.
+Shared by `api/` and `workers/`; imports only the standard library, pydantic (for the
+documented response bodies) and `workers.keys`, never the engine. Nothing here is ever
+pickled: records are Redis hashes of strings, events are stream entries of JSON. Each
+message has one encoder and one decoder: `JobRecord.to_hash` / `from_hash`, `events.encode`
+/ `decode`, `commands.AdminCommand.encode` / `decode`.
 
 | noun | module |
 | --- | --- |
@@ -12,8 +14,9 @@ of JSON.
 | admin commands for one worker | `commands` |
 | queue wake tokens | `wake` |
 | histogram fields kept in Redis hashes | `histograms` |
-| the event codec and the one writer of an unfenced terminal event | `events` |
-| the OpenAI error body | `errors` |
+| a job's events (`StreamToken`, `StreamDone`, `StreamError`) and their codec | `events` |
+| the OpenAI error body; `OpenAIError`, base of every error a client sees | `errors` |
+| generation response bodies, the models `/openapi.json` documents | `bodies` |
 | prompt-prefix digests for cache-affinity routing | `prefix` |
 | offline batches: statuses, file and batch records | `batches` |
 | lines of a batch's output and error files | `batch_output` |

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+STEP_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # sequences one decode step ran together
 
 
 def format_bucket(bound: float) -> str:

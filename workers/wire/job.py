@@ -43,7 +43,7 @@ COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS = (
 )
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS)
 
-# The only function a worker runs; anything else found on a queue is refused (RELIABILITY F19).
+# The only function a worker runs; anything else found on a queue is refused (docs/faults.md F19).
 JOB_FUNCTION = "workers.jobs.run_job"
 
 
