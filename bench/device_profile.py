@@ -21,7 +21,7 @@ steps until every one has its first token, then runs `--steps` decode steps unde
 - kernels: CUDA kernels launched (on the CPU: aten ops run), and the model's layer count.
 
 Syncs per step must stay a small constant (`--max-syncs`, default 4) whatever the layer
-count: more exits 1 and says so, so this doubles as the check of issue 14's "no host round
+count: more exits 1 and says so, so this doubles as the check of the GPU worker's "no host round
 trip per layer". Run it on a GPU with `--device cuda`; on the CPU it checks the same code.
 """
 

@@ -13,20 +13,20 @@ plan (`engine.backend.describe()`) and, per model, how many weights each kernel 
 bytes they take. The memory bandwidth numpy reaches on this machine, and the float32 decode
 limit it implies for the numpy backend, are printed for reference.
 
-Devices (issue 14): `--device cuda[:N]` (as `llmq worker --device`) runs our engine's tensor
+Devices: `--device cuda[:N]` (as `llmq worker --device`) runs our engine's tensor
 forward pass on that GPU (`EngineConfig(backend="torch", device=...)`): weights, KV pool and
 activations on the device. `--torch-forward` runs the same tensor path on the CPU (CI's way
 to test the GPU's code). The tensor path has one backend, torch (`--backends` defaults to it
 there; numpy exits 2). A device this machine cannot use exits 2 at once with one line.
 llama.cpp stays a CPU run on the CPU (the installed build is a CPU build), labelled so. On
 CUDA each child also reports its peak device memory (`torch.cuda.max_memory_allocated`),
-printed under peak RSS, and the device (`runtime.devices.describe_device`). Issue 14's
-targets are not judged here: see bench/RESULTS.md "GPU workers (issue 14)" for them and for
+printed under peak RSS, and the device (`runtime.devices.describe_device`). The GPU
+targets are not judged here: see bench/RESULTS.md "GPU workers" for them and for
 the comparison with the CPU worker (the same script with `--device cpu --backends torch`).
 `--no-llama` skips llama.cpp (where llama-cpp-python is not installed); without it the
-ratios and issue 9's targets are not computed.
+ratios and the kernel layer's targets are not computed.
 
-Targets (issue 9), judged on the torch backend's best figures:
+Targets (bench/RESULTS.md "Kernel layer"), judged on the torch backend's best figures:
 - SmolLM2-135M: decode >= 1.0x llama.cpp (moonshot 1.5x), prefill >= 3x llama.cpp,
   load <= 0.5 s, peak RSS <= 2x llama.cpp's;
 - Gemma 3 270M: decode >= 0.8x llama.cpp, prefill >= 1.5x llama.cpp.
@@ -105,7 +105,7 @@ BANDWIDTH_MIB = 512
 BANDWIDTH_REPS = 10
 MIB = 2**20
 BACKENDS = ("numpy", "torch")
-TARGET_BACKEND = "torch"  # the backend issue 9's targets are judged on
+TARGET_BACKEND = "torch"  # the backend the kernel layer's targets are judged on
 
 
 @dataclass(frozen=True)
@@ -538,7 +538,7 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     )
     lines.append(
         "cells: best / median of the repetitions; ratio = backend / llama.cpp on best; "
-        f"targets (issue 9) judged on the {TARGET_BACKEND} backend's best"
+        f"targets (kernel layer) judged on the {TARGET_BACKEND} backend's best"
     )
     lines.append(
         f"prefill = {PREFILL_TOKENS} / time to first token, which includes the LM head on the "
@@ -628,7 +628,7 @@ def _agreement_and_targets(
 ) -> list[str]:
     """The greedy-token agreement line and why targets were not judged, if they were not."""
     if not llama:
-        return ["  llama.cpp not run (--no-llama): no ratios, issue 9's targets not judged"]
+        return ["  llama.cpp not run (--no-llama): no ratios, the kernel targets not judged"]
     agree = ", ".join(
         f"{name} {b['greedy_tokens_agreeing']} of {b['greedy_tokens_total']}"
         for name, b in backends.items()

@@ -17,8 +17,8 @@ worker `LLMQ_DEVICE`; `--torch-forward` runs the in-process engines' tensor path
 (the worker keeps its host path: a worker takes no such flag). The tensor path has one
 backend, torch: numpy there exits 2, as does a device this machine cannot use (one line).
 llama.cpp stays a CPU run on the CPU (a CPU build), labelled so. On CUDA the sequence counts
-default to 1, 32, 64 and 256 (issue 14), each in-process child reports its peak device
-memory (`torch.cuda.max_memory_allocated`) and the decode table shows it.
+default to 1, 32, 64 and 256 (bench/RESULTS.md "GPU workers"), each in-process child reports
+its peak device memory (`torch.cuda.max_memory_allocated`) and the decode table shows it.
 
 1. Aggregate decode tokens/s with 1, 4, 16, 32 and 64 concurrent sequences (`--sequences`;
    on CUDA 1, 32, 64, 256), each with its own ~32-token prompt, greedy with EOS ignored:
@@ -35,8 +35,9 @@ memory (`torch.cuda.max_memory_allocated`) and the decode table shows it.
      system (one worker, `--max-batch` 64 or the largest N): chunks that arrive while every
      stream is decoding, over that window (see bench/harness.py `steady_rate`). `--no-api`
      leaves every API figure out (this column, table 2's and table 4's): no system starts.
-   Targets (issue 9), judged on the torch backend: ours at 32 sequences >= 8x ours at 1,
-   and >= 2.0x llama.cpp at 32. On CUDA (issue 14): ours at 256 >= 20x ours at 1.
+   Targets (bench/RESULTS.md "Kernel layer"), judged on the torch backend: ours at 32
+   sequences >= 8x ours at 1, and >= 2.0x llama.cpp at 32. On CUDA ("GPU workers"): ours
+   at 256 >= 20x ours at 1.
 2. Time to first token of a chat whose ~1,000-token system prompt is in the prefix cache
    (a second question after a first request filled it) vs cold (cache cleared), in-process
    and through the API (a fresh system prompt per repetition, asked twice, each request
@@ -115,7 +116,7 @@ from bench.harness import (  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 SEQUENCES = (1, 4, 16, 32, 64)
-CUDA_SEQUENCES = (1, 32, 64, 256)  # issue 14's figures for a GPU worker
+CUDA_SEQUENCES = (1, 32, 64, 256)  # the figures bench/RESULTS.md "GPU workers" asks of a GPU
 PROMPT_TOKENS = 32
 DECODE_STEPS = 32
 SYSTEM_PROMPT_TOKENS = 1000
@@ -130,7 +131,8 @@ BACKENDS = ("numpy", "torch")
 DEFAULT_BACKEND = "torch"
 TARGET_BACKEND = "torch"  # the backend the decode targets are judged on
 TARGET_VS_SINGLE, TARGET_VS_LLAMA, TARGET_PREFIX = 8.0, 2.0, 20.0
-CUDA_TARGET_N, CUDA_TARGET_VS_SINGLE = 256, 20.0  # issue 14: a GPU worker's batching
+# bench/RESULTS.md "GPU workers": a GPU worker's batching
+CUDA_TARGET_N, CUDA_TARGET_VS_SINGLE = 256, 20.0
 
 
 # ----------------------------------------------------------------------------- children
@@ -868,7 +870,7 @@ def _decode_block(
     if CUDA_TARGET_N in ns and peaks and backend == TARGET_BACKEND:
         vs_single = best(rates("ours", CUDA_TARGET_N)) / single
         lines.append(
-            f"GPU target (issue 14) at {CUDA_TARGET_N} sequences: >= "
+            f"GPU target at {CUDA_TARGET_N} sequences: >= "
             f"{CUDA_TARGET_VS_SINGLE:.0f}x single stream: "
             f"{verdict(vs_single >= CUDA_TARGET_VS_SINGLE)} ({vs_single:.2f}x)"
         )

@@ -36,6 +36,7 @@ import numpy as np
 from runtime.constraints import GrammarMatcher, apply_grammar_masks, validate_constraint
 from runtime.detokenizer import TextAssembler
 from runtime.errors import ContextLengthError, EmptyPromptError, check_context_length
+from runtime.finish import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from runtime.grammar_vocab import GrammarVocab
 from runtime.kernels.core_share import before_forward_pass
 from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
@@ -43,9 +44,6 @@ from runtime.lora import AdapterStack, LoraAdapter, normalize_stack, stack_names
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import (
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
     Sampler,
     SampleResult,
     SamplingParams,

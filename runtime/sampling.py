@@ -20,11 +20,7 @@ import numpy as np
 
 from runtime.constraints import Constraint
 from runtime.errors import InvalidSamplingParams
-
-# the finish reasons' home is runtime.finish; runtime.generator still imports them from here
-from runtime.finish import FINISH_ERROR as FINISH_ERROR
-from runtime.finish import FINISH_LENGTH as FINISH_LENGTH
-from runtime.finish import FINISH_STOP as FINISH_STOP
+from runtime.finish import FINISH_LENGTH, FINISH_STOP
 from runtime.limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,

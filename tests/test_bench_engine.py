@@ -1,4 +1,4 @@
-"""The engine bench judges issue 9's targets on the torch backend (bench/engine.py), from
+"""The engine bench judges the kernel layer's targets on the torch backend (bench/engine.py), from
 made-up runs, and bench/device_profile.py counts host syncs from made-up profiler events:
 no model is loaded."""
 
