@@ -96,18 +96,18 @@ def gemma3_cuda_engine(gemma3_gguf_path: Path):
     return _engine("gemma-3-270m", gemma3_gguf_path, "torch", device="cuda:0")
 
 
-@pytest.fixture(scope="session")
-def smollm2_invariant_engine(smollm2_gguf_path: Path):
-    """SmolLM2 on kernels whose rows do not depend on their batch (`row_invariant_plan`)."""
+def _invariant_engine(model_id: str, path: Path):
+    """`model_id` on kernels whose rows do not depend on their batch (`row_invariant_plan`)."""
     from runtime.kernels.cpu import cpu_features, row_invariant_plan
 
-    plan = row_invariant_plan(cpu_features().cores)
-    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch", kernels=plan)
+    return _engine(model_id, path, "torch", kernels=row_invariant_plan(cpu_features().cores))
+
+
+@pytest.fixture(scope="session")
+def smollm2_invariant_engine(smollm2_gguf_path: Path):
+    return _invariant_engine("smollm2-135m-instruct", smollm2_gguf_path)
 
 
 @pytest.fixture(scope="session")
 def gemma3_invariant_engine(gemma3_gguf_path: Path):
-    from runtime.kernels.cpu import cpu_features, row_invariant_plan
-
-    plan = row_invariant_plan(cpu_features().cores)
-    return _engine("gemma-3-270m", gemma3_gguf_path, "torch", kernels=plan)
+    return _invariant_engine("gemma-3-270m", gemma3_gguf_path)
