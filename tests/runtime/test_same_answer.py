@@ -25,7 +25,7 @@ PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
 ]
-TOKENS = 10
+TOKENS = 8
 PREFACE = "A conversation between a curious user and a helpful assistant who answers briefly."
 
 
