@@ -404,6 +404,29 @@ def test_smollm2_chat_job_matches_the_engine_run_in_process(conn, start_worker):
     assert result["usage"]["prompt_tokens"] == len(ids)
 
 
+@pytest.mark.slow
+def test_the_same_greedy_chat_gets_the_same_answer_cold_and_from_the_prefix_cache(
+    conn, start_worker
+):
+    """docs/contract.md "same request, same answer": the first run prefills the whole
+    prompt, the next two hit the worker's prefix cache and prefill only the rest."""
+    body = {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    start_worker(["smollm2-135m-instruct"])
+    results = []
+    for _ in range(3):
+        job_id = submit(conn, CHAT_COMPLETIONS, body, model=body["model"])
+        results.append(wait_done(conn, job_id, timeout=180).result)
+    cached = [r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in results]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0, cached
+    answers = [r["choices"][0]["message"]["content"] for r in results]
+    assert answers[0] == answers[1] == answers[2], answers
+
+
 def test_rq_sees_every_running_job_as_started_with_its_own_execution(conn, start_worker):
     ids = [
         submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"run {i}", "max_tokens": 200})
