@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,32 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+@dataclass(frozen=True)
+class RowKeys:
+    """Which keys each packed row sees: `slots[offset[t] : offset[t] + count[t]]` are row
+    t's pool slots in position order. Built and checked once per forward pass; every layer
+    of the pass reuses it."""
+
+    slots: np.ndarray  # int64
+    offset: np.ndarray  # [T] int64
+    count: np.ndarray  # [T] int64, each >= 1
+    max_count: int
+    max_slot: int
+
+    @classmethod
+    def checked(cls, slots: np.ndarray, offset: np.ndarray, count: np.ndarray) -> RowKeys:
+        slots, offset, count = (np.ascontiguousarray(a, np.int64) for a in (slots, offset, count))
+        rows = len(offset)
+        if len(count) != rows or (rows and count.min() < 1):
+            raise ValueError("every row needs an offset and at least one key")
+        if len(slots) and slots.min() < 0:
+            raise ValueError("a slot is negative")
+        if rows and (offset.min() < 0 or (offset + count).max() > len(slots)):
+            raise ValueError("a row's slots run past the slot array")
+        max_slot = int(slots.max()) if len(slots) else -1
+        return cls(slots, offset, count, int(count.max()) if rows else 0, max_slot)
+
+
 class PagedAttention:
     """`__call__` runs the kernel over numpy arrays, checking what it must not get wrong."""
 
@@ -110,39 +137,32 @@ class PagedAttention:
         q: np.ndarray,  # [T, H, Dh] float32, rows may be strided
         keys: np.ndarray,  # [Hkv, slots, Dh] float32, C-contiguous
         values: np.ndarray,
-        slots: np.ndarray,  # int64 pool slots, each row's keys in position order
-        offset: np.ndarray,  # [T] int64: where row t's slots start in `slots`
-        count: np.ndarray,  # [T] int64: how many keys row t sees (>= 1)
+        rows: RowKeys,
     ) -> np.ndarray:
-        rows, heads, head_dim = q.shape
+        n_rows, heads, head_dim = q.shape
         kv_heads, pool_slots, _ = keys.shape
         if q.dtype != np.float32 or q.strides[1:] != (4 * head_dim, 4):
             q = np.ascontiguousarray(q, np.float32)
         for name, a in (("keys", keys), ("values", values)):
             if a.dtype != np.float32 or not a.flags.c_contiguous or a.shape != keys.shape:
                 raise ValueError(f"{name} must be C-contiguous float32 {keys.shape}")
-        slots, offset, count = (np.ascontiguousarray(a, np.int64) for a in (slots, offset, count))
-        if len(offset) != rows or len(count) != rows or (rows and count.min() < 1):
-            raise ValueError("every row needs an offset and at least one key")
-        if len(slots) and (slots.min() < 0 or slots.max() >= pool_slots):
-            raise ValueError("a slot lies outside the pool")
-        if rows and (offset + count).max() > len(slots):
-            raise ValueError("a row's slots run past the slot array")
-        out = np.empty((rows, heads * head_dim), np.float32)
+        if len(rows.offset) != n_rows or rows.max_slot >= pool_slots:
+            raise ValueError("the row keys do not fit these queries and this pool")
+        out = np.empty((n_rows, heads * head_dim), np.float32)
         failed = self._fn(
             q.ctypes.data,
             q.strides[0] // 4,
             keys.ctypes.data,
             values.ctypes.data,
             pool_slots,
-            slots.ctypes.data,
-            offset.ctypes.data,
-            count.ctypes.data,
-            rows,
+            rows.slots.ctypes.data,
+            rows.offset.ctypes.data,
+            rows.count.ctypes.data,
+            n_rows,
             heads,
             kv_heads,
             head_dim,
-            int(count.max()) if rows else 0,
+            rows.max_count,
             threads(),
             out.ctypes.data,
         )

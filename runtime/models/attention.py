@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from runtime.kernels.native import paged_attention
+from runtime.kernels.native import RowKeys, paged_attention
 from runtime.kv_pool import BlockPool
 from runtime.models.base import BatchLayout
 
@@ -109,7 +109,7 @@ def attend_layout(
     kernel = paged_attention()
     if kernel is not None:  # every row alike, whatever shares its forward pass
         rows = _plan(layout, ("rows", group, window), lambda lay: _row_keys(lay, group, window))
-        return kernel(q, keys, values, *rows)
+        return kernel(q, keys, values, rows)
     out = np.empty((t, n_heads * head_dim), np.float32)
     plan = _plan(
         layout, ("decode", group, window), lambda lay: _decode_groups(lay, group, window, n_heads)
@@ -253,9 +253,7 @@ def _slot_ids(layout: BatchLayout, group: int) -> np.ndarray:
     )
 
 
-def _row_keys(
-    layout: BatchLayout, group: int, window: int | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _row_keys(layout: BatchLayout, group: int, window: int | None) -> RowKeys:
     """For the compiled kernel: the pool slots of every sequence's visible keys in position
     order, and per packed row where its own keys start in them and how many it sees (the
     row at position p sees positions max(0, p + 1 - window) .. p)."""
@@ -270,7 +268,7 @@ def _row_keys(
         offsets.append(base + first - seq_first)
         counts.append(positions + 1 - first)
         base += len(seq_slots)
-    return np.concatenate(slots), np.concatenate(offsets), np.concatenate(counts)
+    return RowKeys.checked(np.concatenate(slots), np.concatenate(offsets), np.concatenate(counts))
 
 
 def _decode_groups(
