@@ -41,7 +41,7 @@ class EngineConfig:
     # paged KV pool; None: 1024 on the CPU (pages are only backed once blocks are used),
     # on a GPU half the memory free after the weights, at most CUDA_KV_MAX_MB
     kv_memory_mb: int | None = None
-    max_batch: int | None = None  # sequences decoding together; None: 64, on a GPU 256
+    max_sequences: int | None = None  # sequences decoding together; None: 64, on a GPU 256
     max_batch_tokens: int = 2048  # tokens in one forward pass
     prefix_cache: bool = True
     # "numpy" | "torch"; None: the registry entry's, else torch where installed, else numpy
@@ -168,7 +168,7 @@ class Engine:
             self.prefix_cache,
             max_context=self.context_length,
             config=GeneratorConfig(
-                max_batch=self.config.max_batch or (256 if self.device != CPU else 64),
+                max_sequences=self.config.max_sequences or (256 if self.device != CPU else 64),
                 max_batch_tokens=self.config.max_batch_tokens,
                 max_prefill_tokens=self.config.prefill_chunk,
             ),

@@ -68,7 +68,7 @@ class CausalLM(Protocol):
 
 @dataclass
 class GeneratorConfig:
-    max_batch: int = 64  # sequences running at once
+    max_sequences: int = 64  # sequences running at once
     max_batch_tokens: int = 2048  # tokens in one forward pass (decode + prefill)
     max_prefill_tokens: int = 512  # prompt tokens in one forward pass
 
@@ -311,7 +311,7 @@ class Generator:
         return tokens, chunks, wanted
 
     def _admit(self, seq: _Sequence) -> bool:
-        if len(self._running) >= self.config.max_batch:
+        if len(self._running) >= self.config.max_sequences:
             return False
         shared = []
         if seq.cache_prompt:

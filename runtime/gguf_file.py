@@ -14,6 +14,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from runtime.cache_dir import file_digest
 from runtime.errors import ModelFormatError
 from runtime.gguf_header import GGUFHeader, TensorInfo
 
@@ -28,6 +29,12 @@ class GGUFFile:
         header = _read_header(self.path)
         self._tensors = header.tensors
         self.metadata: dict[str, Any] = header.metadata
+
+    def content_key(self) -> str | None:
+        """Names what this file's tensors hold, for what is built from them and kept
+        (runtime/kernels/prepared.py): the file's digest. A view that changes tensors
+        returns its own key, or None to keep nothing."""
+        return file_digest(self.path)
 
     @property
     def architecture(self) -> str:

@@ -90,6 +90,19 @@ class GGUFHeader:
             raise ValueError("string runs past the end of the file")
         return str(self._buf[start : self._offset], "utf-8")
 
+    def _strings(self, count: int) -> list[str]:
+        """`count` strings in a row: a vocabulary's 262k tokens, in one tight loop."""
+        buf, offset, end, strings = self._buf, self._offset, len(self._buf), []
+        length_at = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            (length,) = length_at(buf, offset)
+            offset += 8 + length
+            if offset > end:
+                raise ValueError("string runs past the end of the file")
+            strings.append(str(buf[offset - length : offset], "utf-8"))
+        self._offset = offset
+        return strings
+
     def _value(self, value_type: int) -> Any:
         if value_type == VT.STRING:
             return self._string()
@@ -102,6 +115,8 @@ class GGUFHeader:
                 items = np.frombuffer(self._buf, dtype, count, self._offset)
                 self._offset += items.nbytes
                 return items.tolist()
+            if item_type == VT.STRING:
+                return self._strings(count)
             return [self._value(item_type) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {value_type}")
 

@@ -197,12 +197,13 @@ def _runs_from(runs: list[tuple[int, int, int]], index: int) -> list[tuple[int, 
     return kept
 
 
-def lazy_array(shape: tuple[int, ...]) -> np.ndarray:
-    """float32 zeros backed by an anonymous map: pages become resident when first written."""
-    buffer = mmap.mmap(-1, int(np.prod(shape)) * 4)
+def lazy_array(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """Zeros backed by an anonymous map: pages become resident when first written."""
+    dtype = np.dtype(dtype)
+    buffer = mmap.mmap(-1, int(np.prod(shape)) * dtype.itemsize)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buffer.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(buffer, np.float32).reshape(shape)
+    return np.frombuffer(buffer, dtype).reshape(shape)
 
 
 # One table entry per block of positions, one block id per group; None where a windowed

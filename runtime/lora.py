@@ -75,6 +75,7 @@ class LinearSources:
         self.backend = backend
         self.name = backend.name
         self.device = getattr(backend, "device", None)  # the tensor backend's device
+        self.kv_dtype = getattr(backend, "kv_dtype", None)  # the host path's KV pool type
         self.sources: dict[str, LinearSource] = {}
 
     def linear(

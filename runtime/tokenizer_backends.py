@@ -9,16 +9,20 @@ score exactly as llama.cpp's SPM tokenizer does.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from functools import cache
+from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import sentencepiece
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from runtime.cache_dir import cache_dir, source_digest, write_atomically
 from runtime.errors import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -154,13 +158,13 @@ class SpmBackend:
         unk_id: int | None,
         add_space_prefix: bool,
     ) -> None:
-        proto = _spm_proto(tokens, scores, types, unk_id, add_space_prefix)
-        self.unk_id = proto.trainer_spec.unk_id
+        model = _spm_model((tokens, scores, types, unk_id, add_space_prefix))
         self.vocab_size = len(tokens)
         try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=model)
         except RuntimeError as exc:
             raise TokenizerError(f"SentencePiece rejected the GGUF vocabulary: {exc}") from exc
+        self.unk_id = self._sp.unk_id()
 
     def encode(self, text: str) -> list[int]:
         ids = self._sp.encode(text)
@@ -171,6 +175,31 @@ class SpmBackend:
                 "(it has neither byte tokens nor an unknown token)"
             )
         return ids
+
+
+def _spm_model(
+    vocabulary: tuple[Sequence[str], Sequence[float] | None, Sequence[int], int | None, bool],
+) -> bytes:
+    """The serialized SPM model of `_spm_proto`, built once per vocabulary (and this file's
+    code) and kept in LLMQ_CACHE_DIR/tokenizers: building Gemma 3's 262k pieces took 0.25 s
+    of every load, hashing them takes 0.02."""
+    tokens, scores, types, unk_id, add_space_prefix = vocabulary
+    digest = hashlib.sha256(source_digest(Path(__file__)).encode())
+    digest.update(repr((unk_id, add_space_prefix, len(tokens))).encode())
+    digest.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
+    digest.update(np.asarray(scores if scores is not None else [], np.float32).tobytes())
+    digest.update(np.asarray(types, np.int64).tobytes())
+    path = cache_dir() / "tokenizers" / f"spm-{digest.hexdigest()[:24]}.model"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    model = _spm_proto(*vocabulary).SerializeToString()
+    try:
+        write_atomically(path, lambda partial: partial.write_bytes(model))
+    except OSError:  # a read-only cache costs the next load this build, nothing more
+        pass
+    return model
 
 
 def _spm_proto(

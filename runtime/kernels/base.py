@@ -8,6 +8,7 @@ applies them to whatever it keeps: float32 rows, or int4 codes with their scales
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,6 +60,11 @@ class Embedding(Protocol):
 
 class Backend(Protocol):
     name: str
+
+    def loading(self, f: GGUFFile) -> AbstractContextManager[None]:
+        """A model's weights are built from `f` inside this (the torch backend reuses and
+        keeps weights it prepared, kernels/prepared.py)."""
+        ...
 
     def linear(
         self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None

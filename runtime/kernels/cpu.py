@@ -10,7 +10,7 @@ process from /proc/cpuinfo and printed by the benches.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -33,10 +33,6 @@ class CpuFeatures:
                 return name
         return "baseline"
 
-    @property
-    def native_bf16(self) -> bool:
-        return self.level in ("amx", "avx512_bf16")
-
 
 @dataclass(frozen=True)
 class KernelPlan:
@@ -46,13 +42,22 @@ class KernelPlan:
     other: str  # Q5_*, Q6_K, Q8_0, F16, BF16, F32 weights
     head: str  # the LM head (and Gemma's tied 262k-row embedding)
     threads: int
-    head_fallback: str = "bf16"  # the head's kind where int8 per row is not accurate enough
+    # the head's kind where int8 per row is not accurate enough: "bf16", "fp16" or
+    # "int4+rescore" (torch_backend.RescoredHead)
+    head_fallback: str = "bf16"
+    # the host path's KV pool: "float32", or "float16" (`LLMQ_KV_CACHE`; llama.cpp's cache
+    # type): half the memory per token and half the bytes decode attention reads (5% of a
+    # 32-sequence step at 500 tokens of context, bench/RESULTS.md), but SmolLM2's
+    # teacher-forced top-1 against float32 fell from >= 97% to 96.5%, below the bar
+    # tests/runtime/test_golden.py holds the default to
+    kv: str = "float32"
 
     def describe(self) -> dict[str, str]:
         return {
             "4-bit weights": self.four_bit,
             "other weights": self.other,
             "lm head": f"{self.head} (else {self.head_fallback})",
+            "kv cache": self.kv,
             "threads": str(self.threads),
         }
 
@@ -75,8 +80,9 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
 
     - AVX-512: GGUF's 4-bit types as torch's int4 (an eighth of float32's bytes; all 210
       SmolLM2 layer products took 4.5 ms at 1 row and 42.6 ms at 32, against float32
-      BLAS's 21.7 / 58.9); the other types bf16 where the CPU multiplies it natively, else
-      fp16.
+      BLAS's 21.7 / 58.9); the other types bf16 with AMX, else fbgemm's fp16, whose rows
+      do not depend on their batch there (`row_invariant_plan`); a head int8 cannot hold,
+      bf16.
     - AVX2 only: torch's int4 and int8 kernels convert every weight for every row, so at 32
       rows they took 144 ms where float32 BLAS took 78; fbgemm's fp16 gemm (weights
       converted in registers) took 55 ms and 17.9 ms at 1 row (int4: 14.1). Whole decode
@@ -87,35 +93,50 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
       for SmolLM2's head at 1 / 32 rows, where fbgemm's fp16 reads twice the bytes faster.
     """
     if features.level in ("amx", "avx512_bf16", "avx512"):
-        dense = "bf16" if features.native_bf16 else "fp16"
-        return KernelPlan("int4", dense, "int8", features.cores, head_fallback=dense)
+        return row_invariant_plan(features)
     return fp16_plan(features.cores)
 
 
 KERNELS_ENV = "LLMQ_KERNELS"  # "cpu" (default), "row-invariant" or "fp16"
+KV_CACHE_ENV = "LLMQ_KV_CACHE"  # "float32" (default) or "float16"
+KV_CACHE_TYPES = ("float32", "float16")
 PLAN_NAMES = ("cpu", "row-invariant", "fp16")
 
 
-def row_invariant_plan(threads: int) -> KernelPlan:
+def row_invariant_plan(features: CpuFeatures) -> KernelPlan:
     """Only kernels whose result for a row does not depend on how many rows they are given
-    (torch's int4, int8 per row and bf16; bench/invariance.py checks them on this CPU), so
-    with runtime/kernels/paged_attention.c a sequence's logits are bitwise the same alone,
-    batched, cached or resumed. The AVX-512 plans are this already; on AVX2 it trades batched
-    speed for that (bench/RESULTS.md "Same request, same answer")."""
-    return KernelPlan("int4", "bf16", "int8", threads, head_fallback="bf16")
+    (bench/invariance.py checks them on this CPU), so with runtime/kernels/paged_attention.c
+    a sequence's logits are bitwise the same alone, batched, cached or resumed: torch's int4
+    and int8 per row everywhere; bf16 for the other weights with AMX and on AVX2. On the
+    other AVX-512 CPUs oneDNN's bf16 product sums a row of a long one (K >= 1536: Gemma 3's
+    Q6_K ffn_down, measured on an AVX512-BF16 EPYC) differently from 16 rows on, where
+    fbgemm's fp16 was row-invariant at every shape tried: fp16 there. A head that int8 per
+    row cannot hold ranks with an int4 copy and rescores its best rows from the file
+    (torch_backend.RescoredHead), else bf16: invariant at heads' widths (K = 576, 640),
+    where fbgemm's packing of a 262k-row head took 2.6 s of every load. The AVX-512 plans
+    are this; on AVX2 it trades batched speed for that (bench/RESULTS.md "Same request,
+    same answer")."""
+    dense = "fp16" if features.level in ("avx512_bf16", "avx512") else "bf16"
+    return KernelPlan("int4", dense, "int8", features.cores, head_fallback="int4+rescore")
 
 
 def default_plan() -> KernelPlan:
-    """The plan `LLMQ_KERNELS` names, else this CPU's (`plan_for`)."""
+    """The plan `LLMQ_KERNELS` names, else this CPU's (`plan_for`), with the KV cache type
+    `LLMQ_KV_CACHE` names."""
     name = os.environ.get(KERNELS_ENV) or "cpu"
+    kv = os.environ.get(KV_CACHE_ENV) or "float32"
+    if kv not in KV_CACHE_TYPES:
+        raise ValueError(f"{KV_CACHE_ENV} must be one of {', '.join(KV_CACHE_TYPES)}, got {kv!r}")
     features = cpu_features()
     if name == "cpu":
-        return plan_for(features)
-    if name == "row-invariant":
-        return row_invariant_plan(features.cores)
-    if name == "fp16":
-        return fp16_plan(features.cores)
-    raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(PLAN_NAMES)}, got {name!r}")
+        plan = plan_for(features)
+    elif name == "row-invariant":
+        plan = row_invariant_plan(features)
+    elif name == "fp16":
+        plan = fp16_plan(features.cores)
+    else:
+        raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(PLAN_NAMES)}, got {name!r}")
+    return replace(plan, kv=kv)
 
 
 def fp16_plan(threads: int) -> KernelPlan:

@@ -15,7 +15,9 @@ rows and uploads them with the token ids, one small copy per forward pass (T x D
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
@@ -166,6 +168,10 @@ class DeviceBackend:
             self.dense_dtype = torch.float16
         self.int4 = self.cuda  # until a weight's check fails on this GPU
         self.int4_checked: set[tuple[int, int]] = set()  # shapes whose product matched
+
+    def loading(self, f: GGUFFile) -> AbstractContextManager[None]:
+        """On the CPU, the CPU backend's prepared weights; a GPU's are built at every load."""
+        return self.cpu.loading(f) if self.cpu is not None else contextlib.nullcontext()
 
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
         if self.cpu is not None:

@@ -86,3 +86,14 @@ def _read_q4_k(raw: np.ndarray, n: int, k: int) -> GroupQuantized:
     qs = raw[..., 16:].reshape(n, -1, 4, 32)  # [N, S, chunk, 32]
     codes = np.stack([qs & 15, qs >> 4], axis=3)  # [N, S, chunk, 2, 32]: sub-block 2c, 2c+1
     return GroupQuantized(codes.reshape(n, k), scales.reshape(n, -1), mins.reshape(n, -1))
+
+
+def quantize_groups(rows: np.ndarray) -> GroupQuantized:
+    """float32 `[N, K]` as 4-bit codes with a scale and min per 32 weights (each group's
+    range in 16 steps): what torch's int4 kernel multiplies."""
+    n, k = rows.shape
+    groups = rows.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.min(axis=-1), groups.max(axis=-1)
+    scales = np.maximum((high - low) / 15, np.float32(1e-12)).astype(np.float32)
+    codes = np.rint((groups - low[..., None]) / scales[..., None]).clip(0, 15)
+    return GroupQuantized(codes.astype(np.uint8).reshape(n, k), scales, low.astype(np.float32))

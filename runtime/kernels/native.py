@@ -24,12 +24,12 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from runtime.cache_dir import cache_dir, source_digest, write_atomically
 from runtime.kernels.core_share import threads
 from runtime.kernels.cpu import cpu_features
 
@@ -45,50 +45,44 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMQ_CACHE_DIR") or Path.home() / ".cache" / "llmq")
+# the pool's element type -> the build's extra flags (paged_attention.c's KV_HALF)
+KV_BUILDS = {np.dtype(np.float32): (), np.dtype(np.float16): ("-DKV_HALF",)}
 
 
-def _library_path() -> Path:
-    features = cpu_features()
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + " ".join(sorted(features.flags)).encode()
-    ).hexdigest()[:16]
+def _library_path(defines: tuple[str, ...]) -> Path:
+    what = [source_digest(SOURCE), *FLAGS, *defines, *sorted(cpu_features().flags)]
+    key = hashlib.sha256(" ".join(what).encode()).hexdigest()[:16]
     return cache_dir() / f"paged_attention-{key}.so"
 
 
-def _compile(target: Path) -> None:
+def _compile(target: Path, defines: tuple[str, ...]) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or $CC) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # built beside the target and renamed: processes building at once never load half a file
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
+
+    def build(partial: Path) -> None:
         subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"],
+            [compiler, *FLAGS, *defines, "-o", str(partial), str(SOURCE), "-lm"],
             check=True,
             capture_output=True,
             text=True,
             timeout=120,
         )
-        os.replace(partial, target)
+
+    try:  # processes building at once never load half a file
+        write_atomically(target, build)
     except subprocess.CalledProcessError as exc:
         raise OSError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library(defines: tuple[str, ...]) -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return None
-    target = _library_path()
+    target = _library_path(defines)
     try:
         if not target.exists():
-            _compile(target)
+            _compile(target, defines)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native attention unavailable, using numpy's (%s)", exc)
@@ -127,15 +121,17 @@ class RowKeys:
 
 
 class PagedAttention:
-    """`__call__` runs the kernel over numpy arrays, checking what it must not get wrong."""
+    """`__call__` runs the kernel over numpy arrays, checking what it must not get wrong;
+    one build per element type of the pool (float32 or float16)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, kv_dtype: np.dtype, lib: ctypes.CDLL) -> None:
+        self.kv_dtype = kv_dtype
         self._fn = lib.llmq_paged_attention
 
     def __call__(
         self,
         q: np.ndarray,  # [T, H, Dh] float32, rows may be strided
-        keys: np.ndarray,  # [Hkv, slots, Dh] float32, C-contiguous
+        keys: np.ndarray,  # [Hkv, slots, Dh] of the build's type, C-contiguous
         values: np.ndarray,
         rows: RowKeys,
     ) -> np.ndarray:
@@ -144,8 +140,8 @@ class PagedAttention:
         if q.dtype != np.float32 or q.strides[1:] != (4 * head_dim, 4):
             q = np.ascontiguousarray(q, np.float32)
         for name, a in (("keys", keys), ("values", values)):
-            if a.dtype != np.float32 or not a.flags.c_contiguous or a.shape != keys.shape:
-                raise ValueError(f"{name} must be C-contiguous float32 {keys.shape}")
+            if a.dtype != self.kv_dtype or not a.flags.c_contiguous or a.shape != keys.shape:
+                raise ValueError(f"{name} must be C-contiguous {self.kv_dtype} {keys.shape}")
         if len(rows.offset) != n_rows or rows.max_slot >= pool_slots:
             raise ValueError("the row keys do not fit these queries and this pool")
         out = np.empty((n_rows, heads * head_dim), np.float32)
@@ -171,8 +167,12 @@ class PagedAttention:
         return out
 
 
+def paged_attention(kv_dtype: np.dtype | type = np.float32) -> PagedAttention | None:
+    """The kernel compiled for a pool of `kv_dtype`, or None where it cannot be built here."""
+    return _kernel(np.dtype(kv_dtype))
+
+
 @functools.cache
-def paged_attention() -> PagedAttention | None:
-    """The compiled kernel, or None where it cannot be built here."""
-    lib = _library()
-    return PagedAttention(lib) if lib is not None else None
+def _kernel(kv_dtype: np.dtype) -> PagedAttention | None:
+    lib = _library(KV_BUILDS[kv_dtype])
+    return PagedAttention(kv_dtype, lib) if lib is not None else None

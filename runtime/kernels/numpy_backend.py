@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from runtime.gguf_file import GGUFFile
@@ -63,6 +65,10 @@ class ArrayEmbedding:
 
 class NumpyBackend:
     name = "numpy"
+    kv_dtype = np.dtype(np.float32)  # exact: the reference keeps its keys as computed
+
+    def loading(self, f: GGUFFile) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()  # float32 straight from the mapped file is fast
 
     def linear(
         self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None

@@ -9,56 +9,148 @@
  *
  * q      [rows, q_stride] float32; head h of row t at q + t * q_stride + h * head_dim
  *        (already scaled by the attention scale)
- * keys   [kv_heads, pool_slots, head_dim] float32, values likewise (the pool's layout)
+ * keys   [kv_heads, pool_slots, head_dim] float32, values likewise (the pool's layout); built
+ *        with -DKV_HALF, IEEE half (the torch backend's pool, as llama.cpp keeps its cache:
+ *        half the bytes to read per key, which is what decode attention waits on)
  * slots  int64: for row t, slots[offset[t] .. offset[t] + count[t]) are the pool slots of
  *        the keys it sees, in position order
  * out    [rows, heads * head_dim] float32
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "paged_attention.c needs AVX2, FMA and F16C (every CPU llmq runs on has them)"
+#endif
+
 #define LANES 8
 
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
+#ifdef KV_HALF /* IEEE half keys and values, converted exactly to float32 on load (F16C) */
+typedef uint16_t kv_t;
+static inline __m256 load8(const kv_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline float scalar(kv_t x) { return _cvtsh_ss(x); }
+#else
+typedef float kv_t;
+static inline __m256 load8(const kv_t *p) { return _mm256_loadu_ps(p); }
+static inline float scalar(kv_t x) { return x; }
+#endif
+
+static inline float lanes_sum(__m256 acc, const float *a, const kv_t *b, int64_t d, int64_t n) {
+    float lane[LANES];
+    _mm256_storeu_ps(lane, acc);
+    for (int l = 0; d < n; d++, l++) lane[l] += a[d] * scalar(b[d]);
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+static float dot(const float *a, const kv_t *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), acc);
+    return lanes_sum(acc, a, b, d, n);
+}
+
+/* `dot` of `a` with four vectors at once: four independent chains keep the FMA units busy
+ * where one chain waits on its own latency; each result is `dot`'s, bit for bit. */
+static void dot4(const float *a, const kv_t *b0, const kv_t *b1, const kv_t *b2, const kv_t *b3,
+                 int64_t n, float *out) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES) {
+        const __m256 x = _mm256_loadu_ps(a + d);
+        c0 = _mm256_fmadd_ps(x, load8(b0 + d), c0);
+        c1 = _mm256_fmadd_ps(x, load8(b1 + d), c1);
+        c2 = _mm256_fmadd_ps(x, load8(b2 + d), c2);
+        c3 = _mm256_fmadd_ps(x, load8(b3 + d), c3);
+    }
+    out[0] = lanes_sum(c0, a, b0, d, n);
+    out[1] = lanes_sum(c1, a, b1, d, n);
+    out[2] = lanes_sum(c2, a, b2, d, n);
+    out[3] = lanes_sum(c3, a, b3, d, n);
+}
+
+/* e^x for x <= 0 (scores minus their peak), 8 at a time: Cephes' expf polynomial on
+ * x - n ln 2, times 2^n. Scalar expf took most of a decode row's attention (4500 calls a
+ * layer for one SmolLM2 row at 500 tokens of context). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* below: 0 to float precision */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* s[j] = e^(s[j] - peak) for j < n, returning their sum (in a fixed order for every n) */
+static float exp_shifted(float *s, int64_t n, float peak) {
+    const __m256 shift = _mm256_set1_ps(peak);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+        _mm256_storeu_ps(s + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float lane[LANES];
+    _mm256_storeu_ps(lane, sum8);
+    float total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - peak);
+        total += s[j];
+    }
+    return total;
+}
+
+/* o += p * v over n values */
+static void add_scaled(float *restrict o, float p, const kv_t *restrict v, int64_t n) {
+    const __m256 scale = _mm256_set1_ps(p);
     int64_t d = 0;
     for (; d + LANES <= n; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * b[d + l];
-    for (int l = 0; d < n; d++, l++) acc[l] += a[d] * b[d];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(scale, load8(v + d), _mm256_loadu_ps(o + d)));
+    for (; d < n; d++) o[d] += p * scalar(v[d]);
 }
 
 /* The `group` query heads that share one KV head, over that head's keys: each key and
  * value is read once for all of them. Head g's arithmetic is the same whatever `group` is. */
-static void attend_group(const float *restrict q, int64_t group, const float *restrict keys,
-                         const float *restrict values, const int64_t *restrict slots,
+static void attend_group(const float *restrict q, int64_t group, const kv_t *restrict keys,
+                         const kv_t *restrict values, const int64_t *restrict slots,
                          int64_t count, int64_t head_dim, float *restrict scores,
                          float *restrict out) {
     const int64_t stride = count + 1; /* head g's scores, then the inverse of their sum */
-    for (int64_t j = 0; j < count; j++) {
-        const float *k = keys + slots[j] * head_dim;
+    int64_t j = 0;
+    for (; j + 4 <= count; j += 4) {
+        const kv_t *k0 = keys + slots[j] * head_dim, *k1 = keys + slots[j + 1] * head_dim;
+        const kv_t *k2 = keys + slots[j + 2] * head_dim, *k3 = keys + slots[j + 3] * head_dim;
+        for (int64_t g = 0; g < group; g++)
+            dot4(q + g * head_dim, k0, k1, k2, k3, head_dim, scores + g * stride + j);
+    }
+    for (; j < count; j++) {
+        const kv_t *k = keys + slots[j] * head_dim;
         for (int64_t g = 0; g < group; g++)
             scores[g * stride + j] = dot(q + g * head_dim, k, head_dim);
     }
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * stride;
-        float peak = -INFINITY, total = 0.0f;
+        float peak = -INFINITY;
         for (int64_t j = 0; j < count; j++) peak = s[j] > peak ? s[j] : peak;
-        for (int64_t j = 0; j < count; j++) {
-            s[j] = expf(s[j] - peak);
-            total += s[j];
-        }
-        s[count] = 1.0f / total;
+        s[count] = 1.0f / exp_shifted(s, count, peak);
     }
     for (int64_t i = 0; i < group * head_dim; i++) out[i] = 0.0f;
     for (int64_t j = 0; j < count; j++) {
-        const float *v = values + slots[j] * head_dim;
-        for (int64_t g = 0; g < group; g++) {
-            const float p = scores[g * stride + j];
-            float *o = out + g * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
-        }
+        const kv_t *v = values + slots[j] * head_dim;
+        for (int64_t g = 0; g < group; g++)
+            add_scaled(out + g * head_dim, scores[g * stride + j], v, head_dim);
     }
     for (int64_t g = 0; g < group; g++) {
         const float inv = scores[g * stride + count];
@@ -66,28 +158,34 @@ static void attend_group(const float *restrict q, int64_t group, const float *re
     }
 }
 
-int llmq_paged_attention(const float *q, int64_t q_stride, const float *keys,
-                         const float *values, int64_t pool_slots, const int64_t *slots,
+int llmq_paged_attention(const float *q, int64_t q_stride, const kv_t *keys,
+                         const kv_t *values, int64_t pool_slots, const int64_t *slots,
                          const int64_t *offset, const int64_t *count, int64_t rows,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_count,
                          int threads, float *out) {
     const int64_t group = heads / kv_heads;
+    /* Query heads per task: the whole group sharing a KV head (each key read once for all
+     * of them), or one where that leaves too few tasks to keep the threads busy (a single
+     * decode row has as many as KV heads: 3 for 2 threads). Head g's arithmetic is the
+     * same either way, so the split never changes a result. */
+    const int64_t per_task = rows * kv_heads >= 4 * (int64_t)threads ? group : 1;
+    const int64_t tasks_per_row = heads / per_task;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * group * (max_count + 1));
+        float *scores = malloc(sizeof(float) * per_task * (max_count + 1));
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < rows * kv_heads; task++) {
+        for (int64_t task = 0; task < rows * tasks_per_row; task++) {
             if (scores == NULL) { /* every thread still meets the loop's barrier */
 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
-            const int64_t t = task / kv_heads, kvh = task % kv_heads;
-            const int64_t plane = kvh * pool_slots * head_dim;
-            attend_group(q + t * q_stride + kvh * group * head_dim, group, keys + plane,
+            const int64_t t = task / tasks_per_row, first = (task % tasks_per_row) * per_task;
+            const int64_t plane = (first / group) * pool_slots * head_dim;
+            attend_group(q + t * q_stride + first * head_dim, per_task, keys + plane,
                          values + plane, slots + offset[t], count[t], head_dim, scores,
-                         out + (t * heads + kvh * group) * head_dim);
+                         out + (t * heads + first) * head_dim);
         }
         free(scores);
     }

@@ -23,8 +23,10 @@ def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> LlamaMode
             f"{gguf_file.path.name}: architecture {arch!r} is not supported "
             f"(supported: {supported})"
         )
-    recorder = LinearSources(backend or get_backend())
-    model = model_class(gguf_file, recorder)
+    backend = backend or get_backend()
+    recorder = LinearSources(backend)
+    with backend.loading(gguf_file):
+        model = model_class(gguf_file, recorder)
     model.architecture, model.linear_sources = arch, recorder.sources
     return model
 

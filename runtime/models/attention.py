@@ -106,7 +106,7 @@ def attend_layout(
     slots = _plan(layout, ("slots", group), lambda lay: _slot_ids(lay, group))
     keys[:, slots] = k.transpose(1, 0, 2)  # [T, Hkv, Dh] -> [Hkv, T, Dh]
     values[:, slots] = v.transpose(1, 0, 2)
-    kernel = paged_attention()
+    kernel = paged_attention(keys.dtype)
     if kernel is not None:  # every row alike, whatever shares its forward pass
         rows = _plan(layout, ("rows", group, window), lambda lay: _row_keys(lay, group, window))
         return kernel(q, keys, values, rows)

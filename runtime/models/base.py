@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.kernels import Embedding, Weight
+from runtime.gguf_file import GGUFFile
+from runtime.kernels import Backend, Embedding, TensorPart, Weight
 from runtime.kv_pool import BLOCK_SIZE, BlockPool, PagedKVCache
 from runtime.lora import AdapterStack, LinearSource, RowAdapters
 
@@ -122,6 +123,20 @@ def gated_mlp(
     return linear(hidden, w_down, layout)  # [T, F] -> [T, D]
 
 
+def block_linears(
+    f: GGUFFile, p: str, backend: Backend, qkv: list[TensorPart]
+) -> tuple[Weight, Weight, Weight, Weight]:
+    """A pre-norm block's four matmuls from the tensors under `p` ("blk.{i}."), with each
+    pre-norm folded into the matmul after it: (wqkv, wo, w_gate_up, w_down). The
+    architecture gives the `qkv` parts, where the row orders and scales differ."""
+    wqkv = backend.linear(f, qkv, f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
+    wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
+    gate_up = [TensorPart(p + f"ffn_{n}.weight") for n in ("gate", "up")]
+    w_gate_up = backend.linear(f, gate_up, f.tensor(p + "ffn_norm.weight"))  # [2F, D]
+    w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
+    return wqkv, wo, w_gate_up, w_down
+
+
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up in one scratch buffer: decode is dominated by per-op overhead."""
     out = np.negative(gate)
@@ -201,6 +216,15 @@ class DecoderModel:
         cache = PagedKVCache(pool or self.new_kv_pool(max_tokens))
         cache.reserve(max_tokens)
         return cache
+
+    def run_layers(self, x: np.ndarray, layout: BatchLayout, rope: Any) -> np.ndarray:
+        """The embedded tokens `x` `[T, D]` through every layer, then the final norm; the
+        caches then hold this pass's tokens. `rope` is what the layers take (tables, or
+        Gemma's {sliding: tables})."""
+        for layer in self.layers:
+            x = layer(x, layout, rope)
+        layout.commit()
+        return self.ops.rms_norm(x, self.norm, self.args.norm_eps)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """`[N, D]` -> row-major `[N, V]`, as the sampler's per-row reductions want it (a

@@ -13,7 +13,14 @@ import numpy as np
 
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, TensorPart
-from runtime.models.base import BatchLayout, DecoderModel, gated_mlp, linear, rope_inv_freq
+from runtime.models.base import (
+    BatchLayout,
+    DecoderModel,
+    block_linears,
+    gated_mlp,
+    linear,
+    rope_inv_freq,
+)
 from runtime.models.ops import array_ops
 
 SLIDING_WINDOW_PATTERN = 6  # every 6th layer is global (llama.cpp and HF agree)
@@ -69,11 +76,7 @@ class Gemma3Layer:
         self.q_norm = ops.vector(f.tensor(p + "attn_q_norm.weight") / np.sqrt(args.head_dim))
         self.k_norm = ops.vector(f.tensor(p + "attn_k_norm.weight"))
         qkv = [TensorPart(p + f"attn_{n}.weight") for n in "qkv"]
-        self.wqkv = backend.linear(f, qkv, f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
-        self.wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
-        gate_up = [TensorPart(p + f"ffn_{n}.weight") for n in ("gate", "up")]
-        self.w_gate_up = backend.linear(f, gate_up, f.tensor(p + "ffn_norm.weight"))  # [2F, D]
-        self.w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
+        self.wqkv, self.wo, self.w_gate_up, self.w_down = block_linears(f, p, backend, qkv)
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict[bool, tuple]) -> np.ndarray:
         eps, ops = self.args.norm_eps, self.ops
@@ -122,7 +125,4 @@ class Gemma3Model(DecoderModel):
             False: self.ops.rope_tables(positions, self.global_inv_freq, self.args.rope_scale),
             True: self.ops.rope_tables(positions, self.local_inv_freq),
         }
-        for layer in self.layers:
-            x = layer(x, layout, ropes)
-        layout.commit()
-        return self.ops.rms_norm(x, self.norm, self.args.norm_eps)
+        return self.run_layers(x, layout, ropes)

@@ -12,7 +12,14 @@ import numpy as np
 
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, TensorPart
-from runtime.models.base import BatchLayout, DecoderModel, gated_mlp, linear, rope_inv_freq
+from runtime.models.base import (
+    BatchLayout,
+    DecoderModel,
+    block_linears,
+    gated_mlp,
+    linear,
+    rope_inv_freq,
+)
 from runtime.models.ops import array_ops
 
 
@@ -77,11 +84,7 @@ class LlamaLayer:
             TensorPart(p + "attn_k.weight", unpermute_order(kv_rows, args.n_kv_heads)),
             TensorPart(p + "attn_v.weight"),
         ]
-        self.wqkv = backend.linear(f, qkv, f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
-        self.wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
-        gate_up = [TensorPart(p + f"ffn_{n}.weight") for n in ("gate", "up")]
-        self.w_gate_up = backend.linear(f, gate_up, f.tensor(p + "ffn_norm.weight"))  # [2F, D]
-        self.w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
+        self.wqkv, self.wo, self.w_gate_up, self.w_down = block_linears(f, p, backend, qkv)
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
         eps, ops = self.args.norm_eps, self.ops
@@ -123,7 +126,4 @@ class LlamaModel(DecoderModel):
         self.ops.prepare(layout, self.kv_windows)
         x = self.embed(tokens)  # [T] -> [T, D]
         rope = self.ops.rope_tables(layout.positions(), self.inv_freq, self.args.rope_scale)
-        for layer in self.layers:
-            x = layer(x, layout, rope)
-        layout.commit()
-        return self.ops.rms_norm(x, self.norm, self.args.norm_eps)
+        return self.run_layers(x, layout, rope)

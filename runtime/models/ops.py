@@ -17,10 +17,11 @@ from runtime.models import attention, base
 
 
 class HostOps:
-    """numpy on the CPU: what the numpy backend and the torch CPU kernels run under."""
+    """numpy on the CPU: what the numpy backend and the torch CPU kernels run under. The KV
+    pool holds float32, or IEEE half where the torch backend's plan asks for it
+    (`KernelPlan.kv`, `LLMQ_KV_CACHE=float16`, as llama.cpp's cache does)."""
 
     device = None
-    kv_value_bytes = 4  # float32 keys and values
     rms_normalize = staticmethod(base.rms_normalize)
     rms_norm = staticmethod(base.rms_norm)
     rope_tables = staticmethod(base.rope_tables)
@@ -38,25 +39,32 @@ class HostOps:
         """A norm's weight as the ops use it: the float32 array itself."""
         return values
 
-    @staticmethod
-    def kv_storage(n_kv_heads: int, tokens: int, head_dim: int) -> np.ndarray:
+    def __init__(self, kv_dtype: np.dtype | type = np.float32) -> None:
+        self.kv_dtype = np.dtype(kv_dtype)
+
+    @property
+    def kv_value_bytes(self) -> int:
+        return self.kv_dtype.itemsize
+
+    def kv_storage(self, n_kv_heads: int, tokens: int, head_dim: int) -> np.ndarray:
         """One layer's keys (or values), `[Hkv, slots, Dh]`, backed as blocks are written."""
-        return lazy_array((n_kv_heads, tokens, head_dim))
+        return lazy_array((n_kv_heads, tokens, head_dim), self.kv_dtype)
 
     @staticmethod
     def to_host(x: np.ndarray) -> np.ndarray:
         return x
 
 
-HOST_OPS = HostOps()
+HOST_OPS = {np.dtype(t): HostOps(t) for t in (np.float32, np.float16)}
 
 
 def array_ops(backend: Any) -> Any:
     """The ops for the arrays `backend`'s weights take: a backend with a `device` (the
-    tensor backend) gets tensor ops on it, every other one the host ops."""
+    tensor backend) gets tensor ops on it, every other one the host ops over a pool of
+    its `kv_dtype`."""
     device = getattr(backend, "device", None)
     if device is None:
-        return HOST_OPS
+        return HOST_OPS[np.dtype(getattr(backend, "kv_dtype", None) or np.float32)]
     from runtime.models.tensor_ops import TensorOps
 
     return TensorOps(device)

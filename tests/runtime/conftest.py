@@ -100,7 +100,7 @@ def _invariant_engine(model_id: str, path: Path):
     """`model_id` on kernels whose rows do not depend on their batch (`row_invariant_plan`)."""
     from runtime.kernels.cpu import cpu_features, row_invariant_plan
 
-    return _engine(model_id, path, "torch", kernels=row_invariant_plan(cpu_features().cores))
+    return _engine(model_id, path, "torch", kernels=row_invariant_plan(cpu_features()))
 
 
 @pytest.fixture(scope="session")

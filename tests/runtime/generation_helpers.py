@@ -21,6 +21,12 @@ def random_tokens(n: int, seed: int, vocab: int = 250) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(10, vocab, n)]
 
 
+def engine_tokens(engine: Engine, n: int, seed: int) -> list[int]:
+    """`n` reproducible token ids from all of `engine`'s vocabulary but its first three."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, engine.tokenizer.vocab_size, n)]
+
+
 def tight_engine(path: Path, n_blocks: int = 12, config: EngineConfig | None = None) -> Engine:
     """An engine whose KV pool holds only `n_blocks` blocks (12 = 192 tokens: too few for
     several sequences at once), so the generator must preempt."""

@@ -19,6 +19,12 @@ def llmq(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def greedy(*args: str, max_tokens: int, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """`llmq generate --temperature 0 --max-tokens N ARGS`: the same text on every run."""
+    options = ("--temperature", "0", "--max-tokens", str(max_tokens))
+    return llmq("generate", *options, *args, stdin=stdin)
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
@@ -32,17 +38,7 @@ def test_console_script_is_installed():
 
 
 def test_generate_streams_text_and_stats(tiny_llama_path):
-    result = llmq(
-        "generate",
-        "-m",
-        str(tiny_llama_path),
-        "--temperature",
-        "0",
-        "--max-tokens",
-        "6",
-        "--stats",
-        "the cat",
-    )
+    result = greedy("-m", str(tiny_llama_path), "--stats", "the cat", max_tokens=6)
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stderr.strip().splitlines()[-1])
     assert set(stats) == {
@@ -58,39 +54,21 @@ def test_generate_streams_text_and_stats(tiny_llama_path):
 
 
 def test_generate_reads_the_prompt_from_stdin(tiny_llama_path):
-    args = ("generate", "-m", str(tiny_llama_path), "--temperature", "0", "--max-tokens", "4")
-    from_arg = llmq(*args, "the cat")
-    from_stdin = llmq(*args, stdin="the cat")
+    from_arg = greedy("-m", str(tiny_llama_path), "the cat", max_tokens=4)
+    from_stdin = greedy("-m", str(tiny_llama_path), max_tokens=4, stdin="the cat")
     assert from_stdin.returncode == 0 and from_stdin.stdout == from_arg.stdout
 
 
 @pytest.mark.slow
 def test_generate_with_smollm2_answers_sensibly():
-    result = llmq(
-        "generate",
-        "-m",
-        "smollm2-135m-instruct",
-        "--temperature",
-        "0",
-        "--max-tokens",
-        "8",
-        "The capital of France is",
-    )
+    result = greedy("-m", "smollm2-135m-instruct", "The capital of France is", max_tokens=8)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
 
 @pytest.mark.slow
 def test_generate_chat_with_smollm2_answers_a_question():
-    result = llmq(
-        "generate",
-        "--chat",
-        "--temperature",
-        "0",
-        "--max-tokens",
-        "30",
-        "What is the capital of Japan?",
-    )
+    result = greedy("--chat", "What is the capital of Japan?", max_tokens=30)
     assert result.returncode == 0, result.stderr
     assert "Tokyo" in result.stdout
 

@@ -300,7 +300,7 @@ CITY = {
     "properties": {
         "city": {"type": "string", "maxLength": 40},
         "country": {"type": "string", "maxLength": 40},
-        "population_millions": {"type": "number", "minimum": 0},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
     },
     "required": ["city", "country", "population_millions"],
     "additionalProperties": False,

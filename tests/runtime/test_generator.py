@@ -35,7 +35,7 @@ def test_preemption_when_kv_memory_runs_out_keeps_every_output_exact(tiny_model_
 
 def test_interactive_requests_go_before_batch_requests(engine):
     engine_generator = engine.new_generator()
-    engine_generator.config.max_batch = 1
+    engine_generator.config.max_sequences = 1
     params = SamplingParams(max_tokens=2, **GREEDY)
     order: list[str] = []
     engine_generator.add("batch-1", [20, 21], params, priority=1)

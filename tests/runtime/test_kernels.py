@@ -242,3 +242,41 @@ def test_real_model_batched_and_prefix_cached_generation_equal_alone(smollm2_tor
             together[event.request_id].append(event.token_id)
     assert [together[str(i)] for i in range(len(prompts))] == alone
     assert engine.prefix_cache.stats.hits > 0
+
+
+def test_kv_cache_type_comes_from_the_environment(monkeypatch, tiny_llama_path):
+    """`LLMQ_KV_CACHE=float16` gives the host path a half pool; a typo is a clear error."""
+    from runtime.engine import Engine
+    from runtime.kernels.cpu import default_plan
+
+    assert default_plan().kv == "float32"
+    monkeypatch.setenv("LLMQ_KV_CACHE", "float16")
+    engine = Engine.load(str(tiny_llama_path))
+    assert engine.kv_pool.keys[0].dtype == np.float16
+    assert engine.backend.describe()["kv cache"] == "float16"
+    monkeypatch.setenv("LLMQ_KV_CACHE", "f16")
+    with pytest.raises(ValueError, match="LLMQ_KV_CACHE must be one of float32, float16"):
+        default_plan()
+
+
+@pytest.mark.slow
+def test_rescored_head_gives_the_files_logits_for_its_best_rows(gemma3_gguf_path):
+    """Gemma 3's Q8_0 head, ranked by its int4 copy: the best rows' logits are the file's
+    values times the query (float64 reference), the argmax is the exact one, and a row's
+    logits are bitwise the same alone and among others."""
+    from runtime.kernels.torch_backend import RESCORED_ROWS, RescoredHead, TorchBackend
+
+    f = GGUFFile(gemma3_gguf_path)
+    plan = KernelPlan("int4", "fp16", "int8", 2, head_fallback="int4+rescore")
+    head = TorchBackend(plan).head(f, "token_embd.weight")
+    assert isinstance(head, RescoredHead)
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((12, head.shape[1])).astype(np.float32))
+    got = head.product(x)
+    exact = x.double() @ torch.from_numpy(f.tensor("token_embd.weight")).double().T
+    assert torch.equal(got.argmax(1), exact.argmax(1))
+    best = torch.topk(exact, 8, dim=1).indices  # well inside the rescored rows
+    assert RESCORED_ROWS >= 8
+    np.testing.assert_allclose(got.gather(1, best), exact.gather(1, best).float(), rtol=1e-6)
+    alone = torch.cat([head.product(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(alone, got)

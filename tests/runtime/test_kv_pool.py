@@ -58,7 +58,8 @@ def test_new_runs_start_mid_gap_so_sequences_decoding_in_step_stay_consecutive()
 
 def test_paged_cache_equals_contiguous_cache_even_when_fragmented(engine):
     model = engine.model
-    pool = BlockPool(*model.kv_shape, n_blocks=16)
+    ops = model.ops  # the model's own element type, every layer in one group
+    pool = BlockPool(*model.kv_shape, 16, storage=ops.kv_storage, value_bytes=ops.kv_value_bytes)
     blockers = [pool.allocate() for _ in range(3)]
     paged = PagedKVCache(pool)
     paged.reserve(BLOCK_SIZE)

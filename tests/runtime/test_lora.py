@@ -48,6 +48,9 @@ class MergedFile(GGUFFile):
         w = super().tensor(name)
         return w + self.deltas[name].astype(np.float32) if name in self.deltas else w
 
+    def content_key(self) -> None:
+        return None  # its tensors are not the file's: nothing built from them is kept
+
 
 def _logits(model, tokens: list[int], adapters=()) -> np.ndarray:
     """Logits of a prefill of all but the last token and a one-token decode step."""

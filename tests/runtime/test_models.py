@@ -12,7 +12,7 @@ import pytest
 from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import get_backend
-from runtime.kv_pool import BlockPool, PagedKVCache
+from runtime.kv_pool import BlockPool, PagedKVCache, lazy_array
 from runtime.models import load_model
 from runtime.models.attention import attend, attend_layout
 from runtime.models.base import BatchLayout, SequenceChunk
@@ -206,19 +206,28 @@ def attention_path(request, monkeypatch):
     from runtime.models import attention
 
     if request.param == "numpy":
-        monkeypatch.setattr(attention, "paged_attention", lambda: None)
+        monkeypatch.setattr(attention, "paged_attention", lambda *_: None)
     elif paged_attention() is None:
         pytest.skip("no C compiler: the kernel is not built here")
     return request.param
 
 
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_batch_attention_matches_naive_per_sequence(window, attention_path):
+def test_paged_batch_attention_matches_naive_per_sequence(window, kv_dtype, attention_path):
     """The pooled path: fragmented block tables (several runs per sequence), decode rows of
     very different lengths (several padded groups on numpy's path) mixed with a prefill
-    chunk."""
+    chunk; over a float32 pool and over a half one (`KernelPlan.kv`), whose keys are the
+    reference's rounded to half."""
     n_kv, n_heads, head_dim, block = 2, 6, 8, 4
-    pool = BlockPool(1, n_kv, head_dim, n_blocks=64, block_size=block)
+    pool = BlockPool(
+        1,
+        n_kv,
+        head_dim,
+        n_blocks=64,
+        block_size=block,
+        storage=lambda h, t, d: lazy_array((h, t, d), kv_dtype),
+    )
     rng = np.random.default_rng(7)
     lengths = [2, 3, 9, 14, 30]  # tokens each sequence will hold
     caches = [PagedKVCache(pool) for _ in lengths]
@@ -248,8 +257,8 @@ def test_paged_batch_attention_matches_naive_per_sequence(window, attention_path
         row = 0
         for i, s in pick:
             k_all, v_all = (
-                keys[i][: s.stop].transpose(1, 0, 2),
-                values[i][: s.stop].transpose(1, 0, 2),
+                keys[i][: s.stop].transpose(1, 0, 2).astype(kv_dtype).astype(np.float32),
+                values[i][: s.stop].transpose(1, 0, 2).astype(kv_dtype).astype(np.float32),
             )
             want = _naive_attention(queries[i][s], k_all, v_all, s.start, 1.0, window)
             np.testing.assert_allclose(got[row : row + s.stop - s.start], want, **TOL)

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from runtime.detokenizer import TextAssembler
 from runtime.engine import Engine
+from tests.runtime.generation_helpers import engine_tokens
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path: Path) -> Engine:
     return Engine.load(str(tiny_llama_path))
-
-
-def random_tokens(engine: Engine, n: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(3, engine.tokenizer.vocab_size, n)]
 
 
 def assemble(assembler: TextAssembler, ids: list[int]) -> tuple[list[str], str | None]:
@@ -33,7 +28,7 @@ def assemble(assembler: TextAssembler, ids: list[int]) -> tuple[list[str], str |
 
 
 def test_text_is_the_decoded_tokens_cut_at_the_first_stop_string(engine):
-    ids = random_tokens(engine, 60, seed=1)
+    ids = engine_tokens(engine, 60, seed=1)
     full = engine.tokenizer.decode(ids)
     texts, finish = assemble(TextAssembler(engine.tokenizer, []), ids)
     assert "".join(texts) == full and finish == "length"
@@ -45,7 +40,7 @@ def test_text_is_the_decoded_tokens_cut_at_the_first_stop_string(engine):
 @pytest.mark.parametrize("cut", [1, 7, 13, 30])
 def test_replaying_sent_tokens_continues_the_text_exactly(engine, cut):
     """Split UTF-8 characters and half-matched stop strings survive the cut."""
-    ids = random_tokens(engine, 60, seed=2)
+    ids = engine_tokens(engine, 60, seed=2)
     stop = engine.tokenizer.decode(ids)[40:43]
     reference, finish = assemble(TextAssembler(engine.tokenizer, [stop]), ids)
     assert finish == "stop" and cut < len(reference)

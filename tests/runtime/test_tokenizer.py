@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from runtime import tokenizer_backends
 from runtime.errors import InvalidTokenIdError, TokenizerError, UnsupportedTokenizerError
 from runtime.tokenizer import Tokenizer
 from tests.runtime.tokenizer_vocabs import (
@@ -330,3 +331,24 @@ def test_gemma3_builds_quickly(gemma3_metadata):
     tok = Tokenizer.from_metadata(gemma3_metadata)
     assert time.perf_counter() - started < 3.0
     assert tok.vocab_size == 262144
+
+
+def test_spm_model_is_built_once_per_vocabulary(tmp_path, monkeypatch):
+    """The second tokenizer of a vocabulary reads the SPM model the first one kept in
+    LLMQ_CACHE_DIR and tokenizes alike; another vocabulary builds its own."""
+    monkeypatch.setenv("LLMQ_CACHE_DIR", str(tmp_path))
+    meta = spm_metadata(**{"tokenizer.ggml.add_space_prefix": False})
+    first = Tokenizer.from_metadata(meta)
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+
+    def no_building(*args, **kwargs):
+        raise AssertionError("the SPM model was built again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tokenizer_backends, "_spm_proto", no_building)
+        second = Tokenizer.from_metadata(meta)
+    for text in ("abc", "aé", "a b  c"):
+        assert second.encode(text) == first.encode(text)
+
+    Tokenizer.from_metadata(spm_metadata({"a": -1.0, "b": -2.0}))
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 2
