@@ -26,6 +26,20 @@ from api.auth import require_admin
 from api.body import json_object
 from api.config import redis_conn
 from api.errors import InvalidRequest, ModelNotFound, NotFound, ServiceUnavailable
+from api.responses import (
+    Lora,
+    LoraDeleted,
+    LoraList,
+    ModelCommandSent,
+    ModelPool,
+    ModelPoolList,
+    QueueList,
+    QueueObject,
+    RunningJob,
+    RunningJobList,
+    WorkerList,
+    WorkerObject,
+)
 from runtime.errors import LLMQRuntimeError
 from runtime.gguf_file import GGUFFile
 from runtime.lora import adapter_file, check_adapter
@@ -51,8 +65,8 @@ REGISTRIES = {
 @bp.get("/workers")
 def workers() -> Response:
     conn = redis_conn()
-    data = [{**asdict(w), "alive": w.is_alive()} for w in store.all_workers(conn)]
-    return jsonify({"object": "list", "data": data})
+    data = [WorkerObject(**asdict(w), alive=w.is_alive()) for w in store.all_workers(conn)]
+    return jsonify(WorkerList(object="list", data=data).dump())
 
 
 @bp.get("/jobs")
@@ -67,19 +81,19 @@ def jobs_in_flight() -> Response:
         if record is None:  # ended and expired since the worker's last heartbeat
             continue
         data.append(
-            {
-                "id": record.id,
-                "model": record.model,
-                "kind": record.kind,
-                "status": record.status,
-                "worker": worker,
-                "completion_tokens": record.completion_tokens,
-                "created_at": record.created_at,
-                "started_at": record.started_at,
-            }
+            RunningJob(
+                id=record.id,
+                model=record.model,
+                kind=record.kind,
+                status=record.status,
+                worker=worker,
+                completion_tokens=record.completion_tokens,
+                created_at=record.created_at,
+                started_at=record.started_at,
+            )
         )
-    data.sort(key=lambda job: job["created_at"])
-    return jsonify({"object": "list", "data": data})
+    data.sort(key=lambda job: job.created_at)
+    return jsonify(RunningJobList(object="list", data=data).dump())
 
 
 @bp.get("/models")
@@ -93,8 +107,8 @@ def models() -> Response:
     for model in ids:
         pools = {w.name: w.pool[model] for w in live if model in w.pool}
         serving = [w.name for w in live if model in w.models]
-        data.append({"id": model, "info": known.get(model, {}), "serving": serving, "pools": pools})
-    return jsonify({"object": "list", "data": data})
+        data.append(ModelPool(id=model, info=known.get(model, {}), serving=serving, pools=pools))
+    return jsonify(ModelPoolList(object="list", data=data).dump())
 
 
 def _command(op: str) -> Response:
@@ -123,7 +137,7 @@ def _command(op: str) -> Response:
         pipe.lpush(keys.worker_commands(name), encode_command(op, model))
         pipe.expire(keys.worker_commands(name), 3600)
     pipe.execute()
-    response = jsonify({"op": op, "model": model, "workers": targets})
+    response = jsonify(ModelCommandSent(op=op, model=model, workers=targets).dump())
     response.status_code = 202
     return response
 
@@ -141,13 +155,18 @@ def unload_model() -> Response:
 @bp.get("/queues")
 def queues() -> Response:
     conn = redis_conn()
-    data: list[dict[str, Any]] = []
-    for queue in sorted(store.all_queues(conn), key=lambda q: q.name):
-        entry: dict[str, Any] = {"name": queue.name, "queued": queue.count}
-        for name, registry in REGISTRIES.items():
-            entry[name] = registry(queue=queue).get_job_count(cleanup=False)
-        data.append(entry)
-    return jsonify({"object": "list", "data": data})
+    data = [
+        QueueObject(
+            name=queue.name,
+            queued=queue.count,
+            **{
+                name: registry(queue=queue).get_job_count(cleanup=False)
+                for name, registry in REGISTRIES.items()
+            },
+        )
+        for queue in sorted(store.all_queues(conn), key=lambda q: q.name)
+    ]
+    return jsonify(QueueList(object="list", data=data).dump())
 
 
 @bp.get("/loras")
@@ -165,8 +184,8 @@ def list_loras() -> Response:
             for w in live
             if w.pool.get(base, {}).get("state") == "ready"
         }
-        data.append({**entry, "object": "lora", "workers": workers})
-    return jsonify({"object": "list", "data": data})
+        data.append(Lora(**entry, object="lora", workers=workers))
+    return jsonify(LoraList(object="list", data=data).dump())
 
 
 @bp.post("/loras")
@@ -198,7 +217,7 @@ def add_lora() -> Response:
     except LLMQRuntimeError as exc:
         raise InvalidRequest(str(exc), param="path") from None
     entry = register(conn, name, path, base)
-    response = jsonify({**entry, "object": "lora"})
+    response = jsonify(Lora(**entry, object="lora").dump())
     response.status_code = 201
     return response
 
@@ -216,4 +235,4 @@ def _check_adapter(path: Any, base_model: str) -> None:
 def delete_lora(name: str) -> Response:
     if not unregister(redis_conn(), name):
         raise NotFound(f"The LoRA adapter {name!r} is not registered.", param="name")
-    return jsonify({"name": name, "object": "lora", "deleted": True})
+    return jsonify(LoraDeleted(name=name, object="lora", deleted=True).dump())

@@ -16,14 +16,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import redis
 
 from api.auth import visible
 from api.batch_lines import InvalidLine, ValidLine
-from api.errors import BatchNotFound, Conflict, FileNotFound
+from api.errors import BatchNotFound, Conflict, ExpiredOrMissing, FileNotFound
 from api.paging import cursor_page
 from workers import keys
 from workers.wire.batch_output import error_line
@@ -74,10 +74,27 @@ def create_file(
 
 
 def get_file(conn: redis.Redis, file_id: str, scope: str | None = None) -> FileRecord:
-    raw = conn.hgetall(keys.file(file_id)) if keys.is_valid_file_id(file_id) else {}
-    record = FileRecord.from_hash(raw) if raw else None
+    return _owned(conn, file_id, scope, FileRecord, keys.file, keys.is_valid_file_id, FileNotFound)
+
+
+_Record = TypeVar("_Record", FileRecord, BatchRecord)
+
+
+def _owned(
+    conn: redis.Redis,
+    ident: str,
+    scope: str | None,
+    kind: type[_Record],
+    key: Callable[[str], str],
+    valid: Callable[[str], bool],
+    missing: type[ExpiredOrMissing],
+) -> _Record:
+    """The record `ident` of `kind` if `scope` may see it; else `missing`: one 404 for an id
+    that is malformed, never existed, expired, or belongs to another API key."""
+    raw = conn.hgetall(key(ident)) if valid(ident) else {}
+    record = kind.from_hash(raw) if raw else None
     if record is None or not visible(record.owner, scope):
-        raise FileNotFound(file_id)
+        raise missing(ident)
     return record
 
 
@@ -184,11 +201,8 @@ def create_batch(
 
 
 def get_batch(conn: redis.Redis, batch_id: str, scope: str | None = None) -> BatchRecord:
-    raw = conn.hgetall(keys.batch(batch_id)) if keys.is_valid_batch_id(batch_id) else {}
-    record = BatchRecord.from_hash(raw) if raw else None
-    if record is None or not visible(record.owner, scope):
-        raise BatchNotFound(batch_id)
-    return record
+    valid = keys.is_valid_batch_id
+    return _owned(conn, batch_id, scope, BatchRecord, keys.batch, valid, BatchNotFound)
 
 
 def cancel_batch(conn: redis.Redis, batch_id: str, scope: str | None = None) -> BatchRecord:

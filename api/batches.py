@@ -22,6 +22,7 @@ from api.config import redis_conn
 from api.errors import InvalidRequest
 from api.loras import adapters_of
 from api.paging import int_arg, list_page
+from api.responses import BatchList
 from workers.wire.batches import FILE_PURPOSE_BATCH
 from workers.wire.defaults import MAX_COMPLETION_WINDOW_SECONDS
 from workers.wire.job import ENDPOINTS
@@ -71,7 +72,7 @@ def create_batch() -> Response:
     batch = batch_store.create_batch(
         conn, endpoint, file_id, window, metadata, valid, invalid, errors, owner=scope
     )
-    return jsonify(batch.to_object())
+    return jsonify(batch.to_body().dump())
 
 
 def parse_window(value: Any) -> tuple[str, int]:
@@ -124,14 +125,16 @@ def list_batches() -> Response:
     limit = int_arg("limit", 20, 1, 100)
     after = request.args.get("after")
     records, more = batch_store.list_batches(redis_conn(), limit, after, caller_scope())
-    return jsonify(list_page([r.to_object() for r in records], more))
+    return jsonify(list_page(BatchList, [r.to_body() for r in records], more))
 
 
 @bp.get("/<batch_id>")
 def get_batch(batch_id: str) -> Response:
-    return jsonify(batch_store.get_batch(redis_conn(), batch_id, caller_scope()).to_object())
+    record = batch_store.get_batch(redis_conn(), batch_id, caller_scope())
+    return jsonify(record.to_body().dump())
 
 
 @bp.post("/<batch_id>/cancel")
 def cancel_batch(batch_id: str) -> Response:
-    return jsonify(batch_store.cancel_batch(redis_conn(), batch_id, caller_scope()).to_object())
+    record = batch_store.cancel_batch(redis_conn(), batch_id, caller_scope())
+    return jsonify(record.to_body().dump())

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from runtime.cli_options import add_listen_options
+
 CONF = Path(__file__).with_name("gunicorn_conf.py")
 
 
@@ -17,15 +19,7 @@ def add_api_commands(sub: argparse._SubParsersAction) -> None:
         description="Serve the OpenAI-compatible HTTP API with gunicorn. Needs Redis "
         "(REDIS_URL) and, to answer requests, at least one `llmq worker`.",
     )
-    api.add_argument(
-        "--host", default=os.environ.get("HOST", "127.0.0.1"), help="default: $HOST or 127.0.0.1"
-    )
-    api.add_argument(
-        "--port",
-        type=int,
-        default=int(os.environ.get("PORT", "8000")),
-        help="default: $PORT or 8000",
-    )
+    add_listen_options(api)
     api.add_argument(
         "--workers",
         type=int,

@@ -79,25 +79,26 @@ class ModelNotFound(NotFound):
         super().__init__(f"The model {model!r} does not exist.", param="model")
 
 
-class JobNotFound(NotFound):
-    code = "job_not_found"
+class ExpiredOrMissing(NotFound):
+    """An id of something stored with a TTL (a job, file or batch): it may never have
+    existed, or it may have expired; subclasses name the thing, its `param` and `code`."""
 
-    def __init__(self, job_id: str) -> None:
-        super().__init__(f"No job with id {job_id!r} (it may have expired).", param="id")
+    noun = "object"
 
-
-class FileNotFound(NotFound):
-    code = "file_not_found"
-
-    def __init__(self, file_id: str) -> None:
-        super().__init__(f"No file with id {file_id!r} (it may have expired).", param="file_id")
+    def __init__(self, ident: str) -> None:
+        super().__init__(f"No {self.noun} with id {ident!r} (it may have expired).")
 
 
-class BatchNotFound(NotFound):
-    code = "batch_not_found"
+class JobNotFound(ExpiredOrMissing):
+    noun, param, code = "job", "id", "job_not_found"
 
-    def __init__(self, batch_id: str) -> None:
-        super().__init__(f"No batch with id {batch_id!r} (it may have expired).", param="batch_id")
+
+class FileNotFound(ExpiredOrMissing):
+    noun, param, code = "file", "file_id", "file_not_found"
+
+
+class BatchNotFound(ExpiredOrMissing):
+    noun, param, code = "batch", "batch_id", "batch_not_found"
 
 
 class PayloadTooLarge(APIError):

@@ -17,6 +17,7 @@ from api.body import UnsupportedMediaType
 from api.config import redis_conn
 from api.errors import InvalidRequest, PayloadTooLarge
 from api.paging import int_arg, list_page
+from api.responses import FileDeleted, FileList
 from workers.wire.batches import FILE_PURPOSE_BATCH
 from workers.wire.defaults import FILE_TTL_SECONDS, MAX_BATCH_LINES, MAX_FILE_BYTES
 
@@ -55,7 +56,7 @@ def upload() -> Response:
     filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
     ttl = _expires_after(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
     record = batch_store.create_file(redis_conn(), data, filename, purpose, ttl, caller_scope())
-    return jsonify(record.to_object())
+    return jsonify(record.to_body().dump())
 
 
 def _too_large() -> PayloadTooLarge:
@@ -122,12 +123,12 @@ def list_files() -> Response:
         request.args.get("purpose"),
         caller_scope(),
     )
-    return jsonify(list_page([r.to_object() for r in records], more))
+    return jsonify(list_page(FileList, [r.to_body() for r in records], more))
 
 
 @bp.get("/<file_id>")
 def get_file(file_id: str) -> Response:
-    return jsonify(batch_store.get_file(redis_conn(), file_id, caller_scope()).to_object())
+    return jsonify(batch_store.get_file(redis_conn(), file_id, caller_scope()).to_body().dump())
 
 
 @bp.get("/<file_id>/content")
@@ -139,4 +140,4 @@ def get_content(file_id: str) -> Response:
 @bp.delete("/<file_id>")
 def delete_file(file_id: str) -> Response:
     batch_store.delete_file(redis_conn(), file_id, caller_scope())
-    return jsonify({"id": file_id, "object": "file", "deleted": True})
+    return jsonify(FileDeleted(id=file_id, object="file", deleted=True).dump())

@@ -25,6 +25,7 @@ from api.model_texts import ModelTexts
 from api.responses import JobSummary
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec
+from workers.wire.errors import engine_refusal
 from workers.wire.events import StreamDone, StreamError, StreamEvent, StreamToken
 from workers.wire.job import JobRecord
 
@@ -93,12 +94,8 @@ def check_context(
     try:
         text.check(spec, context if isinstance(context, int) else None)
     except LLMQRuntimeError as exc:
-        param = exc.param or ("messages" if spec.chat else "prompt")
-        raise InvalidRequest(_sentence(str(exc)), param=param) from None
-
-
-def _sentence(message: str) -> str:
-    return message[:1].upper() + message[1:] + ("" if message.endswith(".") else ".")
+        default = "messages" if spec.chat else "prompt"
+        raise engine_refusal(exc, InvalidRequest, default_param=default, as_sentence=True) from None
 
 
 def job_summary(record: JobRecord) -> dict[str, Any]:
@@ -130,11 +127,11 @@ def wait(record: JobRecord) -> Response:
     deadline = time.monotonic() + current_app.config["SYNC_TIMEOUT_SECONDS"]
     for event in follow(conn, record.id):
         if watch.gone():
-            store.set_cancel_flag(conn, record.id)
+            store.flag_and_dequeue(conn, record.id)
             return Response(status=499)  # nobody reads it; keeps the access log honest
         if event is None:
             if time.monotonic() > deadline:
-                store.set_cancel_flag(conn, record.id)
+                store.flag_and_dequeue(conn, record.id)
                 raise ServiceUnavailable("The job did not finish in time.", code="timeout")
             continue
         if isinstance(event.message, StreamDone):
@@ -184,7 +181,7 @@ def stream(record: JobRecord, req: Any) -> Response:
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # client went away (GeneratorExit or a failed peek)
-                store.set_cancel_flag(conn, record.id)
+                store.flag_and_dequeue(conn, record.id)
 
     return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
 

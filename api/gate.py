@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from typing import Any
 
+from workers.wire.defaults import JOB_TTL_SECONDS, WAKE_MAX_TOKENS, WAKE_TTL_SECONDS
+from workers.wire.job import QUEUED
+from workers.wire.wake import WAKE_TOKEN
+
 
 @dataclass(frozen=True)
 class GateKeys:
@@ -25,19 +29,21 @@ class GateKeys:
     owner_index: str  # the owner's index of jobs, '' for none
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GateArgs:
+    """What one submission passes; the fields with defaults are the same for every job."""
+
     max_queue: int  # 0: no limit
     job_id: str
     own_prefix: str  # prefix of the model's own queues, '' to count only the shared one
     own_room: int  # how many jobs the own queue may hold
     created_at: float  # the index's score of this job
     index_cutoff: float  # index entries scored below this are dropped
-    index_ttl: int
-    wake_token: str
-    wake_max_tokens: int
-    wake_ttl: int
-    counted_status: str  # the jobs counter's field
+    index_ttl: int = JOB_TTL_SECONDS
+    wake_token: str = WAKE_TOKEN
+    wake_max_tokens: int = WAKE_MAX_TOKENS
+    wake_ttl: int = WAKE_TTL_SECONDS
+    counted_status: str = QUEUED  # the jobs counter's field
     own_queue_name: str  # written to the record when the own queue is chosen
 
 

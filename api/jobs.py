@@ -18,6 +18,7 @@ from api.errors import APIError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, follow, parse_event_id, sse
 from api.flow import accepted, submit_request
 from api.paging import int_arg, list_page
+from api.responses import Job, JobList
 from api.schemas import parse_request
 from workers import keys
 from workers.wire.events import EVENT_ERROR, StreamError, StreamEvent, StreamToken
@@ -70,7 +71,8 @@ def create_job() -> Response:
     return accepted(submit_request(endpoint, req).record)
 
 
-def job_view(conn: Any, record: JobRecord) -> dict[str, Any]:
+def job_view(conn: Any, record: JobRecord) -> Job:
+    """The job object `GET /v1/jobs/{id}` answers with; optional fields only when set."""
     completion_tokens = record.completion_tokens
     if record.result and isinstance(record.result.get("usage"), dict):
         completion_tokens = record.result["usage"].get("completion_tokens", completion_tokens)
@@ -94,7 +96,7 @@ def job_view(conn: Any, record: JobRecord) -> dict[str, Any]:
         view["result"] = record.result
     if record.error is not None:
         view["error"] = record.error.get("error", record.error)
-    return view
+    return Job(**view)
 
 
 @bp.get("")
@@ -109,14 +111,14 @@ def list_jobs() -> Response:
         )
     conn = redis_conn()
     records, more = store.list_jobs(conn, limit, request.args.get("after"), caller_scope(), status)
-    return jsonify(list_page([job_view(conn, record) for record in records], more))
+    return jsonify(list_page(JobList, [job_view(conn, record) for record in records], more))
 
 
 @bp.get("/<job_id>")
 def get_job(job_id: str) -> Response:
     conn = redis_conn()
     record = store.require_record(conn, _job_id(job_id), caller_scope())
-    return jsonify(job_view(conn, record))
+    return jsonify(job_view(conn, record).dump())
 
 
 @bp.post("/<job_id>/cancel")
@@ -125,7 +127,7 @@ def cancel_job(job_id: str) -> Response:
     scope = caller_scope()
     store.cancel(conn, _job_id(job_id), scope)
     record = store.require_record(conn, job_id, scope)
-    response = jsonify(job_view(conn, record))
+    response = jsonify(job_view(conn, record).dump())
     response.status_code = 202
     return response
 

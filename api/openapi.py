@@ -108,7 +108,6 @@ ROUTES: tuple[Op, ...] = (
         "Retrieve a model",
         ok={200: {JSON: r.ModelObject}},
         errors=(404,),
-        params=(Param("model_id", "path", {"type": "string"}),),
     ),
     Op("post", "/v1/jobs", "jobs", "Submit an async job", JobCreate, {202: {JSON: r.JobSummary}}),
     Op(
@@ -170,7 +169,6 @@ ROUTES: tuple[Op, ...] = (
         "batches",
         "Retrieve a file",
         ok={200: {JSON: r.FileObject}},
-        params=(Param("file_id", "path", {"type": "string"}),),
     ),
     Op(
         "delete",
@@ -178,7 +176,6 @@ ROUTES: tuple[Op, ...] = (
         "batches",
         "Delete a file",
         ok={200: {JSON: r.FileDeleted}},
-        params=(Param("file_id", "path", {"type": "string"}),),
     ),
     Op(
         "get",
@@ -186,7 +183,6 @@ ROUTES: tuple[Op, ...] = (
         "batches",
         "A file's bytes",
         ok={200: {BYTES: None}},
-        params=(Param("file_id", "path", {"type": "string"}),),
     ),
     Op("post", "/v1/batches", "batches", "Create a batch", BatchCreate, {200: {JSON: r.Batch}}),
     Op(
@@ -203,7 +199,6 @@ ROUTES: tuple[Op, ...] = (
         "batches",
         "Retrieve a batch",
         ok={200: {JSON: r.Batch}},
-        params=(Param("batch_id", "path", {"type": "string"}),),
     ),
     Op(
         "post",
@@ -211,12 +206,11 @@ ROUTES: tuple[Op, ...] = (
         "batches",
         "Cancel a batch",
         ok={200: {JSON: r.Batch}},
-        params=(Param("batch_id", "path", {"type": "string"}),),
     ),
     Op("get", "/admin/workers", "admin", "Workers", ok={200: {JSON: r.WorkerList}}),
-    Op("get", "/admin/jobs", "admin", "Jobs in flight", ok={200: {JSON: r.AdminList}}),
-    Op("get", "/admin/models", "admin", "Model pools", ok={200: {JSON: r.AdminList}}),
-    Op("get", "/admin/queues", "admin", "Queues", ok={200: {JSON: r.AdminList}}),
+    Op("get", "/admin/jobs", "admin", "Jobs in flight", ok={200: {JSON: r.RunningJobList}}),
+    Op("get", "/admin/models", "admin", "Model pools", ok={200: {JSON: r.ModelPoolList}}),
+    Op("get", "/admin/queues", "admin", "Queues", ok={200: {JSON: r.QueueList}}),
     Op(
         "post",
         "/admin/models/load",
@@ -252,7 +246,6 @@ ROUTES: tuple[Op, ...] = (
         "Unregister a LoRA adapter",
         ok={200: {JSON: r.LoraDeleted}},
         errors=(404,),
-        params=(Param("name", "path", {"type": "string"}),),
     ),
     Op("get", "/health", "ops", "Liveness", ok={200: {JSON: r.Health}}),
     Op("get", "/ready", "ops", "Readiness", ok={200: {JSON: r.Ready}}, errors=(503,)),
@@ -286,6 +279,14 @@ def _content(components: _Components, media: dict[str, type[BaseModel] | None]) 
     return content
 
 
+def _parameters(op: Op) -> list[Param]:
+    """The op's parameters: a plain string for each `{name}` of its path it does not declare
+    (so the route table never forgets one), then those it declares (`JOB_ID`, queries)."""
+    declared = {p.name for p in op.params}
+    names = [n for n in re.findall(r"{(\w+)}", op.path) if n not in declared]
+    return [*(Param(n, "path", {"type": "string"}) for n in names), *op.params]
+
+
 def _operation(op: Op, components: _Components) -> dict[str, Any]:
     responses: dict[str, Any] = {
         str(status): {"description": "OK", "content": _content(components, media)}
@@ -305,7 +306,8 @@ def _operation(op: Op, components: _Components) -> dict[str, Any]:
         "summary": op.summary,
         "responses": responses,
     }
-    if op.params:
+    params = _parameters(op)
+    if params:
         operation["parameters"] = [
             {
                 "name": p.name,
@@ -314,7 +316,7 @@ def _operation(op: Op, components: _Components) -> dict[str, Any]:
                 "schema": p.schema,
                 **({"description": p.description} if p.description else {}),
             }
-            for p in op.params
+            for p in params
         ]
     if op.body is not None:
         body_content = {op.body_type: {"schema": components.ref(op.body)}}

@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from api import metrics, store
 from api.config import redis_conn
 from api.errors import ServiceUnavailable
+from api.responses import Health, Ready
 from workers.wire.worker_info import LOADING, READY, WorkerInfo
 
 bp = Blueprint("ops", __name__)
@@ -16,7 +17,7 @@ bp = Blueprint("ops", __name__)
 @bp.get("/health")
 def health() -> Response:
     """The process answers; says nothing about Redis or workers (that is /ready)."""
-    return jsonify({"status": "ok"})
+    return jsonify(Health(status="ok").dump())
 
 
 @bp.get("/ready")
@@ -38,13 +39,8 @@ def ready() -> Response:
         raise ServiceUnavailable(
             f"No worker has a model loaded yet{detail}; retry later.", code="model_loading"
         )
-    return jsonify(
-        {
-            "status": "ready",
-            "workers": sum(1 for ready_models in ready_on if ready_models),
-            "models": models,
-        }
-    )
+    workers_ready = sum(1 for ready_models in ready_on if ready_models)
+    return jsonify(Ready(status="ready", workers=workers_ready, models=models).dump())
 
 
 def _in_state(worker: WorkerInfo, state: str) -> list[str]:

@@ -3,13 +3,14 @@ of objects whose hashes expire on their own: files, batches and jobs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from flask import request
 
 from api.errors import InvalidRequest
+from workers.wire.bodies import Body
 from workers.wire.text import as_str
 
 
@@ -28,15 +29,16 @@ def int_arg(name: str, default: int, low: int, high: int) -> int:
     return value
 
 
-def list_page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
-    """OpenAI's cursor-paged list object around one page of objects."""
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": more,
-    }
+def list_page(kind: type[Body], data: Sequence[Any], more: bool) -> dict[str, Any]:
+    """OpenAI's cursor-paged list object around one page of objects (each with an `id`),
+    built as `kind` (`JobList`, `FileList`, `BatchList`: what `/openapi.json` documents)."""
+    return kind(
+        object="list",
+        data=list(data),
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=more,
+    ).dump()
 
 
 def cursor_page(

@@ -1,10 +1,10 @@
 """Pydantic models of the bodies the API answers with, for the OpenAPI document.
 
-The bodies of generations and errors are `workers.wire.bodies`' models, re-exported here:
-workers build every result from them. The others (jobs, files, batches, admin) are built as
-plain dicts by their handlers and the wire records; these models describe them as they are,
-so that `/openapi.json` documents what a client really gets and schemathesis can check it.
-They allow extra fields: a body may carry more than is documented, never less.
+The bodies of generations, errors, files and batches are `workers.wire.bodies`' models,
+re-exported here: workers and the wire records build them. The others (jobs, admin, ops) are
+built from these models by their handlers, so that `/openapi.json` documents what a client
+really gets and schemathesis can check it. They allow extra fields: a body may carry more
+than is documented, never less.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pydantic import Field
 
 # the generation and error bodies, re-exported for `api.openapi` (`X as X`: on purpose)
 from workers.wire.bodies import AssistantMessage as AssistantMessage
+from workers.wire.bodies import Batch as Batch
+from workers.wire.bodies import BatchUsage as BatchUsage
 from workers.wire.bodies import Body, ErrorDetail
 from workers.wire.bodies import ChatChoice as ChatChoice
 from workers.wire.bodies import ChatCompletion as ChatCompletion
@@ -23,6 +25,8 @@ from workers.wire.bodies import CompletionChoice as CompletionChoice
 from workers.wire.bodies import Embedding as Embedding
 from workers.wire.bodies import EmbeddingList as EmbeddingList
 from workers.wire.bodies import ErrorBody as ErrorBody
+from workers.wire.bodies import FileObject as FileObject
+from workers.wire.bodies import RequestCounts as RequestCounts
 from workers.wire.bodies import Usage as Usage
 from workers.wire.job import JOB_STATUSES
 
@@ -91,18 +95,6 @@ class JobList(Body):
 # ---------------------------------------------------------------- files and batches
 
 
-class FileObject(Body):
-    id: str
-    object: Literal["file"]
-    bytes: int
-    created_at: int
-    expires_at: int | None
-    filename: str
-    purpose: str
-    status: str
-    status_details: str | None
-
-
 class FileList(Body):
     object: Literal["list"]
     data: list[FileObject]
@@ -117,35 +109,6 @@ class FileDeleted(Body):
     deleted: bool
 
 
-class RequestCounts(Body):
-    total: int
-    completed: int
-    failed: int
-
-
-class Batch(Body):
-    id: str
-    object: Literal["batch"]
-    endpoint: str
-    errors: dict[str, Any] | None
-    input_file_id: str
-    completion_window: str
-    status: str
-    output_file_id: str | None
-    error_file_id: str | None
-    created_at: int
-    in_progress_at: int | None
-    expires_at: int | None
-    finalizing_at: int | None
-    completed_at: int | None
-    failed_at: int | None
-    expired_at: int | None
-    cancelling_at: int | None
-    cancelled_at: int | None
-    request_counts: RequestCounts
-    metadata: dict[str, str] | None
-
-
 class BatchList(Body):
     object: Literal["list"]
     data: list[Batch]
@@ -155,13 +118,46 @@ class BatchList(Body):
 
 
 # ---------------------------------------------------------------- admin and ops
+# Field order is the body's key order: a model's `dump` writes its fields in declaration
+# order, so each follows what its source writes (`workers/pool.py` `describe`,
+# `workers/wire/worker_info.py` `WorkerInfo`, `workers/loras.py`).
 
 
-class AdminList(Body):
-    """In-flight jobs, model pools or queues: one object per entry."""
+class RunningJob(Body):
+    """A job a live worker runs now; never its prompt."""
 
+    id: str
+    model: str
+    kind: str = Field(description="interactive | batch: the queue it came from")
+    status: JobStatus
+    worker: str
+    completion_tokens: int = Field(description="tokens streamed so far")
+    created_at: float
+    started_at: float | None
+
+
+class RunningJobList(Body):
     object: Literal["list"]
-    data: list[dict[str, Any]]
+    data: list[RunningJob] = Field(description="oldest first")
+
+
+class LoraOnWorker(Body):
+    """An adapter on one worker's engine of its base model."""
+
+    state: str = Field(description="pending | ready | failed")
+    path: str | None = None
+    memory_mb: float | None = None
+    error: str | None = Field(default=None, description="why it failed to load")
+    source: str | None = Field(default=None, description="registry: named by a registry TOML")
+
+
+class PrefixCacheStats(Body):
+    blocks: int
+    queries: int
+    hits: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
 
 
 class PoolEntryState(Body):
@@ -176,8 +172,17 @@ class PoolEntryState(Body):
         description="what its engine holds on that device (on a GPU its KV pool too); "
         "LLMQ_POOL_MEMORY_MB bounds each device's sum",
     )
+    backend: str | None = Field(default=None, description="its kernel backend (once loaded)")
+    kernels: dict[str, int] | None = Field(
+        default=None, description="how many weights each kernel got, e.g. {int4: 120}"
+    )
     in_flight: int | None = None
     error: str | None = None
+    load_seconds: float | None = None
+    loaded_at: float | None = None
+    kv_in_use_mb: float | None = None
+    prefix_cache: PrefixCacheStats | None = None
+    loras: dict[str, LoraOnWorker] | None = Field(default=None, description="adapter -> state")
 
 
 class WorkerObject(Body):
@@ -187,18 +192,18 @@ class WorkerObject(Body):
     pid: int
     host: str
     state: str = Field(description="idle | busy | stopping")
-    alive: bool
-    device: str = Field(
-        description="where its models run: cpu, cuda:N, or (no --device) the registry "
-        "devices of its models, comma-separated, e.g. cpu,cuda:0"
-    )
-    max_batch: int = Field(description="sequences it steps together (0: not published)")
     models: list[str]
     queues: list[str]
     current_jobs: list[str]
     pool: dict[str, PoolEntryState] = Field(description="model id -> its pool entry")
     started_at: float
     heartbeat: float
+    max_sequences: int = Field(description="sequences it steps together (0: not published)")
+    device: str = Field(
+        description="where its models run: cpu, cuda:N, or (no --device) the registry "
+        "devices of its models, comma-separated, e.g. cpu,cuda:0"
+    )
+    alive: bool
 
 
 class WorkerList(Body):
@@ -206,10 +211,50 @@ class WorkerList(Body):
     data: list[WorkerObject]
 
 
+class ModelPool(Body):
+    """A model: what workers published of it, and its pool entry on each live worker."""
+
+    id: str
+    info: dict[str, Any] = Field(
+        description="as published: source, owned_by, chat_template, context_length"
+    )
+    serving: list[str] = Field(description="live workers that serve it")
+    pools: dict[str, PoolEntryState] = Field(description="worker name -> its pool entry")
+
+
+class ModelPoolList(Body):
+    object: Literal["list"]
+    data: list[ModelPool]
+
+
+class QueueObject(Body):
+    """An RQ queue: jobs waiting on it, and the job count of each of its RQ registries."""
+
+    name: str
+    queued: int
+    started: int
+    finished: int
+    failed: int
+    deferred: int
+    scheduled: int
+    canceled: int
+
+
+class QueueList(Body):
+    object: Literal["list"]
+    data: list[QueueObject]
+
+
 class ModelCommand(Body):
     """A load/unload command, as sent to each live worker named."""
 
     model: str = Field(description="a model id from the registry (never a path or URL)")
+
+
+class ModelCommandSent(Body):
+    op: Literal["load", "unload"]
+    model: str
+    workers: list[str] = Field(description="the live workers the command was sent to")
 
 
 class LoraRegistration(Body):
@@ -221,10 +266,12 @@ class LoraRegistration(Body):
 
 
 class Lora(Body):
-    object: Literal["lora"]
     name: str
+    path: str | None = Field(default=None, description="when registered through the API")
     base_model: str
-    workers: dict[str, Any] | None = Field(
+    source: str | None = Field(default=None, description="registry: named by a registry TOML")
+    object: Literal["lora"]
+    workers: dict[str, LoraOnWorker] | None = Field(
         default=None, description="its state on each live worker serving the base model"
     )
 
@@ -235,15 +282,9 @@ class LoraList(Body):
 
 
 class LoraDeleted(Body):
-    object: Literal["lora"]
     name: str
+    object: Literal["lora"]
     deleted: bool
-
-
-class ModelCommandSent(Body):
-    op: str
-    model: str
-    workers: list[str]
 
 
 class Health(Body):

@@ -25,6 +25,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -41,6 +42,7 @@ from runtime.limits import (  # the engine's own numbers
     MAX_STOP_STRINGS,
 )
 from runtime.request import GenerationSpec, adapter_list, prompt_list
+from runtime.sampling import SamplingParams
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request; choices = prompts * n <= MAX_CHOICES
@@ -83,7 +85,10 @@ def _text_list(name: str, value: Any, *, max_items: int, allow_empty: bool = Fal
 
 def _prompt_forms(name: str, value: Any, max_items: int) -> Any:
     """OpenAI's four prompt forms, checked: a string, a list of strings, a list of token
-    ids, or a list of lists of token ids (ids are checked against the vocabulary later)."""
+    ids, or a list of lists of token ids (ids are checked against the vocabulary later).
+    An explicit null is refused here in the words a missing field gets (`reject_unsupported`)."""
+    if value is None:
+        raise ValueError(f"{name} is required.")
     if isinstance(value, list) and value and all(_is_int(t) for t in value):
         _token_ids(name, value)
         return value
@@ -149,18 +154,31 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+# field -> (low, high, whether `low` itself is refused), each checked by `_in_range`
+_SAMPLING_RANGES: dict[str, tuple[float, float, bool]] = {
+    "n": (1, MAX_N, False),
+    "temperature": (0, 2, False),
+    "top_p": (0, 1, True),
+    "min_p": (0, 1, False),
+    "repetition_penalty": (0, 10, True),
+    "presence_penalty": (-MAX_PENALTY, MAX_PENALTY, False),
+    "frequency_penalty": (-MAX_PENALTY, MAX_PENALTY, False),
+}
+_ENGINE = SamplingParams()  # the engine's defaults are the request's: one home for them
+
+
 class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
     model: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = _ENGINE.temperature
+    top_p: float = _ENGINE.top_p
+    top_k: int = _ENGINE.top_k
+    min_p: float = _ENGINE.min_p
+    repetition_penalty: float = _ENGINE.repetition_penalty
+    presence_penalty: float = _ENGINE.presence_penalty
+    frequency_penalty: float = _ENGINE.frequency_penalty
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: Any = None
@@ -184,20 +202,11 @@ class SamplingRequest(StrictModel):
     regex: Any = None
     grammar: Any = None
 
-    @field_validator("n")
+    @field_validator(*_SAMPLING_RANGES)
     @classmethod
-    def _n(cls, v: int) -> int:
-        return _in_range("n", v, 1, MAX_N)
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        return _in_range("temperature", v, 0, 2)
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        return _in_range("top_p", v, 0, 1, open_low=True)
+    def _in_bounds(cls, v: float, info: ValidationInfo) -> float:
+        low, high, open_low = _SAMPLING_RANGES[info.field_name]
+        return _in_range(info.field_name, v, low, high, open_low=open_low)
 
     @field_validator("top_k")
     @classmethod
@@ -205,21 +214,6 @@ class SamplingRequest(StrictModel):
         if v < -1:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {v}.")
         return v
-
-    @field_validator("min_p")
-    @classmethod
-    def _min_p(cls, v: float) -> float:
-        return _in_range("min_p", v, 0, 1)
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, v: float) -> float:
-        return _in_range("repetition_penalty", v, 0, 10, open_low=True)
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v: float, info: Any) -> float:
-        return _in_range(info.field_name, v, -MAX_PENALTY, MAX_PENALTY)
 
     @field_validator("logit_bias")
     @classmethod
@@ -361,8 +355,6 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if v is None:
-            raise ValueError("prompt is required.")
         return _prompt_forms("prompt", v, MAX_PROMPTS)
 
     @field_validator("max_tokens")
@@ -557,8 +549,6 @@ class EmbeddingRequest(StrictModel):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v: Any) -> Any:
-        if v is None:
-            raise ValueError("input is required.")
         return _prompt_forms("input", v, MAX_EMBEDDING_INPUTS)
 
     @property

@@ -31,15 +31,13 @@ from workers.wire.defaults import (
     AFFINITY_MAX_QUEUED,
     CANCEL_FLAG_TTL_SECONDS,
     JOB_TTL_SECONDS,
-    WAKE_MAX_TOKENS,
-    WAKE_TTL_SECONDS,
 )
 from workers.wire.errors import cancelled_error
 from workers.wire.events import write_ending
 from workers.wire.job import CANCELLED, JOB_FUNCTION, QUEUED, TERMINAL_STATUSES, JobRecord
+from workers.wire.members import each_member
 from workers.wire.prefix import prefix_digest
 from workers.wire.text import as_str
-from workers.wire.wake import WAKE_TOKEN
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -61,12 +59,9 @@ def rq_queue(conn: redis.Redis, model: str, kind: str = keys.INTERACTIVE) -> Que
 
 def all_workers(conn: redis.Redis) -> list[WorkerInfo]:
     """Every registered worker whose hash still exists (alive or stale)."""
-    names = sorted(as_str(n) for n in conn.smembers(keys.WORKERS))
-    pipe = conn.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(keys.worker(name))
+    hashes = each_member(conn, keys.WORKERS, lambda p, n: p.hgetall(keys.worker(n)))
     workers = []
-    for name, raw in zip(names, pipe.execute(), strict=True):
+    for name, raw in sorted(hashes, key=lambda pair: pair[0]):
         if not raw:
             continue
         try:
@@ -221,11 +216,6 @@ def _gate(
         own_room=room,
         created_at=record.created_at,
         index_cutoff=record.created_at - JOB_TTL_SECONDS,
-        index_ttl=JOB_TTL_SECONDS,
-        wake_token=WAKE_TOKEN,
-        wake_max_tokens=WAKE_MAX_TOKENS,
-        wake_ttl=WAKE_TTL_SECONDS,
-        counted_status=QUEUED,
         own_queue_name=own_name,
     )
     return gate_submission(conn, gate_keys, args)
@@ -263,8 +253,8 @@ def _affine_queue(conn: redis.Redis, record: JobRecord) -> tuple[Queue | None, i
     if not info.takes_own_queue(name):
         return None, 0
     room = AFFINITY_MAX_QUEUED
-    if info.max_batch > 0:  # beyond its batch a job would wait there while others idle
-        room = min(room, info.max_batch - len(info.current_jobs))
+    if info.max_sequences > 0:  # beyond its step a job would wait there while others idle
+        room = min(room, info.max_sequences - len(info.current_jobs))
     return Queue(name, connection=conn, serializer=JSONSerializer), room
 
 
@@ -380,8 +370,11 @@ def _mark_cancelled(conn: redis.Redis, record: JobRecord) -> None:
     log.info("job %s cancelled while queued", record.id)
 
 
-def set_cancel_flag(conn: redis.Redis, job_id: str) -> None:
-    """A client went away: stop its job (or drop it from the queue) if it is not done."""
+def flag_and_dequeue(conn: redis.Redis, job_id: str) -> None:
+    """Set the job's cancel flag and, if it still waits on a queue, take it off (`cancel`),
+    for a caller that no longer wants the answer (the client went away, or a sync call ran
+    out of time). It never raises: nobody is left to tell, and a job already done stays so.
+    """
     try:
         record = get_record(conn, job_id)
         if record is not None and record.status not in TERMINAL_STATUSES:

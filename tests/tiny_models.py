@@ -80,6 +80,18 @@ def _weights(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
 
 
+def _writer(path: Path, arch: str, s: TinyShape) -> gguf.GGUFWriter:
+    """A writer for `arch` holding the hyperparameters every architecture reads alike."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(s.n_layers)
+    w.add_context_length(s.context_length)
+    w.add_embedding_length(s.dim)
+    w.add_feed_forward_length(s.ffn_dim)
+    w.add_head_count(s.n_heads)
+    w.add_head_count_kv(s.n_kv_heads)
+    return w
+
+
 def write_tiny_llama(
     path: Path,
     shape: TinyShape | None = None,
@@ -91,13 +103,7 @@ def write_tiny_llama(
     `layer_type` stores every layer weight in that one type (default: a Q8_0/F16 mix)."""
     s, rng = shape or TinyShape(), np.random.default_rng(seed)
     tokens, types, merges = _gpt2_vocab()
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(s.n_layers)
-    w.add_context_length(s.context_length)
-    w.add_embedding_length(s.dim)
-    w.add_feed_forward_length(s.ffn_dim)
-    w.add_head_count(s.n_heads)
-    w.add_head_count_kv(s.n_kv_heads)
+    w = _writer(path, "llama", s)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
@@ -137,13 +143,7 @@ def write_tiny_llama(
 def write_tiny_gemma3(path: Path, shape: TinyShape | None = None, seed: int = 0) -> Path:
     s, rng = shape or TinyShape(n_layers=6, head_dim=32), np.random.default_rng(seed)
     tokens, scores, types = _spm_vocab()
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(s.n_layers)
-    w.add_context_length(s.context_length)
-    w.add_embedding_length(s.dim)
-    w.add_feed_forward_length(s.ffn_dim)
-    w.add_head_count(s.n_heads)
-    w.add_head_count_kv(s.n_kv_heads)
+    w = _writer(path, "gemma3", s)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     w.add_rope_freq_base(1_000_000.0)

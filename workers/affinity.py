@@ -10,7 +10,7 @@ whose prefix cache holds that start, when several workers serve its model.
   conversation's next turn will have (`wire.prefix.continuation_digest`). Each entry has a TTL.
 - The API (`api.store.enqueue`) puts a job on the recorded worker's own queue only while
   that worker is alive, not draining, and has room for it now (its running jobs plus its
-  own queue below `max_batch`, and at most `AFFINITY_MAX_QUEUED` waiting); anything else
+  own queue below `max_sequences`, and at most `AFFINITY_MAX_QUEUED` waiting); anything else
   goes to the shared queue that every worker serves, so no job waits on a busy worker
   while another is idle.
 - Jobs left on the own queue of a worker that drains are moved back to the shared queue

@@ -56,6 +56,7 @@ from workers.wire.batches import (
 from workers.wire.defaults import CANCEL_FLAG_TTL_SECONDS, FILE_TTL_SECONDS, JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
 from workers.wire.job import CANCELLED, FINISHED, JOB_FUNCTION, QUEUED, TERMINAL_STATUSES, JobRecord
+from workers.wire.members import each_member
 from workers.wire.text import as_str
 from workers.wire.wake import push_wake
 
@@ -138,13 +139,9 @@ class BatchDriver:
             self.conn.eval(_UNLOCK, 1, keys.BATCHES_LOCK, self.owner)
 
     def _active(self) -> list[BatchRecord]:
-        ids = [as_str(i) for i in self.conn.smembers(keys.BATCHES_ACTIVE)]
-        with self.conn.pipeline(transaction=False) as pipe:
-            for batch_id in ids:
-                pipe.hgetall(keys.batch(batch_id))
-            raws = pipe.execute()
         records = []
-        for batch_id, raw in zip(ids, raws, strict=True):
+        active = each_member(self.conn, keys.BATCHES_ACTIVE, lambda p, i: p.hgetall(keys.batch(i)))
+        for batch_id, raw in active:
             if not raw:
                 self.conn.srem(keys.BATCHES_ACTIVE, batch_id)  # expired or deleted
                 continue

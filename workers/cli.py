@@ -83,6 +83,7 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
     )
     worker.add_argument(
         "--max-batch",
+        dest="max_sequences",  # the published flag; inside, one name for the step's sequences
         type=int,
         default=None,
         metavar="N",
@@ -135,7 +136,7 @@ def run_worker(args: argparse.Namespace) -> int:
         queues=args.queues,
         device=args.device,
         backend=args.backend,
-        max_batch=args.max_batch,
+        max_sequences=args.max_sequences,
         grace=args.grace,
         poll_interval=args.poll_interval,
     )

@@ -29,7 +29,7 @@ MAX_POLL_INTERVAL = 4.0
 # sequences stepped together, across models: a CPU decode step's weight products cost about
 # the same for 1 and 32 rows, so 32 gives ~5x one stream's tokens/s (bench/RESULTS.md); a
 # GPU's step costs about the same for 1 and 256 rows
-MAX_BATCH_CPU, MAX_BATCH_GPU = 32, 256
+MAX_SEQUENCES_CPU, MAX_SEQUENCES_GPU = 32, 256
 
 
 class ConfigError(WorkerError):
@@ -45,7 +45,8 @@ class WorkerConfig:
     # "cpu" or "cuda[:N]" for every model it serves; None: each model's registry entry, else cpu
     device: str | None = None
     backend: str | None = None  # kernel backend; None: each model's registry entry, else torch
-    max_batch: int | None = None  # None: MAX_BATCH_GPU on a CUDA device, else MAX_BATCH_CPU
+    # sequences stepped together (--max-batch); None: MAX_SEQUENCES_GPU on CUDA, else _CPU
+    max_sequences: int | None = None
     grace: float = 25.0  # seconds a SIGTERM lets running jobs finish before checkpointing
     poll_interval: float = 0.05  # idle wait between looks at the queues (a queued job's
     # wake token ends it at once: the poll is the fallback for jobs queued without one)
@@ -64,10 +65,10 @@ class WorkerConfig:
             )
         if self.device is not None:
             self.device = _checked_device(self.device)
-        if self.max_batch is None:
-            self.max_batch = default_max_batch(self.device)
-        if self.max_batch < 1:
-            raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
+        if self.max_sequences is None:
+            self.max_sequences = default_max_sequences(self.device)
+        if self.max_sequences < 1:
+            raise ConfigError(f"--max-batch must be at least 1, got {self.max_sequences}")
         if self.grace < 0:
             raise ConfigError(f"--grace must be non-negative, got {self.grace}")
         if not 0 < self.poll_interval <= MAX_POLL_INTERVAL:
@@ -104,11 +105,11 @@ def _checked_device(device: str) -> str:
         raise ConfigError(str(exc)) from None
 
 
-def default_max_batch(device: str | None) -> int:
+def default_max_sequences(device: str | None) -> int:
     """The sequences a worker steps together by default: a GPU's decode step costs about the
     same for far more sequences than a CPU's. `device` None (each model's registry entry
     decides) counts as cpu."""
-    return MAX_BATCH_GPU if device is not None and is_cuda(device) else MAX_BATCH_CPU
+    return MAX_SEQUENCES_GPU if device is not None and is_cuda(device) else MAX_SEQUENCES_CPU
 
 
 def worker_device(config: WorkerConfig, sources: dict[str, str]) -> str:

@@ -18,7 +18,7 @@ from workers import affinity, keys, metrics, scripts
 from workers.jobs import ActiveJob
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
-from workers.wire.events import ending, write_ending
+from workers.wire.events import Event, ending, write_ending
 from workers.wire.job import CANCELLED, FINISHED
 
 
@@ -86,17 +86,7 @@ class EventWriter:
         end_fields, end_event = ending(status, body)
         events = [*job.pending, end_event]
         fields = {**end_fields, "completion_tokens": str(job.completion_tokens)}
-        written = scripts.append(
-            self.connection,
-            job_id=job.id,
-            lease=job.lease,
-            expected_length=job.written,
-            events=events,
-            fields=fields,
-            final=True,
-            ttl=JOB_TTL_SECONDS,
-        )
-        if written is None:
+        if _fenced_append(self.connection, job, events, fields, final=True) is None:
             return False
         job.pending.clear()
         job.written += len(events)
@@ -127,16 +117,7 @@ class EventWriter:
             events.append(end_event)
             fields.update(end_fields)
             fields["prompt_tokens"] = str(job.result["usage"]["prompt_tokens"])
-        scripts.append(
-            pipe,
-            job_id=job.id,
-            lease=job.lease,
-            expected_length=job.written,
-            events=events,
-            fields=fields,
-            final=final,
-            ttl=JOB_TTL_SECONDS,
-        )
+        _fenced_append(pipe, job, events, fields, final=final)
         return _Write(job, events, final)
 
     def _record_metrics(
@@ -164,3 +145,14 @@ class EventWriter:
             job = write.job
             if write.final and job.result is not None and job.model in self.own_models:
                 affinity.remember_reply(pipe, self.worker, job.record, job.result)
+
+
+def _fenced_append(
+    client: Any, job: ActiveJob, events: list[Event], fields: dict[str, str], *, final: bool
+) -> Any:
+    """`scripts.append` of `events` after the ones `job` has written, fenced by its lease:
+    the one way this writer puts anything on a job's record or stream (on a pipeline, its
+    answer comes from `execute()`)."""
+    return scripts.append(
+        client, job.id, job.lease, job.written, events, fields, final=final, ttl=JOB_TTL_SECONDS
+    )

@@ -30,13 +30,12 @@ from workers.requests import ChoicePlan, JobPlan, embedding_inputs, plan_generat
 from workers.responses import (
     ChoiceOutput,
     LogprobRenderer,
-    chat_body,
-    completion_body,
     embeddings_body,
+    generation_body,
 )
 from workers.wire.errors import error_body
 from workers.wire.events import StreamToken, encode, write_ending
-from workers.wire.job import CHAT_COMPLETIONS, EMBEDDINGS, FAILED, JobRecord
+from workers.wire.job import EMBEDDINGS, FAILED, JobRecord
 
 
 def run_job(job_id: str) -> None:
@@ -206,8 +205,8 @@ class ActiveJob:
 
     def body(self) -> dict[str, Any]:
         assert self.plan is not None
-        build = chat_body if self.record.endpoint == CHAT_COMPLETIONS else completion_body
-        return build(
+        return generation_body(
+            self.record.endpoint,
             self.id,
             self.record.created_at,
             self.model,

@@ -48,6 +48,7 @@ The job of line N of batch B has the id `batch_job_id(B, N)`, so re-feeding is a
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 PREFIX = "llmq"
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # RQ's own id alphabet, bounded
@@ -81,76 +82,42 @@ def is_valid_job_id(job_id: str) -> bool:
     return bool(JOB_ID_PATTERN.match(job_id))
 
 
-def job(job_id: str) -> str:
-    return f"{JOB_KEY_PREFIX}{job_id}"
-
-
-def job_events(job_id: str) -> str:
-    return f"{PREFIX}:job:{job_id}:events"
-
-
-def job_cancel(job_id: str) -> str:
-    return f"{JOB_KEY_PREFIX}{job_id}{CANCEL_SUFFIX}"
-
-
-def job_lease(job_id: str) -> str:
-    return f"{JOB_KEY_PREFIX}{job_id}{LEASE_SUFFIX}"
-
-
 def jobs_of(owner: str | None) -> str:
     """The index of one API key's jobs (`GET /v1/jobs`); `JOBS` when /v1 is open."""
     return JOBS if owner is None else f"{JOBS}:owner:{owner}"
 
 
-def worker(name: str) -> str:
-    return f"{PREFIX}:worker:{name}"
+def _key_of(family: str, suffix: str = "") -> Callable[[str], str]:
+    """The builder of one kind of per-id key, `llmq:{family}:{id}{suffix}`: one line each
+    below, so the key layout reads as the table in this module's docstring."""
+    head = f"{PREFIX}:{family}:"
+
+    def key(ident: str) -> str:
+        return f"{head}{ident}{suffix}"
+
+    return key
 
 
-def idempotency(key: str) -> str:
-    return f"{PREFIX}:idempotency:{key}"
-
-
-def worker_commands(name: str) -> str:
-    return f"{PREFIX}:worker:{name}:commands"
-
-
-def queue_wake(queue: str) -> str:
-    """Wake list of an RQ queue (named by `queue_name` or `personal_queue_name`): one per
-    queue, so a token pushed for a shared queue wakes exactly one of the idle workers
-    blocked on it (BLPOP serves one client per element), and the API need not know them."""
-    return f"{PREFIX}:wake:{queue}"
-
-
-def file(file_id: str) -> str:
-    return f"{PREFIX}:file:{file_id}"
-
-
-def file_content(file_id: str) -> str:
-    return f"{PREFIX}:file:{file_id}:content"
-
-
-def batch(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}"
-
-
-def batch_lines(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}:lines"
-
-
-def batch_requests(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}:requests"
-
-
-def batch_inflight(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}:inflight"
-
-
-def batch_output(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}:output"
-
-
-def batch_errors(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}:errors"
+job = _key_of("job")  # == JOB_KEY_PREFIX + id, as the Lua scripts build it
+job_events = _key_of("job", ":events")
+job_cancel = _key_of("job", CANCEL_SUFFIX)
+job_lease = _key_of("job", LEASE_SUFFIX)
+worker = _key_of("worker")
+worker_commands = _key_of("worker", ":commands")
+idempotency = _key_of("idempotency")
+# One wake list per RQ queue (named by `queue_name` or `personal_queue_name`), so a token
+# pushed for a shared queue wakes exactly one of the idle workers blocked on it (BLPOP
+# serves one client per element), and the API need not know them.
+queue_wake = _key_of("wake")
+file = _key_of("file")
+file_content = _key_of("file", ":content")
+batch = _key_of("batch")
+batch_lines = _key_of("batch", ":lines")
+batch_requests = _key_of("batch", ":requests")
+batch_inflight = _key_of("batch", ":inflight")
+batch_output = _key_of("batch", ":output")
+batch_errors = _key_of("batch", ":errors")
+metric = _key_of("metrics")
 
 
 def batch_job_id(batch_id: str, line: int) -> str:
@@ -170,10 +137,6 @@ def affinity(model: str, digest: str) -> str:
     """Which worker holds a prompt prefix: one key per digest, so each entry has its own TTL
     and the set of them needs no size bookkeeping."""
     return f"{PREFIX}:affinity:{model}:{digest}"
-
-
-def metric(name: str) -> str:
-    return f"{PREFIX}:metrics:{name}"
 
 
 # Metrics: hashes, so one HGETALL renders each; the API's /metrics reads them all.

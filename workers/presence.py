@@ -17,6 +17,7 @@ from typing import Any
 from workers import keys
 from workers.wire.commands import decode_command
 from workers.wire.defaults import WORKER_TTL_SECONDS
+from workers.wire.members import each_member
 from workers.wire.text import as_str
 from workers.wire.wake import push_wake
 from workers.wire.worker_info import WorkerInfo
@@ -79,14 +80,8 @@ class Presence:
 
     def prune(self) -> list[str]:
         """Drop names from `keys.WORKERS` whose hash expired (workers that died)."""
-        names = [n.decode() for n in self.connection.smembers(keys.WORKERS)]
-        if not names:
-            return []
-        with self.connection.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.exists(keys.worker(name))
-            alive = pipe.execute()
-        dead = [n for n, ok in zip(names, alive, strict=True) if not ok]
+        hashes = each_member(self.connection, keys.WORKERS, lambda p, n: p.exists(keys.worker(n)))
+        dead = [name for name, exists in hashes if not exists]
         if dead:
             self.connection.srem(keys.WORKERS, *dead)
         return dead

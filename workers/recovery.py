@@ -26,6 +26,7 @@ from workers import affinity, keys, metrics, scripts
 from workers.presence import wake
 from workers.wire.errors import error_body
 from workers.wire.job import FAILED, TERMINAL_STATUSES
+from workers.wire.members import each_member
 
 log = logging.getLogger("llmq.recovery")
 
@@ -77,15 +78,11 @@ class Reaper:
 
     def run(self) -> list[str]:
         """One sweep; the ids of the jobs it requeued."""
-        running = [m.decode() for m in self.connection.smembers(keys.RUNNING)]
-        if not running:
-            return []
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job_id in running:
-                pipe.exists(keys.job_lease(job_id))
-            leased = pipe.execute()
         recovered = []
-        for job_id, has_lease in zip(running, leased, strict=True):
+        leases = each_member(
+            self.connection, keys.RUNNING, lambda p, j: p.exists(keys.job_lease(j))
+        )
+        for job_id, has_lease in leases:
             if has_lease:
                 continue
             lease_key = keys.job_lease(job_id)

@@ -18,6 +18,7 @@ from runtime.errors import AdapterNotFoundError, LLMQRuntimeError
 from runtime.request import GenerationSpec, prompt_list
 from runtime.sampling import SamplingParams
 from workers.errors import InvalidJobRequest, JobFailure, UnknownAdapterError
+from workers.wire.errors import engine_refusal
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
 
 
@@ -79,11 +80,12 @@ def embedding_inputs(engine: Engine, body: dict[str, Any]) -> list[list[int]]:
 
 
 def invalid_request(exc: LLMQRuntimeError) -> JobFailure:
-    """An engine error a user caused, as the 400 its job fails with (an adapter the engine
-    does not have: 404)."""
+    """An engine error a user caused, as the 400 its job fails with (`engine_refusal`, the
+    API's conversion too); an adapter the engine does not have is a 404, which only a
+    worker meets: the API never holds adapters."""
     if isinstance(exc, AdapterNotFoundError):
         return UnknownAdapterError(str(exc), param="lora")
-    return InvalidJobRequest(str(exc), param=exc.param)
+    return engine_refusal(exc, InvalidJobRequest)
 
 
 def _plan_completions(engine: Engine, spec: GenerationSpec) -> JobPlan:

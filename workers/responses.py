@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -126,7 +127,8 @@ def _usage(prompt_tokens: int, completion_tokens: int | None, cached_tokens: int
     return Usage(**fields)
 
 
-def completion_body(
+def generation_body(
+    endpoint: str,
     job_id: str,
     created: float,
     model: str,
@@ -135,49 +137,41 @@ def completion_body(
     logprobs: bool,
     cached_tokens: int = 0,
 ) -> dict[str, Any]:
-    return Completion(
-        id=response_id(COMPLETIONS, job_id),
-        object="text_completion",
-        created=int(created),
-        model=model,
-        choices=[
-            CompletionChoice(
-                index=c.index,
-                text=c.echo_text + "".join(c.text),
-                logprobs=_legacy_logprobs(c.echo_logprobs + c.logprobs) if logprobs else None,
-                finish_reason=c.finish_reason,
-            )
-            for c in choices
-        ],
-        usage=_usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
-    ).dump()
+    """The body of a completions or chat completions job (`endpoint`): the two share their
+    id, timestamps and usage, and differ only in the object name and the choice layout."""
+    head: dict[str, Any] = {
+        "id": response_id(endpoint, job_id),
+        "created": int(created),
+        "model": model,
+        "usage": _usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
+    }
+    if endpoint == CHAT_COMPLETIONS:
+        chat = [_chat_choice(c, logprobs) for c in choices]
+        return ChatCompletion(object="chat.completion", choices=chat, **head).dump()
+    text = [_completion_choice(c, logprobs) for c in choices]
+    return Completion(object="text_completion", choices=text, **head).dump()
 
 
-def chat_body(
-    job_id: str,
-    created: float,
-    model: str,
-    choices: Sequence[ChoiceOutput],
-    prompt_tokens: int,
-    logprobs: bool,
-    cached_tokens: int = 0,
-) -> dict[str, Any]:
-    return ChatCompletion(
-        id=response_id(CHAT_COMPLETIONS, job_id),
-        object="chat.completion",
-        created=int(created),
-        model=model,
-        choices=[
-            ChatChoice(
-                index=c.index,
-                message=_message(c),
-                logprobs={"content": c.logprobs} if logprobs else None,
-                finish_reason=c.finish_reason,
-            )
-            for c in choices
-        ],
-        usage=_usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
-    ).dump()
+completion_body = partial(generation_body, COMPLETIONS)
+chat_body = partial(generation_body, CHAT_COMPLETIONS)
+
+
+def _completion_choice(c: ChoiceOutput, logprobs: bool) -> CompletionChoice:
+    return CompletionChoice(
+        index=c.index,
+        text=c.echo_text + "".join(c.text),
+        logprobs=_legacy_logprobs(c.echo_logprobs + c.logprobs) if logprobs else None,
+        finish_reason=c.finish_reason,
+    )
+
+
+def _chat_choice(c: ChoiceOutput, logprobs: bool) -> ChatChoice:
+    return ChatChoice(
+        index=c.index,
+        message=_message(c),
+        logprobs={"content": c.logprobs} if logprobs else None,
+        finish_reason=c.finish_reason,
+    )
 
 
 def _message(choice: ChoiceOutput) -> AssistantMessage:

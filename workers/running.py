@@ -40,16 +40,16 @@ class RunningJobs:
     def __init__(
         self,
         pool: EnginePool,
-        max_batch: int,
+        max_sequences: int,
         refresh_adapters: Callable[[], None] | None = None,
     ) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be at least 1, got {max_sequences}")
         self.pool = pool
         # called once when a job names an adapter its engine lacks (the worker loads the
         # adapters registered since its last heartbeat)
         self.refresh_adapters = refresh_adapters
-        self.max_batch = max_batch
+        self.max_sequences = max_sequences
         self.jobs: dict[str, ActiveJob] = {}
         self.last_step_sizes: dict[str, int] = {}  # model -> sequences in its last step
         self._generators: dict[str, _ModelGenerator] = {}
@@ -63,7 +63,7 @@ class RunningJobs:
         return len(self._owners) + waiting
 
     def has_room(self) -> bool:
-        return self.sequences < self.max_batch
+        return self.sequences < self.max_sequences
 
     def has_work(self) -> bool:
         return bool(self._owners)

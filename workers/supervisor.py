@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from runtime.cli_options import add_listen_options
 from workers.errors import ServeError
 
 log = logging.getLogger("llmq.serve")
@@ -52,7 +53,7 @@ class ServeConfig:
     port: int = 8000
     workers: int = 1
     models: list[str] = field(default_factory=list)
-    max_batch: int | None = None
+    max_sequences: int | None = None
     redis_url: str | None = None
     device: str | None = None  # every worker's --device; None: $LLMQ_DEVICE, else per model
 
@@ -321,8 +322,8 @@ def serve(config: ServeConfig) -> int:
     worker_args = ["worker"]
     if config.models:
         worker_args += ["--models", ",".join(config.models)]
-    if config.max_batch:
-        worker_args += ["--max-batch", str(config.max_batch)]
+    if config.max_sequences:
+        worker_args += ["--max-batch", str(config.max_sequences)]
     if config.device:
         worker_args += ["--device", config.device]
     for i in range(config.workers):
@@ -393,15 +394,7 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         "against REDIS_URL if set, else a redis-server started on a free port, else an "
         "embedded fakeredis server (not durable). Ctrl-C stops every process it started.",
     )
-    serve_parser.add_argument(
-        "--host", default=os.environ.get("HOST", "127.0.0.1"), help="default: $HOST or 127.0.0.1"
-    )
-    serve_parser.add_argument(
-        "--port",
-        type=int,
-        default=int(os.environ.get("PORT", "8000")),
-        help="default: $PORT or 8000",
-    )
+    add_listen_options(serve_parser)
     serve_parser.add_argument("--workers", type=int, default=1, help="worker processes")
     serve_parser.add_argument(
         "--models",
@@ -435,7 +428,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         workers=args.workers,
         models=[m.strip() for m in args.models.split(",") if m.strip()],
-        max_batch=args.max_batch,
+        max_sequences=args.max_batch,  # the published flag's name for the step's sequences
         device=args.device,
     )
     return serve(config)

@@ -3,7 +3,7 @@
 RQ's own workers run one job at a time and fork per job, which throws away every loaded
 model (docs/faults.md). This one registers with RQ as a worker (`rq_registries.RQWorker`)
 and runs its own loop, in one process: while it generates it keeps taking jobs (up to
-`max_batch` sequences) and steps them together, one forward pass per model per step. RQ
+`max_sequences` sequences) and steps them together, one forward pass per model per step. RQ
 still sees everything: the worker is registered (`rq info` lists it and its queues), and
 each job goes through RQ's own bookkeeping with several executions open at once
 (`workers.rq_registries`).
@@ -129,7 +129,7 @@ class LLMQWorker:
         self.writer = EventWriter(self.connection, self.name, own_models)
         self._own_models = own_models
         self.rq = RQRegistries(self.rq_worker)
-        self.running = RunningJobs(self.pool, config.max_batch, self._sync_adapters)
+        self.running = RunningJobs(self.pool, config.max_sequences, self._sync_adapters)
         self.ends = JobEnds(self.connection, self.running, self.writer, self.rq, self.claims)
         self.reaper = Reaper(self.connection, self.name, self.leases.ttl_ms)
         self.batch_driver = batches.BatchDriver(self.connection, self.name)
@@ -139,7 +139,7 @@ class LLMQWorker:
             host=socket.gethostname(),
             models=list(sources),
             queues=queue_names,
-            max_batch=config.max_batch,
+            max_sequences=config.max_sequences,
             device=worker_device(config, sources),
         )
         wake_keys = [keys.queue_wake(name) for name in queue_names]  # jobs queued wake it
@@ -244,12 +244,12 @@ class LLMQWorker:
         self.admin.inspect_models()
         self.presence.publish("idle", [], self.pool.snapshot())
         log.info(
-            "worker %s (pid %d): serving %s on queues %s, max batch %d",
+            "worker %s (pid %d): serving %s on queues %s, max sequences %d",
             self.name,
             os.getpid(),
             ", ".join(self.pool.sources) or "no models",
             ", ".join(self.rq_worker.queue_names()),
-            self.config.max_batch,
+            self.config.max_sequences,
         )
 
     def _tick(self) -> None:
@@ -362,7 +362,7 @@ class LLMQWorker:
     # ------------------------------------------------------------------ taking jobs
 
     def _claim(self) -> None:
-        for _ in range(self.config.max_batch):
+        for _ in range(self.config.max_sequences):
             if not self.running.has_room():
                 return
             queue_keys = [k for k, m in self._models_by_key.items() if self.pool.can_accept(m)]

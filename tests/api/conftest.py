@@ -122,16 +122,24 @@ def live_client(live_app: Flask):
     return live_app.test_client()
 
 
-@pytest.fixture
-def server(live_app: Flask) -> Iterator[str]:
-    """The app on a real HTTP server (werkzeug, threaded) on a free loopback port."""
-    httpd = make_server("127.0.0.1", 0, live_app, threaded=True)
+@contextlib.contextmanager
+def serving(app: Flask) -> Iterator[str]:
+    """`app` on a real HTTP server (werkzeug, threaded) on a free loopback port: its URL."""
+    httpd = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_port}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+
+@pytest.fixture
+def server(live_app: Flask) -> Iterator[str]:
+    with serving(live_app) as url:
+        yield url
 
 
 @contextlib.contextmanager

@@ -98,7 +98,7 @@ def enqueue(conn: fakeredis.FakeRedis, request: dict, max_queue: int = 0) -> tup
 
 
 def test_a_job_goes_to_the_worker_holding_its_prefix_until_its_queue_is_full(fake_redis):
-    own = holder(fake_redis, max_batch=8)
+    own = holder(fake_redis, max_sequences=8)
     jobs = [enqueue(fake_redis, chat(SYSTEM, f"question {i}")) for i in range(6)]
     assert [name for _, name in jobs] == [own] * AFFINITY_MAX_QUEUED + [keys.queue_name(MODEL)] * 2
     assert fake_redis.lrange(f"rq:queue:{own}", 0, -1) == [j.encode() for j, _ in jobs[:4]]
@@ -111,7 +111,7 @@ def test_a_job_goes_to_the_worker_holding_its_prefix_until_its_queue_is_full(fak
 
 
 def test_a_busy_worker_gets_no_more_than_its_batch_has_room_for(fake_redis):
-    own = holder(fake_redis, max_batch=2, current_jobs=["j1"])
+    own = holder(fake_redis, max_sequences=2, current_jobs=["j1"])
     names = [enqueue(fake_redis, chat(SYSTEM, f"question {i}"))[1] for i in range(2)]
     assert names == [own, keys.queue_name(MODEL)]
 

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,9 +19,9 @@ import openai
 import psutil
 import pytest
 import redis
-from werkzeug.serving import make_server
 
 from api.app import create_app
+from tests.api.conftest import serving
 from tests.redis_db import clean_redis_db
 from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import REPO, WorkerProcess, wait_for
@@ -35,7 +34,7 @@ MODEL = "tiny-batch"
 TOKENS = 8  # every line generates exactly this many tokens (ignore_eos)
 F13_LINES, F13_VALID = 10_000, 9_900  # docs/faults.md F13: 1% of the lines are invalid
 F13_TOKENS = 4  # short generations, so that 10,000 lines run in about a minute
-F13_MAX_BATCH = 64
+F13_MAX_SEQUENCES = 64
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +51,8 @@ def conn() -> Iterator[redis.Redis]:
 @pytest.fixture
 def server(conn: redis.Redis) -> Iterator[str]:
     app = create_app({"TESTING": True, "REDIS_URL": REDIS_URL})
-    httpd = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_port}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    with serving(app) as url:
+        yield url
     app.extensions["redis"].close()
 
 
@@ -281,8 +275,8 @@ def test_f13_worker_killed_halfway_every_valid_line_exactly_once(
     worker's whole process tree when half the valid lines are answered; a second worker
     finishes. Every valid line is answered exactly once, every invalid one has its error
     record, and nothing was generated twice (the workers' own counters say so)."""
-    doomed = workers("batch-doomed", "--max-batch", str(F13_MAX_BATCH))
-    survivor = workers("batch-survivor", "--max-batch", str(F13_MAX_BATCH))
+    doomed = workers("batch-doomed", "--max-batch", str(F13_MAX_SEQUENCES))
+    survivor = workers("batch-survivor", "--max-batch", str(F13_MAX_SEQUENCES))
     valid, invalid = write_f13_input(tmp_path / "in.jsonl")
     assert (len(valid), len(invalid)) == (F13_VALID, F13_LINES - F13_VALID)
     ran = sum(1 for _, _, status in invalid.values() if status is not None)

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import fields
+from types import SimpleNamespace
+from typing import Any
 
 from openapi_spec_validator import validate
 from openapi_spec_validator.validation.exceptions import OpenAPIValidationError
+from pydantic import BaseModel
 
-from api.openapi import ROUTES
+from api import admin
+from api.openapi import JSON, ROUTES
 from api.responses import Completion, Job, WorkerList
+from workers import keys
+from workers.pool import PoolEntry
+from workers.wire.loras import register
+from workers.wire.worker_info import READY, WorkerInfo
 
+ASYNC = {"Prefer": "respond-async"}
 DOCUMENTED_PREFIXES = ("/v1", "/admin", "/health", "/ready", "/metrics", "/openapi.json")
 
 
@@ -82,6 +93,95 @@ def test_admin_workers_documents_each_workers_device(client) -> None:
     assert "device" in schemas["PoolEntryState"]["properties"]
     served = WorkerList.model_validate(client.get("/admin/workers").get_json())
     assert served.data[0].device == "cpu"
+
+
+class _PrefixCache:
+    stats = SimpleNamespace(queries=3, hits=1, prompt_tokens=30, cached_tokens=16, hit_rate=0.5)
+
+    def __len__(self) -> int:
+        return 2
+
+
+def _loaded_entry() -> PoolEntry:
+    """A ready pool entry with everything `PoolEntry.describe` can publish: backend, kernels,
+    KV pool, prefix cache, and adapters loaded, failed and named by a registry."""
+    engine = SimpleNamespace(
+        backend=SimpleNamespace(name="torch"),
+        model=SimpleNamespace(weight_kinds=lambda: {"int4": 3, "int8": 1}),
+        kv_pool=SimpleNamespace(bytes_in_use=2**20),
+        prefix_cache=_PrefixCache(),
+    )
+    loras = {
+        "style": {"state": "ready", "path": "style.gguf", "memory_mb": 0.25},
+        "bad": {"state": "failed", "path": "bad.gguf", "error": "not a LoRA file"},
+        "reg": {"state": "ready", "source": "registry"},
+    }
+    return PoolEntry(
+        "tiny", READY, engine, memory_bytes=2**24, load_seconds=0.5, loaded_at=1.0, loras=loras
+    )
+
+
+def _extras(value: Any, where: str = "") -> list[str]:
+    """Every field a parsed body carries that its model does not document."""
+    if isinstance(value, BaseModel):
+        found = [f"{where}.{name}" for name in value.model_extra or {}]
+        for name in type(value).model_fields:
+            found += _extras(getattr(value, name), f"{where}.{name}")
+        return found
+    if isinstance(value, dict):
+        return [e for key, item in value.items() for e in _extras(item, f"{where}[{key}]")]
+    if isinstance(value, list):
+        return [e for i, item in enumerate(value) for e in _extras(item, f"{where}[{i}]")]
+    return []
+
+
+def _check_documented(method: str, path: str, response) -> None:
+    """The body is what `/openapi.json` says for its status: it validates against that
+    model, has no undocumented field, and the model writes it back key for key, in order."""
+    [op] = [op for op in ROUTES if (op.method, op.path) == (method, path)]
+    model = op.ok[response.status_code][JSON]
+    body = response.get_json()
+    parsed = model.model_validate(body)
+    assert _extras(parsed) == [], path
+    assert json.dumps(parsed.dump()) == json.dumps(body), path
+
+
+def test_admin_and_ops_bodies_are_their_documented_models(
+    client, fake_redis, registered, monkeypatch
+) -> None:
+    """Every admin and ops body, with each of its lists non-empty and a pool entry in full."""
+    job = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}, headers=ASYNC)
+    registered.info.pool = {"tiny": _loaded_entry().describe(), "big": PoolEntry("big").describe()}
+    registered.info.current_jobs = [job.get_json()["id"]]
+    registered.register()
+    fake_redis.hset(keys.MODELS, "tiny", json.dumps({"context_length": 64, "loras": ["reg"]}))
+    register(fake_redis, "style", "style.gguf", "tiny")
+    for path in ("/admin/workers", "/admin/jobs", "/admin/models", "/admin/queues", "/admin/loras"):
+        response = client.get(path)
+        assert response.status_code == 200 and response.get_json()["data"], path
+        _check_documented("get", path, response)
+    for path in ("/health", "/ready"):
+        _check_documented("get", path, client.get(path))
+    for path in ("/admin/models/load", "/admin/models/unload"):
+        _check_documented("post", path, client.post(path, json={"model": "tiny"}))
+    monkeypatch.setattr(admin, "_check_adapter", lambda path, base_model: None)
+    added = client.post("/admin/loras", json={"name": "x", "path": "x.gguf", "base_model": "tiny"})
+    _check_documented("post", "/admin/loras", added)
+    _check_documented("delete", "/admin/loras/{name}", client.delete("/admin/loras/x"))
+
+
+def test_admin_bodies_keep_the_key_order_of_what_they_show(client, registered) -> None:
+    """A worker in `WorkerInfo`'s field order then `alive`; a pool entry in
+    `PoolEntry.describe`'s order: the models follow their sources, not the other way."""
+    entry = _loaded_entry().describe()
+    registered.info.pool = {"tiny": entry}
+    registered.register()
+    [worker] = client.get("/admin/workers").get_json()["data"]
+    assert list(worker) == [f.name for f in fields(WorkerInfo)] + ["alive"]
+    assert list(worker["pool"]["tiny"]) == list(entry)
+    assert json.dumps(worker["pool"]["tiny"]) == json.dumps(entry)
+    [model] = client.get("/admin/models").get_json()["data"]
+    assert json.dumps(model["pools"]["fake-1"]) == json.dumps(entry)
 
 
 def test_docs_page_and_its_assets_are_served_locally(client) -> None:

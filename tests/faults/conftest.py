@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -31,7 +31,7 @@ import redis
 from api.cli import CONF
 from tests.api.sse import Message, parse
 from tests.tiny_models import write_tiny_llama
-from tests.workers.conftest import REPO, WorkerProcess, wait_for
+from tests.workers.conftest import REPO, WorkerProcess, signal_then_kill, wait_for
 from workers.wire.job import TERMINAL_STATUSES
 
 MODEL = "tiny-faults"  # the model id: the tiny GGUF's file stem
@@ -141,13 +141,7 @@ class Api:
         return [s for s in lines if s != "503"]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        signal_then_kill(self.process, signal.SIGTERM, 15)
         self.log.close()
 
 
@@ -188,6 +182,37 @@ def start_workers(fault_model: Path) -> Iterator[Callable[..., list[WorkerProces
     yield start
     for proc in started:
         proc.stop()
+
+
+class FaultSystem(NamedTuple):
+    """A test's own broker, API and workers, started and serving (`start_system`)."""
+
+    server: RedisServer
+    api: Api
+    workers: list[WorkerProcess]
+
+
+@pytest.fixture
+def start_system(fault_redis, start_api, start_workers) -> Callable[..., FaultSystem]:
+    """Most F tests' setup in one call: a redis-server, the API with `processes` gunicorn
+    processes (and `api_env`), `workers` workers, then wait until one serves the model."""
+
+    def start(
+        *,
+        persistent: bool = False,
+        processes: int = 1,
+        workers: int = 1,
+        step_delay_ms: int = 20,
+        worker_args: tuple[str, ...] = (),
+        **api_env: str,
+    ) -> FaultSystem:
+        server = fault_redis(persistent=persistent)
+        api = start_api(server.url, processes, **api_env)
+        procs = start_workers(server.url, workers, step_delay_ms, worker_args)
+        wait_ready(api)
+        return FaultSystem(server, api, procs)
+
+    return start
 
 
 def wait_ready(api: Api, timeout: float = 60) -> None:
@@ -292,6 +317,21 @@ def follow_to_end(base: str, job_id: str, deadline: float, log: EventLog | None 
         if log.ended is None:
             time.sleep(0.2)
     return log
+
+
+class Follower:
+    """`follow_to_end` on a daemon thread of its own, started at once: the test acts on the
+    system while `log` fills; `join` waits for the follower to end."""
+
+    def __init__(self, base: str, job_id: str, deadline: float) -> None:
+        self.log = EventLog()
+        self.thread = threading.Thread(
+            target=follow_to_end, args=(base, job_id, deadline, self.log), daemon=True
+        )
+        self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
 
 
 def assert_no_gap_no_repeat(log: EventLog, max_tokens: int) -> None:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from tests.faults.conftest import MODEL, wait_ready
+from tests.faults.conftest import MODEL
 from tests.workers.conftest import wait_for
 from workers import keys
 from workers.wire.job import TERMINAL_STATUSES
@@ -32,13 +32,10 @@ def _queued(conn: redis.Redis) -> int:
     return sum(conn.llen(k) for k in conn.scan_iter("rq:queue:*") if conn.type(k) == b"list")
 
 
-def test_f10_200_simultaneous_submits_against_a_limit_of_100(
-    fault_redis, start_api, start_workers
-) -> None:
-    server = fault_redis(persistent=False)
-    api = start_api(server.url, processes=2, LLMQ_MAX_QUEUE=str(LIMIT))
-    start_workers(server.url, count=3, step_delay_ms=20, extra=("--max-batch", "1"))
-    wait_ready(api)
+def test_f10_200_simultaneous_submits_against_a_limit_of_100(start_system) -> None:
+    server, api, _ = start_system(
+        processes=2, workers=3, worker_args=("--max-batch", "1"), LLMQ_MAX_QUEUE=str(LIMIT)
+    )
     conn = redis.Redis.from_url(server.url)
     depth: list[int] = []
     sampling = threading.Event()

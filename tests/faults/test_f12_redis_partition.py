@@ -10,17 +10,15 @@ fence), the job finishes, and the stalled worker lives on.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import redis
 
 from tests.faults.conftest import (
-    EventLog,
+    Follower,
     StallingProxy,
     assert_no_gap_no_repeat,
-    follow_to_end,
     submit_async,
     wait_ready,
     wait_terminal,
@@ -43,11 +41,8 @@ def test_f12_a_stalled_worker_never_runs_a_job_beside_its_successor(
         [stalled] = start_workers(proxy.url(), step_delay_ms=40)
         wait_ready(api)
         job_id = submit_async(api.base, TOKENS)
-        log = EventLog()
-        follower = threading.Thread(
-            target=follow_to_end, args=(api.base, job_id, time.monotonic() + 120, log)
-        )
-        follower.start()
+        follower = Follower(api.base, job_id, time.monotonic() + 120)
+        log = follower.log
         wait_for(lambda: len(log.tokens()) >= 20, 30, "20 tokens from the first worker")
         [successor] = start_workers(server.url, step_delay_ms=40)
         conn = redis.Redis.from_url(server.url)

@@ -14,20 +14,15 @@ import httpx
 import pytest
 import redis
 
-from tests.faults.conftest import submit_async, wait_ready, wait_terminal
+from tests.faults.conftest import submit_async, wait_terminal
 from tests.workers.conftest import wait_for
 from workers.wire.defaults import JOB_TTL_SECONDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 
-def test_f14_finished_job_polled_after_its_ttl_is_a_clear_404(
-    fault_redis, start_api, start_workers
-) -> None:
-    server = fault_redis(persistent=False)
-    api = start_api(server.url)
-    start_workers(server.url, step_delay_ms=0)
-    wait_ready(api)
+def test_f14_finished_job_polled_after_its_ttl_is_a_clear_404(start_system) -> None:
+    server, api, _ = start_system(step_delay_ms=0)
     job_id = submit_async(api.base, max_tokens=5)
     assert wait_terminal(api.base, job_id, 60)["status"] == "finished"
 

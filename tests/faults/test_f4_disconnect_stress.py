@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 
-from tests.faults.conftest import MODEL, wait_ready
+from tests.faults.conftest import MODEL
 from tests.workers.conftest import wait_for
 from workers import keys
 
@@ -24,13 +24,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 STREAMS, TOKENS = 200, 200
 
 
-def test_f4_200_streams_that_hang_up_after_half_a_second(
-    fault_redis, start_api, start_workers
-) -> None:
-    server = fault_redis(persistent=False)
-    api = start_api(server.url, processes=2)
-    start_workers(server.url, step_delay_ms=20)
-    wait_ready(api)
+def test_f4_200_streams_that_hang_up_after_half_a_second(start_system) -> None:
+    server, api, _ = start_system(processes=2)
     conn = redis.Redis.from_url(server.url)
     body = {"model": MODEL, "prompt": "cut", "max_tokens": TOKENS, "temperature": 0}
     body |= {"stream": True, "ignore_eos": True}

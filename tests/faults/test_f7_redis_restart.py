@@ -9,7 +9,6 @@ within 10 s of the restart; every job ends finished; the access log holds no 5xx
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -17,9 +16,8 @@ import pytest
 
 from tests.faults.conftest import (
     MODEL,
-    EventLog,
+    Follower,
     assert_no_gap_no_repeat,
-    follow_to_end,
     submit_async,
     wait_ready,
     wait_terminal,
@@ -31,20 +29,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 STREAMS, TOKENS = 20, 200
 
 
-def test_f7_redis_restart_during_20_live_streams(fault_redis, start_api, start_workers) -> None:
-    server = fault_redis(persistent=True)
-    api = start_api(server.url)
-    workers = start_workers(server.url, count=2, step_delay_ms=40)
-    wait_ready(api)
+def test_f7_redis_restart_during_20_live_streams(start_system) -> None:
+    server, api, workers = start_system(persistent=True, workers=2, step_delay_ms=40)
     jobs = [submit_async(api.base, TOKENS, prompt=f"CANARY-7f3a tale {i}") for i in range(STREAMS)]
-    logs = {job_id: EventLog() for job_id in jobs}
     deadline = time.monotonic() + 120
-    threads = [
-        threading.Thread(target=follow_to_end, args=(api.base, j, deadline, logs[j]), daemon=True)
-        for j in jobs
-    ]
-    for thread in threads:
-        thread.start()
+    followers = [Follower(api.base, j, deadline) for j in jobs]
+    logs = {j: follower.log for j, follower in zip(jobs, followers, strict=True)}
     wait_for(lambda: all(len(logs[j].tokens()) >= 5 for j in jobs), 60, "tokens on all streams")
 
     server.shutdown()
@@ -67,8 +57,8 @@ def test_f7_redis_restart_during_20_live_streams(fault_redis, start_api, start_w
     up_at = time.monotonic()
     wait_ready(api, 10)
 
-    for thread in threads:
-        thread.join(max(1.0, deadline - time.monotonic()))
+    for follower in followers:
+        follower.join(max(1.0, deadline - time.monotonic()))
     for job_id in jobs:
         log = logs[job_id]
         assert log.ended == "done", (job_id, log.errors[-3:])

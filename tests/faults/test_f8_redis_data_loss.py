@@ -29,11 +29,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 STREAMS, TOKENS = 4, 200  # 40 ms a step: ~8 s of generation, cut after ~1 s
 
 
-def test_f8_redis_loses_its_data_mid_stream(fault_redis, start_api, start_workers) -> None:
-    server = fault_redis(persistent=False)
-    api = start_api(server.url)
-    [worker] = start_workers(server.url, step_delay_ms=40)
-    wait_ready(api)
+def test_f8_redis_loses_its_data_mid_stream(start_system) -> None:
+    server, api, [worker] = start_system(step_delay_ms=40)
     jobs = [submit_async(api.base, TOKENS, prompt=f"story {i}") for i in range(STREAMS)]
     logs = {job_id: EventLog() for job_id in jobs}
     first_error: dict[str, float] = {}

@@ -10,20 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import psutil
 import pytest
 
-from tests.faults.conftest import (
-    EventLog,
-    assert_no_gap_no_repeat,
-    follow_to_end,
-    submit_async,
-    wait_ready,
-    wait_terminal,
-)
+from tests.faults.conftest import Follower, assert_no_gap_no_repeat, submit_async, wait_terminal
 from tests.workers.conftest import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -40,17 +32,11 @@ def _serving_process(master: psutil.Process, port: int) -> psutil.Process:
     raise AssertionError("no gunicorn process holds the stream's connection")
 
 
-def test_f9_api_process_killed_mid_stream(fault_redis, start_api, start_workers) -> None:
-    server = fault_redis(persistent=False)
-    api = start_api(server.url, processes=2)
-    start_workers(server.url, step_delay_ms=40)
-    wait_ready(api)
+def test_f9_api_process_killed_mid_stream(start_system) -> None:
+    api = start_system(processes=2, step_delay_ms=40).api
     job_id = submit_async(api.base, TOKENS)
-    log = EventLog()
-    thread = threading.Thread(
-        target=follow_to_end, args=(api.base, job_id, time.monotonic() + 90, log), daemon=True
-    )
-    thread.start()
+    follower = Follower(api.base, job_id, time.monotonic() + 90)
+    log = follower.log
     wait_for(lambda: len(log.tokens()) >= 20, 30, "20 tokens on the stream")
 
     master = psutil.Process(api.process.pid)
@@ -58,7 +44,7 @@ def test_f9_api_process_killed_mid_stream(fault_redis, start_api, start_workers)
     seen_at_kill = len(log.tokens())
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    thread.join(90)
+    follower.join(90)
 
     assert log.ended == "done", log.errors[-3:]
     assert log.attempts >= 2, "the stream was not cut by the kill"

@@ -171,6 +171,33 @@ def start_worker(tiny_model: Path, redis_url: str) -> Iterator[Callable[..., LLM
             runner.stop()
 
 
+def llmq_process(*args: str, env: dict[str, str], stdout: Any, stderr: Any) -> subprocess.Popen:
+    """`python -m llmq ARGS` from the repository, as text, in a session of its own: a test
+    can then signal or kill the whole tree it starts (`os.killpg`)."""
+    argv = [sys.executable, "-m", "llmq", *args]
+    return subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True
+    )
+
+
+def signal_then_kill(
+    process: subprocess.Popen, sig: int, grace: float, *, group: bool = False
+) -> None:
+    """Stop a child a test started, if it still runs: `sig` first, and SIGKILL (to its whole
+    process group with `group`) if it has not exited `grace` seconds later."""
+    if process.poll() is not None:
+        return
+    process.send_signal(sig)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        if group:
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.kill()
+        process.wait(10)
+
+
 class WorkerProcess:
     """A real `llmq worker` process in its own session, so a test can kill its whole tree."""
 
@@ -185,18 +212,13 @@ class WorkerProcess:
         env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
         if step_delay_ms:
             env["LLMQ_WORKER_STEP_DELAY_MS"] = str(step_delay_ms)
-        argv = [sys.executable, "-m", "llmq", "worker", "--name", name]
-        argv += ["--models", ",".join(models), *extra]
         self.name = name
         self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could block the worker
-        self.process = subprocess.Popen(
-            argv,
-            cwd=REPO,
+        self.process = llmq_process(
+            *("worker", "--name", name, "--models", ",".join(models), *extra),
             env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
         )
 
     def wait_registered(self, conn: redis.Redis, timeout: float = 20.0) -> None:

@@ -107,7 +107,7 @@ def test_jobs_sharing_a_prefix_reach_the_worker_that_holds_it(conn, start_worker
 def test_a_busy_holder_overflows_to_the_shared_queue_where_the_other_worker_takes_it(
     conn, start_worker
 ):
-    a = start_worker(max_batch=1, step_delay=0.1)
+    a = start_worker(max_sequences=1, step_delay=0.1)
     started_on(conn, a)
     b = start_worker()
     wait_for(lambda: info(conn, b.name), what="worker b to register")
@@ -141,7 +141,7 @@ def test_jobs_routed_to_a_worker_that_died_are_run_by_another(conn, spawn_worker
 
 
 def test_a_draining_worker_hands_its_own_queue_back(conn, start_worker):
-    a = start_worker(max_batch=1, step_delay=0.1)
+    a = start_worker(max_sequences=1, step_delay=0.1)
     started_on(conn, a)
     b = start_worker(reap_interval=0.1)
     wait_for(lambda: info(conn, b.name), what="worker b to register")

@@ -119,14 +119,18 @@ def registries(conn, name: str = "w") -> RQRegistries:
     return RQRegistries(worker)
 
 
-def test_rq_registries_show_several_open_executions_then_a_finished_result(conn):
-    rq = registries(conn)
-    leases = Leases(conn, "w", 10)
+def two_open_jobs(conn) -> tuple[RQRegistries, ActiveJob, ActiveJob]:
+    """Worker "w"'s RQ registries with two claimed jobs opened in them (claimed first, then
+    opened in that order, as the worker starts them)."""
+    rq, leases = registries(conn), Leases(conn, "w", 10)
     first, second = claimed(conn, leases), claimed(conn, leases)
     for job in (first, second):
-        with conn.pipeline() as pipe:
-            rq.open(job.rq_job, pipe)
-            pipe.execute()
+        opened(rq, job, conn)
+    return rq, first, second
+
+
+def test_rq_registries_show_several_open_executions_then_a_finished_result(conn):
+    rq, first, second = two_open_jobs(conn)
     rq.sync_state()
     started = rq_queue(conn).started_job_registry
     assert sorted(started.get_job_ids()) == sorted([first.id, second.id])
@@ -154,13 +158,7 @@ def test_rq_registries_show_several_open_executions_then_a_finished_result(conn)
 
 
 def test_rq_registries_cancel_and_forget(conn):
-    rq = registries(conn)
-    leases = Leases(conn, "w", 10)
-    cancelled, taken_over = claimed(conn, leases), claimed(conn, leases)
-    for job in (cancelled, taken_over):
-        with conn.pipeline() as pipe:
-            rq.open(job.rq_job, pipe)
-            pipe.execute()
+    rq, cancelled, taken_over = two_open_jobs(conn)
     rq.close_cancelled(cancelled.rq_job, cancelled.queue)
     assert cancelled.id in rq_queue(conn).canceled_job_registry
     assert cancelled.rq_job.get_status(refresh=True) == JobStatus.CANCELED
@@ -192,21 +190,22 @@ def test_presence_learns_model_facts_and_notices_a_changed_pool(conn):
 
 def job_ends(conn) -> tuple[JobEnds, Leases]:
     leases = Leases(conn, "w", 10)
-    running = RunningJobs(pool=None, max_batch=4)  # type: ignore[arg-type]  # no sequences here
+    running = RunningJobs(pool=None, max_sequences=4)  # type: ignore[arg-type]  # no sequences here
     writer = EventWriter(conn, "w", own_models=set())
     return JobEnds(conn, running, writer, registries(conn), Claims(conn, leases)), leases
 
 
-def opened(ends: JobEnds, job: ActiveJob, conn) -> ActiveJob:
+def opened(rq: RQRegistries, job: ActiveJob, conn) -> ActiveJob:
+    """`job` opened in `rq`, as the worker opens a job it starts (one pipeline)."""
     with conn.pipeline() as pipe:
-        ends.rq.open(job.rq_job, pipe)
+        rq.open(job.rq_job, pipe)
         pipe.execute()
     return job
 
 
 def test_job_ends_write_the_stream_before_rq_and_drop_what_is_not_theirs(conn):
     ends, leases = job_ends(conn)
-    failed, stolen = (opened(ends, claimed(conn, leases), conn) for _ in range(2))
+    failed, stolen = (opened(ends.rq, claimed(conn, leases), conn) for _ in range(2))
     ends.fail(failed, JobFailure("the engine failed"))
     assert [kind for kind, _ in stream(conn, failed.id)] == ["error"]
     assert failed.id in rq_queue(conn).failed_job_registry
@@ -219,7 +218,7 @@ def test_job_ends_write_the_stream_before_rq_and_drop_what_is_not_theirs(conn):
 
 def test_job_ends_checkpoint_requeues_and_counts(conn):
     ends, leases = job_ends(conn)
-    job = opened(ends, claimed(conn, leases), conn)
+    job = opened(ends.rq, claimed(conn, leases), conn)
     ends.checkpoint(job)
     assert rq_queue(conn).get_job_ids() == [job.id]
     assert conn.hget(keys.METRIC_JOBS, "requeued") == b"1"

@@ -44,7 +44,7 @@ def test_no_models_means_every_registry_model():
         (dict(models=["nope"]), "unknown model 'nope'"),
         (dict(queues=["default"]), "not an llmq queue name"),
         (dict(queues=["llmq-nope-batch"]), "model 'nope'"),
-        (dict(max_batch=0), "--max-batch"),
+        (dict(max_sequences=0), "--max-batch"),
     ],
 )
 def test_bad_configurations_are_refused_with_a_clear_message(config, message):
@@ -94,8 +94,9 @@ def two_gpus(monkeypatch):
 
 def test_a_cuda_device_is_normalised_and_batches_256_by_default(two_gpus):
     config = WorkerConfig(device="cuda")
-    assert (config.device, config.max_batch) == ("cuda:0", 256)
-    assert WorkerConfig(device="cuda:1", max_batch=8).max_batch == 8  # an explicit value wins
+    assert (config.device, config.max_sequences) == ("cuda:0", 256)
+    # an explicit value wins
+    assert WorkerConfig(device="cuda:1", max_sequences=8).max_sequences == 8
     with pytest.raises(ConfigError, match="this machine has 2 CUDA device"):
         WorkerConfig(device="cuda:2")
 
@@ -103,10 +104,10 @@ def test_a_cuda_device_is_normalised_and_batches_256_by_default(two_gpus):
 def test_without_a_device_each_model_decides_and_the_batch_is_the_cpus(monkeypatch):
     monkeypatch.delenv("LLMQ_DEVICE", raising=False)
     config = WorkerConfig.from_env()
-    assert (config.device, config.max_batch) == (None, 32)
+    assert (config.device, config.max_sequences) == (None, 32)
     monkeypatch.setenv("LLMQ_DEVICE", "cpu")
     assert WorkerConfig.from_env().device == "cpu"
-    assert WorkerConfig.from_env(device="cpu", max_batch=4).max_batch == 4
+    assert WorkerConfig.from_env(device="cpu", max_sequences=4).max_sequences == 4
 
 
 def test_a_worker_advertises_its_device_or_its_models_registry_devices(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from runtime.chat_template import ChatTemplate
@@ -19,11 +18,6 @@ from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, JobRecord
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Engine:
     return Engine.load(str(tiny_model))
-
-
-def random_tokens(engine: Engine, n: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(3, engine.tokenizer.vocab_size, n)]
 
 
 def run(engine: Engine, job: ActiveJob, sequences: list | None = None) -> dict:

@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.workers.conftest import REPO, wait_for
+from tests.workers.conftest import REPO, llmq_process, signal_then_kill, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -51,14 +51,8 @@ class Serve:
         self.run = uuid.uuid4().hex
         env = {**(env or os.environ), MARKER: self.run, "PYTHONUNBUFFERED": "1"}
         env.pop("REDIS_URL", None)  # a broker of its own, as on a fresh machine
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "llmq", "serve", *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+        self.process = llmq_process(
+            "serve", *args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         self.stdout: list[str] = []
         self.stderr: list[str] = []
@@ -113,13 +107,7 @@ class Serve:
 
     def stop(self) -> None:
         """After a failed test: Ctrl-C first (serve stops its children), then kill -9."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+        signal_then_kill(self.process, signal.SIGINT, 40, group=True)
         for proc in self.leftovers():
             proc.kill()
 

@@ -10,7 +10,13 @@ import pytest
 
 from workers import keys
 from workers.wire.commands import COMMAND_LOAD, AdminCommand, decode_command, encode_command
-from workers.wire.errors import OpenAIError, cancelled_error, error_body, openai_error
+from workers.wire.errors import (
+    OpenAIError,
+    cancelled_error,
+    engine_refusal,
+    error_body,
+    openai_error,
+)
 from workers.wire.events import (
     EVENT_DONE,
     EVENT_ERROR,
@@ -164,6 +170,28 @@ def test_the_api_and_the_workers_build_error_bodies_in_one_place():
         "no such model", param="model", code="model_not_found", status=404
     )
     assert job_error.body() == {**job_error.openai_body(), "status": 404}
+
+
+def test_an_engine_refusal_reads_the_same_at_submission_and_in_a_worker():
+    from api.errors import InvalidRequest
+    from runtime.errors import ContextLengthError, EmptyPromptError
+    from workers.errors import InvalidJobRequest
+
+    empty = EmptyPromptError("the prompt is empty")
+    api_error = engine_refusal(empty, InvalidRequest, default_param="messages", as_sentence=True)
+    job_error = engine_refusal(empty, InvalidJobRequest)
+    assert (api_error.status, api_error.message, api_error.param) == (
+        400,
+        "The prompt is empty.",
+        "prompt",
+    )
+    assert (job_error.status, job_error.message, job_error.param) == (
+        400,
+        "the prompt is empty",
+        "prompt",
+    )
+    unnamed = engine_refusal(ContextLengthError("too long."), InvalidRequest, default_param="x")
+    assert (unnamed.message, unnamed.param) == ("too long.", "x")
 
 
 def test_an_admin_command_is_typed_and_keeps_its_json():

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from workers.wire.bodies import Batch, BatchUsage, FileObject, RequestCounts
 from workers.wire.text import optional_float, optional_int, text_hash
 
 BATCH_VALIDATING, BATCH_IN_PROGRESS, BATCH_FINALIZING = "validating", "in_progress", "finalizing"
@@ -54,19 +55,19 @@ class FileRecord:
             owner=h.get("owner"),
         )
 
-    def to_object(self) -> dict[str, Any]:
+    def to_body(self) -> FileObject:
         """OpenAI's file object."""
-        return {
-            "id": self.id,
-            "object": "file",
-            "bytes": self.bytes,
-            "created_at": int(self.created_at),
-            "expires_at": None if self.expires_at is None else int(self.expires_at),
-            "filename": self.filename,
-            "purpose": self.purpose,
-            "status": "processed",
-            "status_details": None,
-        }
+        return FileObject(
+            id=self.id,
+            object="file",
+            bytes=self.bytes,
+            created_at=int(self.created_at),
+            expires_at=optional_int(self.expires_at),
+            filename=self.filename,
+            purpose=self.purpose,
+            status="processed",
+            status_details=None,
+        )
 
 
 _BATCH_TIMES = (
@@ -152,40 +153,32 @@ class BatchRecord:
             setattr(record, name, int(h.get(name, 0)))
         return record
 
-    def to_object(self) -> dict[str, Any]:
+    def to_body(self) -> Batch:
         """OpenAI's batch object."""
-        obj: dict[str, Any] = {
-            "id": self.id,
-            "object": "batch",
-            "endpoint": self.endpoint,
-            "model": self.model,
-            "errors": {"object": "list", "data": self.errors} if self.errors else None,
-            "input_file_id": self.input_file_id,
-            "completion_window": self.completion_window,
-            "status": self.status,
-            "output_file_id": self.output_file_id,
-            "error_file_id": self.error_file_id,
-            "created_at": int(self.created_at),
-            "in_progress_at": optional_int(self.in_progress_at),
-            "expires_at": optional_int(self.expires_at),
-            "finalizing_at": optional_int(self.finalizing_at),
-            "completed_at": optional_int(self.completed_at),
-            "failed_at": optional_int(self.failed_at),
-            "expired_at": optional_int(self.expired_at),
-            "cancelling_at": optional_int(self.cancelling_at),
-            "cancelled_at": optional_int(self.cancelled_at),
-            "request_counts": {
-                "total": self.total,
-                "completed": self.completed,
-                "failed": self.failed,
-            },
-            "usage": {
-                "input_tokens": self.input_tokens,
-                "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                "output_tokens": self.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.input_tokens + self.output_tokens,
-            },
-            "metadata": self.metadata,
-        }
-        return obj
+        return Batch(
+            id=self.id,
+            object="batch",
+            endpoint=self.endpoint,
+            model=self.model,
+            errors={"object": "list", "data": self.errors} if self.errors else None,
+            input_file_id=self.input_file_id,
+            completion_window=self.completion_window,
+            status=self.status,
+            output_file_id=self.output_file_id,
+            error_file_id=self.error_file_id,
+            created_at=int(self.created_at),
+            expires_at=int(self.expires_at),
+            # the model's field order places them, whatever the order here
+            **{name: optional_int(getattr(self, name)) for name in _BATCH_TIMES},
+            request_counts=RequestCounts(
+                total=self.total, completed=self.completed, failed=self.failed
+            ),
+            usage=BatchUsage(
+                input_tokens=self.input_tokens,
+                input_tokens_details={"cached_tokens": self.cached_tokens},
+                output_tokens=self.output_tokens,
+                output_tokens_details={"reasoning_tokens": 0},
+                total_tokens=self.input_tokens + self.output_tokens,
+            ),
+            metadata=self.metadata,
+        )

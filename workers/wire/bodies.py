@@ -1,4 +1,5 @@
-"""The OpenAI bodies a job answers with: completions, chat completions, embeddings, errors.
+"""The OpenAI bodies a job answers with: completions, chat completions, embeddings, errors;
+and the file and batch objects of the Batch API, built from their records.
 
 Workers build every result body from these models (`workers.responses`), the `done` event
 and the job record carry it, and the API serves it as is; `/openapi.json` documents the
@@ -91,3 +92,60 @@ class EmbeddingList(Body):
     data: list[Embedding]
     model: str
     usage: Usage
+
+
+# ---------------------------------------------------------------- files and batches
+# (the records in `workers.wire.batches` build their OpenAI objects from these)
+
+
+class FileObject(Body):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    expires_at: int | None
+    filename: str
+    purpose: str
+    status: str
+    status_details: str | None
+
+
+class RequestCounts(Body):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchUsage(Body):
+    """Tokens of the batch's lines so far, in the Responses API's usage layout (OpenAI's)."""
+
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class Batch(Body):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    model: str | None = Field(description="the model its lines name (one per batch)")
+    errors: dict[str, Any] | None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    usage: BatchUsage
+    metadata: dict[str, str] | None

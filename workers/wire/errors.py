@@ -3,7 +3,7 @@ records and batch error lines all carry it)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 
 def openai_error(
@@ -59,3 +59,30 @@ class OpenAIError(Exception):
     def job_body(self) -> dict[str, Any]:
         """The OpenAI body plus `status`: what a job's `error` event and record carry."""
         return error_body(self.message, self.type, self.param, self.code, self.status)
+
+
+Refusal = TypeVar("Refusal", bound=OpenAIError)
+
+
+def engine_refusal(
+    exc: Exception,
+    kind: type[Refusal],
+    *,
+    default_param: str | None = None,
+    as_sentence: bool = False,
+) -> Refusal:
+    """An engine error a user caused (a `runtime.errors.LLMQRuntimeError`: an empty prompt,
+    a context overflow, bad sampling values, no chat template) as the client error `kind`:
+    the API's `InvalidRequest` at submission (`api.flow.check_context`), a worker's
+    `InvalidJobRequest` before the first token (`workers.requests.invalid_request`). Both
+    read the field from the error's own `param` here, so the two can never disagree on it.
+
+    `default_param` names the field when the engine named none; `as_sentence` words the
+    message as the API's other 400s are worded, where a worker keeps the engine's words
+    (job records and batch error lines already carry them). The error is duck-typed, since
+    this module imports nothing of the engine (docs/architecture.md).
+    """
+    message = str(exc)
+    if as_sentence:
+        message = message[:1].upper() + message[1:] + ("" if message.endswith(".") else ".")
+    return kind(message, param=getattr(exc, "param", None) or default_param)

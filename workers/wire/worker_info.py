@@ -39,7 +39,7 @@ class WorkerInfo:
     pool: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)
-    max_batch: int = 0  # sequences it steps together (0: not published)
+    max_sequences: int = 0  # sequences it steps together (0: not published)
     device: str = "cpu"
 
     def to_hash(self) -> dict[str, str]:
@@ -62,7 +62,8 @@ class WorkerInfo:
             pool=json.loads(h.get("pool", "{}")),
             started_at=float(h.get("started_at", 0)),
             heartbeat=float(h.get("heartbeat", 0)),
-            max_batch=int(h.get("max_batch", 0)),
+            # "max_batch": the same field as workers before the rename published it
+            max_sequences=int(h.get("max_sequences", h.get("max_batch", 0))),
             device=h.get("device") or "cpu",
         )
 
