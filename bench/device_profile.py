@@ -193,9 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.devices import describe_device, is_cuda
     from runtime.engine import Engine, EngineConfig
 
-    max_batch = args.sequences  # every sequence in one batch
+    max_sequences = args.sequences  # every sequence in one batch
     config = EngineConfig(
-        max_batch=max_batch, backend="torch", device=args.device, torch_forward=True
+        max_sequences=max_sequences, backend="torch", device=args.device, torch_forward=True
     )
     engine = Engine.load(args.model, config)
     layers = len(engine.model.layers)

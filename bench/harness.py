@@ -317,7 +317,7 @@ class System:
 
     models: list[str]
     workers: int = 1
-    max_batch: int = 64
+    max_sequences: int = 64
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     api_workers: int = 2
     redis_args: list[str] = field(default_factory=list)  # e.g. ["--hz", "100"]
@@ -343,7 +343,7 @@ class System:
         env = {**self.env, "REDIS_URL": self.redis_url}
         llmq = [sys.executable, "-m", "llmq"]
         worker = [*llmq, "worker", "--models", ",".join(self.models)]
-        worker += ["--max-batch", str(self.max_batch), "--log-level", "WARNING"]
+        worker += ["--max-batch", str(self.max_sequences), "--log-level", "WARNING"]
         for i in range(self.workers):
             self._spawn(f"worker-{i}", worker, env)
         api = [*llmq, "api", "--port", str(api_port), "--workers", str(self.api_workers)]
@@ -533,3 +533,34 @@ def median(values: Sequence[float]) -> float:
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+# ----------------------------------------------------------------------------- scripts
+
+Children = dict[str, Callable[[dict[str, Any]], dict[str, Any]]]
+
+
+def add_output_args(p: argparse.ArgumentParser, children: Children) -> None:
+    """`--json FILE` for the raw figures, and the hidden `--child KIND` that `run_child`
+    starts a script with: the last options of bench/system.py and bench/throughput.py."""
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    p.add_argument("--child", choices=sorted(children), help=argparse.SUPPRESS)
+
+
+def run_script(
+    args: argparse.Namespace,
+    children: Children,
+    measure: Callable[[argparse.Namespace], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+) -> int:
+    """A bench script's main once its options are parsed: as a `--child`, that child's job;
+    else print `render(measure(args))` and write the raw figures to `--json`. A SIGTERM
+    stops the systems it started (`stop_cleanly_on_sigterm`)."""
+    stop_cleanly_on_sigterm()
+    if args.child:
+        return child_main(children, args.child)
+    raw = measure(args)
+    print(render(raw))
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1) + "\n")
+    return 0

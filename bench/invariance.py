@@ -4,7 +4,7 @@
                                [--no-engine]
 
 Part 1, kernels: for each product this CPU's plans use (numpy float32, fbgemm fp16, torch's
-int4 / int8 / bf16), on one real layer shape, is a row's result in a call of M rows bitwise
+int4 / int8 / bf16), on three real layer shapes, is a row's result in a call of M rows bitwise
 the row's result alone? Part 2, the engine as shipped (this CPU's plan): greedy requests run
 cold and alone (the reference), then after a prefix-cache hit, batched among the other
 prompts, and resumed (prompt + the first half of the reference's tokens as a prompt with
@@ -117,15 +117,26 @@ def run(engine: Any, requests: list[tuple[str, list[int], int]], tokens: int, ca
     return out, recorder.rows
 
 
+def prompt_ids(engine: Any, text: str) -> list[int]:
+    """The prompt as a one-message chat, or as plain text where the model has no chat
+    template (Gemma 3's GGUF)."""
+    from runtime.errors import ChatTemplateMissingError
+
+    try:
+        return engine.encode_chat([{"role": "user", "content": text}])
+    except ChatTemplateMissingError:
+        return engine.encode(text)
+
+
 def engine_table(model: str, n_prompts: int, tokens: int, plan: str) -> list[str]:
     from runtime.engine import Engine, EngineConfig
-    from runtime.kernels.cpu import KernelPlan, cpu_features
+    from runtime.kernels.cpu import cpu_features, row_invariant_plan
 
     kernels = None  # this CPU's plan
-    if plan == "row-invariant":  # only kernels part 1 finds row-invariant
-        kernels = KernelPlan("int4", "bf16", "int8", cpu_features().cores, head_fallback="bf16")
+    if plan == "row-invariant":  # only kernels part 1 finds row-invariant on this CPU
+        kernels = row_invariant_plan(cpu_features())
     engine = Engine.load(model, EngineConfig(kernels=kernels))
-    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:n_prompts]]
+    prompts = [prompt_ids(engine, p) for p in PROMPTS[:n_prompts]]
     reference, ref_logits = {}, {}
     for i, prompt in enumerate(prompts):  # cold and alone, no cache written
         ids, logits = run(engine, [(f"p{i}", prompt, 0)], tokens, cache=False)
@@ -183,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--plan",
         choices=("cpu", "row-invariant"),
         default="cpu",
-        help="the engine's kernels: this CPU's plan, or int4 / bf16 / int8 head (row-invariant)",
+        help="the engine's kernels: this CPU's plan, or its row-invariant one (cpu.py)",
     )
     args = p.parse_args(argv)
     from runtime.kernels.cpu import cpu_features
@@ -191,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     TorchBackend()  # torch's threads as the engine sets them
     print(f"cpu: {cpu_features().level}, {cpu_features().cores} cores\n")
-    print("\n".join(kernel_table([(576, 960), (1536, 576)])))
+    print("\n".join(kernel_table([(576, 960), (1536, 576), (2048, 640)])))
     if args.engine:
         print()
         print(

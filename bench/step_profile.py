@@ -47,6 +47,7 @@ from runtime.constraints import Constraint  # noqa: E402
 from runtime.engine import Engine, EngineConfig  # noqa: E402
 from runtime.kernels import BACKENDS  # noqa: E402
 from runtime.models import attention, base  # noqa: E402
+from runtime.models.ops import HostOps  # noqa: E402
 from runtime.sampling import Sampler, SamplingParams  # noqa: E402
 
 
@@ -77,6 +78,8 @@ class TimedWeight:
 
 
 WEIGHT_NAMES = ("wqkv", "wo", "w_gate_up", "w_down")
+# runtime/models/ops.py HostOps names the functions the layers call, where they differ
+HOST_OP_NAMES = {"attend_layout": "attend"}
 
 
 def timed_weights(model: Any, totals: dict[str, float]) -> list[tuple[Any, str, Any]]:
@@ -148,6 +151,8 @@ def profile(
         for arch in (models.llama, models.gemma3):  # modules that imported the names
             if hasattr(arch, name):
                 setattr(arch, name, wrapper)
+        if module is not Sampler:  # the host ops hold the functions the layers call
+            setattr(HostOps, HOST_OP_NAMES.get(name, name), staticmethod(wrapper))
     weights = timed_weights(engine.model, totals)
     try:
         grammar_before = generator.grammar_seconds
@@ -161,6 +166,8 @@ def profile(
             setattr(owner, name, weight)
         for (module, name), fn in saved.items():
             setattr(module, name, fn)
+            if module is not Sampler:
+                setattr(HostOps, HOST_OP_NAMES.get(name, name), staticmethod(fn))
             for arch in (models.llama, models.gemma3):
                 if hasattr(arch, name):
                     setattr(arch, name, fn)

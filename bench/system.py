@@ -41,7 +41,6 @@ it) and TTFT differences use p50s. The worker runs with `--max-batch 64`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -58,9 +57,9 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: `bench`, `runtim
 from bench.harness import (  # noqa: E402
     MODEL,
     System,
+    add_output_args,
     best,
     broker,
-    child_main,
     concurrent_streams,
     env_variants,
     header,
@@ -71,8 +70,8 @@ from bench.harness import (  # noqa: E402
     openblas_info,
     prompt_of_tokens,
     run_child,
+    run_script,
     steady_rate,
-    stop_cleanly_on_sigterm,
     stream,
     think,
     verdict,
@@ -90,8 +89,8 @@ SUBMIT_THREADS = 8
 SUBMIT_ATTEMPTS = 5
 TARGET_TTFT_MS = 10.0
 TARGET_DECODE_COST = 0.05
-WORKER_MAX_BATCH = 64
-NOOP_MAX_BATCH = 8  # `llmq worker`'s default
+WORKER_MAX_SEQUENCES = 64
+NOOP_MAX_SEQUENCES = 8  # `llmq worker`'s default
 LLAMA_SERVER_SLOTS, LLAMA_SERVER_CONTEXT = 32, 16384
 TARGET_VS_LLAMA = {1: 1.0, 32: 1.5}  # llmq steady tok/s / llama-server's, per client count
 
@@ -149,7 +148,9 @@ def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
     ours: list[dict[str, Any]] = []
     api: list[dict[str, Any]] = []
     prompt_tokens = 0
-    system = System([MODEL], max_batch=WORKER_MAX_BATCH, env=env, redis_args=args.redis_args)
+    system = System(
+        [MODEL], max_sequences=WORKER_MAX_SEQUENCES, env=env, redis_args=args.redis_args
+    )
     with system:
         with http_client(system.base_url) as client:
             for _ in range(2):  # loads the model in the worker, warms both paths
@@ -182,7 +183,9 @@ def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
 
 def aggregate_clients(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     encode = _encoder()
-    system = System([MODEL], max_batch=WORKER_MAX_BATCH, env=env, redis_args=args.redis_args)
+    system = System(
+        [MODEL], max_sequences=WORKER_MAX_SEQUENCES, env=env, redis_args=args.redis_args
+    )
     with system:
         return _clients(system.base_url, args, encode, MODEL)
 
@@ -281,7 +284,10 @@ def jobs_per_second(args: argparse.Namespace) -> dict[str, Any]:
         model = write_tiny_llama(Path(tmp) / f"{NOOP_MODEL}.gguf")
         for workers in args.worker_counts:
             system = System(
-                [str(model)], workers=workers, max_batch=NOOP_MAX_BATCH, redis_args=args.redis_args
+                [str(model)],
+                workers=workers,
+                max_sequences=NOOP_MAX_SEQUENCES,
+                redis_args=args.redis_args,
             )
             with system:
                 conn = system.redis()
@@ -407,7 +413,8 @@ def render(raw: dict[str, Any]) -> str:
     """The printed tables (parts left out with --skip are absent)."""
     lines = header("llmq job system (API + Redis + worker + SSE)", raw["meta"])
     lines.append(
-        f"worker: --max-batch {WORKER_MAX_BATCH} (no-op jobs: the default {NOOP_MAX_BATCH}); API: "
+        f"worker: --max-batch {WORKER_MAX_SEQUENCES} "
+        f"(no-op jobs: the default {NOOP_MAX_SEQUENCES}); API: "
         f"`llmq api` (2 gunicorn processes x 32 threads); broker: {raw['meta']['broker']} on "
         f"loopback, no persistence, hz {raw['meta'].get('redis_hz') or 'default (10)'}"
     )
@@ -562,8 +569,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="start redis-server with --hz N (default: its own, 10: blocking-call timeouts "
         "fire on its 100 ms cron, which sets how often an idle worker looks at its queues)",
     )
-    p.add_argument("--json", type=Path, help="also write the raw figures here")
-    p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    add_output_args(p, CHILDREN)
     args = p.parse_args(argv)
     args.redis_args = ["--hz", str(args.redis_hz)] if args.redis_hz else []
     args.rounds = args.rounds or (1 if args.quick else 3)
@@ -580,10 +586,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    stop_cleanly_on_sigterm()
-    if args.child:
-        return child_main(CHILDREN, args.child)
+    return run_script(parse_args(argv), CHILDREN, measure, render)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     raw: dict[str, Any] = {"envs": {}}
     for name, env in env_variants():
@@ -607,10 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "redis_hz": args.redis_hz,
         "wall_s": time.perf_counter() - started,
     }
-    print(render(raw))
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=1) + "\n")
-    return 0
+    return raw
 
 
 if __name__ == "__main__":

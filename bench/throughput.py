@@ -88,11 +88,11 @@ from bench.harness import (  # noqa: E402
     MODEL,
     System,
     add_device_args,
+    add_output_args,
     best,
     broker,
     check_device_args,
     check_tensor_backends,
-    child_main,
     concurrent_streams,
     device_figures,
     engine_config_args,
@@ -107,8 +107,8 @@ from bench.harness import (  # noqa: E402
     prompt_of_tokens,
     rss_mib,
     run_child,
+    run_script,
     steady_rate,
-    stop_cleanly_on_sigterm,
     stream,
     think,
     verdict,
@@ -125,7 +125,7 @@ SHARED_CHATS = 32
 OFFLINE_TOKENS = 64
 OFFLINE_REQUESTS = 128
 SEQUENTIAL_SAMPLE = 3
-WORKER_MAX_BATCH = 64
+WORKER_MAX_SEQUENCES = 64
 API_THREADS = 80  # per gunicorn process, so 64 streams never queue behind busy threads
 BACKENDS = ("numpy", "torch")
 DEFAULT_BACKEND = "torch"
@@ -185,8 +185,10 @@ def _load_engine(job: dict[str, Any]) -> Any:
     of its sequences in one batch (256 on a GPU is more than the default 64)."""
     from runtime.engine import Engine, EngineConfig
 
-    max_batch = max(64, len(job.get("prompts", ())))
-    return Engine.load(job["model"], EngineConfig(max_batch=max_batch, **engine_config_args(job)))
+    max_sequences = max(64, len(job.get("prompts", ())))
+    return Engine.load(
+        job["model"], EngineConfig(max_sequences=max_sequences, **engine_config_args(job))
+    )
 
 
 def child_llama(job: dict[str, Any]) -> dict[str, Any]:
@@ -590,7 +592,9 @@ def _offline_api(
         )
         for i, m in enumerate(messages)
     ]
-    with System([MODEL], max_batch=_worker_max_batch(args), env=_api_env(args, env)) as system:
+    with System(
+        [MODEL], max_sequences=_worker_max_sequences(args), env=_api_env(args, env)
+    ) as system:
         with http_client(system.base_url) as client:
             client.post("/v1/chat/completions", json=_chat_body(messages[0], 2))  # warm
             files = {"file": ("offline.jsonl", ("\n".join(lines) + "\n").encode())}
@@ -684,9 +688,9 @@ def _api_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _worker_max_batch(args: argparse.Namespace) -> int:
+def _worker_max_sequences(args: argparse.Namespace) -> int:
     """The worker's --max-batch: room for the largest N in one batch."""
-    return max(WORKER_MAX_BATCH, max(args.ns))
+    return max(WORKER_MAX_SEQUENCES, max(args.ns))
 
 
 @contextlib.contextmanager
@@ -695,7 +699,9 @@ def _system(args: argparse.Namespace, env: dict[str, str]) -> Iterator[System | 
     if args.no_api:
         yield None
         return
-    with System([MODEL], max_batch=_worker_max_batch(args), env=_api_env(args, env)) as system:
+    with System(
+        [MODEL], max_sequences=_worker_max_sequences(args), env=_api_env(args, env)
+    ) as system:
         yield system
 
 
@@ -752,7 +758,7 @@ def _setup_line(m: dict[str, Any]) -> str:
     if m.get("no_api"):
         return f"{llama}; no system (--no-api): in-process figures only"
     return (
-        f"{llama}; system: one worker --max-batch {m['worker_max_batch']} "
+        f"{llama}; system: one worker --max-batch {m['worker_max_sequences']} "
         f"(LLMQ_BACKEND={m['backend']}{_device_env(m)}), API 2 gunicorn processes x "
         f"{m.get('api_threads', API_THREADS)} threads, broker {m['broker']} on loopback"
     )
@@ -1014,8 +1020,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-api", action="store_true", help="in-process only: no system is started")
     p.add_argument("--offline-requests", type=int, help=f"default {OFFLINE_REQUESTS}")
-    p.add_argument("--json", type=Path, help="also write the raw figures here")
-    p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    add_output_args(p, CHILDREN)
     args = p.parse_args(argv)
     if args.child:
         return args
@@ -1042,11 +1047,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    stop_cleanly_on_sigterm()
-    if args.child:
-        return child_main(CHILDREN, args.child)
+    return run_script(parse_args(argv), CHILDREN, measure, render)
 
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     raw: dict[str, Any] = {"envs": {}}
     parts = {
@@ -1073,16 +1077,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "llama_cpp_version": llama_cpp_version() if args.llama else None,
         "device": args.device,
         "torch_forward": args.tensor_path,
-        "worker_max_batch": _worker_max_batch(args),
+        "worker_max_sequences": _worker_max_sequences(args),
         "no_api": args.no_api,
         "api_threads": max(API_THREADS, max(args.ns) + 16),
         "broker": broker(),
         "wall_s": time.perf_counter() - started,
     }
-    print(render(raw))
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=1) + "\n")
-    return 0
+    return raw
 
 
 if __name__ == "__main__":
