@@ -20,7 +20,7 @@ import openai
 import pytest
 import redis
 from flask import Flask
-from werkzeug.serving import make_server
+from werkzeug.serving import WSGIRequestHandler, make_server
 
 from api.app import create_app
 from api.cli import CONF
@@ -122,10 +122,18 @@ def live_client(live_app: Flask):
     return live_app.test_client()
 
 
+class QuietRequestHandler(WSGIRequestHandler):
+    """Werkzeug's handler without its line per request: a test that polls for a minute
+    would otherwise bury its own failure under hundreds of access-log lines."""
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass
+
+
 @contextlib.contextmanager
 def serving(app: Flask) -> Iterator[str]:
     """`app` on a real HTTP server (werkzeug, threaded) on a free loopback port: its URL."""
-    httpd = make_server("127.0.0.1", 0, app, threaded=True)
+    httpd = make_server("127.0.0.1", 0, app, threaded=True, request_handler=QuietRequestHandler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
@@ -202,7 +210,7 @@ def smollm2_redis() -> Iterator[redis.Redis]:
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_redis: redis.Redis) -> Iterator[str]:
     app = create_app({"TESTING": True, "REDIS_URL": SMOLLM2_REDIS_URL, "PING_SECONDS": 0.5})
-    httpd = make_server("127.0.0.1", 0, app, threaded=True)
+    httpd = make_server("127.0.0.1", 0, app, threaded=True, request_handler=QuietRequestHandler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{httpd.server_port}"

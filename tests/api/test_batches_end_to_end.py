@@ -293,11 +293,17 @@ def test_f13_worker_killed_halfway_every_valid_line_exactly_once(
     assert not alive  # the whole tree is gone
     batch = wait_status(oai, batch.id, {"completed", "failed"}, 300)
 
-    assert batch.status == "completed"
+    errors = lines_of(oai, batch.error_file_id)
+    unexpected = [e for e in errors if line_number(e, batch.id) not in invalid][:5]
+    assert batch.status == "completed", (batch.status, batch.errors)
     counts = batch.request_counts
-    assert (counts.total, counts.completed, counts.failed) == (F13_LINES, F13_VALID, len(invalid))
+    assert (counts.total, counts.completed, counts.failed) == (
+        F13_LINES,
+        F13_VALID,
+        len(invalid),
+    ), f"valid lines that failed (first 5): {unexpected}\nsurvivor:\n{survivor.output()[-3000:]}"
     assert_output_exactly_once(lines_of(oai, batch.output_file_id), batch.id, valid)
-    assert_error_records(lines_of(oai, batch.error_file_id), batch.id, invalid)
+    assert_error_records(errors, batch.id, invalid)
     assert batch.usage.output_tokens == F13_VALID * F13_TOKENS
     # generations = valid lines +- 0: each result written once, each token generated once
     assert int(conn.hget(keys.METRIC_JOBS, "finished") or 0) == F13_VALID
