@@ -85,6 +85,7 @@ def jobs_in_flight() -> Response:
                 id=record.id,
                 model=record.model,
                 kind=record.kind,
+                priority=record.priority,
                 status=record.status,
                 worker=worker,
                 completion_tokens=record.completion_tokens,
@@ -158,6 +159,7 @@ def queues() -> Response:
     data = [
         QueueObject(
             name=queue.name,
+            priority=keys.queue_priority(queue.name),
             queued=queue.count,
             **{
                 name: registry(queue=queue).get_job_count(cleanup=False)

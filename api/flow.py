@@ -67,6 +67,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
         idempotency=scoped,
         owner=caller_scope(),
         spec=None if spec is None else spec.to_record(),
+        priority=req.priority,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from typing import Any
 
+from workers import keys
 from workers.wire.defaults import JOB_TTL_SECONDS, WAKE_MAX_TOKENS, WAKE_TTL_SECONDS
 from workers.wire.job import QUEUED
 from workers.wire.wake import WAKE_TOKEN
@@ -27,6 +28,7 @@ class GateKeys:
     own_wake: str  # the wake list of the own queue (the shared one's if none)
     jobs_metric: str  # the jobs counter
     owner_index: str  # the owner's index of jobs, '' for none
+    levels: str  # the shared queue's set of priority levels (`keys.queue_levels`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,16 +47,25 @@ class GateArgs:
     wake_ttl: int = WAKE_TTL_SECONDS
     counted_status: str = QUEUED  # the jobs counter's field
     own_queue_name: str  # written to the record when the own queue is chosen
+    priority: int = 0  # not 0: the job waits on the shared queue's level list
+    level_separator: str = keys.LEVEL_SEPARATOR
 
 
+# The depth counts the shared queue, its priority levels and (with `own_prefix`) the own
+# queues. A job with a priority other than 0 waits on its level list (`keys.level_queue_name`,
+# whose name the script builds the same way) and its level joins the level set.
 # Returns {1 shared | 2 own, depth}, or {0, depth} when full, after deleting the record and
 # RQ's hash.
 _GATE = """
 local shared_queue, queues_set, record, rq_job, own_queue, shared_wake, own_wake,
-      jobs_metric, owner_index = unpack(KEYS)
+      jobs_metric, owner_index, levels = unpack(KEYS)
 local max_queue, job_id, own_prefix, own_room, created_at, index_cutoff, index_ttl,
-      wake_token, wake_max_tokens, wake_ttl, counted_status, own_queue_name = unpack(ARGV)
+      wake_token, wake_max_tokens, wake_ttl, counted_status, own_queue_name, priority,
+      separator = unpack(ARGV)
 local depth = redis.call('LLEN', shared_queue)
+for _, level in ipairs(redis.call('ZRANGE', levels, 0, -1)) do
+  depth = depth + redis.call('LLEN', shared_queue .. separator .. level)
+end
 if own_prefix ~= '' then
   for _, queue in ipairs(redis.call('SMEMBERS', queues_set)) do
     if string.sub(queue, 1, #own_prefix) == own_prefix then
@@ -68,7 +79,10 @@ if limit > 0 and depth >= limit then
   return {0, depth}
 end
 local target, wake, chosen = shared_queue, shared_wake, 1
-if own_queue ~= '' and redis.call('LLEN', own_queue) < tonumber(own_room) then
+if priority ~= '0' then
+  target = shared_queue .. separator .. priority
+  redis.call('ZADD', levels, priority, priority)
+elseif own_queue ~= '' and redis.call('LLEN', own_queue) < tonumber(own_room) then
   target, wake, chosen = own_queue, own_wake, 2
   redis.call('HSET', record, 'queue', own_queue_name)
 end

@@ -84,10 +84,12 @@ def job_view(conn: Any, record: JobRecord) -> Job:
         "endpoint": record.endpoint,
         "model": record.model,
         "status": record.status,
+        "priority": record.priority,
         "created_at": record.created_at,
         "started_at": record.started_at,
         "finished_at": record.finished_at,
         "attempts": record.attempts,
+        "preemptions": record.preemptions,
         "progress": {"completion_tokens": completion_tokens},
     }
     if isinstance(record.request.get("metadata"), dict):

@@ -72,10 +72,14 @@ class Job(Body):
     endpoint: str
     model: str
     status: JobStatus
+    priority: int = Field(description="lower is served sooner; batch lines after all others")
     created_at: float
     started_at: float | None
     finished_at: float | None
     attempts: int
+    preemptions: int = Field(
+        description="times its last run gave its KV memory to higher-priority work"
+    )
     progress: JobProgress
     metadata: dict[str, str] | None = None
     result: dict[str, Any] | None = Field(
@@ -129,6 +133,7 @@ class RunningJob(Body):
     id: str
     model: str
     kind: str = Field(description="interactive | batch: the queue it came from")
+    priority: int = Field(description="lower is served sooner, within its kind")
     status: JobStatus
     worker: str
     completion_tokens: int = Field(description="tokens streamed so far")
@@ -228,9 +233,12 @@ class ModelPoolList(Body):
 
 
 class QueueObject(Body):
-    """An RQ queue: jobs waiting on it, and the job count of each of its RQ registries."""
+    """An RQ queue: jobs waiting on it, and the job count of each of its RQ registries. A
+    priority level's list (`llmq-{model}-{kind}:p{priority}`) is listed as a queue of its
+    own; its jobs' registries are its shared queue's."""
 
     name: str
+    priority: int = Field(description="the priority of the jobs waiting on it")
     queued: int
     started: int
     finished: int

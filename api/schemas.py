@@ -43,6 +43,7 @@ from runtime.limits import (  # the engine's own numbers
 )
 from runtime.request import GenerationSpec, adapter_list, prompt_list
 from runtime.sampling import SamplingParams
+from workers import keys
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request; choices = prompts * n <= MAX_CHOICES
@@ -118,13 +119,15 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _reject_priority(priority: int) -> None:
-    """`priority` is in the contract but orders nothing yet: interactive jobs run before
-    batch ones and in arrival order. Only the default (0) is accepted, never ignored."""
-    if priority != 0:
-        raise UnsupportedFeature(
-            f"priority other than 0 is not supported yet, got {priority}.", param="priority"
+def _check_priority(priority: int) -> int:
+    """`priority` as vLLM takes it (lower is served sooner), bounded to what the queues order
+    exactly (`workers.keys.PRIORITY_MIN`/`PRIORITY_MAX`)."""
+    if not keys.PRIORITY_MIN <= priority <= keys.PRIORITY_MAX:
+        raise ValueError(
+            f"priority must be an integer in [{keys.PRIORITY_MIN}, {keys.PRIORITY_MAX}], "
+            f"got {priority}."
         )
+    return priority
 
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on `metadata`
@@ -239,12 +242,17 @@ class SamplingRequest(StrictModel):
                 )
         return v
 
-    @field_validator("seed", "priority")
+    @field_validator("seed")
     @classmethod
     def _int64(cls, v: int | None, info: Any) -> int | None:
         if v is not None and not -INT64 <= v < 2 * INT64:
             raise ValueError(f"{info.field_name} must fit in 64 bits, got {v}.")
         return v
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, v: int) -> int:
+        return _check_priority(v)
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -284,7 +292,6 @@ class SamplingRequest(StrictModel):
 
     def reject_unsupported(self) -> None:
         """Raise `UnsupportedFeature` for any contract feature the engine lacks."""
-        _reject_priority(self.priority)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "stream_options is only allowed when stream is true.", param="stream_options"
@@ -551,6 +558,11 @@ class EmbeddingRequest(StrictModel):
     def _input(cls, v: Any) -> Any:
         return _prompt_forms("input", v, MAX_EMBEDDING_INPUTS)
 
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, v: int) -> int:
+        return _check_priority(v)
+
     @property
     def stream(self) -> bool:
         return False
@@ -566,7 +578,6 @@ class EmbeddingRequest(StrictModel):
     def reject_unsupported(self) -> None:
         if self.input is None:
             raise InvalidRequest("input is required.", param="input")
-        _reject_priority(self.priority)
         if self.dimensions is not None:
             raise UnsupportedFeature("dimensions is not supported yet.", param="dimensions")
 

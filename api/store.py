@@ -18,9 +18,8 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.serializers import JSONSerializer
-from rq.utils import now as rq_now
 
 from api.auth import visible
 from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
@@ -34,15 +33,15 @@ from workers.wire.defaults import (
 )
 from workers.wire.errors import cancelled_error
 from workers.wire.events import write_ending
-from workers.wire.job import CANCELLED, JOB_FUNCTION, QUEUED, TERMINAL_STATUSES, JobRecord
+from workers.wire.job import CANCELLED, QUEUED, TERMINAL_STATUSES, JobRecord
 from workers.wire.members import each_member
 from workers.wire.prefix import prefix_digest
+from workers.wire.rq_job import write_queued_rq_job
 from workers.wire.text import as_str
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-RQ_JOB_TIMEOUT_SECONDS = 3600  # a generation longer than this is a bug, not a workload
 IDEMPOTENCY_WAIT_SECONDS = 3.0  # how long a repeat waits for the first submit to finish
 
 
@@ -128,28 +127,6 @@ def require_record(conn: redis.Redis, job_id: str, scope: str | None = None) -> 
     return record
 
 
-def _rq_job(conn: redis.Redis, record: JobRecord, queue: Queue) -> Job:
-    """The RQ job of `record`, queued on `queue` but not pushed (the gate pushes it), built
-    with RQ's public `Job.create`, so `rq info` and rq-dashboard read it like any job. Its
-    only argument is the job id: the request stays in our record (docs/faults.md, F17)."""
-    job = Job.create(
-        JOB_FUNCTION,
-        args=[record.id],
-        connection=conn,
-        id=record.id,
-        description=record.id,  # RQ logs this; never the prompt
-        timeout=RQ_JOB_TIMEOUT_SECONDS,
-        ttl=JOB_TTL_SECONDS,
-        result_ttl=JOB_TTL_SECONDS,
-        failure_ttl=JOB_TTL_SECONDS,
-        origin=queue.name,
-        status=JobStatus.QUEUED,
-        serializer=JSONSerializer,
-    )
-    job.enqueued_at = rq_now()
-    return job
-
-
 def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
     """Write the record and put its id on one of the model's RQ queues; returns the
     queue's name.
@@ -167,20 +144,19 @@ def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
     that sends EVAL inside MULTI.)
     """
     shared = rq_queue(conn, record.model, record.kind)
-    affine, room = _affine_queue(conn, record)
-    rq_job = _rq_job(conn, record, shared)
+    # a job with a priority waits on its level of the shared queue, never on an own queue
+    affine, room = _affine_queue(conn, record) if record.priority == 0 else (None, 0)
     with conn.pipeline() as pipe:
         pipe.hset(keys.job(record.id), mapping=record.to_hash())
         pipe.expire(keys.job(record.id), JOB_TTL_SECONDS)
-        rq_job.save(pipeline=pipe)
-        rq_job.cleanup(ttl=JOB_TTL_SECONDS, pipeline=pipe)  # RQ's hash expires with ours
+        write_queued_rq_job(pipe, conn, record.id, shared.name)
         pipe.execute()
     chosen, depth = _gate(conn, record, shared, affine, room, max_queue)
     if chosen == 0:
         raise QueueFull(shared.name, int(depth))
     own = affine if chosen == 2 else None
     record.queue = None if own is None else own.name
-    return (own or shared).name
+    return own.name if own is not None else keys.level_queue_name(shared.name, record.priority)
 
 
 def _gate(
@@ -208,6 +184,7 @@ def _gate(
         own_wake=keys.queue_wake(own_name) if affine is not None else shared_wake,
         jobs_metric=keys.METRIC_JOBS,
         owner_index=index,
+        levels=keys.queue_levels(shared.name),
     )
     args = GateArgs(
         max_queue=max_queue,
@@ -217,6 +194,7 @@ def _gate(
         created_at=record.created_at,
         index_cutoff=record.created_at - JOB_TTL_SECONDS,
         own_queue_name=own_name,
+        priority=record.priority,
     )
     return gate_submission(conn, gate_keys, args)
 
@@ -280,9 +258,16 @@ def submit(
     idempotency: str | None = None,
     owner: str | None = None,
     spec: dict[str, Any] | None = None,
+    priority: int = 0,
 ) -> Submission:
     record = JobRecord(
-        id=new_job_id(), endpoint=endpoint, model=model, request=request, owner=owner, spec=spec
+        id=new_job_id(),
+        endpoint=endpoint,
+        model=model,
+        request=request,
+        owner=owner,
+        spec=spec,
+        priority=priority,
     )
     if idempotency is not None:
         existing = _claim(conn, idempotency, record.id)
@@ -350,8 +335,10 @@ def cancel(conn: redis.Redis, job_id: str, scope: str | None = None) -> JobRecor
 
 def _waiting_on(conn: redis.Redis, record: JobRecord) -> list[str]:
     """Keys of the queues a queued job may be on: the worker's own queue it was routed to,
-    if any, then the shared one (jobs only ever move from an own queue to the shared one)."""
-    shared = rq_queue(conn, record.model, record.kind).key
+    if any, then the shared one, or its level list for a priority other than 0 (jobs only
+    ever move from an own queue to the shared one)."""
+    shared_name = keys.level_queue_name(keys.queue_name(record.model, record.kind), record.priority)
+    shared = Queue(shared_name, connection=conn).key
     if record.queue is None:
         return [shared]
     return [Queue(record.queue, connection=conn).key, shared]

@@ -4,9 +4,10 @@ Sequences move waiting -> prefilling -> decoding -> finished, and back to waitin
 are preempted. A step first gives every decoding sequence its next token (running streams
 never stall behind a long prompt), then fills the rest of the token budget with prompt
 chunks (`max_prefill_tokens` per step, `max_batch_tokens` in all), admitting waiting
-sequences by priority (interactive 0 before batch 1), then arrival. KV memory comes from
-the engine's block pool; when it runs out, the lowest-priority, most recently arrived
-sequence is preempted: its full blocks go to the prefix cache, its memory is freed, and it
+sequences by priority (an integer, lower sooner, as vLLM's; the workers put batch work
+below every interactive priority), then arrival. KV memory comes from the engine's block
+pool; when it runs out, the sequence with the highest priority value, most recently arrived
+among equals, is preempted: its full blocks go to the prefix cache, its memory is freed, and it
 waits to be recomputed (prompt + what it generated so far), usually from cached blocks.
 
 Only rows whose next token is wanted go through the LM head; tokens become text events
@@ -51,7 +52,7 @@ from runtime.sampling import (
 )
 from runtime.tokenizer import Tokenizer
 
-INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 1
+DEFAULT_PRIORITY = 0
 
 
 class CausalLM(Protocol):
@@ -86,6 +87,7 @@ class TokenEvent:
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (first event only)
     error: str | None = None  # why the engine ended it, with finish_reason "error"
+    preemptions: int = 0  # times it lost its KV memory to higher priorities (last event only)
 
 
 @dataclass(eq=False)  # identity: sequences are found in the waiting/running lists
@@ -105,6 +107,7 @@ class _Sequence:
     grammar: GrammarMatcher | None = None  # the constraint's matcher, if any
     adapters: AdapterStack = ()  # LoRA (adapter, scale) applied to every token it feeds
     cache_namespace: str | None = None  # prefix-cache namespace: the model's + the adapters'
+    preemptions: int = 0  # times `_preempt` took its memory
 
     @property
     def prefilling(self) -> bool:
@@ -164,7 +167,7 @@ class Generator:
         request_id: str,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        priority: int = INTERACTIVE_PRIORITY,
+        priority: int = DEFAULT_PRIORITY,
         cache_prompt: bool = True,
         resume: int = 0,
         adapters: Sequence[tuple[LoraAdapter, float]] = (),
@@ -344,6 +347,7 @@ class Generator:
     def _preempt(self, seq: _Sequence) -> None:
         """Free `seq`'s KV memory; it is recomputed later from prompt + generated tokens."""
         self.preemptions += 1
+        seq.preemptions += 1
         self._remember(seq, self._fed(seq))
         seq.prompt_ids = seq.prompt_ids[: seq.original_length] + seq.sampling.output_token_ids
         self._requeue(seq)
@@ -390,6 +394,7 @@ class Generator:
             finish,
             seq.cached_tokens if index == 0 else 0,
             seq.grammar.error if finish == FINISH_ERROR else None,
+            seq.preemptions if finish else 0,
         )
 
     def _follow_grammar(

@@ -55,8 +55,9 @@ from workers.wire.batches import (
 )
 from workers.wire.defaults import CANCEL_FLAG_TTL_SECONDS, FILE_TTL_SECONDS, JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
-from workers.wire.job import CANCELLED, FINISHED, JOB_FUNCTION, QUEUED, TERMINAL_STATUSES, JobRecord
+from workers.wire.job import CANCELLED, FINISHED, QUEUED, TERMINAL_STATUSES, JobRecord
 from workers.wire.members import each_member
+from workers.wire.rq_job import write_queued_rq_job
 from workers.wire.text import as_str
 from workers.wire.wake import push_wake
 
@@ -66,7 +67,6 @@ TICK_SECONDS = 0.5  # how often each worker tries to run the driver
 LOCK_MS = 5_000  # a driver that dies holding the lock delays the others this long at most
 QUEUE_DEPTH = 256  # batch jobs kept waiting per model's batch queue (feeds <= 512 lines/s)
 FEED_CHUNK = 64  # lines enqueued per transaction
-RQ_JOB_TIMEOUT_SECONDS = 3600
 ENDINGS = {BATCH_CANCELLED: "batch_cancelled", BATCH_EXPIRED: "batch_expired"}
 ENDING_MESSAGES = {
     BATCH_CANCELLED: "The batch was cancelled before this request finished.",
@@ -241,7 +241,7 @@ class BatchDriver:
                 item = json.loads(raw) if raw is not None else None
                 model = item["model"] if item else ""
                 if model not in room:
-                    depth = self.conn.llen(_queue(self.conn, model).key) if model else 0
+                    depth = _waiting(self.conn, _queue(self.conn, model).name) if model else 0
                     room[model] = self.queue_depth - depth
                 if room[model] <= 0:
                     break
@@ -285,6 +285,7 @@ class BatchDriver:
 
     def _enqueue_line(self, pipe: Any, rec: BatchRecord, line: int, item: dict[str, Any]) -> None:
         job_id = keys.batch_job_id(rec.id, line)
+        priority = int(item["request"].get("priority", 0))
         record = JobRecord(
             id=job_id,
             endpoint=rec.endpoint,
@@ -292,22 +293,19 @@ class BatchDriver:
             request=item["request"],
             spec=item.get("spec"),
             kind=keys.BATCH,
+            priority=priority,
             batch_id=rec.id,
             owner=rec.owner,
         )
         pipe.hset(keys.job(job_id), mapping=record.to_hash())
         pipe.expire(keys.job(job_id), JOB_TTL_SECONDS)
-        _queue(self.conn, record.model).enqueue_call(
-            func=JOB_FUNCTION,
-            args=[job_id],
-            job_id=job_id,
-            description=job_id,  # RQ logs this; never the prompt (docs/faults.md L9)
-            timeout=RQ_JOB_TIMEOUT_SECONDS,
-            ttl=JOB_TTL_SECONDS,
-            result_ttl=JOB_TTL_SECONDS,
-            failure_ttl=JOB_TTL_SECONDS,
-            pipeline=pipe,
-        )
+        shared = _queue(self.conn, record.model)
+        write_queued_rq_job(pipe, self.conn, job_id, shared.name)
+        waits_on = keys.level_queue_name(shared.name, priority)
+        pipe.rpush(Queue.redis_queue_namespace_prefix + waits_on, job_id)
+        pipe.sadd(Queue.redis_queues_keys, Queue.redis_queue_namespace_prefix + waits_on)
+        if priority:
+            pipe.zadd(keys.queue_levels(shared.name), {str(priority): priority})
 
     # ------------------------------------------------------------------ stopping
 
@@ -317,12 +315,15 @@ class BatchDriver:
         lines = [int(m) for m in self.conn.smembers(keys.batch_inflight(rec.id))]
         for line in lines:
             job_id = keys.batch_job_id(rec.id, line)
-            status, model = self.conn.hmget(keys.job(job_id), "status", "model")
+            status, model, priority = self.conn.hmget(
+                keys.job(job_id), "status", "model", "priority"
+            )
             if status is None or as_str(status) in TERMINAL_STATUSES:
                 continue
             self.conn.set(keys.job_cancel(job_id), "1", ex=CANCEL_FLAG_TTL_SECONDS)
-            queue = _queue(self.conn, as_str(model))
-            if as_str(status) == QUEUED and self.conn.lrem(queue.key, 1, job_id):
+            level = keys.level_queue_name(_queue(self.conn, as_str(model)).name, int(priority or 0))
+            waits_on = Queue.redis_queue_namespace_prefix + level
+            if as_str(status) == QUEUED and self.conn.lrem(waits_on, 1, job_id):
                 body = cancelled_error()
                 fields = {
                     "status": CANCELLED,
@@ -446,6 +447,16 @@ def _answer(
 
 def _queue(conn: redis.Redis, model: str) -> Queue:
     return Queue(keys.queue_name(model, keys.BATCH), connection=conn, serializer=JSONSerializer)
+
+
+def _waiting(conn: redis.Redis, name: str) -> int:
+    """Jobs waiting on the shared queue `name` at every priority level."""
+    levels = [int(float(p)) for p in conn.zrange(keys.queue_levels(name), 0, -1)]
+    names = [name, *(keys.level_queue_name(name, p) for p in levels if p != 0)]
+    with conn.pipeline(transaction=False) as pipe:
+        for level in names:
+            pipe.llen(Queue.redis_queue_namespace_prefix + level)
+        return sum(pipe.execute())
 
 
 def _file_id(batch_id: str, kind: str) -> str:

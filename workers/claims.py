@@ -34,13 +34,17 @@ class Claims:
         self.connection = connection
         self.leases = leases
 
-    def take(self, queue_keys: Sequence[str]) -> Claim | None:
-        """The first job of the first non-empty queue (in priority order), or None."""
+    def take(
+        self, queue_keys: Sequence[str], kind_ranks: Sequence[int] | None = None
+    ) -> Claim | None:
+        """The job that comes first by (kind rank, priority, place in `queue_keys`) on the
+        queues and their priority levels, or None (no ranks: all rank alike)."""
         claimed = scripts.claim(
             self.connection,
             queue_keys=queue_keys,
             worker=self.leases.worker,
             lease_ms=self.leases.ttl_ms,
+            kind_ranks=kind_ranks,
         )
         return None if claimed is None else Claim(*claimed)
 

@@ -85,7 +85,7 @@ class EventWriter:
         """Fenced terminal write of a failed or cancelled job; False if it was not ours."""
         end_fields, end_event = ending(status, body)
         events = [*job.pending, end_event]
-        fields = {**end_fields, "completion_tokens": str(job.completion_tokens)}
+        fields = {**end_fields, **_counts(job)}
         if _fenced_append(self.connection, job, events, fields, final=True) is None:
             return False
         job.pending.clear()
@@ -116,6 +116,7 @@ class EventWriter:
             end_fields, end_event = ending(FINISHED, job.result)
             events.append(end_event)
             fields.update(end_fields)
+            fields.update(_counts(job))
             fields["prompt_tokens"] = str(job.result["usage"]["prompt_tokens"])
         _fenced_append(pipe, job, events, fields, final=final)
         return _Write(job, events, final)
@@ -156,3 +157,8 @@ def _fenced_append(
     return scripts.append(
         client, job.id, job.lease, job.written, events, fields, final=final, ttl=JOB_TTL_SECONDS
     )
+
+
+def _counts(job: ActiveJob) -> dict[str, str]:
+    """The counters a job's last write puts on its record."""
+    return {"completion_tokens": str(job.completion_tokens), "preemptions": str(job.preemptions)}

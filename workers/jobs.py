@@ -94,6 +94,7 @@ class ActiveJob:
     renderer: LogprobRenderer | None = None
     resumed: dict[str, int] = field(default_factory=dict)  # request id -> tokens sent before
     failure: JobFailure | None = None  # the engine ended a choice with an error: fail the job
+    preemptions: int = 0  # times the engine took its choices' KV memory for higher priorities
 
     @property
     def id(self) -> str:
@@ -142,6 +143,7 @@ class ActiveJob:
         (`failure`): its output may not match the constraint the caller relies on."""
         choice = self.choices[choice_index]
         text, finish = event.text, event.finish_reason
+        self.preemptions += event.preemptions
         if finish == FINISH_ERROR and self.failure is None:
             self.failure = ConstrainedDecodingError(event.error or "the engine failed")
         out = choice.output

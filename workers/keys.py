@@ -28,6 +28,11 @@ Layout:
   serves the model), and `llmq-{model}-interactive@{worker}`: that worker's own queue, where
   the API routes jobs whose prefix it holds (`workers.affinity`); for RQ those are still
   jobs of the shared queue (their origin), the own queue only decides who takes them
+- `llmq-{model}-{kind}:p{priority}`: the jobs of a shared queue whose `priority` is not 0
+  (`level_queue_name`; level 0 is the queue itself), and `llmq:levels:{queue}` the sorted
+  set of the levels that may hold jobs (member and score: the priority). Like own queues,
+  levels only decide the order workers take jobs in (`scripts.claim`); RQ's origin is the
+  shared queue
 
 Offline batches (OpenAI's Files and Batch APIs; `workers.wire.batches` has the record types):
 - `llmq:file:{id}`            hash: a file's metadata (`workers.wire.batches.FileRecord`)
@@ -57,6 +62,10 @@ JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # RQ's own id alphabet, b
 INTERACTIVE, BATCH = "interactive", "batch"
 QUEUE_KINDS = (INTERACTIVE, BATCH)  # workers serve them in this order
 OWNER_SEPARATOR = "@"  # between a queue's name and its worker in `personal_queue_name`
+LEVEL_SEPARATOR = ":p"  # between a shared queue's name and a priority in `level_queue_name`
+# `priority` is a signed 32-bit integer: Redis scores and Lua numbers (doubles) hold every
+# one exactly, and batch work sorts below all of them (`scheduling_priority`)
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 # Lua scripts that learn a job id inside Redis build its keys from these parts, so the
 # layout is still named only here: job(id) == JOB_KEY_PREFIX + id, job_lease(id) ==
@@ -109,6 +118,7 @@ idempotency = _key_of("idempotency")
 # pushed for a shared queue wakes exactly one of the idle workers blocked on it (BLPOP
 # serves one client per element), and the API need not know them.
 queue_wake = _key_of("wake")
+queue_levels = _key_of("levels")  # of a shared queue's name: its priority levels
 file = _key_of("file")
 file_content = _key_of("file", ":content")
 batch = _key_of("batch")
@@ -159,15 +169,32 @@ def queue_name(model: str, kind: str = INTERACTIVE) -> str:
     return f"{PREFIX}-{model}-{kind}"
 
 
+def level_queue_name(name: str, priority: int) -> str:
+    """Where a shared queue's jobs of `priority` wait: the queue itself for 0, else its level
+    list. A worker takes the lowest level first, interactive before batch (`scripts.claim`)."""
+    return name if priority == 0 else f"{name}{LEVEL_SEPARATOR}{priority}"
+
+
+def queue_priority(name: str) -> int:
+    """The priority of the jobs waiting on the queue `name` (0 unless it is a level list)."""
+    return _split_level(name)[1]
+
+
+def scheduling_priority(kind: str, priority: int) -> int:
+    """The engine's ordering key of a job (lower runs sooner, `runtime.generator`): its
+    `priority`, with every batch job after every interactive one."""
+    return priority + (PRIORITY_MAX - PRIORITY_MIN + 1 if kind == BATCH else 0)
+
+
 def personal_queue_name(model: str, worker: str) -> str:
     """A worker's own interactive queue for a model: served before the shared one."""
     return f"{queue_name(model, INTERACTIVE)}{OWNER_SEPARATOR}{worker}"
 
 
 def parse_queue_name(name: str) -> tuple[str, str]:
-    """(model, kind) of a queue named by `queue_name` or `personal_queue_name`; ValueError
-    for any other name."""
-    base, _ = _split_owner(name)
+    """(model, kind) of a queue named by `queue_name`, `personal_queue_name` or
+    `level_queue_name`; ValueError for any other name."""
+    base, _ = _split_owner(_split_level(name)[0])
     for kind in QUEUE_KINDS:
         head, suffix = f"{PREFIX}-", f"-{kind}"
         if base.startswith(head) and base.endswith(suffix) and len(base) > len(head + suffix):
@@ -183,6 +210,16 @@ def queue_owner(name: str) -> str | None:
 def shared_queue_name(name: str) -> str:
     """The shared queue of the model and kind of any llmq queue (itself if shared)."""
     return queue_name(*parse_queue_name(name))
+
+
+def _split_level(name: str) -> tuple[str, int]:
+    head, separator, level = name.rpartition(LEVEL_SEPARATOR)
+    if not separator or not any(head.endswith(f"-{kind}") for kind in QUEUE_KINDS):
+        return name, 0
+    try:
+        return head, int(level)
+    except ValueError:
+        return name, 0
 
 
 def _split_owner(name: str) -> tuple[str, str | None]:

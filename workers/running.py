@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from runtime.engine import Engine
 from runtime.errors import AdapterNotFoundError, LLMQRuntimeError
-from runtime.generator import BATCH_PRIORITY, INTERACTIVE_PRIORITY, Generator
+from runtime.generator import Generator
 from runtime.lora import AdapterStack
 from workers import keys
 from workers.errors import JobFailure, UnknownAdapterError
@@ -159,7 +159,7 @@ class RunningJobs:
                 model_run.generator.check_request(prompt_ids, params)
         except LLMQRuntimeError as exc:
             raise invalid_request(exc) from exc
-        priority = BATCH_PRIORITY if job.record.kind == keys.BATCH else INTERACTIVE_PRIORITY
+        priority = keys.scheduling_priority(job.record.kind, job.record.priority)
         assert job.plan is not None
         cache_prompt = job.plan.spec.cache_prompt
         adapters = self._adapters(job, entry.engine)

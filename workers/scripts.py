@@ -16,30 +16,57 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rq.queue import Queue
+
 from workers import keys
 from workers.wire.defaults import JOB_TTL_SECONDS
+
+RQ_QUEUE_PREFIX = Queue.redis_queue_namespace_prefix  # an RQ queue's key is this + its name
+RQ_QUEUES_KEY = Queue.redis_queues_keys  # RQ's set of queue keys (`rq info` lists it)
 
 CLAIMED_MISSING = -1  # the job's record is gone
 CLAIMED_CANCELLED = -2  # its cancel flag was set while it was queued: it must never run
 
-# KEYS: queue keys in priority order. ARGV: running set, job key prefix, lease suffix,
-# cancel suffix, worker name, lease TTL (ms). Returns {queue index, job id, attempt} where
-# attempt is the new attempt number (>= 1) or one of the CLAIMED_* codes; nil if all empty.
+# KEYS: n queue keys in service order, then the n keys of their level sets
+# (`keys.queue_levels`). ARGV: running set, job key prefix, lease suffix, cancel suffix,
+# worker name, lease TTL (ms), level separator, then each queue's kind rank (0 interactive,
+# 1 batch). Takes the job that comes first by (kind rank, priority, queue order): a queue's
+# jobs of priority p wait on the queue itself for p = 0, else on its key .. separator .. p,
+# and its level set scores the levels that may hold jobs (an emptied one is dropped here).
+# Returns {queue index, job id, attempt} where attempt is the new attempt number (>= 1) or
+# one of the CLAIMED_* codes; nil if all empty.
 _CLAIM = """
-local running, prefix, lease_suffix, cancel_suffix, worker, lease_ms = unpack(ARGV)
-for i, queue in ipairs(KEYS) do
-  local id = redis.call('LPOP', queue)
-  if id then
-    local record = prefix .. id
-    if redis.call('EXISTS', record) == 0 then return {i, id, -1} end
-    if redis.call('EXISTS', record .. cancel_suffix) == 1 then return {i, id, -2} end
-    local attempt = redis.call('HINCRBY', record, 'attempts', 1)
-    redis.call('SADD', running, id)
-    redis.call('SET', record .. lease_suffix, worker .. ':' .. attempt, 'PX', lease_ms)
-    return {i, id, attempt}
+local running, prefix, lease_suffix, cancel_suffix, worker, lease_ms, separator =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local n = #KEYS / 2
+local best, best_index, best_rank, best_level
+for i = 1, n do
+  local queue, levels, rank = KEYS[i], KEYS[n + i], tonumber(ARGV[7 + i])
+  local found, level
+  local base_waits = redis.call('LLEN', queue) > 0
+  for _, p in ipairs(redis.call('ZRANGE', levels, 0, -1)) do
+    local value = tonumber(p)
+    if value > 0 and base_waits then break end
+    if redis.call('LLEN', queue .. separator .. p) > 0 then
+      found, level = queue .. separator .. p, value
+      break
+    end
+    redis.call('ZREM', levels, p)
+  end
+  if found == nil and base_waits then found, level = queue, 0 end
+  if found and (best == nil or rank < best_rank or (rank == best_rank and level < best_level)) then
+    best, best_index, best_rank, best_level = found, i, rank, level
   end
 end
-return false
+if best == nil then return false end
+local id = redis.call('LPOP', best)
+local record = prefix .. id
+if redis.call('EXISTS', record) == 0 then return {best_index, id, -1} end
+if redis.call('EXISTS', record .. cancel_suffix) == 1 then return {best_index, id, -2} end
+local attempt = redis.call('HINCRBY', record, 'attempts', 1)
+redis.call('SADD', running, id)
+redis.call('SET', record .. lease_suffix, worker .. ':' .. attempt, 'PX', lease_ms)
+return {best_index, id, attempt}
 """
 
 # KEYS: lease, events stream, record, running set, jobs metric hash.
@@ -89,12 +116,20 @@ if redis.call('GET', lease_key) == lease then return redis.call('PEXPIRE', lease
 return 0
 """
 
-# KEYS: lease, RQ queue, running set, RQ job hash, record. ARGV: expected lease, job id.
-# Puts the job back at the front of its queue, as queued, and gives up the lease.
+# KEYS: lease, RQ queue, running set, RQ job hash, record, the queue's level set, RQ's set
+# of queue keys. ARGV: expected lease, job id, level separator. Puts the job back at the
+# front of where its priority waits (the record's `priority`: the queue, or its level list,
+# as `keys.level_queue_name`), as queued, and gives up the lease.
 _REQUEUE = """
-local lease_key, queue, running, rq_job, record = unpack(KEYS)
-local lease, job_id = ARGV[1], ARGV[2]
+local lease_key, queue, running, rq_job, record, levels, queues_set = unpack(KEYS)
+local lease, job_id, separator = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('GET', lease_key) ~= lease then return 0 end
+local priority = tonumber(redis.call('HGET', record, 'priority') or '0') or 0
+if priority ~= 0 then
+  queue = queue .. separator .. priority
+  redis.call('ZADD', levels, priority, priority)
+  redis.call('SADD', queues_set, queue)
+end
 redis.call('LPUSH', queue, job_id)
 redis.call('SREM', running, job_id)
 if redis.call('EXISTS', rq_job) == 1 then redis.call('HSET', rq_job, 'status', 'queued') end
@@ -117,13 +152,25 @@ return moved
 
 
 def claim(
-    client: Any, queue_keys: Sequence[str], worker: str, lease_ms: int
+    client: Any,
+    queue_keys: Sequence[str],
+    worker: str,
+    lease_ms: int,
+    levels_keys: Sequence[str] | None = None,
+    kind_ranks: Sequence[int] | None = None,
 ) -> tuple[int, str, int] | None:
-    """Pop the first job of the first non-empty queue: (queue index, job id, attempt|code)."""
+    """Pop the job that comes first by (kind rank, priority, queue order) from the queues
+    and their priority levels (`_CLAIM`): (queue index, job id, attempt|code). Without
+    `levels_keys` each queue's own level set is read (`keys.queue_levels` of its name);
+    without `kind_ranks` every queue has rank 0 (pure priority, then queue order)."""
     if not queue_keys:
         return None
+    if levels_keys is None:
+        levels_keys = [keys.queue_levels(_queue_name(k)) for k in queue_keys]
+    ranks = list(kind_ranks) if kind_ranks is not None else [0] * len(queue_keys)
     args = [keys.RUNNING, keys.JOB_KEY_PREFIX, keys.LEASE_SUFFIX, keys.CANCEL_SUFFIX]
-    found = client.eval(_CLAIM, len(queue_keys), *queue_keys, *args, worker, lease_ms)
+    args += [worker, lease_ms, keys.LEVEL_SEPARATOR, *ranks]
+    found = client.eval(_CLAIM, 2 * len(queue_keys), *queue_keys, *levels_keys, *args)
     if not found:
         return None
     index, job_id, attempt = found
@@ -168,10 +215,24 @@ def renew(client: Any, job_id: str, lease: str, lease_ms: int) -> Any:
 
 
 def requeue(client: Any, job_id: str, lease: str, queue_key: str, rq_job_key: str) -> Any:
-    """Put the job back at the front of `queue_key`, queued, and give up `lease` (`_REQUEUE`);
-    1 if done, 0 if `lease` was not the job's lease."""
-    job_keys = [keys.job_lease(job_id), queue_key, keys.RUNNING, rq_job_key, keys.job(job_id)]
-    return client.eval(_REQUEUE, len(job_keys), *job_keys, lease, job_id)
+    """Put the job back at the front of `queue_key` (or of its level list, by the record's
+    priority), queued, and give up `lease` (`_REQUEUE`); 1 if done, 0 if `lease` was not the
+    job's lease."""
+    job_keys = [
+        keys.job_lease(job_id),
+        queue_key,
+        keys.RUNNING,
+        rq_job_key,
+        keys.job(job_id),
+        keys.queue_levels(_queue_name(queue_key)),
+        RQ_QUEUES_KEY,
+    ]
+    return client.eval(_REQUEUE, len(job_keys), *job_keys, lease, job_id, keys.LEVEL_SEPARATOR)
+
+
+def _queue_name(queue_key: str) -> str:
+    """An RQ queue's name from its key (`rq:queue:{name}`)."""
+    return queue_key.removeprefix(RQ_QUEUE_PREFIX)
 
 
 def release(client: Any, source_key: str, target_key: str, queues_key: str) -> int:

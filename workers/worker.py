@@ -149,6 +149,10 @@ class LLMQWorker:
         # a job on this worker's own queue is a job of the shared queue for RQ (its origin)
         self._queues_by_key = {q.key: self.rq.queue(q) for q in queues}
         self._models_by_key = {q.key: keys.parse_queue_name(q.name)[0] for q in queues}
+        # interactive work before batch work, whatever the priorities (`scripts.claim`)
+        self._ranks_by_key = {
+            q.key: keys.QUEUE_KINDS.index(keys.parse_queue_name(q.name)[1]) for q in queues
+        }
         self._released = False  # own queues handed back to the shared ones (draining)
         self._due: dict[str, float] = {}
         self._drain_deadline: float | None = None
@@ -366,7 +370,7 @@ class LLMQWorker:
             if not self.running.has_room():
                 return
             queue_keys = [k for k, m in self._models_by_key.items() if self.pool.can_accept(m)]
-            claim = self.claims.take(queue_keys)
+            claim = self.claims.take(queue_keys, [self._ranks_by_key[k] for k in queue_keys])
             if claim is None:
                 return
             try:

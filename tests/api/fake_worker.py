@@ -97,17 +97,15 @@ class FakeWorker:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        queues = [
-            f"rq:queue:{keys.queue_name(m, kind)}"
-            for m in self.info.models
-            for kind in keys.QUEUE_KINDS
-        ]
+        served = [(m, kind) for m in self.info.models for kind in keys.QUEUE_KINDS]
+        queues = [f"rq:queue:{keys.queue_name(m, kind)}" for m, kind in served]
+        ranks = [keys.QUEUE_KINDS.index(kind) for _, kind in served]
         last_beat = time.monotonic()
         while not self._stop.is_set():
             if time.monotonic() - last_beat > 1:
                 self._heartbeat()
                 last_beat = time.monotonic()
-            claimed = None if self.paused.is_set() else self._claim(queues)
+            claimed = None if self.paused.is_set() else self._claim(queues, ranks)
             if claimed is None:
                 time.sleep(0.01)
                 continue
@@ -115,9 +113,9 @@ class FakeWorker:
             self.processed.append(job_id)
             self._execute(job_id, attempt)
 
-    def _claim(self, queues: list[str]) -> tuple[str, int] | None:
+    def _claim(self, queues: list[str], ranks: list[int]) -> tuple[str, int] | None:
         """The real worker's claim (`workers.claims`): pop, count the attempt, lease."""
-        claim = self.claims.take(queues)
+        claim = self.claims.take(queues, ranks)
         if claim is None:
             return None
         if claim.attempt == CLAIMED_CANCELLED:  # never ran, no lease: as the worker does

@@ -467,7 +467,21 @@ def test_broker_down_is_503_with_retry_after(registered) -> None:
     assert error["code"] == "broker_down"
 
 
-def test_priority_is_refused_rather_than_ignored(client):
-    """The contract names `priority`; until it orders work, only the default is accepted."""
-    error = assert_openai_error(client.post("/v1/completions", json=completion(priority=5)), 400)
-    assert error["param"] == "priority" and error["code"] == "unsupported"
+@pytest.mark.parametrize("value", ["1", 1.5, True, None, [0], 2**31, -(2**31) - 1])
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/embeddings"])
+def test_a_priority_that_is_not_a_32_bit_integer_is_a_400(client, endpoint, value):
+    body = completion(priority=value)
+    if endpoint == "/v1/embeddings":
+        body = {"model": body["model"], "input": "hi", "priority": value}
+    error = assert_openai_error(client.post(endpoint, json=body), 400)
+    assert error["param"] == "priority" and "priority" in error["message"]
+
+
+@pytest.mark.parametrize("value", [-(2**31), -3, 0, 7, 2**31 - 1])
+def test_an_integer_priority_is_kept_on_the_job(client, value):
+    job = client.post(
+        "/v1/completions", json=completion(priority=value), headers={"Prefer": "respond-async"}
+    )
+    assert job.status_code == 202, job.get_json()
+    shown = client.get(f"/v1/jobs/{job.get_json()['id']}").get_json()
+    assert (shown["priority"], shown["status"]) == (value, "queued")

@@ -58,6 +58,7 @@ class JobRecord:
     model: str
     request: dict[str, Any]
     kind: str = "interactive"  # keys.INTERACTIVE or keys.BATCH
+    priority: int = 0  # lower is taken, admitted and kept sooner (`keys.level_queue_name`)
     status: str = QUEUED
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
@@ -66,6 +67,7 @@ class JobRecord:
     worker: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    preemptions: int = 0  # times its last run lost its KV memory to higher priorities
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     batch_id: str | None = None  # set for the requests of an offline batch
@@ -91,6 +93,7 @@ class JobRecord:
             model=h["model"],
             request=json.loads(h["request"]),
             kind=h.get("kind", "interactive"),
+            priority=int(h.get("priority", 0)),
             status=h.get("status", QUEUED),
             created_at=float(h["created_at"]),
             started_at=optional_float(h.get("started_at")),
@@ -99,6 +102,7 @@ class JobRecord:
             worker=h.get("worker"),
             prompt_tokens=int(h.get("prompt_tokens", 0)),
             completion_tokens=int(h.get("completion_tokens", 0)),
+            preemptions=int(h.get("preemptions", 0)),
             result=json.loads(h["result"]) if "result" in h else None,
             error=json.loads(h["error"]) if "error" in h else None,
             batch_id=h.get("batch_id"),
