@@ -42,7 +42,7 @@ from api.responses import (
 )
 from runtime.errors import LLMQRuntimeError
 from runtime.gguf_file import GGUFFile
-from runtime.lora import adapter_file, check_adapter
+from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter
 from runtime.registry import resolve as resolve_model
 from workers import keys
 from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, encode_command
@@ -190,7 +190,8 @@ def list_loras() -> Response:
 
 @bp.post("/loras")
 def add_lora() -> Response:
-    """Register an adapter `{"name", "path", "base_model"}` (path inside LLMQ_ADAPTER_DIR);
+    """Register an adapter `{"name", "path", "base_model"}` (a path inside LLMQ_ADAPTER_DIR,
+    relative to it or absolute; stored relative);
     every worker serving the base model loads it. Refused with a 400 when it does not fit
     the base model, as far as this machine can tell from the two files' headers."""
     body = json_object()
@@ -214,6 +215,7 @@ def add_lora() -> Response:
         raise ModelNotFound(base)
     try:
         _check_adapter(path, base)
+        path = adapter_path_in_dir(path)  # what workers resolve in their own folder
     except LLMQRuntimeError as exc:
         raise InvalidRequest(str(exc), param="path") from None
     entry = register(conn, name, path, base)

@@ -261,13 +261,19 @@ class LoraRegistration(Body):
     """`POST /admin/loras`: an adapter file inside LLMQ_ADAPTER_DIR for a served model."""
 
     name: str = Field(description="the id requests use (`lora[].name`, or `model`)")
-    path: str = Field(description="relative to LLMQ_ADAPTER_DIR; never a URL")
+    path: str = Field(
+        description="inside LLMQ_ADAPTER_DIR: relative to it or absolute (symlinks are "
+        "followed and must stay inside); never a URL"
+    )
     base_model: str
 
 
 class Lora(Body):
     name: str
-    path: str | None = Field(default=None, description="when registered through the API")
+    path: str | None = Field(
+        default=None,
+        description="when registered through the API: relative to LLMQ_ADAPTER_DIR",
+    )
     base_model: str
     source: str | None = Field(default=None, description="registry: named by a registry TOML")
     object: Literal["lora"]

@@ -33,6 +33,7 @@ def adapter_dir(tmp_path: Path, monkeypatch) -> Path:
     folder.mkdir()
     write_lora(folder / "style.gguf", base)
     write_lora(folder / "gemma.gguf", write_tiny_gemma3(tmp_path / "gemma.gguf"))
+    (folder / "escape.gguf").symlink_to(write_lora(tmp_path / "outside.gguf", base))
     monkeypatch.setenv("LLMQ_ADAPTER_DIR", str(folder))
     return folder
 
@@ -68,8 +69,9 @@ def test_register_list_and_delete(client, fake_redis):
     ("body", "status", "param", "words"),
     [
         ({"path": "../tiny.gguf"}, 400, "path", "leads out of"),
-        ({"path": "/etc/passwd"}, 400, "path", "must be relative"),
-        ({"path": "https://example.com/a.gguf"}, 400, "path", "must be relative"),
+        ({"path": "/etc/passwd"}, 400, "path", "leads out of"),
+        ({"path": "escape.gguf"}, 400, "path", "leads out of"),  # a symlink out of it
+        ({"path": "https://example.com/a.gguf"}, 400, "path", "must be a file path inside"),
         ({"path": "missing.gguf"}, 400, "path", "no adapter file"),
         ({"path": "gemma.gguf"}, 400, "path", "architecture 'gemma3'"),
         ({"base_model": "nope"}, 404, "model", "does not exist"),
@@ -85,6 +87,24 @@ def test_bad_registrations_are_refused(client, fake_redis, body, status, param, 
     error = response.get_json()["error"]
     assert error["param"] == param and words in error["message"]
     assert not fake_redis.exists(keys.LORAS)
+
+
+@pytest.mark.parametrize("given", ["absolute", "dotted", "linked"])
+def test_a_path_inside_the_folder_is_accepted_and_stored_relative(
+    client, fake_redis, adapter_dir, given
+):
+    path = {
+        "absolute": str(adapter_dir / "style.gguf"),
+        "dotted": "./sub/../style.gguf",
+        "linked": str(adapter_dir / "link.gguf"),
+    }[given]
+    (adapter_dir / "sub").mkdir()
+    (adapter_dir / "link.gguf").symlink_to(adapter_dir / "style.gguf")
+    response = add(client, path=path)
+    assert response.status_code == 201, response.get_json()
+    assert response.get_json()["path"] == "style.gguf"
+    stored = json.loads(fake_redis.hget(keys.LORAS, "style"))
+    assert stored["path"] == "style.gguf"
 
 
 def test_a_request_lora_reaches_the_job_spec(client, fake_redis):
