@@ -236,7 +236,7 @@ ROUTES: tuple[Op, ...] = (
         "admin",
         "Register a LoRA adapter on every worker serving its base model",
         r.LoraRegistration,
-        {201: {JSON: r.Lora}},
+        {201: {JSON: r.Lora}, 202: {JSON: r.Lora}},
         (400, 404),
     ),
     Op(

@@ -146,6 +146,9 @@ class LoraOnWorker(Body):
 
     state: str = Field(description="pending | ready | failed")
     path: str | None = None
+    registered_at: float | None = Field(
+        default=None, description="the registration this state is about"
+    )
     memory_mb: float | None = None
     error: str | None = Field(default=None, description="why it failed to load")
     source: str | None = Field(default=None, description="registry: named by a registry TOML")
@@ -276,9 +279,17 @@ class Lora(Body):
     )
     base_model: str
     source: str | None = Field(default=None, description="registry: named by a registry TOML")
+    registered_at: float | None = Field(default=None, description="when registered (Unix time)")
     object: Literal["lora"]
+    state: Literal["ready", "pending", "failed"] | None = Field(
+        default=None,
+        description="ready: a live worker has it loaded, requests may name it; pending: "
+        "none has yet (none holds the base model loaded, or it is still loading), a worker "
+        "loads it before running a request that names it; failed: every live worker "
+        "holding the base model failed to load it (GET only: POST refuses it with a 400)",
+    )
     workers: dict[str, LoraOnWorker] | None = Field(
-        default=None, description="its state on each live worker serving the base model"
+        default=None, description="its state on each live worker holding the base model"
     )
 
 

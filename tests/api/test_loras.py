@@ -1,11 +1,15 @@
 """LoRA adapters through the API (fakeredis, a fake worker): `/admin/loras` registers,
 lists and deletes adapters, refusing paths outside LLMQ_ADAPTER_DIR and adapters that do
-not fit the base model; a request's `lora`, or a `model` naming an adapter, reaches the job's
-spec, and an unknown adapter is a 404 at submission."""
+not fit the base model, and answers once a worker reports the adapter loaded (201), when
+none can yet (202), or when every worker failed to load it (400, withdrawn); a request's
+`lora`, or a `model` naming an adapter, reaches the job's spec, and an unknown adapter is a
+404 at submission."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import fakeredis
@@ -16,9 +20,12 @@ from api.batch_lines import validate_lines
 from tests.api.fake_worker import FakeWorker
 from tests.tiny_models import write_lora, write_tiny_gemma3, write_tiny_llama
 from workers import keys
+from workers.wire.commands import decode_command
 from workers.wire.job import JobRecord
+from workers.wire.loras import read_entry
 
 ASYNC = {"Prefer": "respond-async"}
+WAIT = 0.3  # LORA_WAIT_SECONDS here: the fake worker loads nothing unless told to
 
 
 @pytest.fixture
@@ -39,9 +46,41 @@ def adapter_dir(tmp_path: Path, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def client(fake_redis: fakeredis.FakeRedis, adapter_dir: Path):
-    FakeWorker(fake_redis).register()
-    return create_app({"TESTING": True, "REDIS_CLIENT": fake_redis}).test_client()
+def fake(fake_redis: fakeredis.FakeRedis) -> FakeWorker:
+    return FakeWorker(fake_redis).register()
+
+
+@pytest.fixture
+def client(fake_redis: fakeredis.FakeRedis, fake: FakeWorker, adapter_dir: Path):
+    config = {"TESTING": True, "REDIS_CLIENT": fake_redis, "LORA_WAIT_SECONDS": WAIT}
+    return create_app(config).test_client()
+
+
+def obey_adapters(fake: FakeWorker, outcome: str, error: str = "") -> threading.Thread:
+    """In a thread, as a real worker does: take the `adapters` command from the fake
+    worker's command list, then publish the registered adapters' `outcome` in its pool."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            raw = fake.conn.lpop(keys.worker_commands(fake.info.name))
+            if raw is None:
+                time.sleep(0.01)
+                continue
+            op, model = decode_command(raw)
+            assert op == "adapters"
+            for name, entry in {
+                k.decode(): json.loads(v) for k, v in fake.conn.hgetall(keys.LORAS).items()
+            }.items():
+                state = {"state": outcome, "path": entry["path"]}
+                state |= {"registered_at": entry["registered_at"], "error": error or None}
+                fake.info.pool[model].setdefault("loras", {})[name] = state
+            fake._heartbeat()
+            return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def add(client, name: str = "style", path: str = "style.gguf", base: str = "tiny"):
@@ -54,15 +93,81 @@ def job_record(fake_redis, response) -> JobRecord:
 
 
 def test_register_list_and_delete(client, fake_redis):
-    response = add(client)
-    assert response.status_code == 201, response.get_json()
-    assert response.get_json()["base_model"] == "tiny"
+    started = time.monotonic()
+    response = add(client)  # the fake worker never loads it: pending when the wait ends
+    assert time.monotonic() - started >= WAIT
+    assert response.status_code == 202, response.get_json()
+    body = response.get_json()
+    assert body["base_model"] == "tiny" and body["state"] == "pending"
+    assert body["workers"] == {"fake-1": {"state": "pending"}}
+    [command] = fake_redis.lrange(keys.worker_commands("fake-1"), 0, -1)
+    assert decode_command(command) == ("adapters", "tiny")  # told at once, not at a heartbeat
     [listed] = client.get("/admin/loras").get_json()["data"]
     assert listed["name"] == "style" and listed["path"] == "style.gguf"
+    assert listed["state"] == "pending"
     assert listed["workers"] == {"fake-1": {"state": "pending"}}  # not loaded there yet
     assert client.delete("/admin/loras/style").status_code == 200
+    assert fake_redis.llen(keys.worker_commands("fake-1")) == 2  # and told to unload it now
     assert client.get("/admin/loras").get_json()["data"] == []
     assert client.delete("/admin/loras/style").status_code == 404
+
+
+def test_registration_answers_once_a_worker_reports_it_loaded(fake_redis, fake, adapter_dir):
+    config = {"TESTING": True, "REDIS_CLIENT": fake_redis, "LORA_WAIT_SECONDS": 10}
+    client = create_app(config).test_client()
+    reporter = obey_adapters(fake, "ready")
+    started = time.monotonic()
+    response = add(client)
+    assert time.monotonic() - started < 5  # on the report, not at the end of the wait
+    reporter.join()
+    assert response.status_code == 201, response.get_json()
+    body = response.get_json()
+    assert body["state"] == "ready" and body["workers"]["fake-1"]["state"] == "ready"
+    assert body["workers"]["fake-1"]["registered_at"] == body["registered_at"]
+    [listed] = client.get("/admin/loras").get_json()["data"]
+    assert listed["state"] == "ready"
+
+
+def test_a_state_about_an_earlier_registration_is_pending(client, fake_redis, fake):
+    reporter = obey_adapters(fake, "ready")
+    assert add(client).status_code == 201
+    reporter.join()
+    response = add(client)  # registered again: the worker's "ready" is about the first one
+    assert response.status_code == 202, response.get_json()
+    assert response.get_json()["workers"] == {"fake-1": {"state": "pending"}}
+
+
+def test_an_adapter_every_worker_fails_to_load_is_withdrawn(client, fake_redis, fake):
+    reporter = obey_adapters(fake, "ready")
+    first = add(client).get_json()
+    reporter.join()
+    reporter = obey_adapters(fake, "failed", error="no adapter file 'style.gguf' there")
+    response = add(client)
+    reporter.join()
+    assert response.status_code == 400, response.get_json()
+    error = response.get_json()["error"]
+    assert error["param"] == "path"
+    assert "worker fake-1: no adapter file 'style.gguf' there" in error["message"]
+    # the registration before it is back, and the workers are told
+    assert read_entry(fake_redis, "style")["registered_at"] == first["registered_at"]
+    [command] = fake_redis.lrange(keys.worker_commands("fake-1"), 0, -1)
+    assert decode_command(command) == ("adapters", "tiny")
+    fake_redis.delete(keys.LORAS, keys.worker_commands("fake-1"))
+    obey_adapters(fake, "failed", error="bad")
+    assert add(client).status_code == 400
+    assert not fake_redis.exists(keys.LORAS)  # a first registration that failed: gone
+
+
+def test_with_no_worker_holding_the_base_model_it_is_pending_at_once(fake_redis, fake, adapter_dir):
+    fake.info.pool = {}  # serves "tiny", has not loaded it
+    fake._heartbeat()
+    config = {"TESTING": True, "REDIS_CLIENT": fake_redis, "LORA_WAIT_SECONDS": 10}
+    started = time.monotonic()
+    response = add(create_app(config).test_client())
+    assert time.monotonic() - started < 5
+    assert response.status_code == 202, response.get_json()
+    assert response.get_json()["state"] == "pending" and response.get_json()["workers"] == {}
+    assert fake_redis.llen(keys.worker_commands("fake-1")) == 1  # told all the same
 
 
 @pytest.mark.parametrize(
@@ -101,7 +206,7 @@ def test_a_path_inside_the_folder_is_accepted_and_stored_relative(
     (adapter_dir / "sub").mkdir()
     (adapter_dir / "link.gguf").symlink_to(adapter_dir / "style.gguf")
     response = add(client, path=path)
-    assert response.status_code == 201, response.get_json()
+    assert response.status_code == 202, response.get_json()  # registered, loaded nowhere yet
     assert response.get_json()["path"] == "style.gguf"
     stored = json.loads(fake_redis.hget(keys.LORAS, "style"))
     assert stored["path"] == "style.gguf"

@@ -164,7 +164,8 @@ def test_admin_and_ops_bodies_are_their_documented_models(
         _check_documented("get", path, client.get(path))
     for path in ("/admin/models/load", "/admin/models/unload"):
         _check_documented("post", path, client.post(path, json={"model": "tiny"}))
-    monkeypatch.setattr(admin, "_check_adapter", lambda path, base_model: None)
+    monkeypatch.setattr(admin, "_check_adapter", lambda path, base_model: path)
+    client.application.config["LORA_WAIT_SECONDS"] = 0  # the fake worker loads nothing
     added = client.post("/admin/loras", json={"name": "x", "path": "x.gguf", "base_model": "tiny"})
     _check_documented("post", "/admin/loras", added)
     _check_documented("delete", "/admin/loras/{name}", client.delete("/admin/loras/x"))
