@@ -280,9 +280,16 @@ def submit(
     idempotency: str | None = None,
     owner: str | None = None,
     spec: dict[str, Any] | None = None,
+    response_model: str | None = None,
 ) -> Submission:
     record = JobRecord(
-        id=new_job_id(), endpoint=endpoint, model=model, request=request, owner=owner, spec=spec
+        id=new_job_id(),
+        endpoint=endpoint,
+        model=model,
+        request=request,
+        owner=owner,
+        spec=spec,
+        response_model=response_model,
     )
     if idempotency is not None:
         existing = _claim(conn, idempotency, record.id)

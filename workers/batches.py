@@ -291,6 +291,7 @@ class BatchDriver:
             model=item["model"],
             request=item["request"],
             spec=item.get("spec"),
+            response_model=item.get("response_model"),
             kind=keys.BATCH,
             batch_id=rec.id,
             owner=rec.owner,

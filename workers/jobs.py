@@ -209,7 +209,7 @@ class ActiveJob:
             self.record.endpoint,
             self.id,
             self.record.created_at,
-            self.model,
+            self.record.responds_as,
             [c.output for c in self.choices],
             self.plan.prompt_tokens,
             self.plan.logprobs is not None,

@@ -1,14 +1,21 @@
-"""`POST /admin/loras` answers once the adapter is usable, through real HTTP, real Redis and
-a real `llmq worker` process (`api.lora_rollout`): a client that registers an adapter and at
-once names it in a request gets the adapter's completion, never a 404; an adapter every
-worker fails to load is refused and not registered."""
+"""LoRA adapters through real HTTP, real Redis and a real `llmq worker` process.
+
+`POST /admin/loras` answers once the adapter is usable (`api.lora_rollout`): a client that
+registers an adapter and at once names it in a request gets the adapter's completion, never
+a 404; an adapter every worker fails to load is refused and not registered. A request whose
+`model` names an adapter is answered in the adapter's name, as vLLM does: the body, every
+stream chunk, the async job and its result, and a batch's output lines."""
 
 from __future__ import annotations
 
+import io
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import redis
 
@@ -109,3 +116,63 @@ def test_an_adapter_no_worker_can_load_is_refused_and_not_registered(
         f"{server}/v1/completions", json={"model": "lost", "prompt": "hi", "max_tokens": 2}
     )
     assert answer.status_code == 404  # never registered: an unknown model, as before
+
+
+def test_a_model_naming_an_adapter_is_answered_in_the_adapters_name(
+    server: str, worker: WorkerProcess, tiny: Path, folders
+) -> None:
+    _ready(server, worker)
+    registered = httpx.post(
+        f"{server}/admin/loras",
+        json={"name": "style", "path": "style.gguf", "base_model": TINY},
+        timeout=30,
+    )
+    assert registered.status_code == 201, registered.text
+    expected = _expected(tiny, folders[1] / "style.gguf", "hello", 4)
+    args = dict(model="style", prompt="hello", max_tokens=4, temperature=0)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
+    with client:
+        sync = client.completions.create(**args, extra_body={"ignore_eos": True})
+        assert (sync.model, sync.choices[0].text) == ("style", expected)
+        chunks = list(client.completions.create(**args, stream=True))
+        assert {c.model for c in chunks} == {"style"}
+        chat = client.chat.completions.create(
+            model="style", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert chat.model == "style"
+        named = client.completions.create(
+            **{**args, "model": TINY}, extra_body={"lora": [{"name": "style"}]}
+        )
+        assert named.model == TINY  # the base model named, an adapter in `lora`: the base
+
+        lines = [
+            {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": body}
+            for i, body in enumerate([{**args, "ignore_eos": True}, {**args, "model": TINY}])
+        ]
+        data = "\n".join(json.dumps(line) for line in lines).encode()
+        upload = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.2)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        output = client.files.content(batch.output_file_id).text.splitlines()
+    bodies = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, output)}
+    assert bodies["c0"]["model"] == "style" and bodies["c0"]["choices"][0]["text"] == expected
+    assert bodies["c1"]["model"] == TINY
+
+    job = httpx.post(
+        f"{server}/v1/completions", json=args, headers={"Prefer": "respond-async"}, timeout=30
+    )
+    assert job.status_code == 202, job.text
+
+    def finished() -> dict | None:
+        view = httpx.get(f"{server}/v1/jobs/{job.json()['id']}").json()
+        return view if view["status"] == "finished" else None
+
+    view = wait_for(finished, 30, "the async job")
+    assert view["model"] == "style" and view["result"]["model"] == "style"
