@@ -127,6 +127,8 @@ class RunningJobs:
                 job, choice = self._owners[event.request_id]
                 failed = job.failure is not None
                 if job.on_token(choice, event):  # the engine ended it (stop, length, error)
+                    if event.finish_reason is None:  # the job did (a repeated tool call)
+                        model_run.generator.abort(event.request_id)
                     self._end_sequence(event.request_id, job)
                 if job.failure is not None and not failed:
                     broken.append((job, job.failure))
