@@ -26,8 +26,11 @@ from api.auth import require_admin
 from api.body import json_object
 from api.config import redis_conn
 from api.errors import InvalidRequest, ModelNotFound, NotFound, ServiceUnavailable
+from api.history import points, read_samples
 from api.lora_rollout import FAILED, READY, AdapterRollout, adapter_states
 from api.responses import (
+    History,
+    HistoryPoint,
     Lora,
     LoraDeleted,
     LoraList,
@@ -46,6 +49,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter
 from runtime.registry import resolve as resolve_model
 from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, push_command
+from workers.wire.defaults import HISTORY_SAMPLE_SECONDS
 from workers.wire.loras import read_entry, read_registry, register, unregister, withdraw
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
@@ -94,6 +98,15 @@ def jobs_in_flight() -> Response:
         )
     data.sort(key=lambda job: job.created_at)
     return jsonify(RunningJobList(object="list", data=data).dump())
+
+
+@bp.get("/history")
+def history() -> Response:
+    """The last minutes of throughput, queue depth, running jobs and TTFT, for the
+    dashboard's charts: samples the workers keep in Redis, so a reload keeps them."""
+    data = [HistoryPoint(**point) for point in points(read_samples(redis_conn()))]
+    body = History(object="list", interval_seconds=HISTORY_SAMPLE_SECONDS, data=data)
+    return jsonify(body.dump())
 
 
 @bp.get("/models")

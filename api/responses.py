@@ -248,6 +248,27 @@ class QueueList(Body):
     data: list[QueueObject]
 
 
+class HistoryPoint(Body):
+    """One moment of the dashboard's charts (`api.history`)."""
+
+    time: float = Field(description="Unix time of the sample")
+    tokens_per_second: float | None = Field(
+        description="tokens generated per second since the sample before (all models)"
+    )
+    queue_depth: int = Field(description="jobs waiting on every queue")
+    running_jobs: int = Field(description="jobs being generated")
+    ttft_p50_seconds: float | None = Field(
+        description="median time to first token over the minute before (none: no first token)"
+    )
+    ttft_p95_seconds: float | None = Field(description="its 95th percentile")
+
+
+class History(Body):
+    object: Literal["list"]
+    interval_seconds: int = Field(description="how often the workers take a sample")
+    data: list[HistoryPoint] = Field(description="the last 15 minutes, oldest first")
+
+
 class ModelCommand(Body):
     """A load/unload command, as sent to each live worker named."""
 
