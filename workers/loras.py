@@ -49,11 +49,8 @@ def _load(
     engine: Any, states: dict[str, dict[str, Any]], name: str, wanted: dict[str, Any]
 ) -> bool:
     path, registered_at = wanted["path"], wanted.get("registered_at")
-    state = states.get(name)
-    if state is not None and (state.get("path"), state.get("registered_at")) == (
-        path,
-        registered_at,
-    ):
+    state = states.get(name) or {}
+    if state and state.get("path") == path and state.get("registered_at") == registered_at:
         return False  # loaded, or failed, for this registration: not retried every heartbeat
     try:
         adapter = engine.load_adapter(name, adapter_file(path))
