@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict
 from typing import Any
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, current_app, jsonify
 from rq.registry import (
     CanceledJobRegistry,
     DeferredJobRegistry,
@@ -26,7 +26,11 @@ from api.auth import require_admin
 from api.body import json_object
 from api.config import redis_conn
 from api.errors import InvalidRequest, ModelNotFound, NotFound, ServiceUnavailable
+from api.history import points, read_samples
+from api.lora_rollout import FAILED, READY, AdapterRollout, adapter_states
 from api.responses import (
+    History,
+    HistoryPoint,
     Lora,
     LoraDeleted,
     LoraList,
@@ -42,11 +46,12 @@ from api.responses import (
 )
 from runtime.errors import LLMQRuntimeError
 from runtime.gguf_file import GGUFFile
-from runtime.lora import adapter_file, check_adapter
+from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter
 from runtime.registry import resolve as resolve_model
 from workers import keys
-from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, encode_command
-from workers.wire.loras import read_registry, register, unregister
+from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, push_command
+from workers.wire.defaults import HISTORY_SAMPLE_SECONDS
+from workers.wire.loras import read_entry, read_registry, register, unregister, withdraw
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
 bp.before_request(require_admin)
@@ -97,6 +102,15 @@ def jobs_in_flight() -> Response:
     return jsonify(RunningJobList(object="list", data=data).dump())
 
 
+@bp.get("/history")
+def history() -> Response:
+    """The last minutes of throughput, queue depth, running jobs and TTFT, for the
+    dashboard's charts: samples the workers keep in Redis, so a reload keeps them."""
+    data = [HistoryPoint(**point) for point in points(read_samples(redis_conn()))]
+    body = History(object="list", interval_seconds=HISTORY_SAMPLE_SECONDS, data=data)
+    return jsonify(body.dump())
+
+
 @bp.get("/models")
 def models() -> Response:
     """Per model: its published info and its pool state on each live worker."""
@@ -135,8 +149,7 @@ def _command(op: str) -> Response:
         raise ServiceUnavailable("No live worker to send the command to.", code="no_worker")
     pipe = conn.pipeline()
     for name in targets:
-        pipe.lpush(keys.worker_commands(name), encode_command(op, model))
-        pipe.expire(keys.worker_commands(name), 3600)
+        push_command(pipe, name, op, model)
     pipe.execute()
     response = jsonify(ModelCommandSent(op=op, model=model, workers=targets).dump())
     response.status_code = 202
@@ -174,27 +187,26 @@ def queues() -> Response:
 @bp.get("/loras")
 def list_loras() -> Response:
     """Every adapter: registered here or with its model in a registry TOML, and its state
-    on each live worker serving its base model (ready, failed with why, or not yet)."""
+    on each live worker holding its base model (ready, failed with why, or pending)."""
     conn = redis_conn()
     registered = read_registry(conn)
     live = store.live_workers(conn)
     data = []
     for name, base in sorted(loras.adapters_of(conn).items()):
         entry = registered.get(name, {"name": name, "base_model": base, "source": "registry"})
-        workers = {
-            w.name: w.pool[base].get("loras", {}).get(name, {"state": "pending"})
-            for w in live
-            if w.pool.get(base, {}).get("state") == "ready"
-        }
-        data.append(Lora(**entry, object="lora", workers=workers))
+        states = adapter_states(live, entry)
+        data.append(Lora(**entry, object="lora", state=states.state, workers=states.workers))
     return jsonify(LoraList(object="list", data=data).dump())
 
 
 @bp.post("/loras")
 def add_lora() -> Response:
-    """Register an adapter `{"name", "path", "base_model"}` (path inside LLMQ_ADAPTER_DIR);
-    every worker serving the base model loads it. Refused with a 400 when it does not fit
-    the base model, as far as this machine can tell from the two files' headers."""
+    """Register an adapter `{"name", "path", "base_model"}` (a path inside LLMQ_ADAPTER_DIR,
+    relative to it or absolute; stored relative) and answer once it is usable: 201 when a
+    live worker has loaded it, 202 while none has yet (no worker holds the base model
+    loaded, or the wait ran out), 400 when every worker holding the base model failed to
+    load it (then it is not registered) or when it does not fit the base model as far as
+    this machine can tell from the two files' headers (`api.lora_rollout`)."""
     body = json_object()
     unknown = sorted(set(body) - {"name", "path", "base_model"})
     if unknown:
@@ -215,26 +227,48 @@ def add_lora() -> Response:
     if base not in known and base not in store.served_models(store.live_workers(conn)):
         raise ModelNotFound(base)
     try:
-        _check_adapter(path, base)
+        path = _check_adapter(path, base)
     except LLMQRuntimeError as exc:
         raise InvalidRequest(str(exc), param="path") from None
+    previous = read_entry(conn, name)
     entry = register(conn, name, path, base)
-    response = jsonify(Lora(**entry, object="lora").dump())
-    response.status_code = 201
+    rollout = AdapterRollout(conn, entry, current_app.config["LORA_WAIT_SECONDS"])
+    rollout.announce()
+    states = rollout.wait()
+    if states.state == FAILED:
+        if withdraw(conn, entry, previous):
+            rollout.announce()  # the workers go back to what was registered before
+        raise InvalidRequest(
+            f"The adapter could not be loaded, so it was not registered: {states.errors()}",
+            param="path",
+        )
+    lora = Lora(**entry, object="lora", state=states.state, workers=states.workers)
+    response = jsonify(lora.dump())
+    response.status_code = 201 if states.state == READY else 202
     return response
 
 
-def _check_adapter(path: Any, base_model: str) -> None:
+def _check_adapter(path: Any, base_model: str) -> str:
+    """The adapter's path as the registry keeps it: relative to LLMQ_ADAPTER_DIR, where
+    each worker resolves it in its own folder; `LLMQRuntimeError` if it does not fit."""
     adapter = adapter_file(path)
     try:
         base = GGUFFile(resolve_model(base_model).path())
     except LLMQRuntimeError:
-        return  # the base model's file is not on this machine: its workers check it
-    check_adapter(adapter, base)
+        base = None  # the base model's file is not on this machine: its workers check it
+    if base is not None:
+        check_adapter(adapter, base)
+    return adapter_path_in_dir(path)
 
 
 @bp.delete("/loras/<name>")
 def delete_lora(name: str) -> Response:
-    if not unregister(redis_conn(), name):
+    """Unregister an adapter; the workers serving its base model unload it now (running
+    sequences finish with it)."""
+    conn = redis_conn()
+    entry = read_entry(conn, name)
+    if not unregister(conn, name):
         raise NotFound(f"The LoRA adapter {name!r} is not registered.", param="name")
+    if entry is not None:
+        AdapterRollout(conn, entry, 0).announce()
     return jsonify(LoraDeleted(name=name, object="lora", deleted=True).dump())

@@ -34,11 +34,14 @@ class ValidLine:
     model: str
     request: dict[str, Any]  # normalised, as the live endpoint stores it for the worker
     spec: dict[str, Any] | None = None  # GenerationSpec.to_record(); None for embeddings
+    response_model: str | None = None  # the adapter the line named as its model
 
     def to_json(self) -> str:
         data = {"custom_id": self.custom_id, "model": self.model, "request": self.request}
         if self.spec is not None:
             data["spec"] = self.spec
+        if self.response_model is not None:
+            data["response_model"] = self.response_model
         return json.dumps(data, ensure_ascii=False)
 
 
@@ -159,6 +162,7 @@ def _validate(
         raise LineError("invalid_request", "stream is not available in a batch.")
     try:
         req = parse_request(endpoint, body)
+        requested = req.model
         loras.apply(req, models, adapters)  # a model naming an adapter; unknown adapters
     except APIError as exc:
         raise LineError(exc.code or "invalid_request", exc.message) from None
@@ -171,4 +175,5 @@ def _validate(
     except APIError as exc:
         raise LineError(exc.code or "invalid_request", exc.message) from None
     record = None if spec is None else spec.to_record()
-    return ValidLine(number, custom_id, req.model, req.to_job_request(), record)
+    named = requested if requested != req.model else None
+    return ValidLine(number, custom_id, req.model, req.to_job_request(), record, named)

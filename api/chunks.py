@@ -25,7 +25,7 @@ class ChunkStream:
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.id = response_id(record.endpoint, record.id)
         self.created = int(record.created_at)
-        self.model = record.model
+        self.model = record.responds_as  # an adapter named as the model: the adapter
         self.include_usage = request.include_usage
         self.logprobs = bool(request.logprobs) if self.chat else request.logprobs is not None
         self.choices = request.choices

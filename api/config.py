@@ -30,6 +30,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "PING_SECONDS": 15.0,  # SSE `: ping` comment after this long without an event
         "SSE_RETRY_MS": 2000,
         "SYNC_TIMEOUT_SECONDS": 3600.0,  # a synchronous request waits at most this long
+        "LORA_WAIT_SECONDS": 10.0,  # POST /admin/loras waits this long for a worker's load
     }
 
 

@@ -45,6 +45,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
     conn = redis_conn()
     # a snapshot <= 1 s old; read now when it lacks the model (an adapter's name, unknown)
     directory = current_app.extensions["directory"].get(conn, req.model)
+    requested = req.model
     loras.resolve(conn, req, directory.models)  # a model naming an adapter; unknown: 404
     info = store.require_model(req.model, directory.models, directory.served)
     spec = req.to_spec()  # once, after the adapters are resolved: checked, then stored
@@ -68,6 +69,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
         owner=caller_scope(),
         spec=None if spec is None else spec.to_record(),
         priority=req.priority,
+        response_model=requested if requested != req.model else None,
     )
 
 

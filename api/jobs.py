@@ -82,7 +82,7 @@ def job_view(conn: Any, record: JobRecord) -> Job:
         "id": record.id,
         "object": "job",
         "endpoint": record.endpoint,
-        "model": record.model,
+        "model": record.responds_as,
         "status": record.status,
         "priority": record.priority,
         "created_at": record.created_at,

@@ -212,6 +212,13 @@ ROUTES: tuple[Op, ...] = (
     Op("get", "/admin/models", "admin", "Model pools", ok={200: {JSON: r.ModelPoolList}}),
     Op("get", "/admin/queues", "admin", "Queues", ok={200: {JSON: r.QueueList}}),
     Op(
+        "get",
+        "/admin/history",
+        "admin",
+        "The last minutes of throughput, queue depth, running jobs and TTFT",
+        ok={200: {JSON: r.History}},
+    ),
+    Op(
         "post",
         "/admin/models/load",
         "admin",
@@ -236,7 +243,7 @@ ROUTES: tuple[Op, ...] = (
         "admin",
         "Register a LoRA adapter on every worker serving its base model",
         r.LoraRegistration,
-        {201: {JSON: r.Lora}},
+        {201: {JSON: r.Lora}, 202: {JSON: r.Lora}},
         (400, 404),
     ),
     Op(

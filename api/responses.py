@@ -151,6 +151,9 @@ class LoraOnWorker(Body):
 
     state: str = Field(description="pending | ready | failed")
     path: str | None = None
+    registered_at: float | None = Field(
+        default=None, description="the registration this state is about"
+    )
     memory_mb: float | None = None
     error: str | None = Field(default=None, description="why it failed to load")
     source: str | None = Field(default=None, description="registry: named by a registry TOML")
@@ -253,6 +256,27 @@ class QueueList(Body):
     data: list[QueueObject]
 
 
+class HistoryPoint(Body):
+    """One moment of the dashboard's charts (`api.history`)."""
+
+    time: float = Field(description="Unix time of the sample")
+    tokens_per_second: float | None = Field(
+        description="tokens generated per second since the sample before (all models)"
+    )
+    queue_depth: int = Field(description="jobs waiting on every queue")
+    running_jobs: int = Field(description="jobs being generated")
+    ttft_p50_seconds: float | None = Field(
+        description="median time to first token over the minute before (none: no first token)"
+    )
+    ttft_p95_seconds: float | None = Field(description="its 95th percentile")
+
+
+class History(Body):
+    object: Literal["list"]
+    interval_seconds: int = Field(description="how often the workers take a sample")
+    data: list[HistoryPoint] = Field(description="the last 15 minutes, oldest first")
+
+
 class ModelCommand(Body):
     """A load/unload command, as sent to each live worker named."""
 
@@ -269,18 +293,32 @@ class LoraRegistration(Body):
     """`POST /admin/loras`: an adapter file inside LLMQ_ADAPTER_DIR for a served model."""
 
     name: str = Field(description="the id requests use (`lora[].name`, or `model`)")
-    path: str = Field(description="relative to LLMQ_ADAPTER_DIR; never a URL")
+    path: str = Field(
+        description="inside LLMQ_ADAPTER_DIR: relative to it or absolute (symlinks are "
+        "followed and must stay inside); never a URL"
+    )
     base_model: str
 
 
 class Lora(Body):
     name: str
-    path: str | None = Field(default=None, description="when registered through the API")
+    path: str | None = Field(
+        default=None,
+        description="when registered through the API: relative to LLMQ_ADAPTER_DIR",
+    )
     base_model: str
     source: str | None = Field(default=None, description="registry: named by a registry TOML")
+    registered_at: float | None = Field(default=None, description="when registered (Unix time)")
     object: Literal["lora"]
+    state: Literal["ready", "pending", "failed"] | None = Field(
+        default=None,
+        description="ready: a live worker has it loaded, requests may name it; pending: "
+        "none has yet (none holds the base model loaded, or it is still loading), a worker "
+        "loads it before running a request that names it; failed: every live worker "
+        "holding the base model failed to load it (GET only: POST refuses it with a 400)",
+    )
     workers: dict[str, LoraOnWorker] | None = Field(
-        default=None, description="its state on each live worker serving the base model"
+        default=None, description="its state on each live worker holding the base model"
     )
 
 

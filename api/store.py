@@ -259,6 +259,7 @@ def submit(
     owner: str | None = None,
     spec: dict[str, Any] | None = None,
     priority: int = 0,
+    response_model: str | None = None,
 ) -> Submission:
     record = JobRecord(
         id=new_job_id(),
@@ -268,6 +269,7 @@ def submit(
         owner=owner,
         spec=spec,
         priority=priority,
+        response_model=response_model,
     )
     if idempotency is not None:
         existing = _claim(conn, idempotency, record.id)

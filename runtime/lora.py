@@ -38,22 +38,34 @@ ADAPTER_DIR_ENV = "LLMQ_ADAPTER_DIR"  # the only folder adapters are loaded from
 
 
 def adapter_file(path: str, adapter_dir: str | Path | None = None) -> Path:
-    """The adapter file `path` names inside the adapter folder (`LLMQ_ADAPTER_DIR`):
-    relative, no '..' out of it, no URL; `AdapterError` otherwise or if it does not exist."""
+    """The adapter file `path` names inside the adapter folder (`LLMQ_ADAPTER_DIR`),
+    resolved: relative to the folder or absolute, as long as the file it leads to (after
+    '..' and symlinks) lies inside the folder; `AdapterError` for a URL, a path that leads
+    out, or one that names no file."""
     folder = adapter_dir or os.environ.get(ADAPTER_DIR_ENV)
     if not folder:
         raise AdapterError(f"LoRA adapters can only be loaded when {ADAPTER_DIR_ENV} is set")
-    if not isinstance(path, str) or not path or "://" in path or Path(path).is_absolute():
+    if not isinstance(path, str) or not path or "://" in path or "\0" in path:
         raise AdapterError(
-            f"an adapter path must be relative to {ADAPTER_DIR_ENV}, got {str(path)[:80]!r}"
+            f"an adapter path must be a file path inside {ADAPTER_DIR_ENV}, got {str(path)[:80]!r}"
         )
     root = Path(folder).resolve()
-    target = (root / path).resolve()
+    target = (root / path).resolve()  # an absolute `path` replaces the root here
     if not target.is_relative_to(root):
-        raise AdapterError(f"adapter path {path[:80]!r} leads out of {ADAPTER_DIR_ENV}")
+        raise AdapterError(
+            f"adapter path {path[:80]!r} leads out of {ADAPTER_DIR_ENV} ({root}); "
+            "symlinks are followed"
+        )
     if not target.is_file():
-        raise AdapterError(f"no adapter file {path[:80]!r} in {ADAPTER_DIR_ENV}")
+        raise AdapterError(f"no adapter file {path[:80]!r} in {ADAPTER_DIR_ENV} ({root})")
     return target
+
+
+def adapter_path_in_dir(path: str, adapter_dir: str | Path | None = None) -> str:
+    """`path` as the registry stores it: relative to the adapter folder, resolved
+    (`adapter_file` checks it), so a worker whose folder is mounted elsewhere finds it."""
+    folder = adapter_dir or os.environ.get(ADAPTER_DIR_ENV) or ""
+    return adapter_file(path, adapter_dir).relative_to(Path(folder).resolve()).as_posix()
 
 
 @dataclass(frozen=True)

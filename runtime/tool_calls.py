@@ -269,17 +269,31 @@ class ToolCallParser:
     call's closing `}` and `</tool_call>`. The fragments of a call join into its final
     `arguments`, exactly the JSON the model wrote. `call_id(k)` names the k-th call (the
     worker makes it stable across a resumed job).
+
+    The first call streams as it is written; a later one (parallel calls) is shown whole,
+    in one delta, once it is complete, because it may yet be dropped: a call that repeats
+    an earlier one of the answer (same function, same arguments) is dropped and ends the
+    calls (`repeated`: small models, once allowed a second call, tend to repeat their calls
+    until `max_tokens`), and a later call cut short by the end of the text is dropped.
     """
 
     def __init__(self, call_id: Callable[[int], str]) -> None:
         self.call_id = call_id
         self.content = ""
         self.calls: list[dict[str, Any]] = []
+        self.repeated = False  # a call repeated an earlier one: the answer's calls are done
         self._buffer = ""
         self._in_call = False
         self._sent_arguments = 0  # characters of the open call's arguments already sent
 
+    @property
+    def complete(self) -> bool:
+        """Every call it reports is complete (a first call may be cut short)."""
+        return all(call["complete"] for call in self.calls)
+
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.repeated:
+            return "", []  # the answer ended at the repeat; what follows is not shown
         self._buffer += text
         content: list[str] = []
         deltas: list[dict[str, Any]] = []
@@ -305,19 +319,23 @@ class ToolCallParser:
                 self._send_arguments(self._safe_arguments(), deltas)
                 break
             self._send_arguments(_final_arguments(self._buffer[:end]), deltas)
-            self.calls[-1]["complete"] = True
             self._buffer = self._buffer[end + len(CLOSE) :].lstrip()
             self._in_call = False
+            if not self._close_call(deltas):
+                self._buffer = ""
+                break
         text_out = "".join(content)
         self.content += text_out
         return text_out, deltas
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """The end of the text: held-back text is content (unless it is the start of a tag,
-        or whitespace after calls); a call cut short keeps the arguments written so far; a
-        call cut before its name is dropped."""
+        or whitespace after calls); a first call cut short keeps the arguments written so
+        far, a later one is dropped; a call cut before its name is dropped."""
         deltas: list[dict[str, Any]] = []
         text = ""
+        if self.repeated:  # everything after the repeat was dropped as it came
+            return text, deltas
         if not self._in_call:
             held = self._buffer.strip()
             if held:  # the start of a tag, cut short, is not content
@@ -326,8 +344,11 @@ class ToolCallParser:
                 text = "" if self.calls else self._buffer
             self.content += text
         elif self.calls and not self.calls[-1]["complete"]:
-            rest = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, CLOSE)]
-            self._send_arguments(rest.rstrip(), deltas)
+            if len(self.calls) > 1:
+                self.calls.pop()  # never shown: nothing to take back
+            else:
+                rest = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, CLOSE)]
+                self._send_arguments(rest.rstrip(), deltas)
         self._buffer = ""
         self._in_call = False
         return text, deltas
@@ -361,14 +382,26 @@ class ToolCallParser:
         )
         self._buffer = self._buffer[match.end() :]
         self._sent_arguments = 0
-        deltas.append(
-            {
-                "index": index,
-                "id": call_id,
-                "type": "function",
-                "function": {"name": name, "arguments": ""},
-            }
-        )
+        if index == 0:  # a later call is shown when it is complete (`_close_call`)
+            deltas.append(_head_delta(index, call_id, name))
+        return True
+
+    def _close_call(self, deltas: list[dict[str, Any]]) -> bool:
+        """The open call is complete: a later call is shown now, whole, unless it repeats
+        an earlier one (then it is dropped and the calls are done: False)."""
+        call = self.calls[-1]
+        call["complete"] = True
+        index = len(self.calls) - 1
+        if index == 0:
+            return True
+        if any(_same_call(call, earlier) for earlier in self.calls[:-1]):
+            self.calls.pop()
+            self.repeated = True
+            return False
+        function = call["function"]
+        delta = _head_delta(index, call["id"], function["name"])
+        delta["function"]["arguments"] = function["arguments"]
+        deltas.append(delta)
         return True
 
     def _safe_arguments(self) -> str:
@@ -385,7 +418,27 @@ class ToolCallParser:
         fragment = arguments[self._sent_arguments :]
         self._sent_arguments = len(arguments)
         call["function"]["arguments"] += fragment
-        deltas.append({"index": len(self.calls) - 1, "function": {"arguments": fragment}})
+        if len(self.calls) == 1:
+            deltas.append({"index": 0, "function": {"arguments": fragment}})
+
+
+def _head_delta(index: int, call_id: str, name: str) -> dict[str, Any]:
+    return {
+        "index": index,
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": ""},
+    }
+
+
+def _same_call(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same function with the same arguments, as JSON values (spacing and key order aside)."""
+    if a["function"]["name"] != b["function"]["name"]:
+        return False
+    try:
+        return json.loads(a["function"]["arguments"]) == json.loads(b["function"]["arguments"])
+    except json.JSONDecodeError:
+        return a["function"]["arguments"] == b["function"]["arguments"]
 
 
 def _final_arguments(body: str) -> str:

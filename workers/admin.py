@@ -14,7 +14,7 @@ from runtime.errors import LLMQRuntimeError
 from runtime.registry import load_registry
 from workers import affinity, keys, loras
 from workers.errors import JobFailure, PoolFull
-from workers.wire.commands import COMMAND_LOAD
+from workers.wire.commands import COMMAND_ADAPTERS, COMMAND_LOAD
 from workers.wire.loras import read_registry
 
 if TYPE_CHECKING:
@@ -105,6 +105,9 @@ class Admin:
     def obey(self, commands: list[tuple[str, str]]) -> None:
         for op, model in commands:
             log.info("worker %s: admin command %s %s", self.worker, op, model)
+            if op == COMMAND_ADAPTERS:  # an adapter was registered or removed: sync now
+                self.sync_adapters()
+                continue
             try:
                 if op == COMMAND_LOAD:
                     self.pool.request(model)

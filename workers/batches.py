@@ -292,6 +292,7 @@ class BatchDriver:
             model=item["model"],
             request=item["request"],
             spec=item.get("spec"),
+            response_model=item.get("response_model"),
             kind=keys.BATCH,
             priority=priority,
             batch_id=rec.id,

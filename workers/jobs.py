@@ -185,9 +185,12 @@ class ActiveJob:
         self, choice: ChoiceState, text: str, finish: str | None
     ) -> tuple[dict[str, Any], str | None]:
         """What the token shows a streaming client (content and tool-call deltas), and the
-        choice's finish reason: "tool_calls" when a choice that made calls stops."""
+        choice's finish reason: "tool_calls" when a choice that made calls stops, or when
+        it repeats one of its calls (the choice ends there: `ToolCallParser.repeated`)."""
         assert choice.tools is not None
         content, calls = choice.tools.feed(text)
+        if finish is None and choice.tools.repeated:
+            finish = FINISH_TOOL_CALLS
         if finish is not None:
             rest, more = choice.tools.finish()
             content, calls = content + rest, calls + more
@@ -211,7 +214,7 @@ class ActiveJob:
             self.record.endpoint,
             self.id,
             self.record.created_at,
-            self.model,
+            self.record.responds_as,
             [c.output for c in self.choices],
             self.plan.prompt_tokens,
             self.plan.logprobs is not None,
@@ -266,11 +269,16 @@ class ActiveJob:
 
 
 def _settle_tools(out: ChoiceOutput, tools: ToolCallParser, finish: str) -> str:
-    """Put a finished choice's content and calls in its output; its finish reason."""
+    """Put a finished choice's content and calls in its output; its finish reason:
+    "tool_calls" for a choice with calls that stopped, and for one cut by `max_tokens`
+    whose calls are all complete (a later call cut short was dropped: what the client gets
+    is complete calls to run); "length" when its only call was cut short."""
     calls = tools.tool_calls()
     out.parsed = True
     out.tool_calls = calls or None
     out.content = tools.content if tools.content or not calls else None
     if calls and finish in (FINISH_STOP, FINISH_TOOL_CALLS):
+        return FINISH_TOOL_CALLS
+    if calls and finish == FINISH_LENGTH and tools.complete:
         return FINISH_TOOL_CALLS
     return finish

@@ -22,6 +22,9 @@ Layout:
 - `llmq:idempotency:{key}`   string job id, for `Idempotency-Key` resubmits
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
                              (the `METRIC_*` names below; no TTL, never any prompt text)
+- `llmq:metrics:history`     stream: a sample of those every few seconds, the last 15 minutes
+                             (`workers.wire.history.MetricsSample`; entry id = the sample's
+                             slot, so two workers never both add one; MAXLEN-bounded)
 - `llmq:affinity:{model}:{digest}` string: the worker that last ran a request with this
                              `wire.prefix.prefix_digest` (TTL `wire.defaults.AFFINITY_TTL_SECONDS`)
 - RQ queues `llmq-{model}-interactive` and `llmq-{model}-batch` (shared by every worker that
@@ -160,6 +163,7 @@ METRIC_TTFT = metric("ttft_seconds")  # histogram by model: wire.histograms.hist
 METRIC_STEP_SIZE = metric("batch_size")
 METRIC_TOKENS_PER_SECOND = metric("tokens_per_second")  # worker name -> recent decode tok/s
 METRIC_PREFIX_CACHE = metric("prefix_cache")  # "{model}|hit_tokens", "{model}|prompt_tokens"
+METRIC_HISTORY = metric("history")  # stream of `wire.history.MetricsSample` (the dashboard)
 
 
 def queue_name(model: str, kind: str = INTERACTIVE) -> str:

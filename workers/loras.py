@@ -40,24 +40,37 @@ def sync(pool: EnginePool, registry: dict[str, dict[str, Any]]) -> bool:
             entry.loras.setdefault(name, {"state": "ready", "source": "registry"})
         for name, wanted_entry in wanted.items():
             if name not in fixed:
-                changed |= _load(engine, entry.loras, name, wanted_entry["path"])
+                changed |= _load(engine, entry.loras, name, wanted_entry)
         entry.memory_bytes = engine_memory(engine)
     return changed
 
 
-def _load(engine: Any, states: dict[str, dict[str, Any]], name: str, path: str) -> bool:
-    state = states.get(name)
-    if state is not None and state.get("path") == path:
-        return False  # loaded, or failed with this very path: not retried every heartbeat
+def _load(
+    engine: Any, states: dict[str, dict[str, Any]], name: str, wanted: dict[str, Any]
+) -> bool:
+    path, registered_at = wanted["path"], wanted.get("registered_at")
+    state = states.get(name) or {}
+    if state and state.get("path") == path and state.get("registered_at") == registered_at:
+        return False  # loaded, or failed, for this registration: not retried every heartbeat
     try:
         adapter = engine.load_adapter(name, adapter_file(path))
     except (AdapterError, OSError) as exc:
         log.warning("adapter %s (%s) cannot be loaded: %s", name, path, exc)
-        states[name] = {"state": "failed", "path": path, "error": str(exc)}
+        states[name] = {
+            "state": "failed",
+            "path": path,
+            "registered_at": registered_at,
+            "error": str(exc),
+        }
         engine.unload_adapter(name)  # an older version under this name is no longer wanted
         return True
     log.info("adapter %s loaded for %s (%.1f MiB)", name, engine.spec.id, adapter.nbytes / 2**20)
-    states[name] = {"state": "ready", "path": path, "memory_mb": _mb(adapter.nbytes)}
+    states[name] = {
+        "state": "ready",
+        "path": path,
+        "registered_at": registered_at,
+        "memory_mb": _mb(adapter.nbytes),
+    }
     return True
 
 

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.engine import Engine
-from runtime.errors import AdapterNotFoundError, LLMQRuntimeError
+from runtime.errors import LLMQRuntimeError
 from runtime.generator import Generator
 from runtime.lora import AdapterStack
 from workers import keys
-from workers.errors import JobFailure, UnknownAdapterError
+from workers.errors import JobFailure
 from workers.jobs import ActiveJob
 from workers.pool import FAILED, LOADING, EnginePool, PoolEntry
 from workers.requests import invalid_request
@@ -46,8 +46,8 @@ class RunningJobs:
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be at least 1, got {max_sequences}")
         self.pool = pool
-        # called once when a job names an adapter its engine lacks (the worker loads the
-        # adapters registered since its last heartbeat)
+        # called when a job names an adapter its engine lacks, before the job is planned
+        # (the worker loads the adapters registered since its last heartbeat)
         self.refresh_adapters = refresh_adapters
         self.max_sequences = max_sequences
         self.jobs: dict[str, ActiveJob] = {}
@@ -127,6 +127,8 @@ class RunningJobs:
                 job, choice = self._owners[event.request_id]
                 failed = job.failure is not None
                 if job.on_token(choice, event):  # the engine ended it (stop, length, error)
+                    if event.finish_reason is None:  # the job did (a repeated tool call)
+                        model_run.generator.abort(event.request_id)
                     self._end_sequence(event.request_id, job)
                 if job.failure is not None and not failed:
                     broken.append((job, job.failure))
@@ -146,6 +148,7 @@ class RunningJobs:
             self._end_sequence(request_id, job)
 
     def _start(self, job: ActiveJob, entry: PoolEntry) -> None:
+        self._refresh_adapters_for(job, entry.engine)
         sequences = job.start(entry.engine)
         if not sequences:
             return
@@ -172,22 +175,26 @@ class RunningJobs:
             self._owners[request_id] = (job, choice)
             self.pool.acquire(job.model)
 
+    def _refresh_adapters_for(self, job: ActiveJob, engine: Engine) -> None:
+        """Load the adapters registered since the last heartbeat before the job is planned
+        (planning may use them: echo logprobs), when it names one `engine` lacks."""
+        record = job.record  # its spec names them; a record without one, its body's `lora`
+        listed = record.request.get("lora") if record.spec is None else record.spec.get("adapters")
+        listed = listed if isinstance(listed, list) else []
+        named = {a.get("name") for a in listed if isinstance(a, dict)}
+        if self.refresh_adapters is not None and named - set(getattr(engine, "adapters", {})):
+            self.refresh_adapters()
+
     def _adapters(self, job: ActiveJob, engine: Engine) -> AdapterStack:
         """The job's LoRA stack on `engine`; an adapter it lacks fails the job with 404."""
         assert job.plan is not None
         pairs = job.plan.spec.adapter_pairs()
         if not pairs:
             return ()
-        for attempt in range(2):
-            try:
-                return engine.adapter_stack(pairs)
-            except AdapterNotFoundError as exc:
-                if attempt or self.refresh_adapters is None:
-                    raise UnknownAdapterError(str(exc), param="lora") from exc
-                self.refresh_adapters()
-            except LLMQRuntimeError as exc:
-                raise invalid_request(exc) from exc
-        return ()  # not reached: the second attempt returns or raises
+        try:
+            return engine.adapter_stack(pairs)
+        except LLMQRuntimeError as exc:
+            raise invalid_request(exc) from exc
 
     def _end_sequence(self, request_id: str, job: ActiveJob) -> None:
         if self._owners.pop(request_id, None) is not None:

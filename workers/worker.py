@@ -52,6 +52,7 @@ from workers.claims import Claims
 from workers.config import WorkerConfig, preload_models, serving, worker_device
 from workers.errors import JobFailure, PoolFull
 from workers.event_writer import EventWriter
+from workers.history import HistorySampler
 from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
 from workers.leases import Leases
@@ -133,6 +134,7 @@ class LLMQWorker:
         self.ends = JobEnds(self.connection, self.running, self.writer, self.rq, self.claims)
         self.reaper = Reaper(self.connection, self.name, self.leases.ttl_ms)
         self.batch_driver = batches.BatchDriver(self.connection, self.name)
+        self.history = HistorySampler(self.connection)  # the dashboard's charts
         info = WorkerInfo(
             name=self.name,
             pid=os.getpid(),
@@ -325,6 +327,8 @@ class LLMQWorker:
             self.reaper.release_queues()
         if self._due_now("batches", batches.TICK_SECONDS):
             self.batch_driver.tick()  # offline batches: feed, collect, finalize (any worker)
+        if self._due_now("history", 1.0):  # a round trip only once per sampling slot
+            self.history.sample()
         if self._due_now("suspension", SUSPENSION_CHECK_SECONDS):
             self._suspended = is_suspended(self.connection, self.rq_worker)
         if self._due_now("prune", PRUNE_SECONDS):

@@ -247,7 +247,7 @@ class FakeWorker:
             "id": response_id(record.endpoint, record.id),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(record.created_at),
-            "model": record.model,
+            "model": record.responds_as,  # as the worker: `ActiveJob.body`
             "choices": choices,
             "usage": usage,
         }

@@ -1,10 +1,12 @@
 """The dashboard in a real browser: headless Chromium (Debian's `chromium` and
 `chromium-driver`, which `make test` installs) driven by selenium, against the API on a real
 HTTP server and a real `llmq worker` process serving SmolLM2 (the default model) beside
-Gemma 3 (which has no chat template), as a user's first visit goes."""
+Gemma 3 (which has no chat template), as a user's first visit goes; its charts (uPlot,
+vendored in api/static/vendor/uplot) drawn from the samples the worker keeps."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from tests.workers.conftest import WorkerProcess, wait_for
+from tests.workers.conftest import REPO, WorkerProcess, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -97,11 +99,63 @@ def test_dashboard_shows_the_system_and_streams_a_chat(
     page.until(lambda _: DEFAULT in text("jobs") and smollm2_worker in text("jobs"))
     page.until(lambda _: browser.find_element(By.ID, "go").is_enabled())  # the stream ended
     assert "Paris" in out.text and out.get_attribute("class") != "err", out.text
+
+    # the charts: the answer's tokens and its first token, once a sample after it is taken
+    page = WebDriverWait(browser, 30, poll_frequency=0.5)
+    page.until(lambda _: any(v > 0 for v in _values(browser, "tps", 1)))
+    page.until(lambda _: len(_values(browser, "ttft", 1)) >= 2)  # a line, not a dot
+    assert all(0 < v < 60 for v in _values(browser, "ttft", 1) + _values(browser, "ttft", 2))
+    assert len(_values(browser, "load", 1)) >= 2 and len(_values(browser, "load", 2)) >= 2
     browser.save_screenshot(str(tmp_path / "dashboard.png"))
+    for chart, color in (("tps", (31, 119, 180)), ("ttft", (148, 103, 189))):
+        assert _pixels_of(browser, chart, color) > 20, chart  # its line is drawn
+    assert not browser.find_element(By.ID, "nohistory").is_displayed()
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    first = _times(browser)[0]
+    browser.refresh()  # the history is in Redis, not in the page
+    WebDriverWait(browser, 10, poll_frequency=0.2).until(lambda _: _times(browser))
+    assert _times(browser)[0] == first and any(v > 0 for v in _values(browser, "tps", 1))
 
     icon = browser.find_element(By.CSS_SELECTOR, "link[rel=icon]").get_attribute("href")
     for url in (icon, f"{server}/favicon.ico"):
         response = httpx.get(url)
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("image/svg+xml")
+
+
+def _values(browser, chart: str, series: int) -> list[float]:
+    """The non-null values a chart holds now (uPlot's `data`, what it draws)."""
+    script = "const c = window.llmqCharts[arguments[0]]; return c ? c.data[arguments[1]] : [];"
+    return [v for v in browser.execute_script(script, chart, series) or [] if v is not None]
+
+
+def _times(browser) -> list[float]:
+    script = "const c = window.llmqCharts.tps; return c ? Array.from(c.data[0]) : [];"
+    return browser.execute_script(script) or []
+
+
+def _pixels_of(browser, chart: str, rgb: tuple[int, int, int]) -> int:
+    """Pixels of the chart's canvas in (about) a series' colour."""
+    script = """
+        const [chart, r, g, b] = arguments, ctx = window.llmqCharts[chart].ctx;
+        const img = ctx.getImageData(0, 0, ctx.canvas.width, ctx.canvas.height).data;
+        let n = 0;
+        for (let i = 0; i < img.length; i += 4)
+          if (img[i + 3] > 200 && Math.abs(img[i] - r) + Math.abs(img[i + 1] - g)
+              + Math.abs(img[i + 2] - b) < 60) n++;
+        return n;"""
+    return browser.execute_script(script, chart, *rgb)
+
+
+def test_the_vendored_charting_library_is_the_one_its_readme_names() -> None:
+    folder = REPO / "api" / "static" / "vendor" / "uplot"
+    readme = (folder / "README.md").read_text()
+    version = re.search(r"version: (\S+)", readme).group(1)
+    script = (folder / "uPlot.iife.min.js").read_bytes()
+    assert script.startswith(f"/*! https://github.com/leeoniya/uPlot (v{version}) */".encode())
+    for name in ("uPlot.iife.min.js", "uPlot.min.css"):
+        digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        assert f"`{name}` {digest}" in readme.replace("\n  ", " "), name
+    assert "MIT License" in (folder / "LICENSE").read_text()
+    page = (REPO / "api" / "templates" / "index.html").read_text()
+    assert f"uPlot {version} (MIT)" in page and "cdn" not in page.lower()

@@ -1,11 +1,15 @@
 """LoRA adapters through the API (fakeredis, a fake worker): `/admin/loras` registers,
 lists and deletes adapters, refusing paths outside LLMQ_ADAPTER_DIR and adapters that do
-not fit the base model; a request's `lora`, or a `model` naming an adapter, reaches the job's
-spec, and an unknown adapter is a 404 at submission."""
+not fit the base model, and answers once a worker reports the adapter loaded (201), when
+none can yet (202), or when every worker failed to load it (400, withdrawn); a request's
+`lora`, or a `model` naming an adapter, reaches the job's spec, and an unknown adapter is a
+404 at submission."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import fakeredis
@@ -16,9 +20,12 @@ from api.batch_lines import validate_lines
 from tests.api.fake_worker import FakeWorker
 from tests.tiny_models import write_lora, write_tiny_gemma3, write_tiny_llama
 from workers import keys
+from workers.wire.commands import decode_command
 from workers.wire.job import JobRecord
+from workers.wire.loras import read_entry
 
 ASYNC = {"Prefer": "respond-async"}
+WAIT = 0.3  # LORA_WAIT_SECONDS here: the fake worker loads nothing unless told to
 
 
 @pytest.fixture
@@ -33,14 +40,47 @@ def adapter_dir(tmp_path: Path, monkeypatch) -> Path:
     folder.mkdir()
     write_lora(folder / "style.gguf", base)
     write_lora(folder / "gemma.gguf", write_tiny_gemma3(tmp_path / "gemma.gguf"))
+    (folder / "escape.gguf").symlink_to(write_lora(tmp_path / "outside.gguf", base))
     monkeypatch.setenv("LLMQ_ADAPTER_DIR", str(folder))
     return folder
 
 
 @pytest.fixture
-def client(fake_redis: fakeredis.FakeRedis, adapter_dir: Path):
-    FakeWorker(fake_redis).register()
-    return create_app({"TESTING": True, "REDIS_CLIENT": fake_redis}).test_client()
+def fake(fake_redis: fakeredis.FakeRedis) -> FakeWorker:
+    return FakeWorker(fake_redis).register()
+
+
+@pytest.fixture
+def client(fake_redis: fakeredis.FakeRedis, fake: FakeWorker, adapter_dir: Path):
+    config = {"TESTING": True, "REDIS_CLIENT": fake_redis, "LORA_WAIT_SECONDS": WAIT}
+    return create_app(config).test_client()
+
+
+def obey_adapters(fake: FakeWorker, outcome: str, error: str = "") -> threading.Thread:
+    """In a thread, as a real worker does: take the `adapters` command from the fake
+    worker's command list, then publish the registered adapters' `outcome` in its pool."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            raw = fake.conn.lpop(keys.worker_commands(fake.info.name))
+            if raw is None:
+                time.sleep(0.01)
+                continue
+            op, model = decode_command(raw)
+            assert op == "adapters"
+            for name, entry in {
+                k.decode(): json.loads(v) for k, v in fake.conn.hgetall(keys.LORAS).items()
+            }.items():
+                state = {"state": outcome, "path": entry["path"]}
+                state |= {"registered_at": entry["registered_at"], "error": error or None}
+                fake.info.pool[model].setdefault("loras", {})[name] = state
+            fake._heartbeat()
+            return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def add(client, name: str = "style", path: str = "style.gguf", base: str = "tiny"):
@@ -53,23 +93,90 @@ def job_record(fake_redis, response) -> JobRecord:
 
 
 def test_register_list_and_delete(client, fake_redis):
-    response = add(client)
-    assert response.status_code == 201, response.get_json()
-    assert response.get_json()["base_model"] == "tiny"
+    started = time.monotonic()
+    response = add(client)  # the fake worker never loads it: pending when the wait ends
+    assert time.monotonic() - started >= WAIT
+    assert response.status_code == 202, response.get_json()
+    body = response.get_json()
+    assert body["base_model"] == "tiny" and body["state"] == "pending"
+    assert body["workers"] == {"fake-1": {"state": "pending"}}
+    [command] = fake_redis.lrange(keys.worker_commands("fake-1"), 0, -1)
+    assert decode_command(command) == ("adapters", "tiny")  # told at once, not at a heartbeat
     [listed] = client.get("/admin/loras").get_json()["data"]
     assert listed["name"] == "style" and listed["path"] == "style.gguf"
+    assert listed["state"] == "pending"
     assert listed["workers"] == {"fake-1": {"state": "pending"}}  # not loaded there yet
     assert client.delete("/admin/loras/style").status_code == 200
+    assert fake_redis.llen(keys.worker_commands("fake-1")) == 2  # and told to unload it now
     assert client.get("/admin/loras").get_json()["data"] == []
     assert client.delete("/admin/loras/style").status_code == 404
+
+
+def test_registration_answers_once_a_worker_reports_it_loaded(fake_redis, fake, adapter_dir):
+    config = {"TESTING": True, "REDIS_CLIENT": fake_redis, "LORA_WAIT_SECONDS": 10}
+    client = create_app(config).test_client()
+    reporter = obey_adapters(fake, "ready")
+    started = time.monotonic()
+    response = add(client)
+    assert time.monotonic() - started < 5  # on the report, not at the end of the wait
+    reporter.join()
+    assert response.status_code == 201, response.get_json()
+    body = response.get_json()
+    assert body["state"] == "ready" and body["workers"]["fake-1"]["state"] == "ready"
+    assert body["workers"]["fake-1"]["registered_at"] == body["registered_at"]
+    [listed] = client.get("/admin/loras").get_json()["data"]
+    assert listed["state"] == "ready"
+
+
+def test_a_state_about_an_earlier_registration_is_pending(client, fake_redis, fake):
+    reporter = obey_adapters(fake, "ready")
+    assert add(client).status_code == 201
+    reporter.join()
+    response = add(client)  # registered again: the worker's "ready" is about the first one
+    assert response.status_code == 202, response.get_json()
+    assert response.get_json()["workers"] == {"fake-1": {"state": "pending"}}
+
+
+def test_an_adapter_every_worker_fails_to_load_is_withdrawn(client, fake_redis, fake):
+    reporter = obey_adapters(fake, "ready")
+    first = add(client).get_json()
+    reporter.join()
+    reporter = obey_adapters(fake, "failed", error="no adapter file 'style.gguf' there")
+    response = add(client)
+    reporter.join()
+    assert response.status_code == 400, response.get_json()
+    error = response.get_json()["error"]
+    assert error["param"] == "path"
+    assert "worker fake-1: no adapter file 'style.gguf' there" in error["message"]
+    # the registration before it is back, and the workers are told
+    assert read_entry(fake_redis, "style")["registered_at"] == first["registered_at"]
+    [command] = fake_redis.lrange(keys.worker_commands("fake-1"), 0, -1)
+    assert decode_command(command) == ("adapters", "tiny")
+    fake_redis.delete(keys.LORAS, keys.worker_commands("fake-1"))
+    obey_adapters(fake, "failed", error="bad")
+    assert add(client).status_code == 400
+    assert not fake_redis.exists(keys.LORAS)  # a first registration that failed: gone
+
+
+def test_with_no_worker_holding_the_base_model_it_is_pending_at_once(fake_redis, fake, adapter_dir):
+    fake.info.pool = {}  # serves "tiny", has not loaded it
+    fake._heartbeat()
+    config = {"TESTING": True, "REDIS_CLIENT": fake_redis, "LORA_WAIT_SECONDS": 10}
+    started = time.monotonic()
+    response = add(create_app(config).test_client())
+    assert time.monotonic() - started < 5
+    assert response.status_code == 202, response.get_json()
+    assert response.get_json()["state"] == "pending" and response.get_json()["workers"] == {}
+    assert fake_redis.llen(keys.worker_commands("fake-1")) == 1  # told all the same
 
 
 @pytest.mark.parametrize(
     ("body", "status", "param", "words"),
     [
         ({"path": "../tiny.gguf"}, 400, "path", "leads out of"),
-        ({"path": "/etc/passwd"}, 400, "path", "must be relative"),
-        ({"path": "https://example.com/a.gguf"}, 400, "path", "must be relative"),
+        ({"path": "/etc/passwd"}, 400, "path", "leads out of"),
+        ({"path": "escape.gguf"}, 400, "path", "leads out of"),  # a symlink out of it
+        ({"path": "https://example.com/a.gguf"}, 400, "path", "must be a file path inside"),
         ({"path": "missing.gguf"}, 400, "path", "no adapter file"),
         ({"path": "gemma.gguf"}, 400, "path", "architecture 'gemma3'"),
         ({"base_model": "nope"}, 404, "model", "does not exist"),
@@ -85,6 +192,24 @@ def test_bad_registrations_are_refused(client, fake_redis, body, status, param, 
     error = response.get_json()["error"]
     assert error["param"] == param and words in error["message"]
     assert not fake_redis.exists(keys.LORAS)
+
+
+@pytest.mark.parametrize("given", ["absolute", "dotted", "linked"])
+def test_a_path_inside_the_folder_is_accepted_and_stored_relative(
+    client, fake_redis, adapter_dir, given
+):
+    path = {
+        "absolute": str(adapter_dir / "style.gguf"),
+        "dotted": "./sub/../style.gguf",
+        "linked": str(adapter_dir / "link.gguf"),
+    }[given]
+    (adapter_dir / "sub").mkdir()
+    (adapter_dir / "link.gguf").symlink_to(adapter_dir / "style.gguf")
+    response = add(client, path=path)
+    assert response.status_code == 202, response.get_json()  # registered, loaded nowhere yet
+    assert response.get_json()["path"] == "style.gguf"
+    stored = json.loads(fake_redis.hget(keys.LORAS, "style"))
+    assert stored["path"] == "style.gguf"
 
 
 def test_a_request_lora_reaches_the_job_spec(client, fake_redis):

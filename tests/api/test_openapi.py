@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ from api import admin
 from api.openapi import JSON, ROUTES
 from api.responses import Completion, Job, WorkerList
 from workers import keys
+from workers.history import HistorySampler
 from workers.pool import PoolEntry
 from workers.wire.loras import register
 from workers.wire.worker_info import READY, WorkerInfo
@@ -156,7 +158,16 @@ def test_admin_and_ops_bodies_are_their_documented_models(
     registered.register()
     fake_redis.hset(keys.MODELS, "tiny", json.dumps({"context_length": 64, "loras": ["reg"]}))
     register(fake_redis, "style", "style.gguf", "tiny")
-    for path in ("/admin/workers", "/admin/jobs", "/admin/models", "/admin/queues", "/admin/loras"):
+    for seconds_ago in (10, 5):  # two samples: every field of a point has a value
+        HistorySampler(fake_redis).sample(time.time() - seconds_ago)
+    for path in (
+        "/admin/workers",
+        "/admin/jobs",
+        "/admin/models",
+        "/admin/queues",
+        "/admin/loras",
+        "/admin/history",
+    ):
         response = client.get(path)
         assert response.status_code == 200 and response.get_json()["data"], path
         _check_documented("get", path, response)
@@ -164,7 +175,8 @@ def test_admin_and_ops_bodies_are_their_documented_models(
         _check_documented("get", path, client.get(path))
     for path in ("/admin/models/load", "/admin/models/unload"):
         _check_documented("post", path, client.post(path, json={"model": "tiny"}))
-    monkeypatch.setattr(admin, "_check_adapter", lambda path, base_model: None)
+    monkeypatch.setattr(admin, "_check_adapter", lambda path, base_model: path)
+    client.application.config["LORA_WAIT_SECONDS"] = 0  # the fake worker loads nothing
     added = client.post("/admin/loras", json={"name": "x", "path": "x.gguf", "base_model": "tiny"})
     _check_documented("post", "/admin/loras", added)
     _check_documented("delete", "/admin/loras/{name}", client.delete("/admin/loras/x"))

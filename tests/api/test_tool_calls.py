@@ -124,3 +124,72 @@ def test_none_never_calls_and_auto_calls_only_validly(smollm2_oai) -> None:
                 args = json.loads(call.function.arguments)
                 params = {"get_weather": WEATHER_PARAMS, "get_time": TIME["function"]["parameters"]}
                 jsonschema.validate(args, params[call.function.name])
+
+
+# The case users hit: "required" with two tools at temperature 0. SmolLM2 writes a complete
+# call, then, allowed more (`parallel_tool_calls`, OpenAI's default), more calls until
+# max_tokens. The answer keeps the complete calls and ends "tool_calls" (runtime/tool_calls.py
+# `ToolCallParser`, workers/jobs.py `_settle_tools`).
+REQUIRED = dict(ARGS, tool_choice="required", temperature=0, max_tokens=80)
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME["function"]["parameters"]}
+
+
+def _call_key(call) -> tuple[str, object]:
+    return call.function.name, json.loads(call.function.arguments)
+
+
+def test_required_ends_with_complete_calls_not_a_cut_off_one(smollm2_oai) -> None:
+    parallel = smollm2_oai.chat.completions.create(**REQUIRED)
+    single = smollm2_oai.chat.completions.create(**REQUIRED, parallel_tool_calls=False)
+    choice = parallel.choices[0]
+    # it ran to max_tokens (a call was cut there), and the answer still ends with its calls
+    assert parallel.usage.completion_tokens == REQUIRED["max_tokens"]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    keys = [_call_key(c) for c in choice.message.tool_calls]
+    assert len(keys) == len({json.dumps(k, sort_keys=True) for k in keys})  # no call twice
+    # parallel_tool_calls false: one call, and the grammar ends the answer there
+    (call,) = single.choices[0].message.tool_calls
+    assert single.choices[0].finish_reason == "tool_calls"
+    assert single.usage.completion_tokens < REQUIRED["max_tokens"]
+    assert _call_key(call) == keys[0]  # the same first call: greedy, same prompt
+
+
+def test_a_repeated_call_ends_the_answer_early(smollm2_oai, smollm2_tokenizer) -> None:
+    ask = [
+        {"role": "user", "content": "What time is it in Tokyo and what is the weather in Paris?"}
+    ]
+    reply = smollm2_oai.chat.completions.create(**{**REQUIRED, "max_tokens": 300, "messages": ask})
+    choice = reply.choices[0]
+    (call,) = choice.message.tool_calls  # then it wrote the same call again: dropped
+    assert choice.finish_reason == "tool_calls"
+    # the answer stopped at the end of the repeat (unchecked, SmolLM2 repeats it to max_tokens)
+    block = f'<tool_call>\n{{"name": "{call.function.name}", "arguments": '
+    block += f"{call.function.arguments}}}\n</tool_call>"
+    written = smollm2_tokenizer.encode(f"{block}\n{block}", add_special=False)
+    assert reply.usage.completion_tokens == len(written) < 300
+
+
+def test_streamed_parallel_calls_reassemble_into_the_result(smollm2_oai) -> None:
+    reply = smollm2_oai.chat.completions.create(**REQUIRED)
+    stream = smollm2_oai.chat.completions.create(**REQUIRED, stream=True)
+    chunks = [c for c in stream if c.choices]
+    calls: dict[int, dict[str, str]] = {}
+    later_deltas = 0
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += delta.id or ""
+            call["name"] += (delta.function.name or "") if delta.function else ""
+            call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            later_deltas += delta.index > 0
+    expected = [
+        {"name": c.function.name, "arguments": c.function.arguments}
+        for c in reply.choices[0].message.tool_calls
+    ]
+    assert [{k: calls[i][k] for k in ("name", "arguments")} for i in sorted(calls)] == expected
+    ids = [calls[i]["id"] for i in sorted(calls)]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == len(ids)
+    assert later_deltas == len(expected) - 1  # a later call comes whole, in one delta
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

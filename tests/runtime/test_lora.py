@@ -19,7 +19,7 @@ from runtime.engine import Engine, EngineConfig
 from runtime.errors import AdapterError, AdapterNotFoundError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import get_backend
-from runtime.lora import adapter_file, check_adapter, load_adapter
+from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter, load_adapter
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.registry import ModelSpec, load_registry
@@ -280,13 +280,25 @@ def test_adapter_files_come_only_from_the_adapter_folder(tmp_path, tiny_llama_pa
     (folder / "sub").mkdir(parents=True)
     path = _adapter_path(folder / "sub", tiny_llama_path, "A")
     assert adapter_file("sub/A.gguf", folder) == path
+    assert adapter_file(str(path), folder) == path  # absolute, inside the folder
+    assert adapter_path_in_dir(str(path), folder) == "sub/A.gguf"
+    assert adapter_path_in_dir("./sub/../sub/A.gguf", folder) == "sub/A.gguf"
+    (folder / "inner.gguf").symlink_to(path)  # a link inside to a file inside: its target
+    assert adapter_path_in_dir(str(folder / "inner.gguf"), folder) == "sub/A.gguf"
     (tmp_path / "outside.gguf").write_bytes(path.read_bytes())
+    (folder / "escape.gguf").symlink_to(tmp_path / "outside.gguf")
+    (folder / "out").symlink_to(tmp_path)  # a folder link out of it
     for bad, message in [
         ("../outside.gguf", "leads out of"),
         ("sub/../../outside.gguf", "leads out of"),
-        (str(path), "must be relative"),
-        ("http://example.com/a.gguf", "must be relative"),
+        (str(tmp_path / "outside.gguf"), "leads out of"),
+        (str(folder / "escape.gguf"), "leads out of"),
+        ("escape.gguf", "leads out of"),
+        ("out/outside.gguf", "leads out of"),
+        ("http://example.com/a.gguf", "must be a file path inside"),
+        ("", "must be a file path inside"),
         ("missing.gguf", "no adapter file"),
+        ("sub", "no adapter file"),
     ]:
         with pytest.raises(AdapterError, match=message):
             adapter_file(bad, folder)

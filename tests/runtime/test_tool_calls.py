@@ -103,6 +103,63 @@ def test_a_call_cut_short_keeps_what_was_written_and_a_half_tag_is_not_content()
     assert content == "" and calls == {} and parser.tool_calls() == []
 
 
+FAHRENHEIT = CALL.replace("celsius", "fahrenheit")
+TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def test_a_later_call_is_shown_whole_once_it_is_complete():
+    parser = ToolCallParser(lambda k: f"call_{k}")
+    _, first = parser.feed(CALL[:60])
+    assert first and {d["index"] for d in first} == {0}  # the first call streams
+    parser.feed(CALL[60:] + "\n")
+    for cut in range(1, len(FAHRENHEIT)):
+        _, deltas = parser.feed(FAHRENHEIT[cut - 1 : cut])
+        assert deltas == [], cut  # nothing of the second call before its end
+    _, deltas = parser.feed(FAHRENHEIT[-1])
+    arguments = '{"city": "Paris", "unit": "fahrenheit"}'
+    assert deltas == [
+        {
+            "index": 1,
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments},
+        }
+    ]
+    assert parser.finish() == ("", []) and parser.complete and not parser.repeated
+
+
+@pytest.mark.parametrize("step", [None, 1, 5])
+@pytest.mark.parametrize(
+    "repeat",
+    [
+        CALL,
+        CALL.replace('{"city": "Paris", "unit": "celsius"}', '{"unit":"celsius","city":"Paris"}'),
+    ],
+)
+def test_a_call_repeating_an_earlier_one_is_dropped_and_ends_the_calls(step, repeat):
+    text = f"{CALL}\n{FAHRENHEIT}\n{repeat}\n{TIME_CALL}\n<tool_call>\n"
+    parser, content, calls = parse(text, step)
+    assert parser.repeated and parser.complete and content == ""
+    assert [json.loads(c["function"]["arguments"])["unit"] for c in parser.tool_calls()] == [
+        "celsius",
+        "fahrenheit",
+    ]
+    assert sorted(calls) == [0, 1]  # the repeat, and what came after it, never shown
+    assert parser.feed(TIME_CALL) == ("", [])
+
+
+def test_a_different_call_of_the_same_function_is_not_a_repeat():
+    parser, _, calls = parse(f"{CALL}\n{FAHRENHEIT}\n{TIME_CALL}", 3)
+    assert not parser.repeated and sorted(calls) == [0, 1, 2]
+
+
+def test_a_later_call_cut_short_is_dropped_a_first_one_is_kept():
+    parser, _, calls = parse(f"{CALL}\n{FAHRENHEIT}\n{TIME_CALL[:30]}", 4)
+    assert len(parser.tool_calls()) == 2 and sorted(calls) == [0, 1] and parser.complete
+    parser, _, calls = parse(CALL[:-30], 4)
+    assert len(parser.tool_calls()) == 1 and not parser.complete
+
+
 # ------------------------------------------------------------------ grammar
 
 

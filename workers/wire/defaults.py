@@ -14,6 +14,11 @@ MAX_ATTEMPTS = 5  # a job whose workers keep dying with it is failed, not retrie
 WORKER_HEARTBEAT_SECONDS = 5  # a worker rewrites its hash this often ...
 WORKER_TTL_SECONDS = 15  # ... with this TTL; a missing or stale hash means a dead worker
 
+# the dashboard's charts (`workers.history`, `api.history`)
+HISTORY_SAMPLE_SECONDS = 5  # one sample of the shared metrics per this long, whoever takes it
+HISTORY_SECONDS = 15 * 60  # ... and this much of them kept (a bounded stream)
+HISTORY_TTFT_WINDOW_SECONDS = 60  # each point's TTFT p50/p95 are over the minute before it
+
 # queue wake-ups
 WAKE_MAX_TOKENS = 4  # a queue's wake list keeps this many; more would only wake idle workers
 WAKE_TTL_SECONDS = 30  # ... for nothing, and a list nobody pops (its worker died) vanishes

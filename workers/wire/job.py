@@ -74,6 +74,14 @@ class JobRecord:
     queue: str | None = None  # a worker's own queue the API routed it to (prefix affinity)
     owner: str | None = None  # digest of the API key that created it (`api.auth.owner_of`)
     spec: dict[str, Any] | None = None
+    # the `model` its responses name when not `model`: the LoRA adapter a request named as
+    # its model (vLLM's convention), while `model` is the base model that runs it
+    response_model: str | None = None
+
+    @property
+    def responds_as(self) -> str:
+        """The `model` of its response body, stream chunks and job object."""
+        return self.response_model or self.model
 
     def to_hash(self) -> dict[str, str]:
         """Every field as a string (JSON for structured values); None fields are omitted."""
@@ -109,6 +117,7 @@ class JobRecord:
             queue=h.get("queue"),
             owner=h.get("owner"),
             spec=json.loads(h["spec"]) if "spec" in h else None,
+            response_model=h.get("response_model"),
         )
 
 
