@@ -90,6 +90,15 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         help="sequences generated together, across jobs and models (default: 32 on the "
         "cpu, 256 on a cuda device)",
     )
+    worker.add_argument(
+        "--kv-memory-mb",
+        type=int,
+        default=None,
+        metavar="MB",
+        help="each model's KV cache, in MiB: how many tokens its sequences hold at once "
+        "(default: 1024 on the cpu, backed only as used; on a cuda device half the memory "
+        "left after the weights); past it the lowest-priority sequences are preempted",
+    )
     worker.add_argument("--name", help="worker name (default: HOST.PID); unique per worker")
     worker.add_argument(
         "--grace",
@@ -137,6 +146,7 @@ def run_worker(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
         max_sequences=args.max_sequences,
+        kv_memory_mb=args.kv_memory_mb,
         grace=args.grace,
         poll_interval=args.poll_interval,
     )

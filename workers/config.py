@@ -47,6 +47,9 @@ class WorkerConfig:
     backend: str | None = None  # kernel backend; None: each model's registry entry, else torch
     # sequences stepped together (--max-batch); None: MAX_SEQUENCES_GPU on CUDA, else _CPU
     max_sequences: int | None = None
+    # each engine's paged KV pool (--kv-memory-mb); None: the engine's default
+    # (`runtime.engine.EngineConfig.kv_memory_mb`)
+    kv_memory_mb: int | None = None
     grace: float = 25.0  # seconds a SIGTERM lets running jobs finish before checkpointing
     poll_interval: float = 0.05  # idle wait between looks at the queues (a queued job's
     # wake token ends it at once: the poll is the fallback for jobs queued without one)
@@ -69,6 +72,8 @@ class WorkerConfig:
             self.max_sequences = default_max_sequences(self.device)
         if self.max_sequences < 1:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_sequences}")
+        if self.kv_memory_mb is not None and self.kv_memory_mb < 1:
+            raise ConfigError(f"--kv-memory-mb must be at least 1, got {self.kv_memory_mb}")
         if self.grace < 0:
             raise ConfigError(f"--grace must be non-negative, got {self.grace}")
         if not 0 < self.poll_interval <= MAX_POLL_INTERVAL:

@@ -126,12 +126,19 @@ def _cache_state(engine: Engine | None) -> dict[str, Any]:
     return state
 
 
-def load_engine(source: str, backend: str | None = None, device: str | None = None) -> Engine:
+def load_engine(
+    source: str,
+    backend: str | None = None,
+    device: str | None = None,
+    kv_memory_mb: int | None = None,
+) -> Engine:
     """`backend` None: the model's registry entry decides, else torch where installed;
-    `device` None: the registry entry's `device`, else cpu."""
+    `device` None: the registry entry's `device`, else cpu; `kv_memory_mb` None: the
+    engine's default KV pool."""
     from runtime.engine import Engine, EngineConfig  # loaded with the first model
 
-    return Engine.load(source, EngineConfig(backend=backend, device=device))
+    config = EngineConfig(backend=backend, device=device, kv_memory_mb=kv_memory_mb)
+    return Engine.load(source, config)
 
 
 def engine_memory(engine: Any) -> int:

@@ -121,7 +121,12 @@ class LLMQWorker:
         self.pool = pool or EnginePool(
             config.pool,
             sources,
-            functools.partial(load_engine, backend=config.backend, device=config.device),
+            functools.partial(
+                load_engine,
+                backend=config.backend,
+                device=config.device,
+                kv_memory_mb=config.kv_memory_mb,
+            ),
         )
         # models whose jobs the API may route here: only these record prefix affinity
         own_models = {keys.parse_queue_name(n)[0] for n in queue_names if keys.queue_owner(n)}

@@ -130,7 +130,7 @@ class FakeWorker:
         a private list for it to pop)."""
         hand = f"{keys.PREFIX}:test:hand:{self.info.name}"
         self.conn.rpush(hand, job_id)
-        claimed = self._claim([hand])
+        claimed = self._claim([hand], [0])
         if claimed is not None:
             self._execute(*claimed)
 

@@ -29,6 +29,7 @@ from workers import keys
 from workers.config import WorkerConfig
 from workers.wire.events import decode_event
 from workers.wire.job import JOB_FUNCTION, TERMINAL_STATUSES, JobRecord
+from workers.wire.rq_job import write_queued_rq_job
 from workers.worker import LLMQWorker, connect
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
@@ -89,15 +90,31 @@ def submit(
     kind: str = keys.INTERACTIVE,
     func: str = JOB_FUNCTION,
     args: list[Any] | None = None,
+    priority: int = 0,
 ) -> str:
-    """Store a job record and enqueue its id the way the API does."""
+    """Store a job record and enqueue its id as the API does: with RQ's `enqueue_call`, or for
+    a priority other than 0 on its level list (`keys.level_queue_name`), as `api.gate` does."""
     job_id = uuid.uuid4().hex
-    record = JobRecord(id=job_id, endpoint=endpoint, model=model, request=body, kind=kind)
+    record = JobRecord(
+        id=job_id, endpoint=endpoint, model=model, request=body, kind=kind, priority=priority
+    )
     conn.hset(keys.job(job_id), mapping=record.to_hash())
     queue = Queue(keys.queue_name(model, kind), connection=conn, serializer=JSONSerializer)
-    queue.enqueue_call(
-        func=func, args=args if args is not None else [job_id], job_id=job_id, description=job_id
-    )
+    if priority == 0:
+        queue.enqueue_call(
+            func=func,
+            args=args if args is not None else [job_id],
+            job_id=job_id,
+            description=job_id,
+        )
+        return job_id
+    level_key = Queue.redis_queue_namespace_prefix + keys.level_queue_name(queue.name, priority)
+    with conn.pipeline() as pipe:
+        write_queued_rq_job(pipe, conn, job_id, queue.name)
+        pipe.rpush(level_key, job_id)
+        pipe.sadd(Queue.redis_queues_keys, level_key)
+        pipe.zadd(keys.queue_levels(queue.name), {str(priority): priority})
+        pipe.execute()
     return job_id
 
 

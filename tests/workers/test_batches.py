@@ -232,3 +232,29 @@ def test_batch_jobs_are_batch_kind_records_with_deterministic_ids(h: Harness) ->
     assert json.loads(raw[b"request"])["messages"][0]["content"] == "a"
     assert 0 < h.redis.ttl(keys.job(keys.batch_job_id(batch_id, 1)))
     assert h.redis.lrange(QUEUE, 0, -1) == [keys.batch_job_id(batch_id, 1).encode()]
+
+
+def test_a_batch_line_waits_on_its_priority_level_and_counts_toward_the_feed_limit(
+    h: Harness,
+) -> None:
+    """A line's `priority` orders it among batch work (its level of the batch queue; the
+    claim still puts every interactive job first), and the driver's bound on queued batch
+    jobs counts every level."""
+    plain, urgent = _line("p", "plain"), json.loads(_line("u", "urgent"))
+    urgent["body"]["priority"] = -4
+    lines = [
+        plain,
+        json.dumps(urgent).encode(),
+        *[plain.replace(b'"p"', b'"p%d"' % i) for i in range(5)],
+    ]
+    data = {"purpose": "batch", "file": (io.BytesIO(b"\n".join(lines)), "in.jsonl")}
+    file_id = h.client.post("/v1/files", data=data).json["id"]
+    body = {"input_file_id": file_id, "endpoint": CHAT_COMPLETIONS, "completion_window": "24h"}
+    batch_id = h.client.post("/v1/batches", json=body).json["id"]
+    h.driver.tick()
+    level = "rq:queue:" + keys.level_queue_name(keys.queue_name("tiny", keys.BATCH), -4)
+    assert h.redis.lrange(level, 0, -1) == [keys.batch_job_id(batch_id, 2).encode()]
+    assert h.redis.llen(QUEUE) == 3  # queue_depth 4: the level's job counts too
+    record = h.redis.hgetall(keys.job(keys.batch_job_id(batch_id, 2)))
+    assert record[b"priority"] == b"-4" and record[b"kind"] == b"batch"
+    assert h.redis.zrange(keys.queue_levels(keys.queue_name("tiny", keys.BATCH)), 0, -1) == [b"-4"]

@@ -81,3 +81,61 @@ def test_requeue_puts_the_job_back_in_front_only_for_the_lease_holder(conn):
     assert conn.hget(keys.job(job_id), "status") == b"queued"
     assert conn.hget(rq_key, "status") == b"queued"
     assert not conn.exists(keys.job_lease(job_id)) and not conn.smembers(keys.RUNNING)
+
+
+def test_claim_takes_the_lowest_priority_first_interactive_before_batch(conn):
+    """Levels below 0 come before the queue itself, above 0 after it; equal priorities keep
+    their arrival order; every interactive job comes before every batch job."""
+    order = [
+        ("batch -9", keys.BATCH, -9),
+        ("later 3", keys.INTERACTIVE, 3),
+        ("plain a", keys.INTERACTIVE, 0),
+        ("urgent -2", keys.INTERACTIVE, -2),
+        ("plain b", keys.INTERACTIVE, 0),
+        ("urgent -2 again", keys.INTERACTIVE, -2),
+        ("most urgent", keys.INTERACTIVE, -7),
+    ]
+    ids = {
+        submit(conn, COMPLETIONS, {"prompt": name}, kind=kind, priority=p): name
+        for name, kind, p in order
+    }
+    taken = []
+    while (claim := scripts.claim(conn, QUEUES, "w", 10_000, kind_ranks=[0, 1])) is not None:
+        taken.append(ids[claim[1]])
+    assert taken == [
+        "most urgent",
+        "urgent -2",
+        "urgent -2 again",
+        "plain a",
+        "plain b",
+        "later 3",
+        "batch -9",
+    ]
+    # emptied levels are dropped from the level sets; nothing waits anywhere
+    assert not conn.exists(keys.queue_levels(keys.queue_name(TINY)))
+    assert not conn.exists(keys.queue_levels(keys.queue_name(TINY, keys.BATCH)))
+
+
+def test_without_kind_ranks_priority_orders_across_queues(conn):
+    plain = submit(conn, COMPLETIONS, {"prompt": "i"})
+    urgent_batch = submit(conn, COMPLETIONS, {"prompt": "b"}, kind=keys.BATCH, priority=-1)
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (1, urgent_batch, 1)
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, plain, 1)
+
+
+def test_requeue_puts_a_job_back_at_the_front_of_its_priority_level(conn):
+    first = submit(conn, COMPLETIONS, {"prompt": "x"}, priority=4)
+    second = submit(conn, COMPLETIONS, {"prompt": "y"}, priority=4)
+    plain = submit(conn, COMPLETIONS, {"prompt": "z"})
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, plain, 1)
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, first, 1)
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, second, 1)
+    rq_key = f"rq:job:{first}"
+    assert scripts.requeue(conn, first, "w:1", QUEUES[0], rq_key) == 1
+    level = f"rq:queue:{keys.level_queue_name(keys.queue_name(TINY), 4)}"
+    assert conn.lrange(level, 0, -1) == [first.encode()] and conn.llen(QUEUES[0]) == 0
+    assert conn.zrange(keys.queue_levels(keys.queue_name(TINY)), 0, -1) == [b"4"]
+    assert conn.sismember("rq:queues", level)
+    late = submit(conn, COMPLETIONS, {"prompt": "w"})  # priority 0 still goes first
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, late, 1)
+    assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, first, 2)
