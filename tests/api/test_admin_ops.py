@@ -86,6 +86,7 @@ def test_admin_workers_models_queues(client) -> None:
     assert queues == [
         {
             "name": keys.queue_name("tiny"),
+            "priority": 0,
             "queued": 1,
             "started": 0,
             "finished": 0,
