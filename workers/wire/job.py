@@ -72,6 +72,11 @@ class JobRecord:
     queue: str | None = None  # a worker's own queue the API routed it to (prefix affinity)
     owner: str | None = None  # digest of the API key that created it (`api.auth.owner_of`)
     spec: dict[str, Any] | None = None
+    # tokens reserved in a caller's rate-limit bucket, until the job's end settles them
+    # (`workers.wire.rate_limit.Reservation`; the settling script deletes these fields)
+    ratelimit_key: str | None = None
+    ratelimit_tokens: int | None = None
+    ratelimit_token_ms: float | None = None
 
     def to_hash(self) -> dict[str, str]:
         """Every field as a string (JSON for structured values); None fields are omitted."""
@@ -105,6 +110,9 @@ class JobRecord:
             queue=h.get("queue"),
             owner=h.get("owner"),
             spec=json.loads(h["spec"]) if "spec" in h else None,
+            ratelimit_key=h.get("ratelimit_key"),
+            ratelimit_tokens=int(h["ratelimit_tokens"]) if "ratelimit_tokens" in h else None,
+            ratelimit_token_ms=optional_float(h.get("ratelimit_token_ms")),
         )
 
 
