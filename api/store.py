@@ -27,6 +27,7 @@ from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
 from api.gate import GateArgs, GateKeys, gate_submission
 from api.paging import cursor_page
 from workers import keys
+from workers.wire import rate_limit
 from workers.wire.defaults import (
     AFFINITY_MAX_QUEUED,
     CANCEL_FLAG_TTL_SECONDS,
@@ -363,6 +364,7 @@ def _mark_cancelled(conn: redis.Redis, record: JobRecord) -> None:
     pipe = conn.pipeline()
     write_ending(pipe, record.id, CANCELLED, error)
     pipe.execute()
+    rate_limit.settle(conn, record.id, used=0)  # it used nothing; after, not in, the MULTI
     try:  # keep RQ's own bookkeeping honest (CanceledJobRegistry); the job never ran
         Job.fetch(record.id, connection=conn, serializer=JSONSerializer).cancel()
     except (NoSuchJobError, InvalidJobOperation):
