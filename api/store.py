@@ -281,10 +281,17 @@ def submit(
     idempotency: str | None = None,
     owner: str | None = None,
     spec: dict[str, Any] | None = None,
+    reservation: rate_limit.Reservation | None = None,
 ) -> Submission:
+    """Store and enqueue a job (or find the one an earlier request with the same
+    Idempotency-Key made); `reservation`: the rate-limit tokens its end settles."""
     record = JobRecord(
         id=new_job_id(), endpoint=endpoint, model=model, request=request, owner=owner, spec=spec
     )
+    if reservation is not None:
+        record.ratelimit_key = reservation.bucket
+        record.ratelimit_tokens = reservation.tokens
+        record.ratelimit_token_ms = reservation.token_ms
     if idempotency is not None:
         existing = _claim(conn, idempotency, record.id)
         if existing is not None:
