@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
-from api import admin, batches, files, jobs, metrics, openai_api, openapi, ops, ui
+from api import admin, batches, files, jobs, metrics, openai_api, openapi, ops, rate_limits, ui
 from api.config import from_env, make_redis, redis_conn
 from api.directory import DirectoryCache
 from api.errors import register_error_handlers
@@ -52,6 +52,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
         app.register_blueprint(blueprint)
     app.before_request(_assign_request_id)
     app.after_request(_finish_request)
+    rate_limits.install(app)  # LLMQ_RATE_LIMIT_RPM / _TPM: OpenAI's headers on /v1 answers
     return app
 
 

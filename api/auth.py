@@ -57,6 +57,11 @@ def visible(owner: str | None, scope: str | None) -> bool:
     return scope is None or owner is None or hmac.compare_digest(owner, scope)
 
 
+def is_api_key(token: str) -> bool:
+    """Whether `token` is one of `LLMQ_API_KEYS` (compared in constant time)."""
+    return _matches(token, current_app.config["API_KEYS"])
+
+
 def require_api_key() -> None:
     """before_request for /v1: a no-op unless LLMQ_API_KEYS is set."""
     keys: tuple[str, ...] = current_app.config["API_KEYS"]

@@ -14,7 +14,7 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from api import batch_store, store
+from api import batch_store, rate_limits, store
 from api.auth import caller_scope, require_api_key
 from api.batch_lines import validate_lines
 from api.body import json_object
@@ -63,15 +63,23 @@ def create_batch() -> Response:
             f"input_file_id must be a file with purpose 'batch', got {record.purpose!r}.",
             param="input_file_id",
         )
-    content = batch_store.file_content(conn, file_id, scope)
-    texts = current_app.extensions.get("model_texts")
-    valid, invalid = validate_lines(content, endpoint, _models(conn), texts, adapters_of(conn))
-    errors = None
-    if not valid and not invalid:
-        errors = [_file_error("empty_file", "The input file has no requests.")]
-    batch = batch_store.create_batch(
-        conn, endpoint, file_id, window, metadata, valid, invalid, errors, owner=scope
-    )
+    # one request and no tokens, before the lines are read: its lines do not count against
+    # the per-minute limits (api.rate_limits)
+    admission = rate_limits.admit()
+    try:
+        content = batch_store.file_content(conn, file_id, scope)
+        texts = current_app.extensions.get("model_texts")
+        models = _models(conn)
+        valid, invalid = validate_lines(content, endpoint, models, texts, adapters_of(conn))
+        errors = None
+        if not valid and not invalid:
+            errors = [_file_error("empty_file", "The input file has no requests.")]
+        batch = batch_store.create_batch(
+            conn, endpoint, file_id, window, metadata, valid, invalid, errors, owner=scope
+        )
+    except Exception:
+        rate_limits.give_back(admission, requests=True)
+        raise
     return jsonify(batch.to_body().dump())
 
 

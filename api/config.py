@@ -26,6 +26,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "API_KEYS": _csv(env.get("LLMQ_API_KEYS", "")),
         "ADMIN_KEY": env.get("LLMQ_ADMIN_KEY") or None,
         "MAX_QUEUE": _int("LLMQ_MAX_QUEUE", env.get("LLMQ_MAX_QUEUE"), DEFAULT_MAX_QUEUE),
+        # per API key (or client address) and minute; 0: off (api.rate_limits)
+        "RATE_LIMIT_RPM": _limit("LLMQ_RATE_LIMIT_RPM", env.get("LLMQ_RATE_LIMIT_RPM")),
+        "RATE_LIMIT_TPM": _limit("LLMQ_RATE_LIMIT_TPM", env.get("LLMQ_RATE_LIMIT_TPM")),
         "MAX_CONTENT_LENGTH": MAX_CONTENT_LENGTH,
         "PING_SECONDS": 15.0,  # SSE `: ping` comment after this long without an event
         "SSE_RETRY_MS": 2000,
@@ -45,6 +48,13 @@ def _int(name: str, value: str | None, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _limit(name: str, value: str | None) -> int:
+    limit = _int(name, value, 0)
+    if limit < 0:
+        raise ValueError(f"{name} must be 0 (no limit) or more, got {limit}")
+    return limit
 
 
 def make_redis(url: str) -> redis.Redis:

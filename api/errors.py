@@ -141,6 +141,25 @@ class QueueFull(APIError):
         self.queue = queue
 
 
+class RateLimited(APIError):
+    """Past a caller's per-minute limit (`api.rate_limits`): OpenAI's 429, whose `type`
+    names the limit that was hit ("requests" or "tokens")."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+        self.type = limit
+
+
+class RequestTooLarge(InvalidRequest):
+    """A request that needs more tokens than the whole tokens-per-minute limit: it could
+    never pass, so it is refused as a mistake (400), not as a 429 clients would retry."""
+
+    code = "request_too_large"
+
+
 class ServiceUnavailable(APIError):
     status = 503
     type = "service_unavailable_error"

@@ -15,7 +15,7 @@ from typing import Any
 import redis
 from flask import Response, current_app, jsonify, request
 
-from api import loras, store
+from api import loras, rate_limits, store
 from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream
 from api.config import redis_conn
@@ -23,6 +23,7 @@ from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
 from api.model_texts import ModelTexts
 from api.responses import JobSummary
+from api.token_budget import embedding_tokens, reserved_tokens
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec
 from workers.wire.errors import engine_refusal
@@ -49,7 +50,8 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
     loras.resolve(conn, req, directory.models)  # a model naming an adapter; unknown: 404
     info = store.require_model(req.model, directory.models, directory.served)
     spec = req.to_spec()  # once, after the adapters are resolved: checked, then stored
-    check_context(req, spec, info, current_app.extensions.get("model_texts"))
+    texts = current_app.extensions.get("model_texts")
+    prompt_tokens = check_context(req, spec, info, texts)
     idem = request.headers.get("Idempotency-Key")
     scoped = None
     if idem is not None:
@@ -59,18 +61,46 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
                 param="Idempotency-Key",
             )
         scoped = store.idempotency_key(bearer_token() or "", idem)
-    return store.submit(
-        conn,
-        endpoint,
-        req.model,
-        req.to_job_request(),
-        max_queue=current_app.config["MAX_QUEUE"],
-        idempotency=scoped,
-        owner=caller_scope(),
-        spec=None if spec is None else spec.to_record(),
-        priority=req.priority,
-        response_model=requested if requested != req.model else None,
-    )
+    tokens = _tokens(req, spec, prompt_tokens, info, texts)
+    admission = rate_limits.admit(tokens, "max_tokens" if spec is not None else "input")
+    try:
+        submission = store.submit(
+            conn,
+            endpoint,
+            req.model,
+            req.to_job_request(),
+            max_queue=current_app.config["MAX_QUEUE"],
+            idempotency=scoped,
+            owner=caller_scope(),
+            spec=None if spec is None else spec.to_record(),
+            priority=req.priority,
+            response_model=requested if requested != req.model else None,
+            reservation=None if admission is None else admission.reservation,
+        )
+    except Exception:
+        rate_limits.give_back(admission, requests=True)  # refused (queue full): costs nothing
+        raise
+    if not submission.created:  # an Idempotency-Key repeat: the first job holds the tokens
+        rate_limits.give_back(admission, requests=False)
+    return submission
+
+
+def _tokens(
+    req: Any,
+    spec: GenerationSpec | None,
+    prompt_tokens: int | None,
+    info: dict[str, Any],
+    texts: ModelTexts | None,
+) -> int:
+    """What the request reserves against a tokens-per-minute limit (0 while none is on)."""
+    limit = rate_limits.token_limit()
+    if limit == 0:
+        return 0
+    if spec is None:  # embeddings: their input
+        return embedding_tokens(req.input, texts.get(req.model) if texts is not None else None)
+    context = info.get("context_length")
+    context = context if isinstance(context, int) else None
+    return reserved_tokens(spec, prompt_tokens, context, limit)
 
 
 def check_context(
@@ -78,11 +108,12 @@ def check_context(
     spec: GenerationSpec | None,
     info: dict[str, Any],
     texts: ModelTexts | None = None,
-) -> None:
+) -> int | None:
     """What the model can tell of a request before it is queued: max_tokens against its
     context, and, where this machine has the model's file, everything the engine would
     refuse (prompt + max_tokens beyond the context, token ids outside the vocabulary, chat
-    without a chat template), so that a failed job means the system failed."""
+    without a chat template), so that a failed job means the system failed. Returns the
+    prompt tokens it counted (None where it had no tokenizer), which rate limits reserve."""
     context = info.get("context_length")
     max_tokens = getattr(req, "effective_max_tokens", getattr(req, "max_tokens", None))
     if isinstance(context, int) and isinstance(max_tokens, int) and max_tokens >= context:
@@ -93,9 +124,9 @@ def check_context(
         )
     text = texts.get(req.model) if texts is not None and spec is not None else None
     if text is None:
-        return
+        return None
     try:
-        text.check(spec, context if isinstance(context, int) else None)
+        return text.check(spec, context if isinstance(context, int) else None)
     except LLMQRuntimeError as exc:
         default = "messages" if spec.chat else "prompt"
         raise engine_refusal(exc, InvalidRequest, default_param=default, as_sentence=True) from None

@@ -32,6 +32,25 @@ JSON, SSE, TEXT, BYTES = (
 )
 ASSETS = ("swagger-ui.css", "swagger-ui-bundle.js", "swagger-ui-standalone-preset.js")
 
+# Response headers, in `components/headers`: OpenAI's rate-limit figures on every /v1
+# answer but a 401 while LLMQ_RATE_LIMIT_RPM or _TPM is set (api.rate_limits), and
+# Retry-After on 429 and 503.
+HEADERS: dict[str, Any] = {
+    "Retry-After": {
+        "description": "Whole seconds to wait before retrying",
+        "schema": {"type": "integer", "minimum": 1},
+    },
+    **{
+        f"x-ratelimit-{what}-{bucket}": {"description": text.format(bucket), "schema": schema}
+        for bucket in ("requests", "tokens")
+        for what, text, schema in (
+            ("limit", "The caller's {} per minute (when limited)", {"type": "integer"}),
+            ("remaining", "The caller's {} left now (when limited)", {"type": "integer"}),
+            ("reset", "Until the caller's {} are full again: `120ms`, `6m0s`", {"type": "string"}),
+        )
+    },
+}
+
 
 # ---------------------------------------------------------------- bodies parsed by hand
 
@@ -109,7 +128,15 @@ ROUTES: tuple[Op, ...] = (
         ok={200: {JSON: r.ModelObject}},
         errors=(404,),
     ),
-    Op("post", "/v1/jobs", "jobs", "Submit an async job", JobCreate, {202: {JSON: r.JobSummary}}),
+    Op(
+        "post",
+        "/v1/jobs",
+        "jobs",
+        "Submit an async job",
+        JobCreate,
+        {202: {JSON: r.JobSummary}},
+        (429,),
+    ),
     Op(
         "get",
         "/v1/jobs",
@@ -184,7 +211,15 @@ ROUTES: tuple[Op, ...] = (
         "A file's bytes",
         ok={200: {BYTES: None}},
     ),
-    Op("post", "/v1/batches", "batches", "Create a batch", BatchCreate, {200: {JSON: r.Batch}}),
+    Op(
+        "post",
+        "/v1/batches",
+        "batches",
+        "Create a batch",
+        BatchCreate,
+        {200: {JSON: r.Batch}},
+        (429,),
+    ),
     Op(
         "get",
         "/v1/batches",
@@ -307,6 +342,13 @@ def _operation(op: Op, components: _Components) -> dict[str, Any]:
         statuses |= {403, 503}
     for status in sorted(statuses):
         responses[str(status)] = {"description": _REASONS.get(status, "Error"), **error}
+    for status, response in responses.items():
+        names = [n for n in HEADERS if n.startswith("x-") and op.path.startswith("/v1")]
+        names = [] if status == "401" else names
+        if status in ("429", "503"):
+            names.insert(0, "Retry-After")
+        if names:
+            response["headers"] = {n: {"$ref": f"#/components/headers/{n}"} for n in names}
     operation: dict[str, Any] = {
         "operationId": f"{op.method}_{re.sub(r'[^A-Za-z0-9]+', '_', op.path).strip('_')}",
         "tags": [op.tag],
@@ -339,7 +381,10 @@ _REASONS = {
     409: "Conflict (the job has already ended)",
     413: "Body too large",
     415: "Unsupported media type",
-    429: "Queue full (see Retry-After)",
+    429: (
+        "Queue full, or the caller's rate limit reached (`error.type` requests or tokens, "
+        "code rate_limit_exceeded); see Retry-After"
+    ),
     500: "Internal error (a bug: never expected)",
     501: "Not implemented yet",
     503: "Broker or workers unavailable (see Retry-After)",
@@ -364,6 +409,7 @@ def build_document() -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": components.schemas,
+            "headers": HEADERS,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{}, {"bearer": []}],

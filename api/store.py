@@ -26,6 +26,7 @@ from api.errors import Conflict, JobNotFound, ModelNotFound, NoWorker, QueueFull
 from api.gate import GateArgs, GateKeys, gate_submission
 from api.paging import cursor_page
 from workers import keys
+from workers.wire import rate_limit
 from workers.wire.defaults import (
     AFFINITY_MAX_QUEUED,
     CANCEL_FLAG_TTL_SECONDS,
@@ -260,7 +261,10 @@ def submit(
     spec: dict[str, Any] | None = None,
     priority: int = 0,
     response_model: str | None = None,
+    reservation: rate_limit.Reservation | None = None,
 ) -> Submission:
+    """Store and enqueue a job (or find the one an earlier request with the same
+    Idempotency-Key made); `reservation`: the rate-limit tokens its end settles."""
     record = JobRecord(
         id=new_job_id(),
         endpoint=endpoint,
@@ -271,6 +275,10 @@ def submit(
         priority=priority,
         response_model=response_model,
     )
+    if reservation is not None:
+        record.ratelimit_key = reservation.bucket
+        record.ratelimit_tokens = reservation.tokens
+        record.ratelimit_token_ms = reservation.token_ms
     if idempotency is not None:
         existing = _claim(conn, idempotency, record.id)
         if existing is not None:
@@ -352,6 +360,7 @@ def _mark_cancelled(conn: redis.Redis, record: JobRecord) -> None:
     pipe = conn.pipeline()
     write_ending(pipe, record.id, CANCELLED, error)
     pipe.execute()
+    rate_limit.settle(conn, record.id, used=0)  # it used nothing; after, not in, the MULTI
     try:  # keep RQ's own bookkeeping honest (CanceledJobRegistry); the job never ran
         Job.fetch(record.id, connection=conn, serializer=JSONSerializer).cancel()
     except (NoSuchJobError, InvalidJobOperation):

@@ -16,6 +16,7 @@ from typing import Any
 
 from workers import affinity, keys, metrics, scripts
 from workers.jobs import ActiveJob
+from workers.wire import rate_limit
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
 from workers.wire.events import Event, ending, write_ending
@@ -86,7 +87,10 @@ class EventWriter:
         end_fields, end_event = ending(status, body)
         events = [*job.pending, end_event]
         fields = {**end_fields, **_counts(job)}
-        if _fenced_append(self.connection, job, events, fields, final=True) is None:
+        written = _fenced_append(
+            self.connection, job, events, fields, final=True, used=_used_so_far(job)
+        )
+        if written is None:
             return False
         job.pending.clear()
         job.written += len(events)
@@ -98,6 +102,7 @@ class EventWriter:
         with self.connection.pipeline() as pipe:
             write_ending(pipe, job_id, CANCELLED, cancelled_error())
             pipe.execute()
+        rate_limit.settle(self.connection, job_id, used=0)  # after, not in, the MULTI
 
     def count_job(self, state: str) -> None:
         """Count a job in `keys.METRIC_JOBS` where no fenced write does (requeued, or
@@ -112,13 +117,16 @@ class EventWriter:
     def _append(self, pipe: Any, job: ActiveJob) -> _Write:
         events, final = list(job.pending), job.result is not None
         fields = {"completion_tokens": str(job.completion_tokens)}
+        used = None
         if final:
             end_fields, end_event = ending(FINISHED, job.result)
             events.append(end_event)
             fields.update(end_fields)
             fields.update(_counts(job))
-            fields["prompt_tokens"] = str(job.result["usage"]["prompt_tokens"])
-        _fenced_append(pipe, job, events, fields, final=final)
+            usage = job.result["usage"]
+            fields["prompt_tokens"] = str(usage["prompt_tokens"])
+            used = usage["prompt_tokens"] + usage.get("completion_tokens", 0)
+        _fenced_append(pipe, job, events, fields, final=final, used=used)
         return _Write(job, events, final)
 
     def _record_metrics(
@@ -149,16 +157,39 @@ class EventWriter:
 
 
 def _fenced_append(
-    client: Any, job: ActiveJob, events: list[Event], fields: dict[str, str], *, final: bool
+    client: Any,
+    job: ActiveJob,
+    events: list[Event],
+    fields: dict[str, str],
+    *,
+    final: bool,
+    used: int | None = None,
 ) -> Any:
     """`scripts.append` of `events` after the ones `job` has written, fenced by its lease:
     the one way this writer puts anything on a job's record or stream (on a pipeline, its
-    answer comes from `execute()`)."""
+    answer comes from `execute()`). A final write settles the job's rate-limit reservation
+    at `used` tokens."""
     return scripts.append(
-        client, job.id, job.lease, job.written, events, fields, final=final, ttl=JOB_TTL_SECONDS
+        client,
+        job.id,
+        job.lease,
+        job.written,
+        events,
+        fields,
+        final=final,
+        ttl=JOB_TTL_SECONDS,
+        used_tokens=used,
     )
 
 
 def _counts(job: ActiveJob) -> dict[str, str]:
     """The counters a job's last write puts on its record."""
     return {"completion_tokens": str(job.completion_tokens), "preemptions": str(job.preemptions)}
+
+
+def _used_so_far(job: ActiveJob) -> int:
+    """The tokens a job that fails or is cancelled has used: what it generated, and its
+    prompt once a first token shows the prompt was read."""
+    if job.plan is None or job.first_token_at is None:
+        return job.completion_tokens
+    return job.plan.prompt_tokens + job.completion_tokens

@@ -27,6 +27,13 @@ Layout:
                              slot, so two workers never both add one; MAXLEN-bounded)
 - `llmq:affinity:{model}:{digest}` string: the worker that last ran a request with this
                              `wire.prefix.prefix_digest` (TTL `wire.defaults.AFFINITY_TTL_SECONDS`)
+- `llmq:ratelimit:{caller}`  hash: one caller's rate-limit buckets (`wire.rate_limit`; caller
+                             `key:{owner digest}` or `addr:{client address}`): fields
+                             `requests` and `tokens`, each the time in ms (Redis TIME) at which
+                             that bucket is full again; the key expires then (PEXPIREAT), so an
+                             idle caller leaves nothing. A job that reserved tokens names its
+                             bucket on its record (`ratelimit_key`), where the script that ends
+                             the job reads it to settle the reservation
 - RQ queues `llmq-{model}-interactive` and `llmq-{model}-batch` (shared by every worker that
   serves the model), and `llmq-{model}-interactive@{worker}`: that worker's own queue, where
   the API routes jobs whose prefix it holds (`workers.affinity`); for RQ those are still
@@ -131,6 +138,8 @@ batch_inflight = _key_of("batch", ":inflight")
 batch_output = _key_of("batch", ":output")
 batch_errors = _key_of("batch", ":errors")
 metric = _key_of("metrics")
+rate_limit = _key_of("ratelimit")  # == RATE_LIMIT_PREFIX + caller
+RATE_LIMIT_PREFIX = rate_limit("")  # a bucket named on a record must start with it
 
 
 def batch_job_id(batch_id: str, line: int) -> str:

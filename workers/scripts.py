@@ -19,6 +19,7 @@ from typing import Any
 from rq.queue import Queue
 
 from workers import keys
+from workers.wire import rate_limit
 from workers.wire.defaults import JOB_TTL_SECONDS
 
 RQ_QUEUE_PREFIX = Queue.redis_queue_namespace_prefix  # an RQ queue's key is this + its name
@@ -71,17 +72,22 @@ return {best_index, id, attempt}
 
 # KEYS: lease, events stream, record, running set, jobs metric hash.
 # ARGV: expected lease, job id, ttl (s), "1" if this ends the job, stream length the writer
-# expects before its events, n record fields, 2n field/value strings, event kind/data pairs.
+# expects before its events, n record fields, tokens the job used ('' if not known), 2n
+# field/value strings, event kind/data pairs.
 # Returns nil if the lease is not the expected one or the stream is not as the writer left
 # it (nothing written), else the id of the last event ("" if none). A write retried after
 # its reply was lost finds its own last event already there and is not applied twice.
 # The write that ends a job also counts it under its final status, so each job's end is
-# counted exactly once, even when its worker dies right after.
-_APPEND = """
+# counted exactly once, even when its worker dies right after, and settles its rate-limit
+# reservation at the tokens it used (`wire.rate_limit`; nothing when it reserved none).
+_APPEND = (
+    rate_limit.SETTLE_LUA
+    + """
 local lease_key, events_key, record_key, running, jobs_metric = unpack(KEYS)
 local lease, job_id, ttl, final, expected, n = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local used = tonumber(ARGV[7])
 n, expected = tonumber(n), tonumber(expected)
-local first_event = 7 + 2 * n
+local first_event = 8 + 2 * n
 local n_events = (#ARGV - first_event + 1) / 2
 local length = redis.call('XLEN', events_key)
 if n_events > 0 and length == expected + n_events then
@@ -91,7 +97,7 @@ end
 if redis.call('GET', lease_key) ~= lease or length ~= expected then return false end
 if n > 0 then
   local fields = {}
-  for j = 7, first_event - 1 do fields[#fields + 1] = ARGV[j] end
+  for j = 8, first_event - 1 do fields[#fields + 1] = ARGV[j] end
   redis.call('HSET', record_key, unpack(fields))
   redis.call('EXPIRE', record_key, ttl)
 end
@@ -105,9 +111,11 @@ if final == '1' then
   redis.call('SREM', running, job_id)
   local status = redis.call('HGET', record_key, 'status')
   if status then redis.call('HINCRBY', jobs_metric, status, 1) end
+  if used then llmq_settle(record_key, used) end
 end
 return last
 """
+)
 
 # KEYS: lease. ARGV: expected lease, TTL (ms). 1 if renewed, 0 if the lease is not ours.
 _RENEW = """
@@ -187,13 +195,17 @@ def append(
     fields: dict[str, str] | None = None,
     final: bool = False,
     ttl: int = JOB_TTL_SECONDS,
+    used_tokens: int | None = None,
 ) -> Any:
     """Fenced write: record fields and stream events (`wire.events.Event`); `final`
-    also gives up the lease, leaves the running set and counts the job in `METRIC_JOBS`
-    under the status `fields` give it. On a pipeline the result comes back from
-    `execute()`: None when the job is no longer this writer's."""
+    also gives up the lease, leaves the running set, counts the job in `METRIC_JOBS`
+    under the status `fields` give it and, given `used_tokens` (prompt + completion tokens
+    the job really used), settles its rate-limit reservation. On a pipeline the result
+    comes back from `execute()`: None when the job is no longer this writer's."""
     fields = fields or {}
+    used = "" if used_tokens is None else used_tokens
     argv: list[Any] = [lease, job_id, ttl, "1" if final else "0", expected_length, len(fields)]
+    argv.append(used)
     for name, value in fields.items():
         argv += [name, value]
     for kind, data in events:

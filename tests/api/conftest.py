@@ -152,11 +152,12 @@ def server(live_app: Flask) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _gunicorn(redis_url: str, **env_overrides: str) -> Iterator[str]:
-    """`llmq api`'s gunicorn (config and worker class), one process on a free port."""
+    """`llmq api`'s gunicorn (config and worker class), one process on a free port; key
+    sk-test unless `env_overrides` name others (LLMQ_API_KEYS)."""
     port = _free_port()
     timeouts = ("LLMQ_HEADER_TIMEOUT", "LLMQ_BODY_TIMEOUT")
     env = {k: v for k, v in os.environ.items() if k not in timeouts}
-    env.update(REDIS_URL=redis_url, LLMQ_API_KEYS="sk-test", **env_overrides)
+    env.update({"REDIS_URL": redis_url, "LLMQ_API_KEYS": "sk-test", **env_overrides})
     argv = [sys.executable, "-m", "gunicorn", "-c", str(CONF), "-b", f"127.0.0.1:{port}"]
     proc = subprocess.Popen(
         [*argv, "-w", "1", "api.app:create_app()"],
@@ -177,9 +178,11 @@ def _gunicorn(redis_url: str, **env_overrides: str) -> Iterator[str]:
             proc.wait()
             pytest.fail("gunicorn did not start")
         time.sleep(0.1)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=15)
+    try:
+        yield base
+    finally:  # a failing test must not leave the server running
+        proc.terminate()
+        proc.wait(timeout=15)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ message has one encoder and one decoder: `JobRecord.to_hash` / `from_hash`, `eve
 | the OpenAI error body; `OpenAIError`, base of every error a client sees | `errors` |
 | generation response bodies, the models `/openapi.json` documents | `bodies` |
 | prompt-prefix digests for cache-affinity routing | `prefix` |
+| per-caller rate-limit buckets: their Lua, charge and settle | `rate_limit` |
 | offline batches: statuses, file and batch records | `batches` |
 | lines of a batch's output and error files | `batch_output` |
 | bytes-or-str from Redis as str | `text` |

@@ -77,6 +77,11 @@ class JobRecord:
     # the `model` its responses name when not `model`: the LoRA adapter a request named as
     # its model (vLLM's convention), while `model` is the base model that runs it
     response_model: str | None = None
+    # tokens reserved in a caller's rate-limit bucket, until the job's end settles them
+    # (`workers.wire.rate_limit.Reservation`; the settling script deletes these fields)
+    ratelimit_key: str | None = None
+    ratelimit_tokens: int | None = None
+    ratelimit_token_ms: float | None = None
 
     @property
     def responds_as(self) -> str:
@@ -118,6 +123,9 @@ class JobRecord:
             owner=h.get("owner"),
             spec=json.loads(h["spec"]) if "spec" in h else None,
             response_model=h.get("response_model"),
+            ratelimit_key=h.get("ratelimit_key"),
+            ratelimit_tokens=int(h["ratelimit_tokens"]) if "ratelimit_tokens" in h else None,
+            ratelimit_token_ms=optional_float(h.get("ratelimit_token_ms")),
         )
 
 
