@@ -22,6 +22,7 @@ import threadpoolctl
 import torch
 
 from runtime.gguf_file import GGUFFile
+from runtime.kernels import pages
 from runtime.kernels.base import TensorPart
 from runtime.kernels.core_share import share_cores
 from runtime.kernels.cpu import KernelPlan, cpu_features, default_plan
@@ -265,7 +266,9 @@ class Fp16Weight(_Product):
 
     @classmethod
     def restored(cls, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> Fp16Weight:
-        return cls(tensors["weight"].float().numpy())  # fp16 values pack back exactly
+        weight = cls(tensors["weight"].float().numpy())  # fp16 values pack back exactly
+        pages.release_array(tensors["weight"])  # fbgemm holds its own packed copy now
+        return weight
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
@@ -357,7 +360,12 @@ class TorchBackend:
 
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
         key = weight_key(parts, input_scale) if self.prepared is not None else ""
-        return self._reused(key) or self._kept(key, self._build(f, parts, input_scale))
+        weight = self._reused(key)
+        if weight is None:
+            weight = self._kept(key, self._build(f, parts, input_scale))
+            for part in parts:  # built into its own memory: the file's pages are dead
+                pages.release_array(f.blocks(part.name)[0])
+        return weight
 
     def _build(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None):
         four_bit = all(f.blocks(p.name)[1] in FOUR_BIT_TYPES for p in parts)
@@ -377,7 +385,11 @@ class TorchBackend:
 
     def head(self, f: GGUFFile, name: str, tied: object | None = None):
         key = f"head:{name}"
-        head = self._reused(key) or self._kept(key, self._build_head(f, name))
+        head = self._reused(key)
+        if head is None:
+            head = self._kept(key, self._build_head(f, name))
+            # every row was read to build it; lookups and rescoring read theirs back alone
+            pages.release_array(f.blocks(name)[0])
         if head.kind == RescoredHead.kind:  # kept as its int4 ranking (`WEIGHT_CLASSES`)
             return RescoredHead(head, functools.partial(f.rows, name))
         return head
