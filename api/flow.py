@@ -18,7 +18,7 @@ from flask import Response, current_app, jsonify, request
 from api import loras, rate_limits, store
 from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream
-from api.config import redis_conn
+from api.config import redis_conn, replication
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
 from api.model_texts import ModelTexts
@@ -76,6 +76,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
             priority=req.priority,
             response_model=requested if requested != req.model else None,
             reservation=None if admission is None else admission.reservation,
+            replication=replication(),
         )
     except Exception:
         rate_limits.give_back(admission, requests=True)  # refused (queue full): costs nothing
