@@ -275,9 +275,11 @@ def submit(
 
     With `replication` on, the job is acknowledged only once it is on enough replicas.
     When it is not (`NotReplicated`: the replicas lag, or the master failed over under
-    the write) the caller answers 503 and the job is withdrawn (`withdraw`): a refused
-    job never runs behind the client's back, and a retry, with or without the same
-    Idempotency-Key, submits it afresh (docs/faults.md F20)."""
+    the write) the caller answers 503, and what becomes of the job depends on whether the
+    client can find it again (docs/faults.md F20): with an Idempotency-Key it stays, and
+    the retry with the same key gets this very job (acknowledged once it is replicated);
+    without one nobody can, so it is withdrawn (`flag_and_dequeue`: cancelled where it
+    waits, stopped within a step where it runs) and the retry is a new job."""
     record = JobRecord(
         id=new_job_id(),
         endpoint=endpoint,
@@ -306,7 +308,8 @@ def submit(
     try:
         queue_name = enqueue(conn, record, max_queue, replication)
     except NotReplicated:
-        withdraw(conn, record.id, idempotency)
+        if idempotency is None:
+            flag_and_dequeue(conn, record.id)
         raise
     except BaseException:
         if idempotency is not None:
@@ -321,19 +324,6 @@ def submit(
         len(json.dumps(request)),
     )
     return Submission(record, created=True)
-
-
-def withdraw(conn: redis.Redis, job_id: str, idempotency: str | None) -> None:
-    """Take back a job whose acknowledgement failed: cancelled where it waits (or stopped
-    within a step if a worker took it already), and its Idempotency-Key freed. Best
-    effort: a master that is gone takes the job with it, unless the job reached the new
-    master after all, where it runs once (and a retry with the same key finds it)."""
-    flag_and_dequeue(conn, job_id)
-    if idempotency is not None:
-        try:
-            conn.delete(idempotency)
-        except redis.RedisError as exc:
-            log.warning("job %s: could not free its Idempotency-Key: %s", job_id, exc)
 
 
 def _claim(conn: redis.Redis, key: str, job_id: str) -> JobRecord | None:
