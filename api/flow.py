@@ -26,6 +26,7 @@ from api.responses import JobSummary
 from api.token_budget import embedding_tokens, reserved_tokens
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec
+from workers.wire.broker import NotReplicated
 from workers.wire.errors import engine_refusal
 from workers.wire.events import StreamDone, StreamError, StreamEvent, StreamToken
 from workers.wire.job import JobRecord
@@ -78,6 +79,8 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
             reservation=None if admission is None else admission.reservation,
             replication=replication(),
         )
+    except NotReplicated:  # the job exists: its end, or its withdrawal, settles the tokens
+        raise
     except Exception:
         rate_limits.give_back(admission, requests=True)  # refused (queue full): costs nothing
         raise
