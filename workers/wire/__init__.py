@@ -23,5 +23,5 @@ message has one encoder and one decoder: `JobRecord.to_hash` / `from_hash`, `eve
 | offline batches: statuses, file and batch records | `batches` |
 | lines of a batch's output and error files | `batch_output` |
 | bytes-or-str from Redis as str | `text` |
-| where Redis is (URL or Sentinel), its clients, acknowledgements that wait for replicas | `broker` |
+| where Redis is (URL or Sentinel), its clients, acknowledgements that wait on replicas | `broker` |
 """
