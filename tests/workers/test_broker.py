@@ -15,7 +15,7 @@ from llmq.cli import main
 from workers import keys
 from workers.config import ConfigError, WorkerConfig
 from workers.errors import ServeError
-from workers.supervisor import ServeConfig, free_port, serve
+from workers.supervisor import Broker, ServeConfig, free_port, serve
 from workers.wire.broker import (
     DEFAULT_MASTER_NAME,
     DEFAULT_URL,
@@ -161,3 +161,9 @@ def test_replication_state_names_the_server_and_its_replicas(redis_url: str) -> 
     assert (state.master, state.role, state.sentinel) == (address, "master", False)
     assert state.replicas == int(redis.Redis.from_url(redis_url).info()["connected_slaves"])
     assert replication_state(fakeredis.FakeRedis()).role == "unknown"  # no INFO there
+
+
+def test_llmq_serve_starts_no_redis_when_sentinels_name_the_master() -> None:
+    broker = Broker(None, sentinel="sentinel mymaster via 127.0.0.1:2")
+    assert broker.start() is None  # the children read REDIS_SENTINELS themselves
+    assert (broker.kind, broker.process) == ("sentinel", None)
