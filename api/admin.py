@@ -29,6 +29,7 @@ from api.errors import InvalidRequest, ModelNotFound, NotFound, ServiceUnavailab
 from api.history import points, read_samples
 from api.lora_rollout import FAILED, READY, AdapterRollout, adapter_states
 from api.responses import (
+    BrokerState,
     History,
     HistoryPoint,
     Lora,
@@ -49,6 +50,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter
 from runtime.registry import resolve as resolve_model
 from workers import keys
+from workers.wire.broker import replication_state
 from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, push_command
 from workers.wire.defaults import HISTORY_SAMPLE_SECONDS
 from workers.wire.loras import read_entry, read_registry, register, unregister, withdraw
@@ -71,7 +73,8 @@ REGISTRIES = {
 def workers() -> Response:
     conn = redis_conn()
     data = [WorkerObject(**asdict(w), alive=w.is_alive()) for w in store.all_workers(conn)]
-    return jsonify(WorkerList(object="list", data=data).dump())
+    broker = BrokerState(**replication_state(conn).to_dict())
+    return jsonify(WorkerList(object="list", data=data, broker=broker).dump())
 
 
 @bp.get("/jobs")

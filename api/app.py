@@ -16,10 +16,11 @@ from typing import Any
 from flask import Flask, Response, g, request
 
 from api import admin, batches, files, jobs, metrics, openai_api, openapi, ops, rate_limits, ui
-from api.config import from_env, make_redis, redis_conn
+from api.config import broker_settings, from_env, make_redis, redis_conn
 from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
+from workers.wire.broker import Replication
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,11 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     if test_config:
         app.config.update(test_config)
     app.json.sort_keys = False  # keep OpenAI's field order in bodies
-    client = app.config.get("REDIS_CLIENT") or make_redis(app.config["REDIS_URL"])
+    broker = broker_settings(app.config)
+    client = app.config.get("REDIS_CLIENT") or make_redis(broker)
     app.extensions["redis"] = client
+    # with Sentinels, a 202 waits for the job to reach the replicas (`wire.broker`)
+    app.extensions["replication"] = app.config.get("REPLICATION") or Replication.of(broker)
     app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template
     app.extensions["directory"] = DirectoryCache()  # published and served models, <= 1 s old
 

@@ -12,18 +12,21 @@ import logging
 import re
 from typing import Any
 
+import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from api import batch_store, rate_limits, store
 from api.auth import caller_scope, require_api_key
 from api.batch_lines import validate_lines
 from api.body import json_object
-from api.config import redis_conn
-from api.errors import InvalidRequest
+from api.config import redis_conn, replication
+from api.errors import APIError, InvalidRequest
 from api.loras import adapters_of
 from api.paging import int_arg, list_page
 from api.responses import BatchList
+from workers import keys
 from workers.wire.batches import FILE_PURPOSE_BATCH
+from workers.wire.broker import NotReplicated
 from workers.wire.defaults import MAX_COMPLETION_WINDOW_SECONDS
 from workers.wire.job import ENDPOINTS
 
@@ -77,10 +80,24 @@ def create_batch() -> Response:
         batch = batch_store.create_batch(
             conn, endpoint, file_id, window, metadata, valid, invalid, errors, owner=scope
         )
+        _acknowledge(conn, batch.id, scope)
     except Exception:
         rate_limits.give_back(admission, requests=True)
         raise
     return jsonify(batch.to_body().dump())
+
+
+def _acknowledge(conn: Any, batch_id: str, scope: str | None) -> None:
+    """With Sentinels, the batch is answered once it is on the replicas too; refused, it is
+    cancelled, so that a retry does not run its lines twice."""
+    try:
+        replication().confirm(conn, keys.batch(batch_id))
+    except NotReplicated:
+        try:
+            batch_store.cancel_batch(conn, batch_id, scope)
+        except (redis.RedisError, APIError) as exc:
+            log.warning("batch %s: could not cancel it after a refusal: %s", batch_id, exc)
+        raise
 
 
 def parse_window(value: Any) -> tuple[str, int]:

@@ -17,7 +17,8 @@ def add_api_commands(sub: argparse._SubParsersAction) -> None:
         "api",
         help="serve the HTTP API (gunicorn, threads)",
         description="Serve the OpenAI-compatible HTTP API with gunicorn. Needs Redis "
-        "(REDIS_URL) and, to answer requests, at least one `llmq worker`.",
+        "(REDIS_URL, or REDIS_SENTINELS and REDIS_MASTER_NAME) and, to answer "
+        "requests, at least one `llmq worker`.",
     )
     add_listen_options(api)
     api.add_argument(
@@ -47,6 +48,13 @@ def gunicorn_argv(args: argparse.Namespace) -> list[str]:
 def run_api(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("llmq api: --workers must be at least 1", file=sys.stderr)
+        return 2
+    from workers.wire.broker import BrokerConfigError, BrokerSettings
+
+    try:  # REDIS_URL and REDIS_SENTINELS both set: one line now, not a traceback per process
+        BrokerSettings.from_env()
+    except BrokerConfigError as exc:
+        print(f"llmq api: {exc}", file=sys.stderr)
         return 2
     argv = gunicorn_argv(args)
     os.execv(argv[0], argv)  # replaces this process: signals go straight to gunicorn

@@ -1,7 +1,8 @@
 """Settings from the environment (documented in docs/contract.md), and the shared Redis client.
 
 `create_app(test_config)` starts from `from_env()` and lets the test config override any
-key; blueprints reach Redis through `redis_conn()`, never through a module global.
+key; blueprints reach Redis through `redis_conn()`, never through a module global. Where
+Redis is (one URL, or Sentinel) is `workers.wire.broker`'s to read and connect to.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import redis
 from flask import current_app
 
+from workers.wire.broker import BrokerSettings, Replication
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MAX_QUEUE = 1000
 MAX_CONTENT_LENGTH = 1024 * 1024  # 1 MiB: far above any sane prompt, far below memory trouble
@@ -21,8 +24,10 @@ REDIS_SOCKET_TIMEOUT = 2.0  # a stalled Redis turns into a 503 within ~2 s (docs
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if environ is None else environ
+    broker = BrokerSettings.from_env(env)  # REDIS_URL and REDIS_SENTINELS both set: refused
     return {
-        "REDIS_URL": env.get("REDIS_URL") or DEFAULT_REDIS_URL,
+        "REDIS_URL": broker.url,  # None with Sentinels
+        "BROKER": broker,
         "API_KEYS": _csv(env.get("LLMQ_API_KEYS", "")),
         "ADMIN_KEY": env.get("LLMQ_ADMIN_KEY") or None,
         "MAX_QUEUE": _int("LLMQ_MAX_QUEUE", env.get("LLMQ_MAX_QUEUE"), DEFAULT_MAX_QUEUE),
@@ -57,9 +62,17 @@ def _limit(name: str, value: str | None) -> int:
     return limit
 
 
-def make_redis(url: str) -> redis.Redis:
-    return redis.Redis.from_url(
-        url,
+def broker_settings(config: Mapping[str, Any]) -> BrokerSettings:
+    """The app's broker: Sentinel when configured, else `REDIS_URL` (which a test config
+    may override)."""
+    broker = config.get("BROKER")
+    if isinstance(broker, BrokerSettings) and broker.uses_sentinel:
+        return broker
+    return BrokerSettings(url=config.get("REDIS_URL") or DEFAULT_REDIS_URL)
+
+
+def make_redis(settings: BrokerSettings) -> redis.Redis:
+    return settings.connect(
         socket_timeout=REDIS_SOCKET_TIMEOUT,
         socket_connect_timeout=REDIS_SOCKET_TIMEOUT,
         health_check_interval=30,
@@ -68,3 +81,8 @@ def make_redis(url: str) -> redis.Redis:
 
 def redis_conn() -> redis.Redis:
     return current_app.extensions["redis"]
+
+
+def replication() -> Replication:
+    """How acknowledgements wait for replicas (off without Sentinels)."""
+    return current_app.extensions["replication"]

@@ -15,6 +15,7 @@ import redis
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
+from workers.wire.broker import NotReplicated
 from workers.wire.errors import OpenAIError, openai_error
 
 log = logging.getLogger(__name__)
@@ -213,8 +214,20 @@ def register_error_handlers(app: Flask) -> None:
     app.register_error_handler(APIError, error_response)
     app.register_error_handler(HTTPException, _http_error)
 
+    @app.errorhandler(NotReplicated)
+    def _not_replicated(exc: NotReplicated) -> Response:
+        log.warning("not acknowledged: %s", exc)
+        return error_response(
+            ServiceUnavailable(
+                "The job broker could not confirm the write on its replicas, so nothing was "
+                "accepted; retry later.",
+                code="not_replicated",
+            )
+        )
+
     @app.errorhandler(redis.exceptions.ConnectionError)
     @app.errorhandler(redis.exceptions.TimeoutError)
+    @app.errorhandler(redis.exceptions.ReadOnlyError)  # a demoted master (wire.broker)
     def _broker_down(exc: Exception) -> Response:
         log.warning("Redis unavailable: %s", exc.__class__.__name__)
         g.broker_down = True

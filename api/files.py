@@ -7,6 +7,9 @@ lines, not empty (400). Its lines are validated one by one when a batch is creat
 
 from __future__ import annotations
 
+import logging
+
+import redis
 from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
@@ -14,12 +17,16 @@ from api import batch_store
 from api.auth import caller_scope, require_api_key
 from api.batch_lines import numbered_lines
 from api.body import UnsupportedMediaType
-from api.config import redis_conn
+from api.config import redis_conn, replication
 from api.errors import InvalidRequest, PayloadTooLarge
 from api.paging import int_arg, list_page
 from api.responses import FileDeleted, FileList
+from workers import keys
 from workers.wire.batches import FILE_PURPOSE_BATCH
+from workers.wire.broker import NotReplicated
 from workers.wire.defaults import FILE_TTL_SECONDS, MAX_BATCH_LINES, MAX_FILE_BYTES
+
+log = logging.getLogger(__name__)
 
 bp = Blueprint("files", __name__, url_prefix="/v1/files")
 bp.before_request(require_api_key)
@@ -55,7 +62,16 @@ def upload() -> Response:
     _check_jsonl(data)
     filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
     ttl = _expires_after(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
-    record = batch_store.create_file(redis_conn(), data, filename, purpose, ttl, caller_scope())
+    conn, scope = redis_conn(), caller_scope()
+    record = batch_store.create_file(conn, data, filename, purpose, ttl, scope)
+    try:  # with Sentinels: answered once the file is on the replicas too
+        replication().confirm(conn, keys.file(record.id))
+    except NotReplicated:
+        try:  # refused, so not kept: a retry uploads it again
+            batch_store.delete_file(conn, record.id, scope)
+        except redis.RedisError as exc:
+            log.warning("file %s: could not delete it after a refusal: %s", record.id, exc)
+        raise
     return jsonify(record.to_body().dump())
 
 

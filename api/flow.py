@@ -18,7 +18,7 @@ from flask import Response, current_app, jsonify, request
 from api import loras, rate_limits, store
 from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream
-from api.config import redis_conn
+from api.config import redis_conn, replication
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable
 from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
 from api.model_texts import ModelTexts
@@ -26,6 +26,7 @@ from api.responses import JobSummary
 from api.token_budget import embedding_tokens, reserved_tokens
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec
+from workers.wire.broker import NotReplicated
 from workers.wire.errors import engine_refusal
 from workers.wire.events import StreamDone, StreamError, StreamEvent, StreamToken
 from workers.wire.job import JobRecord
@@ -76,7 +77,10 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
             priority=req.priority,
             response_model=requested if requested != req.model else None,
             reservation=None if admission is None else admission.reservation,
+            replication=replication(),
         )
+    except NotReplicated:  # the job exists: its end, or its withdrawal, settles the tokens
+        raise
     except Exception:
         rate_limits.give_back(admission, requests=True)  # refused (queue full): costs nothing
         raise

@@ -12,6 +12,7 @@ from dataclasses import astuple, dataclass
 from typing import Any
 
 from workers import keys
+from workers.wire.broker import NotReplicated, Replication
 from workers.wire.defaults import JOB_TTL_SECONDS, WAKE_MAX_TOKENS, WAKE_TTL_SECONDS
 from workers.wire.job import QUEUED
 from workers.wire.wake import WAKE_TOKEN
@@ -55,13 +56,15 @@ class GateArgs:
 # queues. A job with a priority other than 0 waits on its level list (`keys.level_queue_name`,
 # whose name the script builds the same way) and its level joins the level set.
 # Returns {1 shared | 2 own, depth}, or {0, depth} when full, after deleting the record and
-# RQ's hash.
+# RQ's hash, or {-1, 0} when the record is not there: written to a master that has since
+# failed over without passing it on (`wire.broker`), so pushing the id would queue nothing.
 _GATE = """
 local shared_queue, queues_set, record, rq_job, own_queue, shared_wake, own_wake,
       jobs_metric, owner_index, levels = unpack(KEYS)
 local max_queue, job_id, own_prefix, own_room, created_at, index_cutoff, index_ttl,
       wake_token, wake_max_tokens, wake_ttl, counted_status, own_queue_name, priority,
       separator = unpack(ARGV)
+if redis.call('EXISTS', record) == 0 then return {-1, 0} end
 local depth = redis.call('LLEN', shared_queue)
 for _, level in ipairs(redis.call('ZRANGE', levels, 0, -1)) do
   depth = depth + redis.call('LLEN', shared_queue .. separator .. level)
@@ -101,8 +104,23 @@ return {chosen, depth}
 """
 
 
-def gate_submission(client: Any, gate_keys: GateKeys, args: GateArgs) -> tuple[int, int]:
-    """Push `args.job_id` unless the queues are full: (0 full | 1 shared | 2 own, depth)."""
-    key_values = astuple(gate_keys)
-    chosen, depth = client.eval(_GATE, len(key_values), *key_values, *astuple(args))
+def gate_submission(
+    client: Any, gate_keys: GateKeys, args: GateArgs, replication: Replication | None = None
+) -> tuple[int, int]:
+    """Push `args.job_id` unless the queues are full: (0 full | 1 shared | 2 own, depth).
+    With `replication` on, `WAIT` follows on the same connection, so the answer also says
+    the record and the push are on enough replicas (else `NotReplicated`)."""
+    argv = (len(astuple(gate_keys)), *astuple(gate_keys), *astuple(args))
+    replication = replication or Replication()
+    if not replication.on:
+        chosen, depth = client.eval(_GATE, *argv)
+    else:
+        with client.pipeline(transaction=False) as pipe:
+            pipe.eval(_GATE, *argv)
+            replication.wait_in(pipe)
+            (chosen, depth), acked = pipe.execute()
+        if int(chosen) > 0:
+            replication.check(acked)
+    if int(chosen) == -1:
+        raise NotReplicated(0, replication.min_replicas, gate_keys.record)
     return int(chosen), int(depth)

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from rq import Queue
 
 from workers import keys
+from workers.wire.broker import replication_state
 from workers.wire.histograms import STEP_SIZE_BUCKETS, TTFT_BUCKETS, format_bucket
 from workers.wire.worker_info import WorkerInfo
 
@@ -101,6 +102,24 @@ class RedisCollector(Collector):
         yield from self._queues(queue_keys)
         yield GaugeMetricFamily("llmq_jobs_running", "Jobs being generated now.", value=running)
         yield from self._workers(worker_names, h[keys.METRIC_TOKENS_PER_SECOND])
+        yield from self._broker()
+
+    def _broker(self) -> Iterable[Metric]:
+        """Which master this process writes to and how many replicas it has (a failover
+        changes the label; `wire.broker`)."""
+        state = replication_state(self.conn)
+        master = GaugeMetricFamily(
+            "llmq_redis_master",
+            "The Redis master in use (1), by address and whether Sentinel found it.",
+            labels=["master", "sentinel"],
+        )
+        master.add_metric([state.master, str(state.sentinel).lower()], 1)
+        yield master
+        yield GaugeMetricFamily(
+            "llmq_redis_connected_replicas",
+            "Replicas connected to the Redis master in use.",
+            value=state.replicas,
+        )
 
     @staticmethod
     def _requests(counts: dict[str, str]) -> Metric:

@@ -8,7 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from api import metrics, store
 from api.config import redis_conn
 from api.errors import ServiceUnavailable
-from api.responses import Health, Ready
+from api.responses import BrokerState, Health, Ready
+from workers.wire.broker import replication_state
 from workers.wire.worker_info import LOADING, READY, WorkerInfo
 
 bp = Blueprint("ops", __name__)
@@ -40,7 +41,10 @@ def ready() -> Response:
             f"No worker has a model loaded yet{detail}; retry later.", code="model_loading"
         )
     workers_ready = sum(1 for ready_models in ready_on if ready_models)
-    return jsonify(Ready(status="ready", workers=workers_ready, models=models).dump())
+    broker = BrokerState(**replication_state(conn).to_dict())
+    return jsonify(
+        Ready(status="ready", workers=workers_ready, models=models, broker=broker).dump()
+    )
 
 
 def _in_state(worker: WorkerInfo, state: str) -> list[str]:

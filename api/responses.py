@@ -217,6 +217,7 @@ class WorkerObject(Body):
 class WorkerList(Body):
     object: Literal["list"]
     data: list[WorkerObject]
+    broker: BrokerState
 
 
 class ModelPool(Body):
@@ -337,7 +338,17 @@ class Health(Body):
     status: Literal["ok"]
 
 
+class BrokerState(Body):
+    """The Redis this API process writes to (`INFO replication`), so that a failover shows."""
+
+    master: str = Field(description="host:port of the master in use")
+    role: str = Field(description="master (or unknown for a server without INFO)")
+    replicas: int = Field(description="replicas connected to it")
+    sentinel: bool = Field(description="whether the master is found through Redis Sentinel")
+
+
 class Ready(Body):
     status: Literal["ready"]
     workers: int
     models: list[str]
+    broker: BrokerState

@@ -27,6 +27,7 @@ from api.gate import GateArgs, GateKeys, gate_submission
 from api.paging import cursor_page
 from workers import keys
 from workers.wire import rate_limit
+from workers.wire.broker import NotReplicated, Replication
 from workers.wire.defaults import (
     AFFINITY_MAX_QUEUED,
     CANCEL_FLAG_TTL_SECONDS,
@@ -128,7 +129,9 @@ def require_record(conn: redis.Redis, job_id: str, scope: str | None = None) -> 
     return record
 
 
-def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
+def enqueue(
+    conn: redis.Redis, record: JobRecord, max_queue: int, replication: Replication | None = None
+) -> str:
     """Write the record and put its id on one of the model's RQ queues; returns the
     queue's name.
 
@@ -142,7 +145,9 @@ def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
     concurrent submission (2,464 retries for ~900 submissions in the load test). The wake
     token goes in the same script, so an idle worker starts the job now. (The script runs
     after the transaction, not in it: the embedded fakeredis broker drops a connection
-    that sends EVAL inside MULTI.)
+    that sends EVAL inside MULTI.) With `replication` on (Sentinel), `WAIT` follows the
+    script on its connection: it returns once both writes are on enough replicas, else
+    raises `NotReplicated`.
     """
     shared = rq_queue(conn, record.model, record.kind)
     # a job with a priority waits on its level of the shared queue, never on an own queue
@@ -152,7 +157,7 @@ def enqueue(conn: redis.Redis, record: JobRecord, max_queue: int) -> str:
         pipe.expire(keys.job(record.id), JOB_TTL_SECONDS)
         write_queued_rq_job(pipe, conn, record.id, shared.name)
         pipe.execute()
-    chosen, depth = _gate(conn, record, shared, affine, room, max_queue)
+    chosen, depth = _gate(conn, record, shared, affine, room, max_queue, replication)
     if chosen == 0:
         raise QueueFull(shared.name, int(depth))
     own = affine if chosen == 2 else None
@@ -167,6 +172,7 @@ def _gate(
     affine: Queue | None,
     room: int,
     max_queue: int,
+    replication: Replication | None = None,
 ) -> tuple[int, int]:
     """The submission gate (`api.gate`) for `record`: (0 full | 1 shared | 2 own queue, depth)."""
     own_prefix = ""
@@ -197,7 +203,7 @@ def _gate(
         own_queue_name=own_name,
         priority=record.priority,
     )
-    return gate_submission(conn, gate_keys, args)
+    return gate_submission(conn, gate_keys, args, replication)
 
 
 def list_jobs(
@@ -262,9 +268,18 @@ def submit(
     priority: int = 0,
     response_model: str | None = None,
     reservation: rate_limit.Reservation | None = None,
+    replication: Replication | None = None,
 ) -> Submission:
     """Store and enqueue a job (or find the one an earlier request with the same
-    Idempotency-Key made); `reservation`: the rate-limit tokens its end settles."""
+    Idempotency-Key made); `reservation`: the rate-limit tokens its end settles.
+
+    With `replication` on, the job is acknowledged only once it is on enough replicas.
+    When it is not (`NotReplicated`: the replicas lag, or the master failed over under
+    the write) the caller answers 503, and what becomes of the job depends on whether the
+    client can find it again (docs/faults.md F20): with an Idempotency-Key it stays, and
+    the retry with the same key gets this very job (acknowledged once it is replicated);
+    without one nobody can, so it is withdrawn (`flag_and_dequeue`: cancelled where it
+    waits, stopped within a step where it runs) and the retry is a new job."""
     record = JobRecord(
         id=new_job_id(),
         endpoint=endpoint,
@@ -287,9 +302,15 @@ def submit(
                     f"This Idempotency-Key was already used for a request to {existing.endpoint}.",
                     param="Idempotency-Key",
                 )
+            if replication is not None:  # the first request's job: on the replicas yet?
+                replication.confirm(conn, keys.job(existing.id))
             return Submission(existing, created=False)
     try:
-        queue_name = enqueue(conn, record, max_queue)
+        queue_name = enqueue(conn, record, max_queue, replication)
+    except NotReplicated:
+        if idempotency is None:
+            flag_and_dequeue(conn, record.id)
+        raise
     except BaseException:
         if idempotency is not None:
             conn.delete(idempotency)  # the first attempt failed: let a retry create the job
@@ -377,7 +398,7 @@ def flag_and_dequeue(conn: redis.Redis, job_id: str) -> None:
         record = get_record(conn, job_id)
         if record is not None and record.status not in TERMINAL_STATUSES:
             cancel(conn, job_id)
-            log.info("job %s cancelled: client disconnected", job_id)
+            log.info("job %s cancelled: nobody waits for its answer", job_id)
     except (redis.RedisError, Conflict) as exc:
         log.warning("could not cancel job %s after disconnect: %s", job_id, exc)
 

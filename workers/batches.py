@@ -53,6 +53,7 @@ from workers.wire.batches import (
     BatchRecord,
     FileRecord,
 )
+from workers.wire.broker import BROKER_LOST
 from workers.wire.defaults import CANCEL_FLAG_TTL_SECONDS, FILE_TTL_SECONDS, JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
 from workers.wire.job import CANCELLED, FINISHED, QUEUED, TERMINAL_STATUSES, JobRecord
@@ -130,7 +131,7 @@ class BatchDriver:
             for record in self._active():
                 try:
                     self.advance(record)
-                except (redis.ConnectionError, redis.TimeoutError):
+                except BROKER_LOST:
                     raise
                 except Exception:  # one broken batch must not stall the others or the worker
                     log.exception("batch %s: the driver failed on it; retrying later", record.id)

@@ -40,7 +40,8 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "batch), keep the engines loaded, and step many jobs together, streaming their "
         "tokens to Redis. SIGTERM drains: no new jobs, running ones get --grace seconds, the "
         "rest are requeued for another worker to resume; a second signal requeues at once.",
-        epilog="Environment: REDIS_URL, LLMQ_MODELS (model registry TOML), "
+        epilog="Environment: REDIS_URL (or REDIS_SENTINELS, REDIS_MASTER_NAME, REDIS_PASSWORD, "
+        "REDIS_DB), LLMQ_MODELS (model registry TOML), "
         "LLMQ_POOL_CAPACITY (models kept loaded, default 2), LLMQ_POOL_MEMORY_MB (memory "
         "budget of the loaded models on each device, default unlimited), LLMQ_DEVICE, "
         "LLMQ_BACKEND.",
@@ -163,13 +164,13 @@ def run_worker(args: argparse.Namespace) -> int:
 def _connected(make: Callable[[], T]) -> T:
     """`make()`, retried with backoff while Redis is unreachable: a worker started before
     its broker waits for it instead of exiting (docs/faults.md L6)."""
-    import redis
+    from workers.wire.broker import BROKER_LOST
 
     delay = 0.5
     while True:
         try:
             return make()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except BROKER_LOST as exc:
             logging.getLogger("llmq.worker").error(
                 "Redis unavailable (%s); retry in %gs", exc, delay
             )

@@ -18,6 +18,7 @@ from runtime.registry import DEFAULT_MODEL, load_registry
 from workers import keys
 from workers.errors import WorkerError
 from workers.pool import PoolConfig
+from workers.wire.broker import BrokerConfigError, BrokerSettings
 from workers.wire.defaults import LEASE_RENEW_SECONDS, LEASE_TTL_SECONDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -60,6 +61,12 @@ class WorkerConfig:
     install_signals: bool = True  # False when the worker runs in a thread (tests)
     preload: bool = True  # load `preload_models` at start-up, not when a first job asks
     pool: PoolConfig = field(default_factory=PoolConfig)
+    # where Redis is when found through Sentinel (`from_env`); None: the one at `redis_url`
+    sentinel: BrokerSettings | None = None
+
+    @property
+    def broker(self) -> BrokerSettings:
+        return self.sentinel or BrokerSettings(url=self.redis_url)
 
     def __post_init__(self) -> None:
         if self.backend is not None and self.backend not in BACKENDS:
@@ -90,8 +97,13 @@ class WorkerConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> WorkerConfig:
         delay = os.environ.get(STEP_DELAY_ENV)
+        try:  # REDIS_URL (or --redis-url) and REDIS_SENTINELS both set is an error
+            broker = BrokerSettings.from_env(url=overrides.get("redis_url"))  # type: ignore[arg-type]
+        except BrokerConfigError as exc:
+            raise ConfigError(str(exc)) from None
         base = {
-            "redis_url": os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL,
+            "redis_url": broker.url or DEFAULT_REDIS_URL,
+            "sentinel": broker if broker.uses_sentinel else None,
             "backend": os.environ.get(BACKEND_ENV) or None,
             "device": os.environ.get(DEVICE_ENV) or None,
             "pool": PoolConfig.from_env(),

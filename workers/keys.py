@@ -20,6 +20,8 @@ Layout:
                              instead of at the end of its poll; bounded, with a short TTL
 - `llmq:models`              hash model id -> JSON of where its file is (published by workers)
 - `llmq:idempotency:{key}`   string job id, for `Idempotency-Key` resubmits
+- `llmq:replication:mark`    counter: the write `WAIT` waits for when an acknowledgement
+                             must be replicated (`wire.broker.Replication.confirm`; Sentinel)
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
                              (the `METRIC_*` names below; no TTL, never any prompt text)
 - `llmq:metrics:history`     stream: a sample of those every few seconds, the last 15 minutes
@@ -66,6 +68,7 @@ import re
 from collections.abc import Callable
 
 PREFIX = "llmq"
+REPLICATION_MARK = f"{PREFIX}:replication:mark"
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # RQ's own id alphabet, bounded
 # queue kinds: `batch` holds only the jobs of Batch API lines (`workers.batches`); every
 # other job is `interactive`

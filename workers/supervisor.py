@@ -1,11 +1,11 @@
 """`llmq serve`: the whole system in one command: a broker, the API and N workers.
 
-The broker is `REDIS_URL` when set; else a `redis-server` found on PATH, started on a free
-loopback port; else an embedded fakeredis server in this process (not durable, and said
-so). The API and the workers run as child processes (`llmq api`, `llmq worker`), restarted
-if they die (docs/faults.md L6: workers must run under a supervisor). Ctrl-C or SIGTERM stops
-every process this command started: children get SIGTERM (workers drain), then SIGKILL
-after a grace period.
+The broker is the master `REDIS_SENTINELS` name, or `REDIS_URL`; else a `redis-server` found
+on PATH, started on a free loopback port; else an embedded fakeredis server in this process
+(not durable, and said so). The API and the workers run as child processes (`llmq api`,
+`llmq worker`), restarted if they die (docs/faults.md L6: workers must run under a
+supervisor). Ctrl-C or SIGTERM stops every process this command started: children get
+SIGTERM (workers drain), then SIGKILL after a grace period.
 
 What a user sees must be true: a port already taken is refused before anything starts
 (as vLLM and llama.cpp do); "serving" is printed once `/ready` answers, with the models
@@ -67,13 +67,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Broker:
     """The Redis this system talks to, started here when the user gave none."""
 
-    def __init__(self, url: str | None) -> None:
+    def __init__(self, url: str | None, sentinel: str | None = None) -> None:
         self.url = url
+        self.sentinel = sentinel  # where the Sentinels are, when they name the master
         self.process: subprocess.Popen | None = None
         self._fake_server = None
         self.kind = "external"
 
-    def start(self) -> str:
+    def start(self) -> str | None:
+        """The URL the children get as REDIS_URL; None when they find the master through
+        Sentinel (they read REDIS_SENTINELS from the same environment)."""
+        if self.sentinel:
+            self.kind = "sentinel"
+            log.info("broker: %s", self.sentinel)
+            return None
         if self.url:
             log.info("broker: REDIS_URL (%s)", _redact(self.url))
             return self.url
@@ -313,9 +320,20 @@ def check_device_usable(device: str | None) -> None:
 def serve(config: ServeConfig) -> int:
     check_port_free(config.host, config.port)  # before anything starts: nothing to undo
     check_device_usable(config.device)
-    broker = Broker(config.redis_url or os.environ.get("REDIS_URL"))
+    from workers.wire.broker import URL_ENV, BrokerConfigError, BrokerSettings
+
+    try:  # REDIS_URL (or --redis-url) and REDIS_SENTINELS both set: refused before anything
+        settings = BrokerSettings.from_env(url=config.redis_url)
+    except BrokerConfigError as exc:
+        raise ServeError(str(exc)) from None
+    if settings.uses_sentinel:
+        broker = Broker(None, sentinel=settings.describe())
+    else:
+        broker = Broker(config.redis_url or os.environ.get(URL_ENV))
     url = broker.start()
-    env = {**os.environ, "REDIS_URL": url, "HOST": config.host, "PORT": str(config.port)}
+    env = {**os.environ, "HOST": config.host, "PORT": str(config.port)}
+    if url is not None:
+        env[URL_ENV] = url
     children = [
         Child("api", llmq_command("api", "--host", config.host, "--port", str(config.port)), env)
     ]
@@ -391,7 +409,8 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="run everything: broker, API and workers (what `make serve` runs)",
         description="Run the whole system: the API on http://HOST:PORT and N workers, "
-        "against REDIS_URL if set, else a redis-server started on a free port, else an "
+        "against REDIS_URL if set (or the master REDIS_SENTINELS name), "
+        "else a redis-server started on a free port, else an "
         "embedded fakeredis server (not durable). Ctrl-C stops every process it started.",
     )
     add_listen_options(serve_parser)

@@ -69,6 +69,7 @@ from workers.rq_registries import (
     refusal,
 )
 from workers.running import RunningJobs
+from workers.wire.broker import BROKER_LOST, BrokerSettings
 from workers.wire.defaults import JOB_TTL_SECONDS, MAX_ATTEMPTS, WORKER_HEARTBEAT_SECONDS
 from workers.wire.job import STARTED, TERMINAL_STATUSES, JobRecord
 from workers.wire.worker_info import WorkerInfo
@@ -82,11 +83,13 @@ LOAD_CHECK_SECONDS = 0.005  # a job waiting for its model starts this soon after
 LOAD_PUBLISH_SECONDS = 0.05  # an idle worker publishes a finished load this soon
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str | None = None, settings: BrokerSettings | None = None) -> redis.Redis:
     """A client whose commands are never retried behind our back: the loop retries itself,
-    and only after it knows whether a write landed (see `scripts.append`)."""
-    return redis.Redis.from_url(
-        url,
+    and only after it knows whether a write landed (see `scripts.append`). `url` names one
+    Redis; else `settings` (or the environment) say where it is, Sentinel included."""
+    if settings is None:
+        settings = BrokerSettings(url=url) if url else BrokerSettings.from_env()
+    return settings.connect(
         socket_timeout=REDIS_SOCKET_TIMEOUT,
         socket_connect_timeout=2,
         retry=Retry(NoBackoff(), 0),
@@ -109,7 +112,7 @@ class LLMQWorker:
         self.rq_worker = RQWorker(
             queue_names,
             name=config.worker_name,
-            connection=connection or connect(config.redis_url),
+            connection=connection or connect(settings=config.broker),
             serializer=JSONSerializer,
             log_job_description=False,  # docs/faults.md, F17: nothing of a job's text in logs
             worker_ttl=RQ_WORKER_TTL,
@@ -206,7 +209,7 @@ class LLMQWorker:
             try:
                 self._bootstrap()
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except BROKER_LOST as exc:
                 if self._drain_deadline is not None:
                     raise
                 delay = BACKOFF_SECONDS[min(backoff, len(BACKOFF_SECONDS) - 1)]
@@ -224,7 +227,7 @@ class LLMQWorker:
                 try:
                     self._tick()
                     backoff = 0
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except BROKER_LOST as exc:
                     if self._stop_now:
                         break
                     delay = BACKOFF_SECONDS[min(backoff, len(BACKOFF_SECONDS) - 1)]
@@ -385,7 +388,7 @@ class LLMQWorker:
             try:
                 queue = self._queues_by_key[queue_keys[claim.queue_index]]
                 self._take(queue, claim.job_id, claim.attempt)
-            except (redis.ConnectionError, redis.TimeoutError):
+            except BROKER_LOST:
                 raise
             except Exception:  # the reaper requeues it when the claim's lease runs out
                 log.exception("job %s: could not be started", claim.job_id)
@@ -460,7 +463,7 @@ class LLMQWorker:
         try:
             if self.running.jobs:
                 self._checkpoint_all()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except BROKER_LOST as exc:
             log.error(
                 "worker %s: could not checkpoint (%s); the reaper will requeue", self.name, exc
             )
@@ -470,6 +473,6 @@ class LLMQWorker:
             self.presence.withdraw()
             self.admin.release_own_queues(self.rq_worker.queue_names())
             self.rq_worker.teardown()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except BROKER_LOST as exc:
             log.error("worker %s: could not unregister (%s)", self.name, exc)
         log.info("worker %s: stopped", self.name)

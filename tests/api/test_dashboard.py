@@ -59,7 +59,7 @@ def smollm2_worker(redis_url: str, real_redis: redis.Redis, monkeypatch) -> Iter
 
 
 def test_dashboard_shows_the_system_and_streams_a_chat(
-    browser, server: str, smollm2_worker: str, tmp_path: Path
+    browser, server: str, smollm2_worker: str, redis_url: str, tmp_path: Path
 ) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
@@ -73,6 +73,9 @@ def test_dashboard_shows_the_system_and_streams_a_chat(
     # each worker's device, and each pool entry's
     assert re.search(rf"^{smollm2_worker} \S+ / \d+ (idle|busy) cpu ", text("workers"), re.M)
     page.until(lambda _: f"{DEFAULT} yes {smollm2_worker} ready cpu " in text("models"))
+    # the Redis in use (docs/faults.md F20): the test's own server, a master without replicas
+    address = redis_url.split("://")[1].split("/")[0]
+    assert text("broker") == f"{address} \u00b7 master \u00b7 0 replicas"
     assert f"{NO_TEMPLATE} no template - not loaded" in text("models")
 
     model = Select(browser.find_element(By.ID, "model"))

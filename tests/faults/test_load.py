@@ -6,6 +6,10 @@ Pass: every request gets a 2xx, or a 429 with Retry-After; every accepted job fi
 p99 of async submissions (POST to 202) is under 100 ms; no process of `llmq serve` was
 restarted; every key the run left in Redis carries a TTL (its memory goes back to the
 baseline within the TTLs).
+
+With LLMQ_LOAD_SENTINEL=1 the Redis is a master with one replica behind three Sentinels
+(tests/faults/sentinel.py), so every acknowledgement waits for `WAIT` (docs/faults.md F20):
+the run's p50 against a plain run's is what the replication wait costs a submission.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,11 +31,13 @@ import pytest
 import redis
 
 from tests.faults.conftest import MODEL, free_port
+from tests.faults.sentinel import SentinelCluster
 from tests.workers.conftest import REPO, wait_for
 from workers.wire.defaults import JOB_TTL_SECONDS
 
 CLIENTS = 200
 SECONDS = float(os.environ.get("LLMQ_LOAD_SECONDS", "0"))
+SENTINEL = os.environ.get("LLMQ_LOAD_SENTINEL", "") not in ("", "0")
 
 # Opt in (`make test-load`): about 2.5 minutes with start-up and draining (tests/README.md)
 pytestmark = [
@@ -104,14 +111,30 @@ async def _run_clients(base: str, kinds: list[str], until: float, tally: dict) -
         await asyncio.gather(*(http.aclose() for http in https))
 
 
-def test_load_200_clients_against_llmq_serve(fault_redis, fault_model: Path) -> None:
-    server = fault_redis(persistent=False)
-    conn = redis.Redis.from_url(server.url)
+@pytest.fixture
+def broker(fault_redis, tmp_path: Path) -> Iterator[tuple[redis.Redis, dict[str, str]]]:
+    """The run's Redis and the environment that names it: one server, or (LLMQ_LOAD_SENTINEL)
+    a master with one replica behind Sentinels."""
+    if not SENTINEL:
+        server = fault_redis(persistent=False)
+        yield redis.Redis.from_url(server.url), {"REDIS_URL": server.url}
+        return
+    cluster = SentinelCluster(tmp_path, replicas=1)
+    try:
+        yield cluster.master().client(), cluster.env
+    finally:
+        cluster.stop()
+
+
+def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
+    conn, broker_env = broker
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile("w+")
-    env = {**os.environ, "REDIS_URL": server.url, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **broker_env, "PYTHONUNBUFFERED": "1"}
     env.pop("LLMQ_API_KEYS", None)
+    if SENTINEL:
+        env.pop("REDIS_URL", None)
     argv = [sys.executable, "-m", "llmq", "serve", "--workers", "2", "--port", str(port)]
     serve = subprocess.Popen(
         [*argv, "--models", str(fault_model)],
@@ -152,12 +175,15 @@ def test_load_200_clients_against_llmq_serve(fault_redis, fault_model: Path) -> 
         untimed = sorted(
             k
             for k in set(new_keys) - baseline_keys
-            if not k.startswith((b"llmq:metrics:", b"rq:finished:", b"rq:failed:"))
+            if not k.startswith(
+                (b"llmq:metrics:", b"llmq:replication:", b"rq:finished:", b"rq:failed:")
+            )
         )
         assert all(0 < conn.ttl(k) <= JOB_TTL_SECONDS for k in conn.scan_iter("llmq:job:*"))
         memory_after = conn.info("memory")["used_memory"]
         print(
-            f"load: {sum(statuses.values())} requests in {SECONDS:.0f}s from {CLIENTS} clients "
+            f"load{' (Sentinel, 1 replica, WAIT)' if SENTINEL else ''}: "
+            f"{sum(statuses.values())} requests in {SECONDS:.0f}s from {CLIENTS} clients "
             f"({dict(statuses)}); async submit seen by clients p50 {p50 * 1000:.0f} ms, "
             f"p99 {p99 * 1000:.0f} ms, in the API p50 {own[len(own) // 2]} ms, p99 {own_p99} ms; "
             f"{len(tally['accepted'])} async jobs all finished; Redis memory "

@@ -1,7 +1,8 @@
 """What crosses Redis between the API and the workers, one module per noun (like rq's).
 
 Shared by `api/` and `workers/`; imports only the standard library, pydantic (for the
-documented response bodies) and `workers.keys`, never the engine. Nothing here is ever
+documented response bodies), redis (`broker` builds every client) and `workers.keys`, never
+the engine. Nothing here is ever
 pickled: records are Redis hashes of strings, events are stream entries of JSON. Each
 message has one encoder and one decoder: `JobRecord.to_hash` / `from_hash`, `events.encode`
 / `decode`, `commands.AdminCommand.encode` / `decode`.
@@ -22,4 +23,5 @@ message has one encoder and one decoder: `JobRecord.to_hash` / `from_hash`, `eve
 | offline batches: statuses, file and batch records | `batches` |
 | lines of a batch's output and error files | `batch_output` |
 | bytes-or-str from Redis as str | `text` |
+| where Redis is (URL or Sentinel), its clients, acknowledgements that wait on replicas | `broker` |
 """
