@@ -8,11 +8,16 @@ while 100 submissions are in flight.
 Pass: a new master within ~5 s; every submission answered 202 or 503 with Retry-After (no
 500, none unanswered); every job answered 202 finishes; every stream ends `done` with each
 token once, in order, across its reconnections; no worker exits; nothing is left queued.
-And a replica that cannot confirm within WAIT's timeout gives 503, not a lost job.
+And a replica that cannot confirm within WAIT's timeout gives 503, not a lost job; and
+`llmq serve --workers 2` itself, given only REDIS_SENTINELS, rides a failover the same way.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -27,12 +32,13 @@ from tests.faults.conftest import (
     MODEL,
     Follower,
     assert_no_gap_no_repeat,
+    free_port,
     submit_async,
     wait_ready,
     wait_terminal,
 )
 from tests.faults.sentinel import SentinelCluster
-from tests.workers.conftest import wait_for
+from tests.workers.conftest import REPO, wait_for
 from workers import keys
 from workers.wire.broker import BrokerSettings
 
@@ -78,14 +84,21 @@ def _check_answer(response: httpx.Response, accepted: list[str], refused: Counte
     refused[response.json()["error"]["code"]] += 1
 
 
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/ready", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _nothing_queued(cluster: SentinelCluster) -> bool:
     with cluster.master().client() as conn:
         queues = [k for k in conn.scan_iter("rq:queue:llmq-*")]
         return all(conn.llen(k) == 0 for k in queues) and conn.scard(keys.RUNNING) == 0
 
 
-def _pids(api) -> dict[str, int]:
-    workers = httpx.get(f"{api.base}/admin/workers", timeout=10).json()
+def _pids(base: str) -> dict[str, int]:
+    workers = httpx.get(f"{base}/admin/workers", timeout=10).json()
     return {w["name"]: w["pid"] for w in workers["data"] if w["alive"]}
 
 
@@ -93,7 +106,7 @@ def test_f20_master_killed_under_streams_and_under_a_burst_of_submissions(
     cluster: SentinelCluster, start_api, start_workers
 ) -> None:
     api, workers = _start(cluster, start_api, start_workers)
-    pids = _pids(api)
+    pids = _pids(api.base)
     assert len(pids) == 2
     first_master = cluster.master().port
     broker = httpx.get(f"{api.base}/ready", timeout=10).json()["broker"]
@@ -187,7 +200,7 @@ def test_f20_master_killed_under_streams_and_under_a_burst_of_submissions(
         assert wait_terminal(api.base, job_id, 60)["status"] == "finished", job_id
 
     wait_for(lambda: _nothing_queued(cluster), 20, "empty queues")
-    assert _pids(api) == pids  # the same two worker processes: none restarted
+    assert _pids(api.base) == pids  # the same two worker processes: none restarted
     for worker in workers:
         worker.assert_alive()
     assert api.server_errors() == [], api.server_errors()
@@ -234,3 +247,50 @@ def test_f20_replicas_that_cannot_confirm_in_time_get_a_503_and_no_job_is_lost(
     for worker in workers:
         worker.assert_alive()
     assert api.server_errors() == [], api.server_errors()
+
+
+def test_f20_llmq_serve_follows_the_new_master_without_restarting_a_worker(
+    cluster: SentinelCluster, fault_model: Path, tmp_path: Path
+) -> None:
+    """`llmq serve --workers 2` (what `make serve` runs) with only REDIS_SENTINELS set: it
+    starts no Redis of its own, its API and workers find the master, and after the master
+    is killed under 20 async jobs every one of them finishes on the same two workers."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **cluster.env, "PYTHONUNBUFFERED": "1", "LLMQ_WORKER_STEP_DELAY_MS": "20"}
+    env.pop("REDIS_URL", None)
+    env.pop("LLMQ_API_KEYS", None)
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read back on failure
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "llmq", "serve", "--workers", "2", "--port", str(port)]
+        + ["--models", str(fault_model)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: _ready(base) or serve.poll() is not None, 90, "llmq serve ready")
+        assert serve.poll() is None  # its log is printed below
+        pids = _pids(base)
+        assert len(pids) == 2
+        jobs = [_post(base, f"serve {i}", 40).json()["id"] for i in range(JOBS)]
+        _, new, took = cluster.kill_master()
+        assert took < NEW_MASTER_WITHIN, took
+        for job_id in jobs:
+            assert wait_terminal(base, job_id, 90)["status"] == "finished", job_id
+        assert _pids(base) == pids  # no worker restarted
+        assert serve.poll() is None
+        ready = httpx.get(f"{base}/ready", timeout=10).json()
+        assert ready["broker"]["master"] == f"127.0.0.1:{new.port}", ready
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait(10)
+        log.seek(0)
+        print(log.read()[-3000:])
+        log.close()
