@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
+from runtime.cli_options import add_command
 from workers.wire.batches import BATCH_COMPLETED, BATCH_TERMINAL
 from workers.wire.job import ENDPOINTS
 
@@ -32,20 +33,21 @@ TIMEOUT_SECONDS = 120.0
 PLAIN_PROGRESS_SECONDS = 10.0  # progress line interval when stderr is not a terminal (a log)
 
 
+BATCH_HELP = """offline batches: submit a JSONL file, follow it, fetch its results
+
+Client of the OpenAI-compatible Batch API of a running llmq. Each line of the input file is
+{"custom_id", "method": "POST", "url": ENDPOINT, "body": {...}}. Output lines go to stdout
+(or -o FILE); error lines go to stderr (or to FILE's stem + .errors.jsonl).
+"""
+BATCH_EPILOG = "Environment: LLMQ_BASE_URL (default http://127.0.0.1:8000), LLMQ_API_KEY."
+
+
 class BatchCLIError(Exception):
     """A failure worth one line on stderr (the API's own message when it sent one)."""
 
 
 def add_batch_commands(sub: argparse._SubParsersAction) -> None:
-    batch = sub.add_parser(
-        "batch",
-        help="offline batches: submit a JSONL file, follow it, fetch its results",
-        description="Client of the OpenAI-compatible Batch API of a running llmq. Each line "
-        'of the input file is {"custom_id", "method": "POST", "url": ENDPOINT, "body": '
-        "{...}}. Output lines go to stdout (or -o FILE); error lines go to stderr (or to "
-        "FILE's stem + .errors.jsonl).",
-        epilog="Environment: LLMQ_BASE_URL (default http://127.0.0.1:8000), LLMQ_API_KEY.",
-    )
+    batch = add_command(sub, "batch", BATCH_HELP, epilog=BATCH_EPILOG)
     actions = batch.add_subparsers(dest="batch_command", required=True, metavar="ACTION")
 
     submit = actions.add_parser(

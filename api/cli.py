@@ -7,19 +7,20 @@ import os
 import sys
 from pathlib import Path
 
-from runtime.cli_options import add_listen_options
+from runtime.cli_options import add_command, add_listen_options
 
 CONF = Path(__file__).with_name("gunicorn_conf.py")
 
 
+API_HELP = """serve the HTTP API (gunicorn, threads)
+
+Serve the OpenAI-compatible HTTP API with gunicorn. Needs Redis (REDIS_URL, or
+REDIS_SENTINELS and REDIS_MASTER_NAME) and, to answer requests, at least one `llmq worker`.
+"""
+
+
 def add_api_commands(sub: argparse._SubParsersAction) -> None:
-    api = sub.add_parser(
-        "api",
-        help="serve the HTTP API (gunicorn, threads)",
-        description="Serve the OpenAI-compatible HTTP API with gunicorn. Needs Redis "
-        "(REDIS_URL, or REDIS_SENTINELS and REDIS_MASTER_NAME) and, to answer "
-        "requests, at least one `llmq worker`.",
-    )
+    api = add_command(sub, "api", API_HELP)
     add_listen_options(api)
     api.add_argument(
         "--workers",

@@ -13,18 +13,19 @@ import json
 import sys
 import time
 
+from runtime.cli_options import add_command
 from runtime.errors import LLMQRuntimeError
 from runtime.kernels import BACKENDS
 from runtime.registry import DEFAULT_MODEL, load_registry
 
+GENERATE_HELP = """run a model in-process and stream its completion to stdout
+
+Run a model in this process (no Redis) and stream only the generated text to stdout.
+"""
+
 
 def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
-    gen = sub.add_parser(
-        "generate",
-        help="run a model in-process and stream its completion to stdout",
-        description="Run a model in this process (no Redis) and stream only the generated "
-        "text to stdout.",
-    )
+    gen = add_command(sub, "generate", GENERATE_HELP)
     gen.add_argument("prompt", nargs="?", help="prompt text; '-' or omitted reads stdin")
     gen.add_argument("-m", "--model", default=DEFAULT_MODEL, help="model id or .gguf path")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")

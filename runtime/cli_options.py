@@ -23,3 +23,15 @@ def add_listen_options(parser: argparse.ArgumentParser) -> None:
         default=int(os.environ.get("PORT", "8000")),
         help="default: $PORT or 8000",
     )
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, text: str, epilog: str | None = None
+) -> argparse.ArgumentParser:
+    """Adds the subcommand `name`, described by `text`: its first paragraph is the line
+    `llmq --help` lists it with, the rest (joined into one paragraph, as argparse wraps it)
+    what `llmq NAME --help` says of it. The texts sit beside each command's module so that
+    what the command does and what its help says are read together."""
+    summary, _, details = text.strip().partition("\n\n")
+    description = " ".join(details.split()) or summary
+    return sub.add_parser(name, help=summary, description=description, epilog=epilog)

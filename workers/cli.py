@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from runtime.cli_options import add_command
 from runtime.devices import DeviceError, parse_device
 from runtime.kernels import BACKENDS
 from runtime.registry import DEFAULT_MODEL
@@ -32,14 +33,20 @@ def _device(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+WORKER_HELP = """run a worker: take jobs from Redis and generate with warm engines
+
+Take jobs for the given models from their RQ queues (interactive before batch), keep the
+engines loaded, and step many jobs together, streaming their tokens to Redis. SIGTERM
+drains: no new jobs, running ones get --grace seconds, the rest are requeued for another
+worker to resume; a second signal requeues at once.
+"""
+
+
 def add_worker_commands(sub: argparse._SubParsersAction) -> None:
-    worker = sub.add_parser(
+    worker = add_command(
+        sub,
         "worker",
-        help="run a worker: take jobs from Redis and generate with warm engines",
-        description="Take jobs for the given models from their RQ queues (interactive before "
-        "batch), keep the engines loaded, and step many jobs together, streaming their "
-        "tokens to Redis. SIGTERM drains: no new jobs, running ones get --grace seconds, the "
-        "rest are requeued for another worker to resume; a second signal requeues at once.",
+        WORKER_HELP,
         epilog="Environment: REDIS_URL (or REDIS_SENTINELS, REDIS_MASTER_NAME, REDIS_PASSWORD, "
         "REDIS_DB), LLMQ_MODELS (model registry TOML), "
         "LLMQ_POOL_CAPACITY (models kept loaded, default 2), LLMQ_POOL_MEMORY_MB (memory "

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from runtime.cli_options import add_listen_options
+from runtime.cli_options import add_command, add_listen_options
 from workers.errors import ServeError
 
 log = logging.getLogger("llmq.serve")
@@ -404,15 +404,16 @@ def _redact(url: str) -> str:
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
+SERVE_HELP = """run everything: broker, API and workers (what `make serve` runs)
+
+Run the whole system: the API on http://HOST:PORT and N workers, against REDIS_URL if set
+(or the master REDIS_SENTINELS name), else a redis-server started on a free port, else an
+embedded fakeredis server (not durable). Ctrl-C stops every process it started.
+"""
+
+
 def add_serve_commands(sub: argparse._SubParsersAction) -> None:
-    serve_parser = sub.add_parser(
-        "serve",
-        help="run everything: broker, API and workers (what `make serve` runs)",
-        description="Run the whole system: the API on http://HOST:PORT and N workers, "
-        "against REDIS_URL if set (or the master REDIS_SENTINELS name), "
-        "else a redis-server started on a free port, else an "
-        "embedded fakeredis server (not durable). Ctrl-C stops every process it started.",
-    )
+    serve_parser = add_command(sub, "serve", SERVE_HELP)
     add_listen_options(serve_parser)
     serve_parser.add_argument("--workers", type=int, default=1, help="worker processes")
     serve_parser.add_argument(

@@ -24,7 +24,7 @@ from api.app import create_app
 from tests.api.conftest import serving
 from tests.redis_db import clean_redis_db
 from tests.tiny_models import write_tiny_llama
-from tests.workers.conftest import REPO, WorkerProcess, wait_for
+from tests.workers.conftest import REPO, WorkerProcess, serving_workers
 from workers import keys
 
 pytestmark = pytest.mark.integration
@@ -58,20 +58,8 @@ def server(conn: redis.Redis) -> Iterator[str]:
 
 @pytest.fixture
 def workers(conn: redis.Redis, model_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
-    started: list[WorkerProcess] = []
-
-    def start(name: str, *extra: str, step_delay_ms: int = 0) -> WorkerProcess:
-        proc = WorkerProcess(
-            name, [str(model_path)], *extra, step_delay_ms=step_delay_ms, redis_url=REDIS_URL
-        )
-        started.append(proc)
-        proc.wait_registered(conn)
-        wait_for(lambda: conn.hexists(keys.MODELS, MODEL), 20, "the model to be published")
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
+    with serving_workers(conn, model_path, REDIS_URL) as start:
+        yield start
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ interactive work whatever their priority."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import redis
 
 from tests.tiny_models import write_tiny_llama
-from tests.workers.conftest import WorkerProcess, wait_for
+from tests.workers.conftest import WorkerProcess, serving_workers, wait_for
 from workers import keys
 
 pytestmark = pytest.mark.integration
@@ -31,24 +32,9 @@ def tiny(tmp_path: Path) -> Path:
 def start_worker(
     redis_url: str, real_redis: redis.Redis, tiny: Path
 ) -> Iterator[Callable[..., WorkerProcess]]:
-    started: list[WorkerProcess] = []
-
-    def start(*extra: str, step_delay_ms: int = 0) -> WorkerProcess:
-        process = WorkerProcess(
-            f"prio-w{len(started)}",
-            [str(tiny)],
-            *extra,
-            step_delay_ms=step_delay_ms,
-            redis_url=redis_url,
-        )
-        started.append(process)
-        process.wait_registered(real_redis)
-        wait_for(lambda: real_redis.hexists(keys.MODELS, TINY), 30, "the tiny model published")
-        return process
-
-    yield start
-    for process in started:
-        process.stop()
+    names = (f"prio-w{n}" for n in itertools.count())
+    with serving_workers(real_redis, tiny, redis_url) as start:
+        yield lambda *extra, **kw: start(next(names), *extra, **kw)
 
 
 def submit(server: str, priority: int, max_tokens: int, prompt: str = "say 1") -> str:

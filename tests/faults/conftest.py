@@ -407,3 +407,51 @@ class StallingProxy:
         self.listener.close()
         for sock in self.sockets:
             sock.close()
+
+
+class Served:
+    """`llmq serve --workers N` as `make serve` runs it (its own process group), on a free
+    port with `--models` the tiny model; its whole output kept in a temporary file."""
+
+    def __init__(self, env: dict[str, str], model: Path, workers: int = 2) -> None:
+        self.base = f"http://127.0.0.1:{free_port()}"
+        port = self.base.rsplit(":", 1)[1]
+        self.log = tempfile.TemporaryFile("w+")
+        argv = [sys.executable, "-m", "llmq", "serve", "--workers", str(workers), "--port", port]
+        self.proc = subprocess.Popen(
+            [*argv, "--models", str(model)],
+            cwd=REPO,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        wait_for(lambda: self.ready() or self.proc.poll() is not None, timeout, "llmq serve")
+        assert self.proc.poll() is None, self.output()[-3000:]
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.base}/ready", timeout=3).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def worker_pids(self) -> list[tuple[str, int]]:
+        """(name, pid) of each live worker, as /admin/workers lists them."""
+        data = httpx.get(f"{self.base}/admin/workers", timeout=10).json()["data"]
+        return sorted((w["name"], w["pid"]) for w in data if w["alive"])
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        """Ctrl-C, as a user stops it; SIGKILL to the group if it has not ended in 30 s."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()

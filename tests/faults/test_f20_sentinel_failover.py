@@ -15,9 +15,6 @@ And a replica that cannot confirm within WAIT's timeout gives 503, not a lost jo
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -31,14 +28,14 @@ import pytest
 from tests.faults.conftest import (
     MODEL,
     Follower,
+    Served,
     assert_no_gap_no_repeat,
-    free_port,
     submit_async,
     wait_ready,
     wait_terminal,
 )
 from tests.faults.sentinel import SentinelCluster
-from tests.workers.conftest import REPO, wait_for
+from tests.workers.conftest import wait_for
 from workers import keys
 from workers.wire.broker import BrokerSettings
 
@@ -82,13 +79,6 @@ def _check_answer(response: httpx.Response, accepted: list[str], refused: Counte
     assert response.status_code == 503, (response.status_code, response.text)
     assert int(response.headers["Retry-After"]) > 0
     refused[response.json()["error"]["code"]] += 1
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/ready", timeout=3).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _nothing_queued(cluster: SentinelCluster) -> bool:
@@ -250,47 +240,27 @@ def test_f20_replicas_that_cannot_confirm_in_time_get_a_503_and_no_job_is_lost(
 
 
 def test_f20_llmq_serve_follows_the_new_master_without_restarting_a_worker(
-    cluster: SentinelCluster, fault_model: Path, tmp_path: Path
+    cluster: SentinelCluster, fault_model: Path
 ) -> None:
     """`llmq serve --workers 2` (what `make serve` runs) with only REDIS_SENTINELS set: it
     starts no Redis of its own, its API and workers find the master, and after the master
     is killed under 20 async jobs every one of them finishes on the same two workers."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, **cluster.env, "PYTHONUNBUFFERED": "1", "LLMQ_WORKER_STEP_DELAY_MS": "20"}
+    env = {**os.environ, **cluster.env, "LLMQ_WORKER_STEP_DELAY_MS": "20"}
     env.pop("REDIS_URL", None)
     env.pop("LLMQ_API_KEYS", None)
-    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read back on failure
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "llmq", "serve", "--workers", "2", "--port", str(port)]
-        + ["--models", str(fault_model)],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    serve = Served(env, fault_model)
     try:
-        wait_for(lambda: _ready(base) or serve.poll() is not None, 90, "llmq serve ready")
-        assert serve.poll() is None  # its log is printed below
-        pids = _pids(base)
+        serve.wait_ready()
+        pids = serve.worker_pids()
         assert len(pids) == 2
-        jobs = [_post(base, f"serve {i}", 40).json()["id"] for i in range(JOBS)]
+        jobs = [_post(serve.base, f"serve {i}", 40).json()["id"] for i in range(JOBS)]
         _, new, took = cluster.kill_master()
         assert took < NEW_MASTER_WITHIN, took
         for job_id in jobs:
-            assert wait_terminal(base, job_id, 90)["status"] == "finished", job_id
-        assert _pids(base) == pids  # no worker restarted
-        assert serve.poll() is None
-        ready = httpx.get(f"{base}/ready", timeout=10).json()
+            assert wait_terminal(serve.base, job_id, 90)["status"] == "finished", job_id
+        assert serve.worker_pids() == pids, serve.output()[-3000:]  # no worker restarted
+        assert serve.proc.poll() is None, serve.output()[-3000:]
+        ready = httpx.get(f"{serve.base}/ready", timeout=10).json()
         assert ready["broker"]["master"] == f"127.0.0.1:{new.port}", ready
     finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        try:
-            serve.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait(10)
-        log.seek(0)
-        print(log.read()[-3000:])
-        log.close()
+        serve.stop()

@@ -17,10 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -30,9 +26,9 @@ import httpx
 import pytest
 import redis
 
-from tests.faults.conftest import MODEL, free_port
+from tests.faults.conftest import MODEL, Served
 from tests.faults.sentinel import SentinelCluster
-from tests.workers.conftest import REPO, wait_for
+from tests.workers.conftest import wait_for
 from workers.wire.defaults import JOB_TTL_SECONDS
 
 CLIENTS = 200
@@ -128,27 +124,16 @@ def broker(fault_redis, tmp_path: Path) -> Iterator[tuple[redis.Redis, dict[str,
 
 def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
     conn, broker_env = broker
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile("w+")
-    env = {**os.environ, **broker_env, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **broker_env}
     env.pop("LLMQ_API_KEYS", None)
     if SENTINEL:
         env.pop("REDIS_URL", None)
-    argv = [sys.executable, "-m", "llmq", "serve", "--workers", "2", "--port", str(port)]
-    serve = subprocess.Popen(
-        [*argv, "--models", str(fault_model)],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    serve = Served(env, fault_model)
+    base = serve.base
     try:
-        wait_for(lambda: _ready(base) or serve.poll() is not None, 90, "llmq serve ready")
-        assert serve.poll() is None
+        serve.wait_ready()
         baseline_keys = {k for k in conn.scan_iter("*") if conn.ttl(k) == -1}
-        workers_before = _worker_pids(base)
+        workers_before = serve.worker_pids()
         memory_before = conn.info("memory")["used_memory"]
 
         tally = {"status": Counter(), "problems": [], "submit_s": [], "accepted": []}
@@ -165,11 +150,11 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
         p50 = submits[len(submits) // 2]
         p99 = submits[int(len(submits) * 0.99)]
         # the API's own time per submission, from gunicorn's access log (%(M)s)
-        own = sorted(int(ms) for ms in SUBMIT_LINE.findall(_read(log)))
+        own = sorted(int(ms) for ms in SUBMIT_LINE.findall(serve.output()))
         assert len(own) == len(tally["accepted"])  # one log line per 202
         own_p99 = own[int(len(own) * 0.99)]
-        assert _worker_pids(base) == workers_before, "a worker was restarted"
-        assert "restarting" not in _read(log)
+        assert serve.worker_pids() == workers_before, "a worker was restarted"
+        assert "restarting" not in serve.output()
         new_keys = [k for k in conn.scan_iter("*") if conn.ttl(k) == -1]
         # fixed-size counters, and RQ's registries (RQ trims their entries by score)
         untimed = sorted(
@@ -193,36 +178,13 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
         assert untimed == [], untimed
         assert own_p99 < 100, f"p99 of async submissions in the API: {own_p99} ms"
     finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        try:
-            serve.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait(10)
-        log.close()
+        serve.stop()
         conn.close()
 
 
 SUBMIT_LINE = re.compile(r'"POST /v1/completions HTTP/1.1" 202 .* (\d+)ms$', re.M)
 
 
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/ready", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 def _status(base: str, job_id: str) -> str | None:
     r = httpx.get(f"{base}/v1/jobs/{job_id}", timeout=10)
     return r.json().get("status") if r.status_code == 200 else None
-
-
-def _worker_pids(base: str) -> list[tuple[str, int]]:
-    data = httpx.get(f"{base}/admin/workers", timeout=10).json()["data"]
-    return sorted((w["name"], w["pid"]) for w in data if w["alive"])
-
-
-def _read(log) -> str:
-    log.seek(0)
-    return log.read()

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,31 @@ class WorkerProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
         self.log.close()
+
+
+@contextmanager
+def serving_workers(
+    conn: redis.Redis, model: Path, redis_url: str
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """Starts real workers serving `model` (a .gguf whose stem is its model id): each call
+    returns once its worker is registered and the model is published, as the API needs
+    before it accepts a request for it; every worker started is stopped at the end."""
+    started: list[WorkerProcess] = []
+
+    def start(name: str, *extra: str, step_delay_ms: int = 0) -> WorkerProcess:
+        proc = WorkerProcess(
+            name, [str(model)], *extra, step_delay_ms=step_delay_ms, redis_url=redis_url
+        )
+        started.append(proc)
+        proc.wait_registered(conn)
+        wait_for(lambda: conn.hexists(keys.MODELS, model.stem), 30, f"{model.stem} published")
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.stop()
 
 
 @pytest.fixture
