@@ -30,6 +30,7 @@ class GateKeys:
     jobs_metric: str  # the jobs counter
     owner_index: str  # the owner's index of jobs, '' for none
     levels: str  # the shared queue's set of priority levels (`keys.queue_levels`)
+    refused: str  # set for a minute when the queues were full (`keys.refused_submission`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +59,22 @@ class GateArgs:
 # Returns {1 shared | 2 own, depth}, or {0, depth} when full, after deleting the record and
 # RQ's hash, or {-1, 0} when the record is not there: written to a master that has since
 # failed over without passing it on (`wire.broker`), so pushing the id would queue nothing.
+# Run again for the same record it pushes nothing and returns its first answer with depth 0
+# (a refusal leaves the `refused` key for a minute to say so): the API's client retries a
+# command whose reply it lost (redis-py's default retry, kept for the reads), and a second
+# push would hand the job to two workers.
 _GATE = """
 local shared_queue, queues_set, record, rq_job, own_queue, shared_wake, own_wake,
-      jobs_metric, owner_index, levels = unpack(KEYS)
+      jobs_metric, owner_index, levels, refused = unpack(KEYS)
 local max_queue, job_id, own_prefix, own_room, created_at, index_cutoff, index_ttl,
       wake_token, wake_max_tokens, wake_ttl, counted_status, own_queue_name, priority,
       separator = unpack(ARGV)
-if redis.call('EXISTS', record) == 0 then return {-1, 0} end
+if redis.call('EXISTS', record) == 0 then
+  if redis.call('EXISTS', refused) == 1 then return {0, 0} end
+  return {-1, 0}
+end
+local gated = redis.call('HGET', record, 'gated')
+if gated then return {tonumber(gated), 0} end
 local depth = redis.call('LLEN', shared_queue)
 for _, level in ipairs(redis.call('ZRANGE', levels, 0, -1)) do
   depth = depth + redis.call('LLEN', shared_queue .. separator .. level)
@@ -79,6 +89,7 @@ end
 local limit = tonumber(max_queue)
 if limit > 0 and depth >= limit then
   redis.call('DEL', record, rq_job)
+  redis.call('SET', refused, depth, 'EX', 60)
   return {0, depth}
 end
 local target, wake, chosen = shared_queue, shared_wake, 1
@@ -90,6 +101,7 @@ elseif own_queue ~= '' and redis.call('LLEN', own_queue) < tonumber(own_room) th
   redis.call('HSET', record, 'queue', own_queue_name)
 end
 redis.call('RPUSH', target, job_id)
+redis.call('HSET', record, 'gated', chosen)
 redis.call('SADD', queues_set, target)
 redis.call('LPUSH', wake, wake_token)
 redis.call('LTRIM', wake, 0, tonumber(wake_max_tokens) - 1)

@@ -192,6 +192,7 @@ def _gate(
         jobs_metric=keys.METRIC_JOBS,
         owner_index=index,
         levels=keys.queue_levels(shared.name),
+        refused=keys.refused_submission(record.id),
     )
     args = GateArgs(
         max_queue=max_queue,

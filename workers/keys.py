@@ -20,6 +20,8 @@ Layout:
                              instead of at the end of its poll; bounded, with a short TTL
 - `llmq:models`              hash model id -> JSON of where its file is (published by workers)
 - `llmq:idempotency:{key}`   string job id, for `Idempotency-Key` resubmits
+- `llmq:refused:{id}`        string, for a minute: the submission gate found the queues full
+                             for this job, so a retried gate answers the same (`api.gate`)
 - `llmq:replication:mark`    counter: the write `WAIT` waits for when an acknowledgement
                              must be replicated (`wire.broker.Replication.confirm`; Sentinel)
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
@@ -124,6 +126,7 @@ job = _key_of("job")  # == JOB_KEY_PREFIX + id, as the Lua scripts build it
 job_events = _key_of("job", ":events")
 job_cancel = _key_of("job", CANCEL_SUFFIX)
 job_lease = _key_of("job", LEASE_SUFFIX)
+refused_submission = _key_of("refused")  # of a job id
 worker = _key_of("worker")
 worker_commands = _key_of("worker", ":commands")
 idempotency = _key_of("idempotency")
