@@ -59,10 +59,10 @@ class GateArgs:
 # Returns {1 shared | 2 own, depth}, or {0, depth} when full, after deleting the record and
 # RQ's hash, or {-1, 0} when the record is not there: written to a master that has since
 # failed over without passing it on (`wire.broker`), so pushing the id would queue nothing.
-# Run again for the same record it pushes nothing and returns its first answer with depth 0
-# (a refusal leaves the `refused` key for a minute to say so): the API's client retries a
-# command whose reply it lost (redis-py's default retry, kept for the reads), and a second
-# push would hand the job to two workers.
+# Run again for the same record it pushes nothing and answers as it did (a refusal leaves
+# the `refused` key, holding the depth, for a minute; a push answers with depth 0): the
+# API's client retries a command whose reply it lost (redis-py's default retry, kept for
+# the reads), and a second push would hand the job to two workers.
 _GATE = """
 local shared_queue, queues_set, record, rq_job, own_queue, shared_wake, own_wake,
       jobs_metric, owner_index, levels, refused = unpack(KEYS)
@@ -70,7 +70,8 @@ local max_queue, job_id, own_prefix, own_room, created_at, index_cutoff, index_t
       wake_token, wake_max_tokens, wake_ttl, counted_status, own_queue_name, priority,
       separator = unpack(ARGV)
 if redis.call('EXISTS', record) == 0 then
-  if redis.call('EXISTS', refused) == 1 then return {0, 0} end
+  local full = redis.call('GET', refused)
+  if full then return {0, tonumber(full)} end
   return {-1, 0}
 end
 local gated = redis.call('HGET', record, 'gated')

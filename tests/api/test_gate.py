@@ -62,7 +62,7 @@ def test_a_second_job_still_sees_the_first_in_the_depth(real_redis) -> None:
     assert first == second
     assert real_redis.llen(f"rq:queue:{first}") == 2
     third = _job()
-    with pytest.raises(QueueFull):
+    with pytest.raises(QueueFull, match=r"\(2 jobs waiting\)"):
         store.enqueue(client, third, max_queue=2)
     assert real_redis.llen(f"rq:queue:{first}") == 2
     assert store.get_record(real_redis, third.id) is None  # refused: nothing of it stays
