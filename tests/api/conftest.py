@@ -7,12 +7,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import fakeredis
 import httpx
@@ -27,6 +30,8 @@ from api.cli import CONF
 from tests.api.fake_worker import FakeWorker
 from tests.redis_db import clean_redis_db
 from tests.workers.conftest import WorkerProcess, wait_for
+from workers import keys
+from workers.wire.worker_info import READY, WorkerInfo
 
 TEST_REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 SMOLLM2_REDIS_URL = os.environ.get("LLMQ_SMOLLM2_TEST_REDIS_URL", "redis://127.0.0.1:6379/10")
@@ -55,6 +60,42 @@ def app(fake_redis: fakeredis.FakeRedis, registered: FakeWorker) -> Flask:
 @pytest.fixture
 def client(app: Flask):
     return app.test_client()
+
+
+@contextlib.contextmanager
+def worker_thread(
+    redis_url: str, conn: redis.Redis, model: Path, name: str, step_delay: float = 0.0
+) -> Iterator[Any]:
+    """A real `LLMQWorker` in a thread serving the tiny `model` (a .gguf whose stem is its
+    model id), yielded once it has published the model ready; stopped as SIGTERM twice
+    stops it (drain, then requeue at once)."""
+    from workers.config import WorkerConfig
+    from workers.worker import LLMQWorker, connect
+
+    config = WorkerConfig(
+        redis_url=redis_url,
+        models=[str(model)],
+        install_signals=False,
+        poll_interval=0.02,
+        step_delay=step_delay,
+        name=name,
+    )
+    worker = LLMQWorker(config, connect(redis_url))
+    thread = threading.Thread(target=worker.work, daemon=True)
+    thread.start()
+    wait_for(lambda: _published_ready(conn, worker.name, model.stem), 30, "the model ready")
+    try:
+        yield worker
+    finally:
+        worker.request_stop(signal.SIGTERM, None)
+        worker.request_stop(signal.SIGTERM, None)
+        thread.join(15)
+
+
+def _published_ready(conn: redis.Redis, name: str, model: str) -> bool:
+    raw = conn.hgetall(keys.worker(name))
+    pool = WorkerInfo.from_hash(raw).pool if raw else {}
+    return pool.get(model, {}).get("state") == READY and bool(conn.hexists(keys.MODELS, model))
 
 
 # ---------------------------------------------------------------- integration tier

@@ -3,8 +3,6 @@ llama GGUF, the app on a real HTTP server, and the official `openai` client."""
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,10 +12,10 @@ import httpx
 import openai
 import pytest
 
+from tests.api.conftest import worker_thread
 from tests.api.sse import parse
 from tests.tiny_models import write_tiny_llama
 from workers import keys
-from workers.wire.worker_info import READY, WorkerInfo
 
 pytestmark = pytest.mark.integration
 
@@ -31,34 +29,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def real_worker(redis_url: str, real_redis, tiny_model: Path) -> Iterator[object]:
-    from workers.config import WorkerConfig
-    from workers.worker import LLMQWorker, connect
-
-    config = WorkerConfig(
-        redis_url=redis_url,
-        models=[str(tiny_model)],
-        install_signals=False,
-        poll_interval=0.02,
-        step_delay=0.01,  # ~100 tokens/s, so a long generation is still running when cut
-        name=f"e2e-{uuid.uuid4().hex[:6]}",
-    )
-    worker = LLMQWorker(config, connect(redis_url))
-    thread = threading.Thread(target=worker.work, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not _published_ready(real_redis, worker.name):  # its start-up load has ended
-        assert time.monotonic() < deadline, "the worker did not register its model ready"
-        time.sleep(0.02)
-    yield worker
-    worker.request_stop(signal.SIGTERM, None)
-    worker.request_stop(signal.SIGTERM, None)
-    thread.join(15)
-
-
-def _published_ready(conn, name: str) -> bool:
-    raw = conn.hgetall(keys.worker(name))
-    pool = WorkerInfo.from_hash(raw).pool if raw else {}
-    return pool.get(MODEL, {}).get("state") == READY and bool(conn.hexists(keys.MODELS, MODEL))
+    # ~100 tokens/s, so a long generation is still running when cut
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    with worker_thread(redis_url, real_redis, tiny_model, name, step_delay=0.01) as worker:
+        yield worker
 
 
 @pytest.fixture

@@ -76,15 +76,17 @@ def _ready(server: str, worker: WorkerProcess) -> None:
     wait_for(loaded, 60, "the tiny model loaded")
 
 
+def _register(server: str, worker: WorkerProcess, name: str, path: str) -> httpx.Response:
+    """POST /admin/loras for an adapter of the tiny model, once the worker holds it."""
+    _ready(server, worker)
+    body = {"name": name, "path": path, "base_model": TINY}
+    return httpx.post(f"{server}/admin/loras", json=body, timeout=30)
+
+
 def test_an_adapter_is_usable_as_soon_as_its_registration_answers(
     server: str, worker: WorkerProcess, tiny: Path, folders
 ) -> None:
-    _ready(server, worker)
-    registered = httpx.post(
-        f"{server}/admin/loras",
-        json={"name": "style", "path": str(folders[0] / "style.gguf"), "base_model": TINY},
-        timeout=30,
-    )
+    registered = _register(server, worker, "style", str(folders[0] / "style.gguf"))
     assert registered.status_code == 201, registered.text
     body = registered.json()
     assert body["state"] == "ready" and body["path"] == "style.gguf"
@@ -101,12 +103,7 @@ def test_an_adapter_is_usable_as_soon_as_its_registration_answers(
 def test_an_adapter_no_worker_can_load_is_refused_and_not_registered(
     server: str, worker: WorkerProcess, folders
 ) -> None:
-    _ready(server, worker)
-    refused = httpx.post(
-        f"{server}/admin/loras",
-        json={"name": "lost", "path": "only-here.gguf", "base_model": TINY},
-        timeout=30,
-    )
+    refused = _register(server, worker, "lost", "only-here.gguf")
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["param"] == "path"
@@ -121,12 +118,7 @@ def test_an_adapter_no_worker_can_load_is_refused_and_not_registered(
 def test_a_model_naming_an_adapter_is_answered_in_the_adapters_name(
     server: str, worker: WorkerProcess, tiny: Path, folders
 ) -> None:
-    _ready(server, worker)
-    registered = httpx.post(
-        f"{server}/admin/loras",
-        json={"name": "style", "path": "style.gguf", "base_model": TINY},
-        timeout=30,
-    )
+    registered = _register(server, worker, "style", "style.gguf")
     assert registered.status_code == 201, registered.text
     expected = _expected(tiny, folders[1] / "style.gguf", "hello", 4)
     args = dict(model="style", prompt="hello", max_tokens=4, temperature=0)

@@ -9,8 +9,6 @@ import io
 import json
 import math
 import re
-import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,11 +23,10 @@ import pytest
 from api.app import create_app
 from api.rate_limits import go_duration
 from api.token_budget import CHARS_PER_TOKEN
-from tests.api.conftest import _gunicorn, serving
+from tests.api.conftest import _gunicorn, serving, worker_thread
 from tests.api.sse import parse
 from tests.tiny_models import write_tiny_llama
 from workers import keys
-from workers.wire.worker_info import READY, WorkerInfo
 
 pytestmark = pytest.mark.integration
 
@@ -452,32 +449,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def real_worker(redis_url: str, real_redis, tiny_model: Path) -> Iterator[object]:
-    """`LLMQWorker` in a thread serving the tiny llama, as tests/api/test_end_to_end.py."""
-    from workers.config import WorkerConfig
-    from workers.worker import LLMQWorker, connect
-
-    config = WorkerConfig(
-        redis_url=redis_url,
-        models=[str(tiny_model)],
-        install_signals=False,
-        poll_interval=0.02,
-        name=f"rl-{uuid.uuid4().hex[:6]}",
-    )
-    worker = LLMQWorker(config, connect(redis_url))
-    thread = threading.Thread(target=worker.work, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while True:
-        raw = real_redis.hgetall(keys.worker(worker.name))
-        pool = WorkerInfo.from_hash(raw).pool if raw else {}
-        if pool.get(MODEL, {}).get("state") == READY and real_redis.hexists(keys.MODELS, MODEL):
-            break
-        assert time.monotonic() < deadline, "the worker did not register its model ready"
-        time.sleep(0.02)
-    yield worker
-    worker.request_stop(signal.SIGTERM, None)
-    worker.request_stop(signal.SIGTERM, None)
-    thread.join(15)
+    with worker_thread(redis_url, real_redis, tiny_model, f"rl-{uuid.uuid4().hex[:6]}") as worker:
+        yield worker
 
 
 def test_a_real_worker_settles_an_async_chat_at_its_usage(
