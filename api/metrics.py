@@ -28,11 +28,11 @@ from rq import Queue
 from workers import keys
 from workers.wire.broker import replication_state
 from workers.wire.histograms import STEP_SIZE_BUCKETS, TTFT_BUCKETS, format_bucket
+from workers.wire.queues import llmq_queue_names, queue_lengths
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-_QUEUE_PREFIX = "rq:queue:"
 _SAFE_ROUTE = re.compile(r"^[A-Za-z0-9_/<>.:-]{1,100}$")
 
 
@@ -173,15 +173,7 @@ class RedisCollector(Collector):
 
     def _queues(self, queue_keys: set[bytes]) -> Iterable[Metric]:
         depth = GaugeMetricFamily("llmq_queue_depth", "Jobs waiting per queue.", labels=["queue"])
-        names = sorted(
-            k.decode()[len(_QUEUE_PREFIX) :]
-            for k in queue_keys
-            if k.decode().startswith(_QUEUE_PREFIX + keys.PREFIX + "-")
-        )
-        pipe = self.conn.pipeline(transaction=False)
-        for name in names:
-            pipe.llen(_QUEUE_PREFIX + name)
-        for name, length in zip(names, pipe.execute(), strict=True):
+        for name, length in queue_lengths(self.conn, llmq_queue_names(queue_keys)).items():
             depth.add_metric([name], length)
         yield depth
 

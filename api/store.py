@@ -38,6 +38,7 @@ from workers.wire.events import write_ending
 from workers.wire.job import CANCELLED, QUEUED, TERMINAL_STATUSES, JobRecord
 from workers.wire.members import each_member
 from workers.wire.prefix import prefix_digest
+from workers.wire.queues import llmq_queue_names
 from workers.wire.rq_job import write_queued_rq_job
 from workers.wire.text import as_str
 from workers.wire.worker_info import WorkerInfo
@@ -406,10 +407,5 @@ def flag_and_dequeue(conn: redis.Redis, job_id: str) -> None:
 
 def all_queues(conn: redis.Redis) -> list[Queue]:
     """llmq's RQ queues (RQ's own registry of queue keys, filtered to our prefix)."""
-    prefix = Queue.redis_queue_namespace_prefix + keys.PREFIX + "-"
-    names = [
-        as_str(k)[len(Queue.redis_queue_namespace_prefix) :]
-        for k in conn.smembers(Queue.redis_queues_keys)
-        if as_str(k).startswith(prefix)
-    ]
+    names = llmq_queue_names(conn.smembers(Queue.redis_queues_keys))
     return [Queue(n, connection=conn, serializer=JSONSerializer) for n in names]

@@ -16,12 +16,12 @@ from workers import keys
 from workers.wire.defaults import HISTORY_SAMPLE_SECONDS, HISTORY_SECONDS
 from workers.wire.histograms import TTFT_BUCKETS, format_bucket
 from workers.wire.history import MetricsSample
+from workers.wire.queues import llmq_queue_names, queue_lengths
 from workers.wire.text import as_str
 
 log = logging.getLogger("llmq.history")
 
 MAX_SAMPLES = HISTORY_SECONDS // HISTORY_SAMPLE_SECONDS
-_QUEUE_KEY_PREFIX = Queue.redis_queue_namespace_prefix
 
 
 class HistorySampler:
@@ -63,15 +63,8 @@ class HistorySampler:
         return sample
 
     def _queue_depth(self, queue_keys: set[bytes]) -> int:
-        """Jobs waiting on every llmq queue (shared and workers' own)."""
-        names = [as_str(k) for k in queue_keys]
-        llmq = [n for n in names if n.startswith(f"{_QUEUE_KEY_PREFIX}{keys.PREFIX}-")]
-        if not llmq:
-            return 0
-        with self.conn.pipeline(transaction=False) as pipe:
-            for key in llmq:
-                pipe.llen(key)
-            return sum(pipe.execute())
+        """Jobs waiting on every llmq queue (shared, priority levels and workers' own)."""
+        return sum(queue_lengths(self.conn, llmq_queue_names(queue_keys)).values())
 
 
 def _ttft_buckets(fields: dict[bytes, bytes]) -> tuple[int, ...]:
