@@ -82,7 +82,9 @@ class Broker:
             log.info("broker: %s", self.sentinel)
             return None
         if self.url:
-            log.info("broker: REDIS_URL (%s)", _redact(self.url))
+            from workers.wire.broker import redact
+
+            log.info("broker: REDIS_URL (%s)", redact(self.url))
             return self.url
         port = free_port()
         server = shutil.which("redis-server")
@@ -394,14 +396,6 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
                 return
         time.sleep(0.05)
     raise RuntimeError(f"nothing listens on port {port} after {timeout:g}s")
-
-
-def _redact(url: str) -> str:
-    """Hide a password in a Redis URL before logging it."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
 SERVE_HELP = """run everything: broker, API and workers (what `make serve` runs)
