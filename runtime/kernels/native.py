@@ -1,18 +1,23 @@
 """The engine's own C kernels: built once per machine with the system's C compiler, loaded
 with ctypes.
 
-`paged_attention.c` is attention whose per-row result does not depend on the batch
-(runtime/models/attention.py uses it for the host forward pass). It is compiled the first
-time a process asks for it, into `LLMQ_CACHE_DIR` (default `~/.cache/llmq`) under a name
-that hashes the source, the flags and this CPU's feature flags, so an edited source or
-another CPU kind gets its own build and a later process only loads the file. `-fopenmp`
-links libgomp by its soname, the one torch's wheel ships and loads: one OpenMP runtime per
-process. The kernel runs on as many threads as runtime/kernels/core_share.py gives torch,
-and on one where no torch backend shares the cores (the numpy backend's OpenBLAS threads
-spin after each product: two spinning teams on two cores slowed a test 12x).
+- `paged_attention.c` is attention whose per-row result does not depend on the batch
+  (runtime/models/attention.py uses it for the host forward pass).
+- `int8_rows.c` is the product with int8-per-row weights (the LM head where int8 holds it,
+  runtime/kernels/torch_backend.py `Int8Weight`): integer dot products over activations
+  rounded to int8 per block of 32, as llama.cpp multiplies its Q8_0 head.
 
-Where no compiler works, `paged_attention()` is None and attention keeps its numpy path
-(rows then depend on their batch in the last bits); the reason is logged once.
+Each is compiled the first time a process asks for it, into `LLMQ_CACHE_DIR` (default
+`~/.cache/llmq`) under a name that hashes the source, the flags and this CPU's feature
+flags, so an edited source or another CPU kind gets its own build and a later process only
+loads the file. `-fopenmp` links libgomp by its soname, the one torch's wheel ships and
+loads: one OpenMP runtime per process. The kernels run on as many threads as
+runtime/kernels/core_share.py gives torch, and on one where no torch backend shares the
+cores (the numpy backend's OpenBLAS threads spin after each product: two spinning teams on
+two cores slowed a test 12x).
+
+Where no compiler works, `paged_attention()` and `int8_rows()` are None and their callers
+keep their numpy or torch path; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from runtime.kernels.cpu import cpu_features
 
 log = logging.getLogger("llmq.kernels")
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.c")
+INT8_ROWS_SOURCE = Path(__file__).with_name("int8_rows.c")
 # no -ffast-math: the order of every sum is the source's, on every row
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-shared", "-fPIC")
 FLAGS += ("-fno-math-errno",)
@@ -49,20 +55,20 @@ _ptr = ctypes.c_void_p
 KV_BUILDS = {np.dtype(np.float32): (), np.dtype(np.float16): ("-DKV_HALF",)}
 
 
-def _library_path(defines: tuple[str, ...]) -> Path:
-    what = [source_digest(SOURCE), *FLAGS, *defines, *sorted(cpu_features().flags)]
+def _library_path(source: Path, defines: tuple[str, ...]) -> Path:
+    what = [source_digest(source), *FLAGS, *defines, *sorted(cpu_features().flags)]
     key = hashlib.sha256(" ".join(what).encode()).hexdigest()[:16]
-    return cache_dir() / f"paged_attention-{key}.so"
+    return cache_dir() / f"{source.stem}-{key}.so"
 
 
-def _compile(target: Path, defines: tuple[str, ...]) -> None:
+def _compile(source: Path, target: Path, defines: tuple[str, ...]) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or $CC) on PATH")
 
     def build(partial: Path) -> None:
         subprocess.run(
-            [compiler, *FLAGS, *defines, "-o", str(partial), str(SOURCE), "-lm"],
+            [compiler, *FLAGS, *defines, "-o", str(partial), str(source), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -76,16 +82,24 @@ def _compile(target: Path, defines: tuple[str, ...]) -> None:
 
 
 @functools.cache
-def _library(defines: tuple[str, ...]) -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return None
-    target = _library_path(defines)
+def _library(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    target = _library_path(source, defines)
     try:
         if not target.exists():
-            _compile(target, defines)
-        lib = ctypes.CDLL(str(target))
+            _compile(source, target, defines)
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native attention unavailable, using numpy's (%s)", exc)
+        log.warning(
+            "native kernel %s unavailable, its caller keeps its own path (%s)", source.name, exc
+        )
+        return None
+
+
+def _attention_library(defines: tuple[str, ...]) -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    lib = _library(ATTENTION_SOURCE, defines)
+    if lib is None:
         return None
     fn = lib.llmq_paged_attention
     fn.restype = ctypes.c_int
@@ -174,5 +188,58 @@ def paged_attention(kv_dtype: np.dtype | type = np.float32) -> PagedAttention | 
 
 @functools.cache
 def _kernel(kv_dtype: np.dtype) -> PagedAttention | None:
-    lib = _library(KV_BUILDS[kv_dtype])
+    lib = _attention_library(KV_BUILDS[kv_dtype])
     return PagedAttention(kv_dtype, lib) if lib is not None else None
+
+
+INT8_BLOCK = 32  # int8_rows.c quantizes activations per this many values: K must divide by it
+INT8_ENV = "LLMQ_TORCH_INT8"  # "1": int8 weights keep torch's kernel (benches compare the two)
+
+
+class Int8Rows:
+    """`__call__` multiplies float32 rows by int8-per-row weights (int8_rows.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.llmq_int8_rows
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int, _ptr, _ptr]
+
+    @staticmethod
+    def accepts(in_features: int) -> bool:
+        return in_features % INT8_BLOCK == 0
+
+    def __call__(self, x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """x `[T, K]` float32, codes `[N, K]` int8, scales `[N]` float32 -> `[T, N]`."""
+        x = np.ascontiguousarray(x, np.float32)
+        rows, k = x.shape
+        n = codes.shape[0]
+        if codes.dtype != np.int8 or not codes.flags.c_contiguous or codes.shape[1] != k:
+            raise ValueError(f"codes must be C-contiguous int8 [N, {k}]")
+        if scales.dtype != np.float32 or scales.shape != (n,) or not scales.flags.c_contiguous:
+            raise ValueError(f"scales must be C-contiguous float32 [{n}]")
+        if not self.accepts(k):
+            raise ValueError(f"K = {k} is not a multiple of {INT8_BLOCK}")
+        work = np.empty(rows * (2 * k + 4 * (k // INT8_BLOCK)), np.uint8)  # the rounded rows
+        out = np.empty((rows, n), np.float32)
+        self._fn(
+            x.ctypes.data,
+            rows,
+            k,
+            codes.ctypes.data,
+            scales.ctypes.data,
+            n,
+            threads(),
+            work.ctypes.data,
+            out.ctypes.data,
+        )
+        return out
+
+
+@functools.cache
+def int8_rows() -> Int8Rows | None:
+    """The int8-weight product compiled for this CPU, or None where it cannot be built here
+    (or `LLMQ_TORCH_INT8=1` asks for torch's)."""
+    if os.environ.get(INT8_ENV, "") not in ("", "0"):
+        return None
+    lib = _library(INT8_ROWS_SOURCE)
+    return Int8Rows(lib) if lib is not None else None

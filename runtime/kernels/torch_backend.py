@@ -2,9 +2,10 @@
 
 Per CPU (cpu.py): GGUF's 4-bit types become torch's group-wise int4 layout (group 32, one
 bf16 scale and zero per group) built straight from the file's nibbles, other types bf16;
-or every weight fp16 (fbgemm); the LM head int8 per row where its rows allow it. The int4,
-int8 and bf16 kernels take bf16 activations: torch's int4 kernel with float32 activations
-takes a path ~20x slower. Only int4 applies a preceding RMSNorm weight at run time; the
+or every weight fp16 (fbgemm); the LM head int8 per row where its rows allow it. The int4
+and bf16 kernels take bf16 activations: torch's int4 kernel with float32 activations takes
+a path ~20x slower. int8 on the CPU is runtime/kernels/int8_rows.c, which rounds them to
+int8 per block of 32. Only int4 applies a preceding RMSNorm weight at run time; the
 dense stores fold it into their columns. Called with float32 numpy arrays they
 return numpy arrays, so the host forward pass shares model files and attention with the
 numpy backend; each weight's `product` takes and gives float32 tensors, which is what the
@@ -33,6 +34,7 @@ from runtime.kernels.gguf_blocks import (
     quantize_groups,
     read_four_bit,
 )
+from runtime.kernels.native import int8_rows
 from runtime.kernels.prepared import PreparedWeights, SavedWeight, weight_key
 
 INNER_K_TILES = 2  # what the CPU int4 packing accepts (2, 4 or 8); the CPU kernel ignores it
@@ -163,7 +165,11 @@ class _RowStore(_Product):
 
 class Int8Weight(_RowStore):
     """int8 per row, symmetric: value = code * scale[row], the scale rounded to bf16 first
-    so that the codes are chosen for the scale the kernel will use."""
+    so that the codes are chosen for the scale the kernel will use. On the CPU the product
+    is runtime/kernels/int8_rows.c (activations rounded to int8 per block of 32, integer
+    dots: 2x torch's `_weight_int8pack_mm` at 1 and at 32 rows on SmolLM2's head, and
+    closer to the float32 reference than its bf16 activations); elsewhere, or without a C
+    compiler, torch's kernel."""
 
     kind = "int8"
     tensor_names = ("codes", "scales")
@@ -181,9 +187,19 @@ class Int8Weight(_RowStore):
         self.scales[start : start + len(rows)] = scales
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(
-            x.to(torch.bfloat16), self.codes, self.scales
-        ).float()
+        kernel = int8_rows()
+        if kernel is None or x.device.type != "cpu" or not kernel.accepts(self.shape[1]):
+            return torch.ops.aten._weight_int8pack_mm(
+                x.to(torch.bfloat16), self.codes, self.scales
+            ).float()
+        return torch.from_numpy(kernel(x.numpy(), self.codes.numpy(), self._float_scales()))
+
+    def _float_scales(self) -> np.ndarray:
+        """The bf16 row scales as float32 (exactly), made once: the native kernel's form."""
+        scales = getattr(self, "_scales32", None)
+        if scales is None:
+            scales = self._scales32 = self.scales.float().numpy()
+        return scales
 
     @property
     def nbytes(self) -> int:
