@@ -52,6 +52,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # `ne` reversed: numpy order, `[rows, cols]` for a weight
     tensor_type: gguf.GGMLQuantizationType
     data: np.ndarray  # a view of the mapped file, laid out as gguf-py lays it out
+    offset: int = -1  # where `data` starts in the file (-1: not known)
 
 
 class GGUFHeader:
@@ -139,4 +140,4 @@ class GGUFHeader:
         else:
             byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
             data = self.mapped[start : start + int(np.prod(byte_shape))].reshape(byte_shape)
-        return TensorInfo(name, shape, qtype, data)
+        return TensorInfo(name, shape, qtype, data, start)
