@@ -9,7 +9,14 @@ import time
 import pytest
 
 from runtime.kernels import core_share
-from runtime.kernels.core_share import SAMPLE_SECONDS, WINDOW, CoreShare, runnable_elsewhere
+from runtime.kernels.core_share import (
+    SAMPLE_SECONDS,
+    SPAN_SECONDS,
+    WINDOW,
+    CoreShare,
+    CpuElsewhere,
+    machine_busy_seconds,
+)
 
 
 class Clock:
@@ -78,21 +85,82 @@ def test_without_proc_nothing_changes():
     assert calls == [] and cs.threads == 2
 
 
+def test_the_probe_is_other_processes_cpu_time_over_its_span():
+    """Machine busy time less this process's own, per second of the span, rounded."""
+    clock, busy, own = Clock(), [0.0], [0.0]
+    probe = CpuElsewhere(busy=lambda: busy[0], own=lambda: own[0], clock=clock, span=0.5)
+    readings = []
+    for step in range(20):
+        clock.now = step * 0.05
+        busy[0] += 0.05 * (2.0 if step >= 10 else 1.2)  # 2 busy cores from step 10
+        own[0] += 0.05 * 1.0  # this process: one core throughout
+        readings.append(probe())
+    assert readings[:5] == [None] * 5  # less than half a span seen
+    assert readings[5:10] == [0] * 5  # 0.2 of a core elsewhere rounds to none
+    assert readings[-1] == 1  # a whole core elsewhere once the span is past the change
+
+
+def test_machine_busy_time_reads_procs_cpu_line():
+    line = "cpu  100 20 30 400 50 6 4 9 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
+    assert machine_busy_seconds(line) == pytest.approx((100 + 20 + 30 + 6 + 4) / _clk_tck())
+    assert machine_busy_seconds("cpu  1 2\n") is None
+
+
+def _clk_tck() -> int:
+    import os
+
+    return os.sysconf("SC_CLK_TCK")
+
+
+def _sample(probe: CpuElsewhere, seconds: float, before=None) -> list[int | None]:
+    readings = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if before is not None:
+            before()
+        readings.append(probe())
+        time.sleep(SAMPLE_SECONDS)
+    return readings
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_probe_sees_another_process_running():
-    quiet = runnable_elsewhere()
-    assert quiet is not None and quiet >= 0
+    probe = CpuElsewhere()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.3)
-        seen = []
-        for _ in range(20):
-            seen.append(runnable_elsewhere())
-            time.sleep(0.01)
+        readings = _sample(probe, 3 * SPAN_SECONDS)
     finally:
         busy.kill()
         busy.wait()
-    assert max(seen) >= 1, seen
+    assert readings[-1] is not None and readings[-1] >= 1, readings
+
+
+BURST = """
+import os, sys, time
+while os.read(int(sys.argv[1]), 1):
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.002:
+        pass
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_process_woken_at_every_sample_is_not_a_busy_core():
+    """What a worker sees at every step: its write wakes the API, Redis and the clients just
+    before it samples. They are runnable then, but use a sliver of a core."""
+    import os
+
+    read_end, write_end = os.pipe()
+    helper = subprocess.Popen([sys.executable, "-c", BURST, str(read_end)], pass_fds=[read_end])
+    os.close(read_end)
+    try:
+        time.sleep(0.3)  # the interpreter has started
+        readings = _sample(CpuElsewhere(), 4 * SPAN_SECONDS, lambda: os.write(write_end, b"x"))
+    finally:
+        os.close(write_end)
+        helper.wait(10)
+    seen = [r for r in readings if r is not None]
+    assert seen and seen.count(0) >= 0.9 * len(seen), readings
 
 
 def test_the_torch_backend_shares_the_cores_and_fixed_threads_turns_it_off(monkeypatch):
