@@ -61,7 +61,7 @@ def kernel_products(k: int, n: int) -> dict[str, Callable[[np.ndarray], np.ndarr
         "numpy float32": lambda x: x @ dense.T,
         "fbgemm fp16": Fp16Weight(dense),
         "torch int4": Int4Weight(q, None),
-        "torch int8 per row": Int8Weight.from_dense(dense),
+        "int8 per row (int8_rows.c, else torch's)": Int8Weight.from_dense(dense),
     }
     if torch.backends.mkldnn.is_available():
         products["torch bf16"] = Bf16Weight.from_dense(dense)
