@@ -72,6 +72,12 @@ class Presence:
         """True if the pool differs from the one last published."""
         return pool != self.info.pool
 
+    def pool_state_changed(self, pool: dict[str, Any]) -> bool:
+        """True if the pool differs from the one last published in more than the figures that
+        move with nearly every step (`STEP_STATS`): a load, a failure, an unload, jobs coming
+        or going, which /ready and the API's routing need at once."""
+        return _without_step_stats(pool) != _without_step_stats(self.info.pool)
+
     def withdraw(self) -> None:
         with self.connection.pipeline() as pipe:
             pipe.delete(keys.worker(self.info.name))
@@ -121,3 +127,21 @@ def wake(connection: Any, queue: str) -> None:
     with connection.pipeline(transaction=False) as pipe:
         push_wake(pipe, keys.queue_wake(queue))
         pipe.execute()
+
+
+# A model entry's figures that change as sequences decode (KV memory in use, the prefix
+# cache's counters). Publishing each change cost a 3 ms write ~6 times a second at one stream
+# and every step at 32 (bench/RESULTS.md); they go out at most every POOL_STATS_SECONDS.
+STEP_STATS = ("kv_in_use_mb", "prefix_cache")
+POOL_STATS_SECONDS = 1.0
+
+
+def _without_step_stats(pool: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        model: (
+            {k: v for k, v in entry.items() if k not in STEP_STATS}
+            if isinstance(entry, dict)
+            else entry
+        )
+        for model, entry in (pool or {}).items()
+    }

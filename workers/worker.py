@@ -57,7 +57,7 @@ from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.pool import EnginePool, load_engine
-from workers.presence import Presence
+from workers.presence import POOL_STATS_SECONDS, Presence
 from workers.progress import read_progress
 from workers.recovery import Reaper
 from workers.rq_registries import (
@@ -323,9 +323,12 @@ class LLMQWorker:
         if self._due_now("loras", WORKER_HEARTBEAT_SECONDS):
             self._sync_adapters()
         learned = self.admin.learn_models()
+        pool = self.pool.snapshot()
+        stats_moved = self.presence.pool_changed(pool)
         if (
             learned
-            or self.presence.pool_changed(self.pool.snapshot())
+            or self.presence.pool_state_changed(pool)
+            or (stats_moved and self._due_now("pool stats", POOL_STATS_SECONDS))
             or self._due_now("presence", WORKER_HEARTBEAT_SECONDS)
         ):
             self._publish()

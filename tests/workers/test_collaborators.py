@@ -188,6 +188,18 @@ def test_presence_learns_model_facts_and_notices_a_changed_pool(conn):
     assert not presence.pool_changed({TINY: "ready"}) and presence.pool_changed({})
 
 
+def test_presence_tells_a_changed_pool_state_from_moving_step_figures(conn):
+    presence = Presence(conn, WorkerInfo(name="w"), {TINY: {"id": TINY}})
+    entry = {"state": "ready", "in_flight": 1, "kv_in_use_mb": 1.5, "prefix_cache": {"hits": 2}}
+    presence.publish("busy", ["j"], {TINY: entry})
+    decoding = {**entry, "kv_in_use_mb": 3.0, "prefix_cache": {"hits": 5}}
+    assert presence.pool_changed({TINY: decoding})
+    assert not presence.pool_state_changed({TINY: decoding})
+    assert presence.pool_state_changed({TINY: {**decoding, "in_flight": 2}})
+    assert presence.pool_state_changed({TINY: {**decoding, "state": "loading"}})
+    assert presence.pool_state_changed({})
+
+
 def job_ends(conn) -> tuple[JobEnds, Leases]:
     leases = Leases(conn, "w", 10)
     running = RunningJobs(pool=None, max_sequences=4)  # type: ignore[arg-type]  # no sequences here
