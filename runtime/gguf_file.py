@@ -7,8 +7,10 @@ code wants them (numpy row-major, `[rows, cols]` = GGUF `ne` reversed).
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -88,23 +90,23 @@ class GGUFFile:
     def _read_rows(self, info: TensorInfo, index: np.ndarray) -> np.ndarray:
         ids = np.asarray(index, dtype=np.int64).reshape(-1)
         data = info.data
-        if info.offset < 0 or data.ndim != 2 or not data.flags.c_contiguous:
-            return data[ids]
         if len(ids) and (ids.min() < 0 or ids.max() >= len(data)):
             raise IndexError(f"{info.name}: row index out of range 0..{len(data) - 1}")
-        out = np.empty((len(ids), data.shape[1]), data.dtype)
+        out = np.empty((len(ids), *data.shape[1:]), data.dtype)
         row_bytes = data.strides[0]
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for i, row in enumerate(ids.tolist()):
-                if (
-                    os.preadv(fd, [out[i].view(np.uint8)], info.offset + row * row_bytes)
-                    != row_bytes
-                ):
-                    raise ModelFormatError(f"{self.path.name}: {info.name} ends before its rows")
-        finally:
-            os.close(fd)
+        for i, row in enumerate(ids.tolist()):
+            at = info.offset + row * row_bytes
+            if os.preadv(self._fd, [out[i].view(np.uint8)], at) != row_bytes:
+                raise ModelFormatError(f"{self.path.name}: {info.name} ends before its rows")
         return out
+
+    @functools.cached_property
+    def _fd(self) -> int:
+        """A descriptor for reading rows, opened at the first lookup and closed with the
+        object: a decode step looks rows up once or twice, and needs no open of its own."""
+        fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, fd)
+        return fd
 
     def _info(self, name: str) -> TensorInfo:
         info = self._tensors.get(name)

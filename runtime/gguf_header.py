@@ -52,7 +52,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # `ne` reversed: numpy order, `[rows, cols]` for a weight
     tensor_type: gguf.GGMLQuantizationType
     data: np.ndarray  # a view of the mapped file, laid out as gguf-py lays it out
-    offset: int = -1  # where `data` starts in the file (-1: not known)
+    offset: int  # where `data` starts in the file (rows are read from there by index)
 
 
 class GGUFHeader:

@@ -95,19 +95,6 @@ def _library(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
 
 
-def _attention_library(defines: tuple[str, ...]) -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return None
-    lib = _library(ATTENTION_SOURCE, defines)
-    if lib is None:
-        return None
-    fn = lib.llmq_paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
-    fn.argtypes += [ctypes.c_int, _ptr]
-    return lib
-
-
 @dataclass(frozen=True)
 class RowKeys:
     """Which keys each packed row sees: `slots[offset[t] : offset[t] + count[t]]` are row
@@ -141,6 +128,9 @@ class PagedAttention:
     def __init__(self, kv_dtype: np.dtype, lib: ctypes.CDLL) -> None:
         self.kv_dtype = kv_dtype
         self._fn = lib.llmq_paged_attention
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+        self._fn.argtypes += [_i64, _i64, ctypes.c_int, _ptr]
 
     def __call__(
         self,
@@ -188,7 +178,9 @@ def paged_attention(kv_dtype: np.dtype | type = np.float32) -> PagedAttention | 
 
 @functools.cache
 def _kernel(kv_dtype: np.dtype) -> PagedAttention | None:
-    lib = _attention_library(KV_BUILDS[kv_dtype])
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    lib = _library(ATTENTION_SOURCE, KV_BUILDS[kv_dtype])
     return PagedAttention(kv_dtype, lib) if lib is not None else None
 
 

@@ -192,14 +192,12 @@ class Int8Weight(_RowStore):
             return torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), self.codes, self.scales
             ).float()
-        return torch.from_numpy(kernel(x.numpy(), self.codes.numpy(), self._float_scales()))
+        return torch.from_numpy(kernel(x.numpy(), self.codes.numpy(), self.float_scales))
 
-    def _float_scales(self) -> np.ndarray:
+    @functools.cached_property
+    def float_scales(self) -> np.ndarray:
         """The bf16 row scales as float32 (exactly), made once: the native kernel's form."""
-        scales = getattr(self, "_scales32", None)
-        if scales is None:
-            scales = self._scales32 = self.scales.float().numpy()
-        return scales
+        return self.scales.float().numpy()
 
     @property
     def nbytes(self) -> int:
