@@ -1,9 +1,9 @@
 """Weights the torch backend prepared, kept on disk so that the next load maps them.
 
-Dequantizing GGUF blocks, packing torch's int4 layout and requantizing the LM head took most
-of a load (bench/RESULTS.md "Load"). What they produce depends only on the file's bytes, the
-kernel plan, torch's version and the CPU, so it is saved once per such key under
-`LLMQ_CACHE_DIR/weights/` and read back with `torch.load(mmap=True)`: a later load, or a
+Dequantizing GGUF blocks, packing 4-bit layouts and requantizing the LM head took most of a
+load (bench/RESULTS.md "Load"). What they produce depends only on the file's bytes, the
+kernels the backend chose, torch's version and the CPU, so it is saved once per such key
+under `LLMQ_CACHE_DIR/weights/` and read back with `torch.load(mmap=True)`: a later load, or a
 second worker process, maps the same file pages instead of building its own copy
 (copy-on-write, so nothing written to a tensor reaches the file). The tensors are the very
 ones the build made, so a model loads bitwise the same either way
@@ -26,7 +26,7 @@ import torch
 from runtime.cache_dir import cache_dir, source_digest, write_atomically
 from runtime.gguf_file import GGUFFile
 from runtime.kernels.base import TensorPart
-from runtime.kernels.cpu import KernelPlan, cpu_features
+from runtime.kernels.cpu import cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,9 @@ class PreparedWeights:
         self.built: dict[str, SavedWeight] = {}
 
     @classmethod
-    def for_file(cls, f: GGUFFile, plan: KernelPlan) -> PreparedWeights | None:
-        """The store for `f` on `plan`, with whatever an earlier load saved; None when the
-        cache is off or the file cannot be read."""
+    def for_file(cls, f: GGUFFile, kernels: dict[str, str]) -> PreparedWeights | None:
+        """The store for `f` under the backend's `kernels` (its `describe()`), with whatever
+        an earlier load saved; None when the cache is off or the file cannot be read."""
         if not enabled():
             return None
         try:
@@ -96,7 +96,7 @@ class PreparedWeights:
             return None
         if content is None:
             return None
-        key = _store_key(content, plan)
+        key = _store_key(content, kernels)
         path = cache_dir() / "weights" / f"{f.path.stem}-{key}.pt"
         return cls(path, _read(path))
 
@@ -123,11 +123,11 @@ class PreparedWeights:
             log.warning("could not save prepared weights to %s (%s)", self.path, exc)
 
 
-def _store_key(digest: str, plan: KernelPlan) -> str:
-    """Everything the prepared tensors depend on besides the file: the plan's weight kinds
-    (neither threads nor the KV cache change a weight), torch's version and the CPU's
-    vector level."""
-    described = {k: v for k, v in plan.describe().items() if k not in ("threads", "kv cache")}
+def _store_key(digest: str, kernels: dict[str, str]) -> str:
+    """Everything the prepared tensors depend on besides the file: the backend's weight
+    kinds and kernels (neither threads nor the KV cache change a weight), torch's version
+    and the CPU's vector level."""
+    described = {k: v for k, v in kernels.items() if k not in ("threads", "kv cache")}
     code = source_digest(*BUILDERS)
     what = json.dumps([digest, described, torch.__version__, cpu_features().level, code])
     return hashlib.sha256(what.encode()).hexdigest()[:20]

@@ -34,7 +34,7 @@ from runtime.kernels.gguf_blocks import (
     quantize_groups,
     read_four_bit,
 )
-from runtime.kernels.native import int8_rows
+from runtime.kernels.native import int4_rows, int8_rows, pack_int4
 from runtime.kernels.prepared import PreparedWeights, SavedWeight, weight_key
 
 INNER_K_TILES = 2  # what the CPU int4 packing accepts (2, 4 or 8); the CPU kernel ignores it
@@ -125,6 +125,50 @@ class Int4Weight(_Product):
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+class BlockInt4Weight(_Product):
+    """GGUF's 4-bit weights as runtime/kernels/int4_rows.c multiplies them: the file's codes
+    with a half scale and min per 32 weights, 8 rows side by side (`native.pack_int4`), and
+    activations rounded to int8 per block of 32, as llama.cpp multiplies Q4_1 by Q8_1.
+    Integer dots make it 2.2-3.4x torch's int4 kernel at 1 to 480 rows on an AVX512-BF16
+    EPYC (bench/RESULTS.md), and each row's result is the same whatever shares its batch.
+    Chosen wherever the kernel builds (`LLMQ_TORCH_INT4=1` keeps `Int4Weight`)."""
+
+    kind = "int4-blocks"
+
+    def __init__(self, q: GroupQuantized, input_scale: np.ndarray | None) -> None:
+        self.shape: tuple[int, int] = q.shape
+        self.packed = torch.from_numpy(pack_int4(q))
+        self.input_scale = _scale(input_scale)
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        scale = {} if self.input_scale is None else {"input_scale": self.input_scale}
+        return {"packed": self.packed} | scale
+
+    @classmethod
+    def restored(cls, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> BlockInt4Weight:
+        weight = cls.__new__(cls)
+        weight.shape, weight.packed = shape, tensors["packed"]
+        weight.input_scale = tensors.get("input_scale")
+        return weight
+
+    @functools.cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+        scale = None if self.input_scale is None else self.input_scale.numpy()
+        return self.packed.numpy(), scale
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """The host forward pass's call: numpy in, numpy out, no tensor in between."""
+        packed, scale = self._arrays
+        return int4_rows()(x, packed, self.shape[0], scale)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self(x.numpy()))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
 
 
 class _RowStore(_Product):
@@ -342,15 +386,19 @@ class RescoredRanking(Int4Weight):
 
 
 WEIGHT_CLASSES = {
-    c.kind: c for c in (Int4Weight, Int8Weight, Bf16Weight, Fp16Weight, RescoredRanking)
+    c.kind: c
+    for c in (Int4Weight, BlockInt4Weight, Int8Weight, Bf16Weight, Fp16Weight, RescoredRanking)
 }
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, plan: KernelPlan | None = None) -> None:
+    def __init__(self, plan: KernelPlan | None = None, *, native_int4: bool = True) -> None:
+        """`native_int4=False` keeps torch's int4 kernel for 4-bit weights even where
+        int4_rows.c builds (tests and benches compare the two)."""
         self.plan = plan or default_plan()
+        self._allow_native_int4 = native_int4
         _give_torch_the_cores(self.plan.threads)
         self.prepared: PreparedWeights | None = None  # while a model file loads
 
@@ -364,7 +412,7 @@ class TorchBackend:
         """A model's weights are built inside this: those an earlier load of the same file
         and plan prepared are mapped from LLMQ_CACHE_DIR (kernels/prepared.py), and the rest
         are saved there for the next load once the model is whole."""
-        self.prepared = PreparedWeights.for_file(f, self.plan)
+        self.prepared = PreparedWeights.for_file(f, self.describe())
         try:
             yield
             if self.prepared is not None:
@@ -385,6 +433,8 @@ class TorchBackend:
         four_bit = all(f.blocks(p.name)[1] in FOUR_BIT_TYPES for p in parts)
         if four_bit and self.plan.four_bit == "int4":
             fused = GroupQuantized.concat([group_part(f, p) for p in parts])
+            if self.native_int4:
+                return BlockInt4Weight(fused, input_scale)
             return Int4Weight(fused, input_scale)
         if four_bit:  # torch's threads dequantize nibbles 3x faster than gguf's numpy
             dense = torch.cat([dequantize_groups(group_part(f, p)) for p in parts]).numpy()
@@ -435,8 +485,18 @@ class TorchBackend:
             self.prepared.add(key, SavedWeight(weight.kind, weight.shape, weight.saved()))
         return weight
 
+    @property
+    def native_int4(self) -> bool:
+        """Whether 4-bit weights go to runtime/kernels/int4_rows.c (else torch's int4)."""
+        native = self._allow_native_int4 and int4_rows() is not None
+        return self.plan.four_bit == "int4" and native
+
     def describe(self) -> dict[str, str]:
-        return {"cpu": cpu_features().level, **self.plan.describe()}
+        described = {"cpu": cpu_features().level, **self.plan.describe()}
+        if self.plan.four_bit == "int4":
+            kernel = "int4_rows.c, int8" if self.native_int4 else "torch, bf16"
+            described["4-bit weights"] = f"int4 ({kernel} activations)"
+        return described
 
     def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
         blocks, qtype, shape = f.blocks(name)

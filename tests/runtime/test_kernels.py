@@ -14,6 +14,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.kernels import TensorPart, get_backend
 from runtime.kernels.cpu import KernelPlan
 from runtime.kernels.gguf_blocks import GroupQuantized, read_four_bit
+from runtime.kernels.native import int4_rows
 from runtime.kernels.torch_backend import (
     MAX_INT8_ROW_ERROR,
     Int4Weight,
@@ -109,9 +110,19 @@ FOUR_BIT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 # every kernel, whatever this CPU's own plan is: AVX-512's and AVX2's
 PLANS = {
     "int4-bf16": KernelPlan("int4", "bf16", "int8", 2, head_fallback="bf16"),
+    "torch-int4-bf16": KernelPlan("int4", "bf16", "int8", 2, head_fallback="bf16"),
     "fp16": KernelPlan("fp16", "fp16", "int8", 2, head_fallback="fp16"),
 }
-KIND_OF_FOUR_BIT = {"int4-bf16": "int4", "fp16": "fp16"}
+# int4_rows.c where it builds (every machine with a C compiler), and torch's int4 kernel
+KIND_OF_FOUR_BIT = {
+    "int4-bf16": "int4-blocks" if int4_rows() is not None else "int4",
+    "torch-int4-bf16": "int4",
+    "fp16": "fp16",
+}
+
+
+def backend_for(plan: str) -> TorchBackend:
+    return TorchBackend(plan=PLANS[plan], native_int4=not plan.startswith("torch-"))
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
@@ -119,7 +130,7 @@ KIND_OF_FOUR_BIT = {"int4-bf16": "int4", "fp16": "fp16"}
 def test_every_type_on_every_plan_matches_the_numpy_backend(tmp_path, qtype, plan):
     f = GGUFFile(write_types(tmp_path / "types.gguf", [qtype]))
     numpy_w = get_backend("numpy").linear(f, [TensorPart("w0")])
-    torch_w = TorchBackend(plan=PLANS[plan]).linear(f, [TensorPart("w0")])
+    torch_w = backend_for(plan).linear(f, [TensorPart("w0")])
     if qtype in FOUR_BIT:
         assert torch_w.kind == KIND_OF_FOUR_BIT[plan]
     assert torch_w.nbytes < numpy_w.nbytes
@@ -137,7 +148,7 @@ def test_fused_parts_with_row_operations_match_the_numpy_backend(tmp_path, plan)
     parts = [TensorPart("w0", order, 0.5), TensorPart("w1")]
     scale = np.random.default_rng(5).uniform(0.5, 1.5, COLS).astype(np.float32)
     exact = get_backend("numpy").linear(f, parts, scale)
-    fast = TorchBackend(plan=PLANS[plan]).linear(f, parts, scale)
+    fast = backend_for(plan).linear(f, parts, scale)
     assert fast.kind == KIND_OF_FOUR_BIT[plan] and fast.shape == exact.shape == (2 * ROWS, COLS)
     for rows in (1, 4):
         x = np.random.default_rng(6).standard_normal((rows, COLS)).astype(np.float32)
@@ -157,7 +168,7 @@ def test_head_is_int8_only_where_accurate_enough(tmp_path, plan):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    f, backend = GGUFFile(path), TorchBackend(plan=PLANS[plan])
+    f, backend = GGUFFile(path), backend_for(plan)
     assert backend.head(f, "smooth").kind == "int8"
     fallback = backend.head(f, "spiky")
     assert fallback.kind == PLANS[plan].head_fallback
@@ -181,7 +192,7 @@ def test_int8_is_taken_only_where_its_row_error_is_small():
 def tiny_q4_model(request, tmp_path_factory):
     """A tiny llama whose layers are all Q4_1, on each plan's kernels."""
     path = write_tiny_llama(tmp_path_factory.mktemp("int4") / "q4.gguf", layer_type=Q.Q4_1)
-    model = load_model(GGUFFile(path), TorchBackend(plan=PLANS[request.param]))
+    model = load_model(GGUFFile(path), backend_for(request.param))
     return request.param, model
 
 
