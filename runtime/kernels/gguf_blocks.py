@@ -17,11 +17,13 @@ import numpy as np
 GROUP_SIZE = 32  # weights per (scale, min) pair in every 4-bit type below
 Q = gguf.GGMLQuantizationType
 FOUR_BIT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+FIVE_BIT_TYPES = frozenset({Q.Q5_0, Q.Q5_1})
 
 
 @dataclass
 class GroupQuantized:
-    """Rows of `code * scale + min`: codes `[N, K]` uint8 in 0..15, scales/mins `[N, K/32]`."""
+    """Rows of `code * scale + min`: codes `[N, K]` uint8 in 0..15 (0..31 read from a
+    5-bit type), scales/mins `[N, K/32]`."""
 
     codes: np.ndarray
     scales: np.ndarray  # float32
@@ -71,6 +73,27 @@ def read_four_bit(blocks: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Group
         codes = np.concatenate([packed & 15, packed >> 4], axis=-1)  # [N, G, 32]
         return GroupQuantized(codes.reshape(n, k), scales, mins)
     raise ValueError(f"{qtype.name} is not a 4-bit block type")
+
+
+def read_five_bit(blocks: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupQuantized:
+    """Decode Q5_0 (`(code - 16) * scale`) or Q5_1 (`code * scale + min`) raw bytes: a
+    float16 scale (and min), 32 fifth bits (bit j is weight j's), 16 bytes of nibbles
+    (weight j low, weight j + 16 high)."""
+    if qtype not in FIVE_BIT_TYPES:
+        raise ValueError(f"{qtype.name} is not a 5-bit block type")
+    n, k = shape
+    block_bytes = 22 if qtype == Q.Q5_0 else 24
+    raw = np.asarray(blocks, np.uint8).reshape(n, k // GROUP_SIZE, block_bytes)
+    scales = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == Q.Q5_0:
+        mins = scales * np.float32(-16)
+    else:
+        mins = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    high_at = block_bytes - 20
+    fifth = np.unpackbits(raw[..., high_at : high_at + 4], axis=-1, bitorder="little")
+    packed = raw[..., block_bytes - 16 :]
+    codes = np.concatenate([packed & 15, packed >> 4], axis=-1) | (fifth << 4)
+    return GroupQuantized(codes.reshape(n, k), scales, mins)
 
 
 def _read_q4_k(raw: np.ndarray, n: int, k: int) -> GroupQuantized:

@@ -6,9 +6,9 @@ with ctypes.
 - `int8_rows.c` is the product with int8-per-row weights (the LM head where int8 holds it,
   runtime/kernels/torch_backend.py `Int8Weight`): integer dot products over activations
   rounded to int8 per block of 32, as llama.cpp multiplies its Q8_0 head.
-- `int4_rows.c` is the product with GGUF's 4-bit weights (`BlockInt4Weight` there), over
-  activations rounded the same way, as llama.cpp multiplies Q4_1 by Q8_1; `pack_int4` lays
-  the weights out for it.
+- `lowbit_rows.c` is the product with GGUF's 4- and 5-bit weights (`LowBitWeight` there),
+  over activations rounded the same way, as llama.cpp multiplies Q4_1 by Q8_1;
+  `pack_lowbit` lays the weights out for it.
 
 Each is compiled the first time a process asks for it, into `LLMQ_CACHE_DIR` (default
 `~/.cache/llmq`) under a name that hashes the source, the flags and this CPU's feature
@@ -19,7 +19,7 @@ runtime/kernels/core_share.py gives torch, and on one where no torch backend sha
 cores (the numpy backend's OpenBLAS threads spin after each product: two spinning teams on
 two cores slowed a test 12x).
 
-Where no compiler works, `paged_attention()`, `int8_rows()` and `int4_rows()` are None and
+Where no compiler works, `paged_attention()`, `int8_rows()` and `lowbit_rows()` are None and
 their callers keep their numpy or torch path; the reason is logged once.
 """
 
@@ -46,7 +46,7 @@ log = logging.getLogger("llmq.kernels")
 
 ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.c")
 INT8_ROWS_SOURCE = Path(__file__).with_name("int8_rows.c")
-INT4_ROWS_SOURCE = Path(__file__).with_name("int4_rows.c")
+LOWBIT_ROWS_SOURCE = Path(__file__).with_name("lowbit_rows.c")
 # no -ffast-math: the order of every sum is the source's, on every row
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-shared", "-fPIC")
 FLAGS += ("-fno-math-errno",)
@@ -242,38 +242,47 @@ def int8_rows() -> Int8Rows | None:
     return Int8Rows(lib) if lib is not None else None
 
 
-INT4_ENV = "LLMQ_TORCH_INT4"  # "1": 4-bit weights keep torch's int4 kernel (benches compare)
-INT4_GROUP = 8  # weight rows packed side by side (int4_rows.c's lanes)
-INT4_GROUP_BYTES = 160  # one group's block of 32 columns: codes, 8 half scales, 8 half mins
+LOWBIT_ENV = "LLMQ_TORCH_INT4"  # "1": 4- and 5-bit weights keep torch's kernels (benches)
+LOWBIT_GROUP = 8  # weight rows packed side by side (lowbit_rows.c's lanes)
+# bytes of one group's block of 32 columns: codes, then 8 half scales and 8 half mins
+LOWBIT_GROUP_BYTES = {4: 160, 5: 192}
 
 
-def pack_int4(q: GroupQuantized) -> np.ndarray:
-    """int4_rows.c's layout of `q` (see the layout there): `[groups, K / 32, 160]` uint8.
-    Rows are padded to a multiple of 8 with zeros; scales and mins are kept as IEEE half
-    (exactly the file's for Q4_0 and Q4_1, 11 significant bits of Q4_K's products)."""
+def pack_lowbit(q: GroupQuantized, bits: int) -> np.ndarray:
+    """lowbit_rows.c's layout of `q` (codes below 2**bits; see the layout there):
+    `[groups, K / 32, LOWBIT_GROUP_BYTES[bits]]` uint8. Rows are padded to a multiple of 8
+    with zeros; scales and mins are kept as IEEE half (exactly the file's for Q4_0, Q4_1,
+    Q5_0 and Q5_1, 11 significant bits of Q4_K's products)."""
     n, k = q.shape
-    groups, blocks = -(-n // INT4_GROUP), k // INT8_BLOCK
-    pad = groups * INT4_GROUP - n
+    groups, blocks, size = -(-n // LOWBIT_GROUP), k // INT8_BLOCK, LOWBIT_GROUP_BYTES[bits]
+    pad = groups * LOWBIT_GROUP - n
     codes, scales, mins = q.codes, q.scales, q.mins
     if pad:
         codes = np.concatenate([codes, np.zeros((pad, k), np.uint8)])
         scales = np.concatenate([scales, np.zeros((pad, blocks), np.float32)])
         mins = np.concatenate([mins, np.zeros((pad, blocks), np.float32)])
-    grouped = codes.reshape(groups, INT4_GROUP, blocks, 2, 4, 4)  # [g, j, b, half, c, i]
-    nibbles = grouped[:, :, :, 0] | (grouped[:, :, :, 1] << 4)  # [g, j, b, c, i]
-    packed = np.empty((groups, blocks, INT4_GROUP_BYTES), np.uint8)
+    grouped = codes.reshape(groups, LOWBIT_GROUP, blocks, 2, 4, 4)  # [g, j, b, half, c, i]
+    nibbles = (grouped[:, :, :, 0] & 15) | ((grouped[:, :, :, 1] & 15) << 4)  # [g, j, b, c, i]
+    packed = np.empty((groups, blocks, size), np.uint8)
     packed[..., :128] = nibbles.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 128)
-    for start, values in ((128, scales), (144, mins)):
-        half = values.astype(np.float16).reshape(groups, INT4_GROUP, blocks).transpose(0, 2, 1)
+    if bits == 5:  # plane t, bit j * 4 + i: bit 4 of row j's code 4t + i
+        fifth = (codes.reshape(groups, LOWBIT_GROUP, blocks, 8, 4) >> 4) & 1  # [g, j, b, t, i]
+        planes = fifth.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 8, 32)
+        packed[..., 128:160] = np.packbits(planes, axis=-1, bitorder="little").reshape(
+            groups, blocks, 32
+        )
+    for start, values in ((size - 32, scales), (size - 16, mins)):
+        half = values.astype(np.float16).reshape(groups, LOWBIT_GROUP, blocks).transpose(0, 2, 1)
         packed[..., start : start + 16] = np.ascontiguousarray(half).view(np.uint8)
     return packed
 
 
-class Int4Rows:
-    """`__call__` multiplies float32 rows by 4-bit weights packed by `pack_int4`."""
+class LowBitRows:
+    """`__call__` multiplies float32 rows by `bits`-bit weights packed by `pack_lowbit`."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.llmq_int4_rows
+    def __init__(self, lib: ctypes.CDLL, bits: int) -> None:
+        self.bits = bits
+        self._fn = lib.llmq_lowbit_rows
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int, _ptr]
 
@@ -283,7 +292,7 @@ class Int4Rows:
         """x `[T, K]` float32 (times `input_scale` `[K]` first) -> `[T, n]`."""
         x = np.ascontiguousarray(x, np.float32)
         rows, k = x.shape
-        shape = (-(-n // INT4_GROUP), k // INT8_BLOCK, INT4_GROUP_BYTES)
+        shape = (-(-n // LOWBIT_GROUP), k // INT8_BLOCK, LOWBIT_GROUP_BYTES[self.bits])
         if packed.dtype != np.uint8 or packed.shape != shape or not packed.flags.c_contiguous:
             raise ValueError(f"packed must be C-contiguous uint8 {shape}")
         if k % INT8_BLOCK:
@@ -304,15 +313,15 @@ class Int4Rows:
             out.ctypes.data,
         )
         if failed:
-            raise MemoryError("the int4 product could not allocate its quantized rows")
+            raise MemoryError("the low-bit product could not allocate its quantized rows")
         return out
 
 
 @functools.cache
-def int4_rows() -> Int4Rows | None:
-    """The 4-bit product compiled for this CPU, or None where it cannot be built here (or
-    `LLMQ_TORCH_INT4=1` asks for torch's)."""
-    if os.environ.get(INT4_ENV, "") not in ("", "0"):
+def lowbit_rows(bits: int = 4) -> LowBitRows | None:
+    """The product for `bits`-bit codes (4 or 5) compiled for this CPU, or None where it
+    cannot be built here (or `LLMQ_TORCH_INT4=1` asks for torch's kernels)."""
+    if os.environ.get(LOWBIT_ENV, "") not in ("", "0"):
         return None
-    lib = _library(INT4_ROWS_SOURCE)
-    return Int4Rows(lib) if lib is not None else None
+    lib = _library(LOWBIT_ROWS_SOURCE, (f"-DCODE_BITS={bits}",))
+    return LowBitRows(lib, bits) if lib is not None else None

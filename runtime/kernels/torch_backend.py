@@ -28,13 +28,15 @@ from runtime.kernels.base import TensorPart
 from runtime.kernels.core_share import share_cores
 from runtime.kernels.cpu import KernelPlan, cpu_features, default_plan
 from runtime.kernels.gguf_blocks import (
+    FIVE_BIT_TYPES,
     FOUR_BIT_TYPES,
     GROUP_SIZE,
     GroupQuantized,
     quantize_groups,
+    read_five_bit,
     read_four_bit,
 )
-from runtime.kernels.native import int4_rows, int8_rows, pack_int4
+from runtime.kernels.native import int8_rows, lowbit_rows, pack_lowbit
 from runtime.kernels.prepared import PreparedWeights, SavedWeight, weight_key
 
 INNER_K_TILES = 2  # what the CPU int4 packing accepts (2, 4 or 8); the CPU kernel ignores it
@@ -127,31 +129,40 @@ class Int4Weight(_Product):
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
-class BlockInt4Weight(_Product):
-    """GGUF's 4-bit weights as runtime/kernels/int4_rows.c multiplies them: the file's codes
-    with a half scale and min per 32 weights, 8 rows side by side (`native.pack_int4`), and
-    activations rounded to int8 per block of 32, as llama.cpp multiplies Q4_1 by Q8_1.
-    Integer dots make it 2.2-3.4x torch's int4 kernel at 1 to 480 rows on an AVX512-BF16
-    EPYC (bench/RESULTS.md), and each row's result is the same whatever shares its batch.
-    Chosen wherever the kernel builds (`LLMQ_TORCH_INT4=1` keeps `Int4Weight`)."""
+class LowBitWeight(_Product):
+    """GGUF's 4- and 5-bit weights as runtime/kernels/lowbit_rows.c multiplies them: the
+    file's codes with a half scale and min per 32 weights, 8 rows side by side
+    (`native.pack_lowbit`), and activations rounded to int8 per block of 32, as llama.cpp
+    multiplies Q4_1 by Q8_1. Integer dots made SmolLM2's layer products 2.2-3.4x torch's
+    int4 kernel at 1 to 480 rows on an AVX512-BF16 EPYC (bench/RESULTS.md), and a row's
+    result is the same whatever shares its batch. Chosen wherever the kernel builds
+    (`LLMQ_TORCH_INT4=1` keeps `Int4Weight` for 4-bit and the dense kind for 5-bit)."""
 
-    kind = "int4-blocks"
+    kinds = {4: "int4-blocks", 5: "int5-blocks"}
 
-    def __init__(self, q: GroupQuantized, input_scale: np.ndarray | None) -> None:
+    def __init__(self, q: GroupQuantized, bits: int, input_scale: np.ndarray | None) -> None:
         self.shape: tuple[int, int] = q.shape
-        self.packed = torch.from_numpy(pack_int4(q))
+        self.bits = bits
+        self.packed = torch.from_numpy(pack_lowbit(q, bits))
         self.input_scale = _scale(input_scale)
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[self.bits]
 
     def saved(self) -> dict[str, torch.Tensor]:
         scale = {} if self.input_scale is None else {"input_scale": self.input_scale}
         return {"packed": self.packed} | scale
 
     @classmethod
-    def restored(cls, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> BlockInt4Weight:
-        weight = cls.__new__(cls)
-        weight.shape, weight.packed = shape, tensors["packed"]
-        weight.input_scale = tensors.get("input_scale")
-        return weight
+    def restorer(cls, bits: int) -> Callable[[tuple[int, int], dict], LowBitWeight]:
+        def restored(shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> LowBitWeight:
+            weight = cls.__new__(cls)
+            weight.shape, weight.bits, weight.packed = shape, bits, tensors["packed"]
+            weight.input_scale = tensors.get("input_scale")
+            return weight
+
+        return restored
 
     @functools.cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
@@ -161,7 +172,7 @@ class BlockInt4Weight(_Product):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """The host forward pass's call: numpy in, numpy out, no tensor in between."""
         packed, scale = self._arrays
-        return int4_rows()(x, packed, self.shape[0], scale)
+        return lowbit_rows(self.bits)(x, packed, self.shape[0], scale)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self(x.numpy()))
@@ -386,19 +397,18 @@ class RescoredRanking(Int4Weight):
 
 
 WEIGHT_CLASSES = {
-    c.kind: c
-    for c in (Int4Weight, BlockInt4Weight, Int8Weight, Bf16Weight, Fp16Weight, RescoredRanking)
-}
+    c.kind: c.restored for c in (Int4Weight, Int8Weight, Bf16Weight, Fp16Weight, RescoredRanking)
+} | {kind: LowBitWeight.restorer(bits) for bits, kind in LowBitWeight.kinds.items()}
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, plan: KernelPlan | None = None, *, native_int4: bool = True) -> None:
-        """`native_int4=False` keeps torch's int4 kernel for 4-bit weights even where
-        int4_rows.c builds (tests and benches compare the two)."""
+    def __init__(self, plan: KernelPlan | None = None, *, native_lowbit: bool = True) -> None:
+        """`native_lowbit=False` keeps torch's kernels for 4- and 5-bit weights even where
+        lowbit_rows.c builds (tests and benches compare the two)."""
         self.plan = plan or default_plan()
-        self._allow_native_int4 = native_int4
+        self._allow_native = native_lowbit
         _give_torch_the_cores(self.plan.threads)
         self.prepared: PreparedWeights | None = None  # while a model file loads
 
@@ -430,11 +440,13 @@ class TorchBackend:
         return weight
 
     def _build(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None):
-        four_bit = all(f.blocks(p.name)[1] in FOUR_BIT_TYPES for p in parts)
+        types = {f.blocks(p.name)[1] for p in parts}
+        four_bit = types <= FOUR_BIT_TYPES
+        if self.native_lowbit and types <= FOUR_BIT_TYPES | FIVE_BIT_TYPES:
+            fused = GroupQuantized.concat([group_part(f, p) for p in parts])
+            return LowBitWeight(fused, 4 if four_bit else 5, input_scale)
         if four_bit and self.plan.four_bit == "int4":
             fused = GroupQuantized.concat([group_part(f, p) for p in parts])
-            if self.native_int4:
-                return BlockInt4Weight(fused, input_scale)
             return Int4Weight(fused, input_scale)
         if four_bit:  # torch's threads dequantize nibbles 3x faster than gguf's numpy
             dense = torch.cat([dequantize_groups(group_part(f, p)) for p in parts]).numpy()
@@ -478,7 +490,7 @@ class TorchBackend:
         saved = self.prepared.get(key) if self.prepared is not None else None
         if saved is None:
             return None
-        return WEIGHT_CLASSES[saved.kind].restored(saved.shape, saved.tensors)
+        return WEIGHT_CLASSES[saved.kind](saved.shape, saved.tensors)
 
     def _kept(self, key: str, weight):
         if self.prepared is not None:
@@ -486,16 +498,19 @@ class TorchBackend:
         return weight
 
     @property
-    def native_int4(self) -> bool:
-        """Whether 4-bit weights go to runtime/kernels/int4_rows.c (else torch's int4)."""
-        native = self._allow_native_int4 and int4_rows() is not None
-        return self.plan.four_bit == "int4" and native
+    def native_lowbit(self) -> bool:
+        """Whether 4- and 5-bit weights go to runtime/kernels/lowbit_rows.c: on the int4
+        plans, where it builds (else torch's int4, and 5-bit as the plan's other kind)."""
+        native = self._allow_native and lowbit_rows(4) is not None
+        return self.plan.four_bit == "int4" and native and lowbit_rows(5) is not None
 
     def describe(self) -> dict[str, str]:
         described = {"cpu": cpu_features().level, **self.plan.describe()}
-        if self.plan.four_bit == "int4":
-            kernel = "int4_rows.c, int8" if self.native_int4 else "torch, bf16"
-            described["4-bit weights"] = f"int4 ({kernel} activations)"
+        if self.native_lowbit:
+            described["4-bit weights"] = "int4 (lowbit_rows.c, int8 activations)"
+            described["5-bit weights"] = "int5 (lowbit_rows.c, int8 activations)"
+        elif self.plan.four_bit == "int4":
+            described["4-bit weights"] = "int4 (torch, bf16 activations)"
         return described
 
     def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
@@ -513,7 +528,9 @@ class TorchBackend:
         if role != "linear":
             return 4 * n
         if qtype in FOUR_BIT_TYPES and self.plan.four_bit == "int4":
-            return n // 2 + 4 * (n // GROUP_SIZE)  # nibbles, then a bf16 scale and zero a group
+            return n // 2 + 4 * (n // GROUP_SIZE)  # nibbles, then two halves a group
+        if qtype in FIVE_BIT_TYPES and self.native_lowbit:
+            return 5 * n // 8 + 4 * (n // GROUP_SIZE)  # nibbles and fifth bits, two halves
         return 2 * n
 
     def _head_kind(self, f: GGUFFile, name: str) -> str:
@@ -543,7 +560,8 @@ def dequantize_groups(q: GroupQuantized) -> torch.Tensor:
 
 def group_part(f: GGUFFile, part: TensorPart) -> GroupQuantized:
     blocks, qtype, shape = f.blocks(part.name)
-    q = read_four_bit(blocks, qtype, (shape[0], shape[1]))
+    read = read_five_bit if qtype in FIVE_BIT_TYPES else read_four_bit
+    q = read(blocks, qtype, (shape[0], shape[1]))
     if part.row_order is not None:
         q = q.take_rows(part.row_order)
     return q.scaled(part.scale) if part.scale != 1.0 else q

@@ -13,8 +13,8 @@ import torch
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import TensorPart, get_backend
 from runtime.kernels.cpu import KernelPlan
-from runtime.kernels.gguf_blocks import GroupQuantized, read_four_bit
-from runtime.kernels.native import int4_rows
+from runtime.kernels.gguf_blocks import GroupQuantized, read_five_bit, read_four_bit
+from runtime.kernels.native import lowbit_rows
 from runtime.kernels.torch_backend import (
     MAX_INT8_ROW_ERROR,
     Int4Weight,
@@ -76,6 +76,16 @@ def test_four_bit_blocks_read_as_exactly_what_gguf_dequantizes(qtype):
     )
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1])
+def test_five_bit_blocks_read_as_exactly_what_gguf_dequantizes(qtype):
+    raw = quantized(qtype)
+    group = read_five_bit(raw, qtype, (ROWS, COLS))
+    assert group.codes.max() <= 31 and group.codes.max() > 15
+    np.testing.assert_array_equal(
+        group.dequantize(), gguf.quants.dequantize(raw, qtype).reshape(ROWS, COLS)
+    )
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
 def test_int4_layout_holds_the_file_values_up_to_bf16_scales(qtype):
     """The int4 product equals bf16(x) @ W' where W' is the file's W with each group's
@@ -107,6 +117,7 @@ def test_four_bit_row_operations_commute_with_dequantization():
 
 ALL_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 FOUR_BIT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+FIVE_BIT = (Q.Q5_0, Q.Q5_1)
 # every kernel, whatever this CPU's own plan is: AVX-512's and AVX2's
 PLANS = {
     "int4-bf16": KernelPlan("int4", "bf16", "int8", 2, head_fallback="bf16"),
@@ -114,15 +125,16 @@ PLANS = {
     "fp16": KernelPlan("fp16", "fp16", "int8", 2, head_fallback="fp16"),
 }
 # int4_rows.c where it builds (every machine with a C compiler), and torch's int4 kernel
+NATIVE = lowbit_rows(4) is not None and lowbit_rows(5) is not None
 KIND_OF_FOUR_BIT = {
-    "int4-bf16": "int4-blocks" if int4_rows() is not None else "int4",
+    "int4-bf16": "int4-blocks" if NATIVE else "int4",
     "torch-int4-bf16": "int4",
     "fp16": "fp16",
 }
 
 
 def backend_for(plan: str) -> TorchBackend:
-    return TorchBackend(plan=PLANS[plan], native_int4=not plan.startswith("torch-"))
+    return TorchBackend(plan=PLANS[plan], native_lowbit=not plan.startswith("torch-"))
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
@@ -133,6 +145,9 @@ def test_every_type_on_every_plan_matches_the_numpy_backend(tmp_path, qtype, pla
     torch_w = backend_for(plan).linear(f, [TensorPart("w0")])
     if qtype in FOUR_BIT:
         assert torch_w.kind == KIND_OF_FOUR_BIT[plan]
+    if qtype in FIVE_BIT:
+        native = plan == "int4-bf16" and NATIVE
+        assert torch_w.kind == ("int5-blocks" if native else PLANS[plan].other)
     assert torch_w.nbytes < numpy_w.nbytes
     rms = lambda a: float(np.sqrt(np.mean(a**2)))  # noqa: E731
     for rows in (1, 3):

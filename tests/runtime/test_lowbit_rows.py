@@ -1,7 +1,7 @@
-"""runtime/kernels/int4_rows.c: the 4-bit product against an independent numpy statement of
-its arithmetic, its rows' independence from their batch, and its AVX2 build giving the VNNI
-build's numbers. Its accuracy on the real models is held by tests/runtime/test_golden.py
-(teacher-forced top-1 against llama.cpp and float32)."""
+"""runtime/kernels/lowbit_rows.c: the 4- and 5-bit products against an independent numpy
+statement of their arithmetic, their rows' independence from their batch, and their AVX2
+builds giving the VNNI builds' numbers. Their accuracy on the real models is held by
+tests/runtime/test_golden.py (teacher-forced top-1 against llama.cpp and float32)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 from runtime.kernels import native
 from runtime.kernels.cpu import cpu_features
 from runtime.kernels.gguf_blocks import GroupQuantized, quantize_groups
-from runtime.kernels.native import INT8_BLOCK, Int4Rows, int4_rows, pack_int4
+from runtime.kernels.native import INT8_BLOCK, LowBitRows, lowbit_rows, pack_lowbit
 
-pytestmark = pytest.mark.skipif(int4_rows() is None, reason="no C compiler for the kernel")
+pytestmark = pytest.mark.skipif(lowbit_rows() is None, reason="no C compiler for the kernel")
+BITS = [4, 5]
 
 
 def _quantized_activations(x: np.ndarray) -> np.ndarray:
@@ -27,8 +28,12 @@ def _quantized_activations(x: np.ndarray) -> np.ndarray:
     return (codes.astype(np.float64) * scale).reshape(x.shape)
 
 
-def _weights(rng: np.random.Generator, n: int, k: int) -> GroupQuantized:
-    return quantize_groups((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+def _weights(rng: np.random.Generator, n: int, k: int, bits: int) -> GroupQuantized:
+    """4-bit groups; for 5 bits, the same with random fifth bits on their codes."""
+    q = quantize_groups((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+    if bits == 5:
+        q.codes = q.codes | (rng.integers(0, 2, q.codes.shape, dtype=np.uint8) << 4)
+    return q
 
 
 def _stored(q: GroupQuantized) -> np.ndarray:
@@ -39,56 +44,64 @@ def _stored(q: GroupQuantized) -> np.ndarray:
     return (groups * half(q.scales)[..., None] + half(q.mins)[..., None]).reshape(n, k)
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n, k", [(13, 64), (256, 576), (1030, 640), (96, 1536)])
-def test_product_is_the_blockwise_rounded_rows_times_the_weights(n, k):
+def test_product_is_the_blockwise_rounded_rows_times_the_weights(n, k, bits):
     rng = np.random.default_rng(n + k)
-    q = _weights(rng, n, k)
+    q = _weights(rng, n, k, bits)
     x = rng.standard_normal((6, k)).astype(np.float32)
     x[1] *= 40.0  # a row far from unit scale
     x[2, :INT8_BLOCK] = 0.0  # an all-zero block
     input_scale = rng.uniform(0.5, 1.5, k).astype(np.float32)
-    got = int4_rows()(x, pack_int4(q), n, input_scale)
+    kernel, packed = lowbit_rows(bits), pack_lowbit(q, bits)
+    got = kernel(x, packed, n, input_scale)
     expected = _quantized_activations(x * input_scale) @ _stored(q).T
     assert got.shape == (6, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    without = int4_rows()(x, pack_int4(q), n)
+    without = kernel(x, packed, n)
     np.testing.assert_allclose(
         without, _quantized_activations(x) @ _stored(q).T, rtol=1e-5, atol=1e-4
     )
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("bits", BITS)
+def test_a_rows_result_does_not_depend_on_its_batch(bits):
     rng = np.random.default_rng(3)
     n, k = 203, 576  # not a multiple of the kernel's groups or tiles
-    packed = pack_int4(_weights(rng, n, k))
+    kernel, packed = lowbit_rows(bits), pack_lowbit(_weights(rng, n, k, bits), bits)
     x = rng.standard_normal((37, k)).astype(np.float32)
-    alone = np.concatenate([int4_rows()(x[i : i + 1], packed, n) for i in range(len(x))])
+    alone = np.concatenate([kernel(x[i : i + 1], packed, n) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 8, 9, 32, 37):
-        batched = int4_rows()(x[:rows], packed, n)
+        batched = kernel(x[:rows], packed, n)
         assert np.array_equal(batched, alone[:rows]), f"rows differ in a call of {rows}"
 
 
 @pytest.mark.skipif(
     "avx512_vnni" not in cpu_features().flags, reason="this CPU builds the AVX2 path anyway"
 )
-def test_the_avx2_build_gives_the_vnni_builds_numbers():
-    """An AVX2-only machine (vpmaddubsw + vpmaddwd) computes the same exact int32 dots as
-    VNNI's vpdpbusd, so a sequence gets the same logits on either kind of CPU."""
-    avx2 = native._library(native.INT4_ROWS_SOURCE, ("-mno-avx512vnni", "-mno-avxvnni"))
+@pytest.mark.parametrize("bits", BITS)
+def test_the_avx2_build_gives_the_vnni_builds_numbers(bits):
+    """An AVX2-only machine (vpmaddubsw + vpmaddwd, and the fifth bits spread without
+    AVX512BW's masks) computes the same exact int32 dots as VNNI's vpdpbusd, so a sequence
+    gets the same logits on either kind of CPU."""
+    flags = (f"-DCODE_BITS={bits}", "-mno-avx512vnni", "-mno-avxvnni", "-mno-avx512bw")
+    avx2 = native._library(native.LOWBIT_ROWS_SOURCE, flags)
     assert avx2 is not None
     rng = np.random.default_rng(11)
     n, k = 200, 1536
-    packed = pack_int4(_weights(rng, n, k))
+    packed = pack_lowbit(_weights(rng, n, k, bits), bits)
     x = rng.standard_normal((9, k)).astype(np.float32) * 30
-    assert np.array_equal(Int4Rows(avx2)(x, packed, n), int4_rows()(x, packed, n))
+    assert np.array_equal(LowBitRows(avx2, bits)(x, packed, n), lowbit_rows(bits)(x, packed, n))
 
 
 def test_bad_arguments_are_refused_before_the_kernel_runs():
-    kernel = int4_rows()
-    packed = pack_int4(_weights(np.random.default_rng(1), 16, 64))
+    kernel = lowbit_rows(4)
+    packed = pack_lowbit(_weights(np.random.default_rng(1), 16, 64, 4), 4)
     with pytest.raises(ValueError, match="packed"):
         kernel(np.zeros((1, 96), np.float32), packed, 16)
     with pytest.raises(ValueError, match="packed"):
         kernel(np.zeros((1, 64), np.float32), packed, 24)
     with pytest.raises(ValueError, match="input_scale"):
         kernel(np.zeros((1, 64), np.float32), packed, 16, np.ones(64, np.float64))
+    with pytest.raises(ValueError, match="packed"):  # a 4-bit packing given to the 5-bit kernel
+        lowbit_rows(5)(np.zeros((1, 64), np.float32), packed, 16)

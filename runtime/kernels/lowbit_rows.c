@@ -1,5 +1,5 @@
-/* A product with 4-bit weights (GGUF Q4_0, Q4_1, Q4_K) as integer dot products, one fixed
- * order of arithmetic per output.
+/* A product with 4- and 5-bit weights (GGUF Q4_0, Q4_1, Q4_K; Q5_0, Q5_1) as integer dot
+ * products, one fixed order of arithmetic per output.
  *
  * Why: torch's int4 kernel takes bf16 activations and widens every weight to floats for
  * every row it is given; on a 2-core AVX512-BF16 EPYC all 210 SmolLM2 layer products took
@@ -8,7 +8,7 @@
  * 4-bit codes (unsigned, 0..15) meet those int8s in one integer dot instruction (VNNI's
  * vpdpbusd, else AVX2's vpmaddubsw + vpmaddwd: the same exact int32s).
  *
- * Weights are packed by runtime/kernels/native.py `pack_int4` in groups of 8 rows, so that
+ * Weights are packed by runtime/kernels/native.py `pack_lowbit` in groups of 8 rows, so that
  * lane j of every vector is output row j of the group and one block's dot of a whole
  * group is 8 instructions with no horizontal sums (the layout of llama.cpp's x86 "repack"
  * kernels, written here for the per-row float scale and min of GGUF's 4-bit types):
@@ -18,6 +18,10 @@
  *              and code 16 + 4c + i in its high one (c in 0..3, j in 0..7, i in 0..3)
  *   [128, 144) the 8 rows' scales, IEEE half
  *   [144, 160) the 8 rows' mins, IEEE half (weight = code * scale + min)
+ *
+ * Built with -DCODE_BITS=5 (GGUF Q5_0, Q5_1: codes 0..31), 32 bytes of fifth bits follow
+ * the nibbles: bit j * 4 + i of the little-endian uint32 at 128 + 4t is bit 4 of row j's
+ * code 4t + i; scales and mins move to [160, 176) and [176, 192).
  *
  * out[m, n] = D + M, where D sums dot_b(codes[n], xq[m]) * (scale[n, b] * xs[m, b]) and M
  * sums min[n, b] * (xs[m, b] * sum_b(xq[m])) over blocks b in block order, each block's dot
@@ -37,12 +41,22 @@
 #include <string.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
-#error "int4_rows.c needs AVX2, FMA and F16C (every CPU llmq runs on has them)"
+#error "lowbit_rows.c needs AVX2, FMA and F16C (every CPU llmq runs on has them)"
 #endif
 
 #define BLOCK 32
 #define GROUP 8
-#define GROUP_BYTES 160
+#ifndef CODE_BITS
+#define CODE_BITS 4
+#endif
+#if CODE_BITS == 4
+#define CODE_BYTES 128
+#elif CODE_BITS == 5 /* the nibbles, then the fifth bits: 8 planes of 32 bits */
+#define CODE_BYTES 160
+#else
+#error "CODE_BITS is 4 or 5"
+#endif
+#define GROUP_BYTES (CODE_BYTES + 32)
 #define ROW_TILE 4      /* activation rows sharing each unpacked block of a group */
 #define GROUP_CHUNK 4   /* groups per OpenMP work item (32 output rows) */
 #define QUANTIZE_ROWS 8 /* rows at which quantizing goes parallel */
@@ -83,6 +97,24 @@ static inline void quantize_block(const float *x, const float *input_scale, int8
     *s = scale * (float)_mm_cvtsi128_si32(t4);
 }
 
+#if CODE_BITS == 5
+/* 32 bits -> 32 bytes, byte b 16 where bit b is set, else 0 */
+static inline __m256i fifth_bits(const uint8_t *plane) {
+    uint32_t bits;
+    memcpy(&bits, plane, sizeof bits);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
+#else /* byte b takes bits' byte b / 8, then is all ones iff its bit b % 8 was set */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+#endif
+}
+#endif
+
 /* the 8 rows' exact dots with one block of activations: lane j is row j's. Four partial
  * sums, added at the end, so that no instruction waits on the one before it (the sums
  * are exact, so their order changes nothing). */
@@ -94,12 +126,18 @@ static inline __m256i group_dot(const __m256i codes[8], const int8_t *a) {
     for (int t = 0; t < 4; t++) part[t] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes[t], _mm256_set1_epi32(quad[t]));
     for (int t = 0; t < 4; t++) part[t] = _mm256_dpbusd_epi32(part[t], codes[t + 4], _mm256_set1_epi32(quad[t + 4]));
     return _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_add_epi32(part[2], part[3]));
-#else /* code <= 15, |a| <= 127: a pair is <= 3810 and 8 pairs' sums stay below 2^15 */
+#else
     for (int t = 0; t < 4; t++)
         part[t] = _mm256_add_epi16(_mm256_maddubs_epi16(codes[t], _mm256_set1_epi32(quad[t])),
                                    _mm256_maddubs_epi16(codes[t + 4], _mm256_set1_epi32(quad[t + 4])));
+#if CODE_BITS == 4 /* code <= 15, |a| <= 127: a pair is <= 3810 and 8 pairs' sums stay below 2^15 */
     const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part[0], part[1]), _mm256_add_epi16(part[2], part[3]));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else /* code <= 31: 2 pairs' sums (<= 15748) are all int16 holds */
+    const __m256i one = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(part[0], one), _mm256_madd_epi16(part[1], one)),
+                            _mm256_add_epi32(_mm256_madd_epi16(part[2], one), _mm256_madd_epi16(part[3], one)));
+#endif
 #endif
 }
 
@@ -118,8 +156,11 @@ static inline __attribute__((always_inline)) void tile(quantized_rows x, const u
             codes[c] = _mm256_and_si256(packed, low);
             codes[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
         }
-        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 128)));
-        const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 144)));
+#if CODE_BITS == 5
+        for (int t = 0; t < 8; t++) codes[t] = _mm256_or_si256(codes[t], fifth_bits(p + 128 + 4 * t));
+#endif
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + CODE_BYTES)));
+        const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + CODE_BYTES + 16)));
         for (int i = 0; i < mt; i++) {
             const int64_t m = m0 + i;
             const __m256i dot = group_dot(codes, x.q + m * x.k + b * BLOCK);
@@ -149,7 +190,7 @@ static void group_rows(quantized_rows x, int64_t rows, const uint8_t *group, flo
 }
 
 /* 0 on success, 1 where k is not a multiple of BLOCK, 2 where the scratch could not be had */
-int llmq_int4_rows(const float *x, int64_t rows, int64_t k, const float *input_scale, const uint8_t *packed,
+int llmq_lowbit_rows(const float *x, int64_t rows, int64_t k, const float *input_scale, const uint8_t *packed,
                    int64_t n, int threads, float *out) {
     if (k % BLOCK != 0) return 1;
     const int64_t blocks = k / BLOCK;
