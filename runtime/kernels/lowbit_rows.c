@@ -57,7 +57,9 @@
 #error "CODE_BITS is 4 or 5"
 #endif
 #define GROUP_BYTES (CODE_BYTES + 32)
-#define ROW_TILE 4      /* activation rows sharing each unpacked block of a group */
+#ifndef ROW_TILE
+#define ROW_TILE 4 /* activation rows sharing each unpacked block of a group */
+#endif
 #define GROUP_CHUNK 4   /* groups per OpenMP work item (32 output rows) */
 #define QUANTIZE_ROWS 8 /* rows at which quantizing goes parallel */
 
@@ -115,21 +117,25 @@ static inline __m256i fifth_bits(const uint8_t *plane) {
 }
 #endif
 
+static inline __m256i quad(const int8_t *a, int t) { /* activations 4t..4t+3, in every lane */
+    int32_t v;
+    memcpy(&v, a + 4 * t, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
 /* the 8 rows' exact dots with one block of activations: lane j is row j's. Four partial
  * sums, added at the end, so that no instruction waits on the one before it (the sums
  * are exact, so their order changes nothing). */
 static inline __m256i group_dot(const __m256i codes[8], const int8_t *a) {
-    int32_t quad[8];
-    memcpy(quad, a, sizeof quad);
     __m256i part[4];
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    for (int t = 0; t < 4; t++) part[t] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes[t], _mm256_set1_epi32(quad[t]));
-    for (int t = 0; t < 4; t++) part[t] = _mm256_dpbusd_epi32(part[t], codes[t + 4], _mm256_set1_epi32(quad[t + 4]));
+    for (int t = 0; t < 4; t++) part[t] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes[t], quad(a, t));
+    for (int t = 0; t < 4; t++) part[t] = _mm256_dpbusd_epi32(part[t], codes[t + 4], quad(a, t + 4));
     return _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_add_epi32(part[2], part[3]));
 #else
     for (int t = 0; t < 4; t++)
-        part[t] = _mm256_add_epi16(_mm256_maddubs_epi16(codes[t], _mm256_set1_epi32(quad[t])),
-                                   _mm256_maddubs_epi16(codes[t + 4], _mm256_set1_epi32(quad[t + 4])));
+        part[t] = _mm256_add_epi16(_mm256_maddubs_epi16(codes[t], quad(a, t)),
+                                   _mm256_maddubs_epi16(codes[t + 4], quad(a, t + 4)));
 #if CODE_BITS == 4 /* code <= 15, |a| <= 127: a pair is <= 3810 and 8 pairs' sums stay below 2^15 */
     const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part[0], part[1]), _mm256_add_epi16(part[2], part[3]));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
