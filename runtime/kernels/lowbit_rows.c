@@ -3,36 +3,36 @@
  *
  * Why: torch's int4 kernel takes bf16 activations and widens every weight to floats for
  * every row it is given; on a 2-core AVX512-BF16 EPYC all 210 SmolLM2 layer products took
- * 4.5 ms at one row and 42.6 ms at 32. Here, as llama.cpp multiplies Q4_1 by Q8_1, each
+ * 4.5 ms at one row and 44 ms at 32. Here, as llama.cpp multiplies Q4_1 by Q8_1, each
  * activation row is rounded to int8 per block of 32 with a float32 scale, and a weight's
- * 4-bit codes (unsigned, 0..15) meet those int8s in one integer dot instruction (VNNI's
- * vpdpbusd, else AVX2's vpmaddubsw + vpmaddwd: the same exact int32s).
+ * codes (unsigned, 0..15 or 0..31) meet those int8s in one integer dot instruction (VNNI's
+ * vpdpbusd, else vpmaddubsw + vpmaddwd: the same exact int32s).
  *
- * Weights are packed by runtime/kernels/native.py `pack_lowbit` in groups of 8 rows, so that
- * lane j of every vector is output row j of the group and one block's dot of a whole
- * group is 8 instructions with no horizontal sums (the layout of llama.cpp's x86 "repack"
- * kernels, written here for the per-row float scale and min of GGUF's 4-bit types):
+ * Weights are packed by runtime/kernels/native.py `pack_lowbit` in groups of 16 rows, so
+ * that lane j of every vector is output row j of the group and one block's dot of a whole
+ * group is 8 instructions with no horizontal sums (the idea of llama.cpp's x86 "repack"
+ * kernels, written here for the per-row float scale and min of GGUF's 4- and 5-bit types).
+ * With AVX-512 one 512-bit vector holds the 16 rows; on AVX2 two 256-bit halves of 8 do,
+ * each lane doing the same operations, so both give the same numbers:
  *
- *   per group g, per block b of 32 columns, GROUP_BYTES = 160 bytes:
- *   [0, 128)   codes: byte c * 32 + j * 4 + i holds row j's code 4c + i in its low nibble
- *              and code 16 + 4c + i in its high one (c in 0..3, j in 0..7, i in 0..3)
- *   [128, 144) the 8 rows' scales, IEEE half
- *   [144, 160) the 8 rows' mins, IEEE half (weight = code * scale + min)
- *
- * Built with -DCODE_BITS=5 (GGUF Q5_0, Q5_1: codes 0..31), 32 bytes of fifth bits follow
- * the nibbles: bit j * 4 + i of the little-endian uint32 at 128 + 4t is bit 4 of row j's
- * code 4t + i; scales and mins move to [160, 176) and [176, 192).
+ *   per group g, per block b of 32 columns, GROUP_BYTES bytes:
+ *   [0, 256)   codes: byte c * 64 + j * 4 + i holds row j's code 4c + i in its low nibble
+ *              and code 16 + 4c + i in its high one (c in 0..3, j in 0..15, i in 0..3)
+ *   CODE_BITS=5 only (GGUF Q5_0, Q5_1): [256, 320) fifth bits: bit j * 4 + i of the
+ *              little-endian uint64 at 256 + 8t is bit 4 of row j's code 4t + i
+ *   then 32 bytes of the 16 rows' scales and 32 of their mins, IEEE half
+ *   (weight = code * scale + min)
  *
  * out[m, n] = D + M, where D sums dot_b(codes[n], xq[m]) * (scale[n, b] * xs[m, b]) and M
  * sums min[n, b] * (xs[m, b] * sum_b(xq[m])) over blocks b in block order, each block's dot
- * exact (int32) and one float32 fma per term. Tiles decide only
- * which rows share a loaded block, never an output's arithmetic, and a row is quantized
- * alone: a row's result does not depend on how many rows there are or how the threads
- * split them (runtime/kernels/int8_rows.c and paged_attention.c hold to the same rule).
+ * exact (int32) and one float32 fma per term. Tiles decide only which rows share a loaded
+ * block, never an output's arithmetic, and a row is quantized alone: a row's result does
+ * not depend on how many rows there are or how the threads split them
+ * (runtime/kernels/int8_rows.c and paged_attention.c hold to the same rule).
  *
  * x            [rows, k] float32, C-contiguous, k a multiple of 32
  * input_scale  [k] float32 multiplied into x first (a preceding RMSNorm's weight), or NULL
- * packed       [n_pad / 8, k / 32, GROUP_BYTES] uint8, n_pad = n rounded up to 8
+ * packed       [n_pad / 16, k / 32, GROUP_BYTES] uint8, n_pad = n rounded up to 16
  * out          [rows, n] float32
  */
 #include <immintrin.h>
@@ -45,28 +45,104 @@
 #endif
 
 #define BLOCK 32
-#define GROUP 8
+#define GROUP 16
 #ifndef CODE_BITS
 #define CODE_BITS 4
 #endif
 #if CODE_BITS == 4
-#define CODE_BYTES 128
-#elif CODE_BITS == 5 /* the nibbles, then the fifth bits: 8 planes of 32 bits */
-#define CODE_BYTES 160
+#define CODE_BYTES 256
+#elif CODE_BITS == 5
+#define CODE_BYTES 320
 #else
 #error "CODE_BITS is 4 or 5"
 #endif
-#define GROUP_BYTES (CODE_BYTES + 32)
+#define GROUP_BYTES (CODE_BYTES + 64)
 #ifndef ROW_TILE
 #define ROW_TILE 4 /* activation rows sharing each unpacked block of a group */
 #endif
-#define GROUP_CHUNK 4   /* groups per OpenMP work item (32 output rows) */
+#define GROUP_CHUNK 2   /* groups per OpenMP work item (32 output rows) */
 #define QUANTIZE_ROWS 8 /* rows at which quantizing goes parallel */
 
+/* The vector of LANES rows: a whole group with AVX-512, half of one on AVX2. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LANES 16
+typedef __m512i ivec;
+typedef __m512 fvec;
+typedef uint64_t plane_t;
+#define load_codes(p) _mm512_loadu_si512((const void *)(p))
+#define set1_i8 _mm512_set1_epi8
+#define set1_i16 _mm512_set1_epi16
+#define set1_i32 _mm512_set1_epi32
+#define and_i _mm512_and_si512
+#define srli_i16 _mm512_srli_epi16
+#define or_i _mm512_or_si512
+#define add_i16 _mm512_add_epi16
+#define add_i32 _mm512_add_epi32
+#define maddubs _mm512_maddubs_epi16
+#define madd _mm512_madd_epi16
+#define zero_i _mm512_setzero_si512
+#define halves(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define cvt_f _mm512_cvtepi32_ps
+#define mul_f _mm512_mul_ps
+#define fma_f _mm512_fmadd_ps
+#define add_f _mm512_add_ps
+#define set1_f _mm512_set1_ps
+#define zero_f _mm512_setzero_ps
+#define store_f _mm512_storeu_ps
+#define fifth_bits(bits) _mm512_maskz_mov_epi8((__mmask64)(bits), _mm512_set1_epi8(16))
+#if defined(__AVX512VNNI__)
+#define DPBUSD _mm512_dpbusd_epi32
+#endif
+#else
+#define LANES 8
+typedef __m256i ivec;
+typedef __m256 fvec;
+typedef uint32_t plane_t;
+#define load_codes(p) _mm256_loadu_si256((const __m256i *)(p))
+#define set1_i8 _mm256_set1_epi8
+#define set1_i16 _mm256_set1_epi16
+#define set1_i32 _mm256_set1_epi32
+#define and_i _mm256_and_si256
+#define srli_i16 _mm256_srli_epi16
+#define or_i _mm256_or_si256
+#define add_i16 _mm256_add_epi16
+#define add_i32 _mm256_add_epi32
+#define maddubs _mm256_maddubs_epi16
+#define madd _mm256_madd_epi16
+#define zero_i _mm256_setzero_si256
+#define halves(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define cvt_f _mm256_cvtepi32_ps
+#define mul_f _mm256_mul_ps
+#define fma_f _mm256_fmadd_ps
+#define add_f _mm256_add_ps
+#define set1_f _mm256_set1_ps
+#define zero_f _mm256_setzero_ps
+#define store_f _mm256_storeu_ps
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+/* 32 bits -> 32 bytes, byte b 16 where bit b is set, else 0 */
+static inline __m256i fifth_bits(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
+#else /* byte b takes bits' byte b / 8, then is all ones iff its bit b % 8 was set */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+#endif
+}
+#endif
+#define HALVES (GROUP / LANES) /* vectors per group: 1 with AVX-512, 2 on AVX2 */
+
 typedef struct {
-    const int8_t *q;  /* [rows, k] codes */
-    const float *d;   /* [rows, k / BLOCK] scales */
-    const float *s;   /* [rows, k / BLOCK] scale times the block's sum of codes */
+    const int8_t *q; /* [rows, k] codes */
+    const float *d;  /* [rows, k / BLOCK] scales */
+    const float *s;  /* [rows, k / BLOCK] scale times the block's sum of codes */
     int64_t k;
 } quantized_rows;
 
@@ -99,105 +175,93 @@ static inline void quantize_block(const float *x, const float *input_scale, int8
     *s = scale * (float)_mm_cvtsi128_si32(t4);
 }
 
-#if CODE_BITS == 5
-/* 32 bits -> 32 bytes, byte b 16 where bit b is set, else 0 */
-static inline __m256i fifth_bits(const uint8_t *plane) {
-    uint32_t bits;
-    memcpy(&bits, plane, sizeof bits);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
-#else /* byte b takes bits' byte b / 8, then is all ones iff its bit b % 8 was set */
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32((int)bits),
-        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
-    return _mm256_and_si256(set, _mm256_set1_epi8(16));
-#endif
-}
-#endif
-
-static inline __m256i quad(const int8_t *a, int t) { /* activations 4t..4t+3, in every lane */
+static inline ivec quad(const int8_t *a, int t) { /* activations 4t..4t+3, in every lane */
     int32_t v;
     memcpy(&v, a + 4 * t, sizeof v);
-    return _mm256_set1_epi32(v);
+    return set1_i32(v);
 }
 
-/* the 8 rows' exact dots with one block of activations: lane j is row j's. Four partial
- * sums, added at the end, so that no instruction waits on the one before it (the sums
- * are exact, so their order changes nothing). */
-static inline __m256i group_dot(const __m256i codes[8], const int8_t *a) {
-    __m256i part[4];
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    for (int t = 0; t < 4; t++) part[t] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes[t], quad(a, t));
-    for (int t = 0; t < 4; t++) part[t] = _mm256_dpbusd_epi32(part[t], codes[t + 4], quad(a, t + 4));
-    return _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_add_epi32(part[2], part[3]));
+/* the LANES rows' exact dots with one block of activations: lane j is row j's. Four partial
+ * sums, added at the end, so that no instruction waits on the one before it (the sums are
+ * exact, so their order changes nothing). */
+static inline ivec group_dot(const ivec codes[8], const int8_t *a) {
+    ivec part[4];
+#ifdef DPBUSD
+    for (int t = 0; t < 4; t++) part[t] = DPBUSD(zero_i(), codes[t], quad(a, t));
+    for (int t = 0; t < 4; t++) part[t] = DPBUSD(part[t], codes[t + 4], quad(a, t + 4));
+    return add_i32(add_i32(part[0], part[1]), add_i32(part[2], part[3]));
 #else
     for (int t = 0; t < 4; t++)
-        part[t] = _mm256_add_epi16(_mm256_maddubs_epi16(codes[t], quad(a, t)),
-                                   _mm256_maddubs_epi16(codes[t + 4], quad(a, t + 4)));
+        part[t] = add_i16(maddubs(codes[t], quad(a, t)), maddubs(codes[t + 4], quad(a, t + 4)));
 #if CODE_BITS == 4 /* code <= 15, |a| <= 127: a pair is <= 3810 and 8 pairs' sums stay below 2^15 */
-    const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part[0], part[1]), _mm256_add_epi16(part[2], part[3]));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return madd(add_i16(add_i16(part[0], part[1]), add_i16(part[2], part[3])), set1_i16(1));
 #else /* code <= 31: 2 pairs' sums (<= 15748) are all int16 holds */
-    const __m256i one = _mm256_set1_epi16(1);
-    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(part[0], one), _mm256_madd_epi16(part[1], one)),
-                            _mm256_add_epi32(_mm256_madd_epi16(part[2], one), _mm256_madd_epi16(part[3], one)));
+    const ivec one = set1_i16(1);
+    return add_i32(add_i32(madd(part[0], one), madd(part[1], one)), add_i32(madd(part[2], one), madd(part[3], one)));
 #endif
 #endif
 }
 
-/* `mt` activation rows from m0 times one group of 8 weight rows (the first `valid` real) */
-static inline __attribute__((always_inline)) void tile(quantized_rows x, const uint8_t *group, int64_t m0,
+/* `mt` activation rows from m0 times lanes [h * LANES, (h + 1) * LANES) of one group, whose
+ * output rows start at n0 (`valid` of them real) */
+static inline __attribute__((always_inline)) void tile(quantized_rows x, const uint8_t *group, int h, int64_t m0,
                                                         int mt, float *out, int64_t n, int64_t n0, int valid) {
     const int64_t blocks = x.k / BLOCK;
-    __m256 acc[ROW_TILE], acc_min[ROW_TILE];
-    for (int i = 0; i < mt; i++) acc[i] = acc_min[i] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
+    fvec acc[ROW_TILE], acc_min[ROW_TILE];
+    for (int i = 0; i < mt; i++) acc[i] = acc_min[i] = zero_f();
+    const ivec low = set1_i8(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = group + b * GROUP_BYTES;
-        __m256i codes[8];
+        ivec codes[8];
         for (int c = 0; c < 4; c++) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(p + 32 * c));
-            codes[c] = _mm256_and_si256(packed, low);
-            codes[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            const ivec packed = load_codes(p + 64 * c + 4 * LANES * h);
+            codes[c] = and_i(packed, low);
+            codes[c + 4] = and_i(srli_i16(packed, 4), low);
         }
 #if CODE_BITS == 5
-        for (int t = 0; t < 8; t++) codes[t] = _mm256_or_si256(codes[t], fifth_bits(p + 128 + 4 * t));
+        for (int t = 0; t < 8; t++) {
+            plane_t bits;
+            memcpy(&bits, p + 256 + 8 * t + sizeof(plane_t) * h, sizeof bits);
+            codes[t] = or_i(codes[t], fifth_bits(bits));
+        }
 #endif
-        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + CODE_BYTES)));
-        const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + CODE_BYTES + 16)));
+        const fvec scale = halves(p + CODE_BYTES + 2 * LANES * h);
+        const fvec min = halves(p + CODE_BYTES + 32 + 2 * LANES * h);
         for (int i = 0; i < mt; i++) {
             const int64_t m = m0 + i;
-            const __m256i dot = group_dot(codes, x.q + m * x.k + b * BLOCK);
-            const __m256 both = _mm256_mul_ps(scale, _mm256_set1_ps(x.d[m * blocks + b]));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), both, acc[i]);
-            acc_min[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s[m * blocks + b]), acc_min[i]);
+            const ivec dot = group_dot(codes, x.q + m * x.k + b * BLOCK);
+            const fvec both = mul_f(scale, set1_f(x.d[m * blocks + b]));
+            acc[i] = fma_f(cvt_f(dot), both, acc[i]);
+            acc_min[i] = fma_f(min, set1_f(x.s[m * blocks + b]), acc_min[i]);
         }
     }
+    const int first = h * LANES, count = valid - first < LANES ? valid - first : LANES;
     for (int i = 0; i < mt; i++) {
-        acc[i] = _mm256_add_ps(acc[i], acc_min[i]);
-        float *row = out + (m0 + i) * n + n0;
-        if (valid == GROUP) {
-            _mm256_storeu_ps(row, acc[i]);
-        } else {
-            float lane[GROUP];
-            _mm256_storeu_ps(lane, acc[i]);
-            memcpy(row, lane, (size_t)valid * sizeof(float));
+        acc[i] = add_f(acc[i], acc_min[i]);
+        float *row = out + (m0 + i) * n + n0 + first;
+        if (count == LANES) {
+            store_f(row, acc[i]);
+        } else if (count > 0) {
+            float lane[LANES];
+            store_f(lane, acc[i]);
+            memcpy(row, lane, (size_t)count * sizeof(float));
         }
     }
 }
 
-static void group_rows(quantized_rows x, int64_t rows, const uint8_t *group, float *out, int64_t n,
-                       int64_t n0, int valid) {
-    int64_t m0 = 0;
-    for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE) tile(x, group, m0, ROW_TILE, out, n, n0, valid);
-    for (; m0 < rows; m0++) tile(x, group, m0, 1, out, n, n0, valid);
+static void group_rows(quantized_rows x, int64_t rows, const uint8_t *group, float *out, int64_t n, int64_t n0,
+                       int valid) {
+    for (int h = 0; h < HALVES; h++) {
+        if (h * LANES >= valid) break;
+        int64_t m0 = 0;
+        for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE) tile(x, group, h, m0, ROW_TILE, out, n, n0, valid);
+        for (; m0 < rows; m0++) tile(x, group, h, m0, 1, out, n, n0, valid);
+    }
 }
 
 /* 0 on success, 1 where k is not a multiple of BLOCK, 2 where the scratch could not be had */
 int llmq_lowbit_rows(const float *x, int64_t rows, int64_t k, const float *input_scale, const uint8_t *packed,
-                   int64_t n, int threads, float *out) {
+                     int64_t n, int threads, float *out) {
     if (k % BLOCK != 0) return 1;
     const int64_t blocks = k / BLOCK;
     int8_t *q = malloc((size_t)(rows * k) + 2 * sizeof(float) * (size_t)(rows * blocks));

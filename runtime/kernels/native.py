@@ -243,15 +243,15 @@ def int8_rows() -> Int8Rows | None:
 
 
 LOWBIT_ENV = "LLMQ_TORCH_INT4"  # "1": 4- and 5-bit weights keep torch's kernels (benches)
-LOWBIT_GROUP = 8  # weight rows packed side by side (lowbit_rows.c's lanes)
+LOWBIT_GROUP = 16  # weight rows packed side by side (lowbit_rows.c's lanes)
 # bytes of one group's block of 32 columns: codes, then 8 half scales and 8 half mins
-LOWBIT_GROUP_BYTES = {4: 160, 5: 192}
+LOWBIT_GROUP_BYTES = {4: 320, 5: 384}
 
 
 def pack_lowbit(q: GroupQuantized, bits: int) -> np.ndarray:
     """lowbit_rows.c's layout of `q` (codes below 2**bits; see the layout there):
-    `[groups, K / 32, LOWBIT_GROUP_BYTES[bits]]` uint8. Rows are padded to a multiple of 8
-    with zeros; scales and mins are kept as IEEE half (exactly the file's for Q4_0, Q4_1,
+    `[groups, K / 32, LOWBIT_GROUP_BYTES[bits]]` uint8. Rows are padded to a multiple of
+    16 with zeros; scales and mins are kept as IEEE half (exactly the file's for Q4_0, Q4_1,
     Q5_0 and Q5_1, 11 significant bits of Q4_K's products)."""
     n, k = q.shape
     groups, blocks, size = -(-n // LOWBIT_GROUP), k // INT8_BLOCK, LOWBIT_GROUP_BYTES[bits]
@@ -264,16 +264,16 @@ def pack_lowbit(q: GroupQuantized, bits: int) -> np.ndarray:
     grouped = codes.reshape(groups, LOWBIT_GROUP, blocks, 2, 4, 4)  # [g, j, b, half, c, i]
     nibbles = (grouped[:, :, :, 0] & 15) | ((grouped[:, :, :, 1] & 15) << 4)  # [g, j, b, c, i]
     packed = np.empty((groups, blocks, size), np.uint8)
-    packed[..., :128] = nibbles.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 128)
+    packed[..., :256] = nibbles.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 256)
     if bits == 5:  # plane t, bit j * 4 + i: bit 4 of row j's code 4t + i
         fifth = (codes.reshape(groups, LOWBIT_GROUP, blocks, 8, 4) >> 4) & 1  # [g, j, b, t, i]
-        planes = fifth.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 8, 32)
-        packed[..., 128:160] = np.packbits(planes, axis=-1, bitorder="little").reshape(
-            groups, blocks, 32
+        planes = fifth.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 8, 64)
+        packed[..., 256:320] = np.packbits(planes, axis=-1, bitorder="little").reshape(
+            groups, blocks, 64
         )
-    for start, values in ((size - 32, scales), (size - 16, mins)):
+    for start, values in ((size - 64, scales), (size - 32, mins)):
         half = values.astype(np.float16).reshape(groups, LOWBIT_GROUP, blocks).transpose(0, 2, 1)
-        packed[..., start : start + 16] = np.ascontiguousarray(half).view(np.uint8)
+        packed[..., start : start + 32] = np.ascontiguousarray(half).view(np.uint8)
     return packed
 
 

@@ -36,7 +36,7 @@ RUNTIME = Path(__file__).resolve().parent.parent
 BUILDERS = tuple(
     RUNTIME / name
     for name in ("kernels/torch_backend.py", "kernels/gguf_blocks.py", "kernels/prepared.py")
-    + ("kernels/base.py", "gguf_file.py")
+    + ("kernels/base.py", "kernels/native.py", "gguf_file.py")
 )
 DISABLE_ENV = "LLMQ_WEIGHT_CACHE"  # "0": build every weight from the file at every load
 # what the folder may hold: beyond it the least recently loaded files go (each model file

@@ -88,7 +88,7 @@ def test_the_avx2_build_gives_the_vnni_builds_numbers(bits):
     avx2 = native._library(native.LOWBIT_ROWS_SOURCE, flags)
     assert avx2 is not None
     rng = np.random.default_rng(11)
-    n, k = 200, 1536
+    n, k = 200, 1536  # 200: the last group of 16 half full
     packed = pack_lowbit(_weights(rng, n, k, bits), bits)
     x = rng.standard_normal((9, k)).astype(np.float32) * 30
     assert np.array_equal(LowBitRows(avx2, bits)(x, packed, n), lowbit_rows(bits)(x, packed, n))
