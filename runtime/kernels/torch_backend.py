@@ -268,19 +268,24 @@ class RescoredHead(_Product):
 
     kind = "int4+rescore"
 
-    def __init__(self, ranking: Int4Weight, rows: Callable[[np.ndarray], np.ndarray]) -> None:
+    def __init__(self, ranking: _Product, rows: Callable[[np.ndarray], np.ndarray]) -> None:
         self.shape = ranking.shape
         self.ranking = ranking
         self.rows = rows
 
     @classmethod
-    def ranking_of(cls, f: GGUFFile, name: str) -> Int4Weight:
-        """The int4 ranking built a chunk of rows at a time (no float32 copy of the head)."""
-        chunks = [
-            Int4Weight(quantize_groups(f.rows(name, slice(start, start + HEAD_CHUNK_ROWS))), None)
-            for start in range(0, f.blocks(name)[2][0], HEAD_CHUNK_ROWS)
-        ]
-        return Int4Weight.stacked(chunks)
+    def ranking_of(cls, f: GGUFFile, name: str, native: bool) -> Int4Weight | LowBitWeight:
+        """The int4 ranking built a chunk of rows at a time (no float32 copy of the head):
+        lowbit_rows.c's layout where `native` (1.4 ms a row for Gemma 3's 262k-row head
+        where torch's int4 took 3.1), else torch's."""
+        starts = range(0, f.blocks(name)[2][0], HEAD_CHUNK_ROWS)
+        chunks = (quantize_groups(f.rows(name, slice(s, s + HEAD_CHUNK_ROWS))) for s in starts)
+        if not native:
+            ranking = Int4Weight.stacked([Int4Weight(q, None) for q in chunks])
+            return RescoredRanking.from_int4(ranking)
+        packed = np.concatenate([pack_lowbit(q, 4) for q in chunks])  # whole groups, but the last
+        shape = (int(f.blocks(name)[2][0]), int(f.blocks(name)[2][1]))
+        return RescoredBlockRanking.restorer(4)(shape, {"packed": torch.from_numpy(packed)})
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.ranking.product(x)
@@ -396,9 +401,21 @@ class RescoredRanking(Int4Weight):
         return cls.restored(weight.shape, weight.saved())
 
 
+class RescoredBlockRanking(LowBitWeight):
+    """A rescored head's ranking in lowbit_rows.c's layout, as the store keeps it."""
+
+    kinds = {4: "int4-blocks+rescore"}
+
+
+RESCORED_KINDS = (RescoredRanking.kind, RescoredBlockRanking.kinds[4])
+
 WEIGHT_CLASSES = {
     c.kind: c.restored for c in (Int4Weight, Int8Weight, Bf16Weight, Fp16Weight, RescoredRanking)
-} | {kind: LowBitWeight.restorer(bits) for bits, kind in LowBitWeight.kinds.items()}
+} | {
+    kind: cls.restorer(bits)
+    for cls in (LowBitWeight, RescoredBlockRanking)
+    for bits, kind in cls.kinds.items()
+}
 
 
 class TorchBackend:
@@ -466,7 +483,7 @@ class TorchBackend:
             head = self._kept(key, self._build_head(f, name))
             # every row was read to build it; lookups and rescoring read theirs back alone
             pages.release_array(f.blocks(name)[0])
-        if head.kind == RescoredHead.kind:  # kept as its int4 ranking (`WEIGHT_CLASSES`)
+        if head.kind in RESCORED_KINDS:  # kept as its int4 ranking (`WEIGHT_CLASSES`)
             return RescoredHead(head, functools.partial(f.rows, name))
         return head
 
@@ -478,7 +495,7 @@ class TorchBackend:
         if kind == "fp16":
             return Fp16Weight(f.tensor(name))
         if kind == RescoredHead.kind:
-            return RescoredRanking.from_int4(RescoredHead.ranking_of(f, name))
+            return RescoredHead.ranking_of(f, name, self.native_lowbit)
         shape = f.blocks(name)[2]
         head = (Int8Weight if kind == "int8" else Bf16Weight)(shape)
         for start in range(0, shape[0], HEAD_CHUNK_ROWS):

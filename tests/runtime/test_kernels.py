@@ -286,7 +286,8 @@ def test_kv_cache_type_comes_from_the_environment(monkeypatch, tiny_llama_path):
 
 
 @pytest.mark.slow
-def test_rescored_head_gives_the_files_logits_for_its_best_rows(gemma3_gguf_path):
+@pytest.mark.parametrize("native", [True, False], ids=["lowbit_rows", "torch-int4"])
+def test_rescored_head_gives_the_files_logits_for_its_best_rows(gemma3_gguf_path, native):
     """Gemma 3's Q8_0 head, ranked by its int4 copy: the best rows' logits are the file's
     values times the query (float64 reference), the argmax is the exact one, and a row's
     logits are bitwise the same alone and among others."""
@@ -294,8 +295,9 @@ def test_rescored_head_gives_the_files_logits_for_its_best_rows(gemma3_gguf_path
 
     f = GGUFFile(gemma3_gguf_path)
     plan = KernelPlan("int4", "fp16", "int8", 2, head_fallback="int4+rescore")
-    head = TorchBackend(plan).head(f, "token_embd.weight")
+    head = TorchBackend(plan, native_lowbit=native).head(f, "token_embd.weight")
     assert isinstance(head, RescoredHead)
+    assert head.ranking.kind == ("int4-blocks+rescore" if native and NATIVE else "int4+rescore")
     rng = np.random.default_rng(3)
     x = torch.from_numpy(rng.standard_normal((12, head.shape[1])).astype(np.float32))
     got = head.product(x)
