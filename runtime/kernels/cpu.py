@@ -38,8 +38,10 @@ class CpuFeatures:
 class KernelPlan:
     """The storage and product of each kind of weight."""
 
-    four_bit: str  # GGUF Q4_0 / Q4_1 / Q4_K
-    other: str  # Q5_*, Q6_K, Q8_0, F16, BF16, F32 weights
+    # GGUF Q4_0 / Q4_1 / Q4_K; "int4" also takes Q5_0 / Q5_1 where lowbit_rows.c builds
+    # (runtime/kernels/torch_backend.py `LowBitWeight`)
+    four_bit: str
+    other: str  # Q5_* (where not int4's), Q6_K, Q8_0, F16, BF16, F32 weights
     head: str  # the LM head (and Gemma's tied 262k-row embedding)
     threads: int
     # the head's kind where int8 per row is not accurate enough: "bf16", "fp16" or
@@ -86,7 +88,11 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
     - AVX2 only: torch's int4 and int8 kernels convert every weight for every row, so at 32
       rows they took 144 ms where float32 BLAS took 78; fbgemm's fp16 gemm (weights
       converted in registers) took 55 ms and 17.9 ms at 1 row (int4: 14.1). Whole decode
-      steps of SmolLM2: fp16 44 / 230 tok/s at 1 / 32 sequences, int4 45 / 133. So fp16.
+      steps of SmolLM2: fp16 44 / 230 tok/s at 1 / 32 sequences, int4 45 / 133. So fp16,
+      except for GGUF's 4- and 5-bit weights where runtime/kernels/lowbit_rows.c builds:
+      its AVX2 build (vpmaddubsw) took 2.8 / 44 ms for the same products, measured on the
+      AVX-512 EPYC with AVX-512 turned off at compile time (bench/RESULTS.md), and it
+      reads a third of fp16's bytes.
     - The LM head int8 per row wherever its rows allow it (torch_backend.MAX_INT8_ROW_ERROR),
       else the plan's dense kind: int8 per row cost Gemma 3 (rows with outliers) 1-2 points
       of teacher-forced top-1. On AVX2 fp16 instead: torch's int8 kernel took 4.5 / 44.5 ms
@@ -94,6 +100,10 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
     """
     if features.level in ("amx", "avx512_bf16", "avx512"):
         return row_invariant_plan(features)
+    from runtime.kernels.native import lowbit_rows  # imports this module
+
+    if lowbit_rows(4) is not None and lowbit_rows(5) is not None:
+        return replace(fp16_plan(features.cores), four_bit="int4")
     return fp16_plan(features.cores)
 
 

@@ -308,3 +308,14 @@ def test_rescored_head_gives_the_files_logits_for_its_best_rows(gemma3_gguf_path
     np.testing.assert_allclose(got.gather(1, best), exact.gather(1, best).float(), rtol=1e-6)
     alone = torch.cat([head.product(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(alone, got)
+
+
+def test_an_avx2_cpu_gets_integer_dots_for_low_bit_weights_where_they_build():
+    """AVX2 without AVX-512: GGUF's 4- and 5-bit weights go to lowbit_rows.c's AVX2 build
+    (the same numbers as the AVX-512 build, tests/runtime/test_lowbit_rows.py), the rest
+    to fbgemm's fp16."""
+    from runtime.kernels.cpu import CpuFeatures, plan_for
+
+    plan = plan_for(CpuFeatures(frozenset({"avx2", "fma", "f16c"}), 2))
+    assert plan.four_bit == ("int4" if NATIVE else "fp16")
+    assert (plan.other, plan.head) == ("fp16", "fp16")
