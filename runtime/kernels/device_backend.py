@@ -7,7 +7,9 @@ device, so its weights must multiply device tensors and return device tensors:
   zero per group) where the GPU runs that kernel and a load-time check of its product
   passes, else bf16 (fp16 on GPUs without bf16); every other weight and the LM head bf16.
 - on the CPU: the CPU plan's own weights (torch_backend.py: int4 / int8 / bf16 / fp16 per
-  CPU), through their tensor `product`. This is how CI runs the GPU's code path.
+  CPU), through their tensor `product`, with torch's int4 kernel for 4-bit weights as on
+  CUDA (bf16 activations) rather than the host path's lowbit_rows.c. This is how CI runs
+  the GPU's code path.
 
 The token embedding stays in the mapped file on the host: a step dequantizes only its own
 rows and uploads them with the token ids, one small copy per forward pass (T x D floats).
@@ -162,7 +164,9 @@ class DeviceBackend:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         # the CPU plan supplies the CPU's kernels (and gives torch the CPU's cores)
-        self.cpu = None if self.cuda else TorchBackend(plan)
+        # torch's own int4 kernel on the CPU as on CUDA (bf16 activations), not the host
+        # path's lowbit_rows.c: this path stands in for the GPU's
+        self.cpu = None if self.cuda else TorchBackend(plan, native_lowbit=False)
         self.dense_dtype = torch.bfloat16
         if self.cuda and not torch.cuda.is_bf16_supported():
             self.dense_dtype = torch.float16
