@@ -66,6 +66,11 @@ static void dot4(const float *a, const kv_t *b0, const kv_t *b1, const kv_t *b2,
         c2 = _mm256_fmadd_ps(x, load8(b2 + d), c2);
         c3 = _mm256_fmadd_ps(x, load8(b3 + d), c3);
     }
+    if (d == n) { /* lanes_sum's tree for all four at once: the same sums, bit for bit */
+        const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(c0, c1), _mm256_hadd_ps(c2, c3));
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+        return;
+    }
     out[0] = lanes_sum(c0, a, b0, d, n);
     out[1] = lanes_sum(c1, a, b1, d, n);
     out[2] = lanes_sum(c2, a, b2, d, n);
@@ -121,6 +126,14 @@ static void add_scaled(float *restrict o, float p, const kv_t *restrict v, int64
     for (; d < n; d++) o[d] += p * scalar(v[d]);
 }
 
+/* out[g] = sum over j of scores[g][j] * v_j for each head g, 64 dimensions at a time held
+ * in registers: each output is the same chain of fmas as `add_scaled` over o in memory
+ * gives it (from zero, in key order), without loading and storing o for every key. */
+#define VALUE_TILE 64
+static void weighted_values(const float *restrict scores, int64_t stride, int64_t group,
+                            const kv_t *restrict values, const int64_t *restrict slots, int64_t count,
+                            int64_t head_dim, float *restrict out);
+
 /* Keys and values are gathered by slot, so the hardware prefetcher sees short runs: each
  * loop asks for the key (or value) PREFETCH_AHEAD positions on while it works on this one.
  * A hint only: it changes no arithmetic. */
@@ -160,16 +173,41 @@ static void attend_group(const float *restrict q, int64_t group, const kv_t *res
         for (int64_t j = 0; j < count; j++) peak = s[j] > peak ? s[j] : peak;
         s[count] = 1.0f / exp_shifted(s, count, peak);
     }
-    for (int64_t i = 0; i < group * head_dim; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < count; j++) {
-        const kv_t *v = values + slots[j] * head_dim;
-        if (j + PREFETCH_AHEAD < count) prefetch_vector(values + slots[j + PREFETCH_AHEAD] * head_dim, head_dim);
-        for (int64_t g = 0; g < group; g++)
-            add_scaled(out + g * head_dim, scores[g * stride + j], v, head_dim);
+    if (head_dim % VALUE_TILE == 0) {
+        weighted_values(scores, stride, group, values, slots, count, head_dim, out);
+    } else {
+        for (int64_t i = 0; i < group * head_dim; i++) out[i] = 0.0f;
+        for (int64_t j = 0; j < count; j++) {
+            const kv_t *v = values + slots[j] * head_dim;
+            if (j + PREFETCH_AHEAD < count) prefetch_vector(values + slots[j + PREFETCH_AHEAD] * head_dim, head_dim);
+            for (int64_t g = 0; g < group; g++)
+                add_scaled(out + g * head_dim, scores[g * stride + j], v, head_dim);
+        }
     }
     for (int64_t g = 0; g < group; g++) {
         const float inv = scores[g * stride + count];
         for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv;
+    }
+}
+
+static void weighted_values(const float *restrict scores, int64_t stride, int64_t group,
+                            const kv_t *restrict values, const int64_t *restrict slots, int64_t count,
+                            int64_t head_dim, float *restrict out) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += VALUE_TILE) {
+        for (int64_t g = 0; g < group; g++) {
+            const float *p = scores + g * stride;
+            __m256 acc[VALUE_TILE / LANES];
+            for (int i = 0; i < VALUE_TILE / LANES; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < count; j++) {
+                const kv_t *v = values + slots[j] * head_dim + d0;
+                if (g == 0 && j + PREFETCH_AHEAD < count)
+                    prefetch_vector(values + slots[j + PREFETCH_AHEAD] * head_dim + d0, VALUE_TILE);
+                const __m256 weight = _mm256_set1_ps(p[j]);
+                for (int i = 0; i < VALUE_TILE / LANES; i++)
+                    acc[i] = _mm256_fmadd_ps(weight, load8(v + i * LANES), acc[i]);
+            }
+            for (int i = 0; i < VALUE_TILE / LANES; i++) _mm256_storeu_ps(out + g * head_dim + d0 + i * LANES, acc[i]);
+        }
     }
 }
 
