@@ -23,6 +23,12 @@
  *   then 32 bytes of the 16 rows' scales and 32 of their mins, IEEE half
  *   (weight = code * scale + min)
  *
+ * Built with -DCODE_BITS=8 (int8 per row with one float32 scale a row: the LM head of
+ * runtime/kernels/torch_backend.py `Int8GroupWeight`; needs VNNI), a block is 512 bytes:
+ * byte t * 64 + j * 4 + i is row j's code 4t + i plus 128; after a group's blocks come its
+ * 16 row scales, float32. Then out[m, n] = scale[n] * sum over b of
+ * (dot_b(codes[n] + 128, xq[m]) - 128 * sum_b(xq[m])) * xs[m, b], the parenthesis exact.
+ *
  * out[m, n] = D + M, where D sums dot_b(codes[n], xq[m]) * (scale[n, b] * xs[m, b]) and M
  * sums min[n, b] * (xs[m, b] * sum_b(xq[m])) over blocks b in block order, each block's dot
  * exact (int32) and one float32 fma per term. Tiles decide only which rows share a loaded
@@ -32,7 +38,8 @@
  *
  * x            [rows, k] float32, C-contiguous, k a multiple of 32
  * input_scale  [k] float32 multiplied into x first (a preceding RMSNorm's weight), or NULL
- * packed       [n_pad / 16, k / 32, GROUP_BYTES] uint8, n_pad = n rounded up to 16
+ * packed       [n_pad / 16, k / 32, GROUP_BYTES] uint8, n_pad = n rounded up to 16 (with
+ *              -DCODE_BITS=8, [n_pad / 16, k / 32 * 512 + 64])
  * out          [rows, n] float32
  */
 #include <immintrin.h>
@@ -51,12 +58,18 @@
 #endif
 #if CODE_BITS == 4
 #define CODE_BYTES 256
+#define GROUP_BYTES (CODE_BYTES + 64)
+#define GROUP_TAIL 0
 #elif CODE_BITS == 5
 #define CODE_BYTES 320
-#else
-#error "CODE_BITS is 4 or 5"
-#endif
 #define GROUP_BYTES (CODE_BYTES + 64)
+#define GROUP_TAIL 0
+#elif CODE_BITS == 8
+#define GROUP_BYTES 512
+#define GROUP_TAIL 64 /* the 16 rows' float32 scales, after the group's blocks */
+#else
+#error "CODE_BITS is 4, 5 or 8"
+#endif
 #ifndef ROW_TILE
 #define ROW_TILE 4 /* activation rows sharing each unpacked block of a group */
 #endif
@@ -78,6 +91,8 @@ typedef uint64_t plane_t;
 #define or_i _mm512_or_si512
 #define add_i16 _mm512_add_epi16
 #define add_i32 _mm512_add_epi32
+#define sub_i32 _mm512_sub_epi32
+#define load_f _mm512_loadu_ps
 #define maddubs _mm512_maddubs_epi16
 #define madd _mm512_madd_epi16
 #define zero_i _mm512_setzero_si512
@@ -107,6 +122,8 @@ typedef uint32_t plane_t;
 #define or_i _mm256_or_si256
 #define add_i16 _mm256_add_epi16
 #define add_i32 _mm256_add_epi32
+#define sub_i32 _mm256_sub_epi32
+#define load_f _mm256_loadu_ps
 #define maddubs _mm256_maddubs_epi16
 #define madd _mm256_madd_epi16
 #define zero_i _mm256_setzero_si256
@@ -138,16 +155,21 @@ static inline __m256i fifth_bits(uint32_t bits) {
 }
 #endif
 #define HALVES (GROUP / LANES) /* vectors per group: 1 with AVX-512, 2 on AVX2 */
+#if CODE_BITS == 8 && !defined(DPBUSD)
+#error "8-bit codes need VNNI's vpdpbusd (vpmaddubsw saturates at 255 x 127 x 2)"
+#endif
 
 typedef struct {
-    const int8_t *q; /* [rows, k] codes */
-    const float *d;  /* [rows, k / BLOCK] scales */
-    const float *s;  /* [rows, k / BLOCK] scale times the block's sum of codes */
+    const int8_t *q;      /* [rows, k] codes */
+    const float *d;       /* [rows, k / BLOCK] scales */
+    const float *s;       /* [rows, k / BLOCK] scale times the block's sum of codes */
+    const int32_t *sum;   /* [rows, k / BLOCK] the block's sum of codes */
     int64_t k;
 } quantized_rows;
 
 /* one block of x (times input_scale) -> 32 int8 codes, their scale and their sum */
-static inline void quantize_block(const float *x, const float *input_scale, int8_t *q, float *d, float *s) {
+static inline void quantize_block(const float *x, const float *input_scale, int8_t *q, float *d, float *s,
+                                  int32_t *sum) {
     __m256 v[4];
     for (int i = 0; i < 4; i++) {
         v[i] = _mm256_loadu_ps(x + 8 * i);
@@ -172,7 +194,8 @@ static inline void quantize_block(const float *x, const float *input_scale, int8
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     *d = scale;
-    *s = scale * (float)_mm_cvtsi128_si32(t4);
+    *sum = _mm_cvtsi128_si32(t4);
+    *s = scale * (float)*sum;
 }
 
 static inline ivec quad(const int8_t *a, int t) { /* activations 4t..4t+3, in every lane */
@@ -209,10 +232,21 @@ static inline __attribute__((always_inline)) void tile(quantized_rows x, const u
     const int64_t blocks = x.k / BLOCK;
     fvec acc[ROW_TILE], acc_min[ROW_TILE];
     for (int i = 0; i < mt; i++) acc[i] = acc_min[i] = zero_f();
-    const ivec low = set1_i8(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = group + b * GROUP_BYTES;
         ivec codes[8];
+#if CODE_BITS == 8 /* the codes as stored: step t's 4 bytes of every row side by side */
+        for (int t = 0; t < 8; t++) codes[t] = load_codes(p + 64 * t + 4 * LANES * h);
+        for (int i = 0; i < mt; i++) {
+            const int64_t m = m0 + i;
+            /* stored codes are the signed ones plus 128: take 128 times the activations' sum
+             * back, exactly, in int32 */
+            const ivec dot = sub_i32(group_dot(codes, x.q + m * x.k + b * BLOCK),
+                                     set1_i32(128 * x.sum[m * blocks + b]));
+            acc[i] = fma_f(cvt_f(dot), set1_f(x.d[m * blocks + b]), acc[i]);
+        }
+#else
+        const ivec low = set1_i8(0x0f);
         for (int c = 0; c < 4; c++) {
             const ivec packed = load_codes(p + 64 * c + 4 * LANES * h);
             codes[c] = and_i(packed, low);
@@ -234,10 +268,18 @@ static inline __attribute__((always_inline)) void tile(quantized_rows x, const u
             acc[i] = fma_f(cvt_f(dot), both, acc[i]);
             acc_min[i] = fma_f(min, set1_f(x.s[m * blocks + b]), acc_min[i]);
         }
+#endif
     }
     const int first = h * LANES, count = valid - first < LANES ? valid - first : LANES;
+#if CODE_BITS == 8
+    const fvec row_scale = load_f((const float *)(group + blocks * GROUP_BYTES) + first);
+#endif
     for (int i = 0; i < mt; i++) {
+#if CODE_BITS == 8
+        acc[i] = mul_f(acc[i], row_scale);
+#else
         acc[i] = add_f(acc[i], acc_min[i]);
+#endif
         float *row = out + (m0 + i) * n + n0 + first;
         if (count == LANES) {
             store_f(row, acc[i]);
@@ -264,15 +306,17 @@ int llmq_lowbit_rows(const float *x, int64_t rows, int64_t k, const float *input
                      int64_t n, int threads, float *out) {
     if (k % BLOCK != 0) return 1;
     const int64_t blocks = k / BLOCK;
-    int8_t *q = malloc((size_t)(rows * k) + 2 * sizeof(float) * (size_t)(rows * blocks));
+    int8_t *q = malloc((size_t)(rows * k) + 3 * sizeof(float) * (size_t)(rows * blocks));
     if (!q) return 2;
     float *d = (float *)(q + rows * k), *s = d + rows * blocks;
+    int32_t *sum = (int32_t *)(s + rows * blocks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= QUANTIZE_ROWS)
     for (int64_t m = 0; m < rows; m++)
         for (int64_t b = 0; b < blocks; b++)
             quantize_block(x + m * k + b * BLOCK, input_scale ? input_scale + b * BLOCK : NULL,
-                           q + m * k + b * BLOCK, d + m * blocks + b, s + m * blocks + b);
-    const quantized_rows quantized = {q, d, s, k};
+                           q + m * k + b * BLOCK, d + m * blocks + b, s + m * blocks + b,
+                           sum + m * blocks + b);
+    const quantized_rows quantized = {q, d, s, sum, k};
     const int64_t groups = (n + GROUP - 1) / GROUP;
     const int64_t chunks = (groups + GROUP_CHUNK - 1) / GROUP_CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -280,7 +324,7 @@ int llmq_lowbit_rows(const float *x, int64_t rows, int64_t k, const float *input
         for (int64_t g = c * GROUP_CHUNK; g < groups && g < (c + 1) * GROUP_CHUNK; g++) {
             const int64_t n0 = g * GROUP;
             const int valid = n - n0 < GROUP ? (int)(n - n0) : GROUP;
-            group_rows(quantized, rows, packed + g * blocks * GROUP_BYTES, out, n, n0, valid);
+            group_rows(quantized, rows, packed + g * (blocks * GROUP_BYTES + GROUP_TAIL), out, n, n0, valid);
         }
     }
     free(q);

@@ -244,8 +244,35 @@ def int8_rows() -> Int8Rows | None:
 
 LOWBIT_ENV = "LLMQ_TORCH_INT4"  # "1": 4- and 5-bit weights keep torch's kernels (benches)
 LOWBIT_GROUP = 16  # weight rows packed side by side (lowbit_rows.c's lanes)
-# bytes of one group's block of 32 columns: codes, then 8 half scales and 8 half mins
-LOWBIT_GROUP_BYTES = {4: 320, 5: 384}
+# bytes of one group's block of 32 columns: codes, then 16 half scales and 16 half mins
+# (8-bit: the codes only; the group's 16 float32 row scales follow its blocks)
+LOWBIT_GROUP_BYTES = {4: 320, 5: 384, 8: 512}
+
+
+def lowbit_shape(n: int, k: int, bits: int) -> tuple[int, ...]:
+    """The packed array's shape for `n` rows of `k` weights of `bits` bits."""
+    groups, blocks = -(-n // LOWBIT_GROUP), k // INT8_BLOCK
+    if bits == 8:
+        return (groups, blocks * LOWBIT_GROUP_BYTES[8] + 4 * LOWBIT_GROUP)
+    return (groups, blocks, LOWBIT_GROUP_BYTES[bits])
+
+
+def pack_int8_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """lowbit_rows.c's 8-bit layout of int8 rows `codes` `[N, K]` with a float32 scale a
+    row: each code plus 128 as a byte, 16 rows side by side (see the layout there)."""
+    n, k = codes.shape
+    groups, blocks = -(-n // LOWBIT_GROUP), k // INT8_BLOCK
+    pad = groups * LOWBIT_GROUP - n
+    shifted = (codes.astype(np.int16) + 128).astype(np.uint8)
+    if pad:
+        shifted = np.concatenate([shifted, np.full((pad, k), 128, np.uint8)])
+        scales = np.concatenate([scales, np.zeros(pad, np.float32)])
+    steps = shifted.reshape(groups, LOWBIT_GROUP, blocks, 8, 4)  # [g, j, b, t, i]
+    packed = np.empty(lowbit_shape(n, k, 8), np.uint8)
+    body = blocks * LOWBIT_GROUP_BYTES[8]
+    packed[:, :body] = steps.transpose(0, 2, 3, 1, 4).reshape(groups, body)
+    packed[:, body:] = np.ascontiguousarray(scales, np.float32).reshape(groups, -1).view(np.uint8)
+    return packed
 
 
 def pack_lowbit(q: GroupQuantized, bits: int) -> np.ndarray:
@@ -292,7 +319,7 @@ class LowBitRows:
         """x `[T, K]` float32 (times `input_scale` `[K]` first) -> `[T, n]`."""
         x = np.ascontiguousarray(x, np.float32)
         rows, k = x.shape
-        shape = (-(-n // LOWBIT_GROUP), k // INT8_BLOCK, LOWBIT_GROUP_BYTES[self.bits])
+        shape = lowbit_shape(n, k, self.bits)
         if packed.dtype != np.uint8 or packed.shape != shape or not packed.flags.c_contiguous:
             raise ValueError(f"packed must be C-contiguous uint8 {shape}")
         if k % INT8_BLOCK:
@@ -319,9 +346,12 @@ class LowBitRows:
 
 @functools.cache
 def lowbit_rows(bits: int = 4) -> LowBitRows | None:
-    """The product for `bits`-bit codes (4 or 5) compiled for this CPU, or None where it
-    cannot be built here (or `LLMQ_TORCH_INT4=1` asks for torch's kernels)."""
-    if os.environ.get(LOWBIT_ENV, "") not in ("", "0"):
+    """The product for `bits`-bit codes (4, 5, or 8 where the CPU has VNNI) compiled for
+    this CPU, or None where it cannot be built here (or `LLMQ_TORCH_INT4=1` asks for
+    torch's kernels)."""
+    if os.environ.get(INT8_ENV if bits == 8 else LOWBIT_ENV, "") not in ("", "0"):
         return None
+    if bits == 8 and not {"avx512_vnni", "avx_vnni"} & cpu_features().flags:
+        return None  # vpmaddubsw would saturate: int8_rows.c takes 8-bit weights there
     lib = _library(LOWBIT_ROWS_SOURCE, (f"-DCODE_BITS={bits}",))
     return LowBitRows(lib, bits) if lib is not None else None

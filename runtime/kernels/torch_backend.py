@@ -36,7 +36,14 @@ from runtime.kernels.gguf_blocks import (
     read_five_bit,
     read_four_bit,
 )
-from runtime.kernels.native import int8_rows, lowbit_rows, pack_lowbit
+from runtime.kernels.native import (
+    LOWBIT_GROUP,
+    int8_rows,
+    lowbit_rows,
+    lowbit_shape,
+    pack_int8_rows,
+    pack_lowbit,
+)
 from runtime.kernels.prepared import PreparedWeights, SavedWeight, weight_key
 
 INNER_K_TILES = 2  # what the CPU int4 packing accepts (2, 4 or 8); the CPU kernel ignores it
@@ -233,11 +240,16 @@ class Int8Weight(_RowStore):
         self.codes = torch.empty(self.shape, dtype=torch.int8)
         self.scales = torch.empty(self.shape[0], dtype=torch.bfloat16)
 
-    def fill(self, start: int, rows: np.ndarray) -> None:
-        t = _tensor(rows)
+    @staticmethod
+    def quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 rows -> (int8 codes, bf16 row scales), the codes chosen for the scale."""
         peak = t.abs().amax(dim=1).clamp_min(1e-30)
         scales = (peak / 127).to(torch.bfloat16)
         codes = torch.round(t / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        return codes, scales
+
+    def fill(self, start: int, rows: np.ndarray) -> None:
+        codes, scales = self.quantized(_tensor(rows))
         self.codes[start : start + len(rows)] = codes
         self.scales[start : start + len(rows)] = scales
 
@@ -257,6 +269,42 @@ class Int8Weight(_RowStore):
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+
+class Int8GroupWeight(_RowStore):
+    """`Int8Weight`'s codes and bf16-rounded row scales, laid out for lowbit_rows.c's 8-bit
+    build (16 rows side by side, each code plus 128; `native.pack_int8_rows`): a block of 16
+    rows' dots is 8 VNNI instructions with no horizontal sums, where int8_rows.c sums each
+    row's lanes. The same activations rounded the same way; the sums run in another order.
+    Taken for the LM head where the CPU has VNNI."""
+
+    kind = "int8-groups"
+    tensor_names = ("packed",)
+
+    def _allocate(self) -> None:
+        self.packed = torch.empty(lowbit_shape(*self.shape, 8), dtype=torch.uint8)
+
+    def fill(self, start: int, rows: np.ndarray) -> None:
+        if start % LOWBIT_GROUP:
+            raise ValueError(f"rows are filled from a multiple of {LOWBIT_GROUP}")
+        codes, scales = Int8Weight.quantized(_tensor(rows))
+        packed = pack_int8_rows(codes.numpy(), scales.float().numpy())
+        first = start // LOWBIT_GROUP
+        self.packed[first : first + len(packed)] = torch.from_numpy(packed)
+
+    @functools.cached_property
+    def _array(self) -> np.ndarray:
+        return self.packed.numpy()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return lowbit_rows(8)(x, self._array, self.shape[0])
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self(x.numpy()))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
 
 
 class RescoredHead(_Product):
@@ -410,7 +458,8 @@ class RescoredBlockRanking(LowBitWeight):
 RESCORED_KINDS = (RescoredRanking.kind, RescoredBlockRanking.kinds[4])
 
 WEIGHT_CLASSES = {
-    c.kind: c.restored for c in (Int4Weight, Int8Weight, Bf16Weight, Fp16Weight, RescoredRanking)
+    c.kind: c.restored
+    for c in (Int4Weight, Int8Weight, Int8GroupWeight, Bf16Weight, Fp16Weight, RescoredRanking)
 } | {
     kind: cls.restorer(bits)
     for cls in (LowBitWeight, RescoredBlockRanking)
@@ -497,7 +546,8 @@ class TorchBackend:
         if kind == RescoredHead.kind:
             return RescoredHead.ranking_of(f, name, self.native_lowbit)
         shape = f.blocks(name)[2]
-        head = (Int8Weight if kind == "int8" else Bf16Weight)(shape)
+        int8 = Int8GroupWeight if self.grouped_int8 else Int8Weight
+        head = (int8 if kind == "int8" else Bf16Weight)(shape)
         for start in range(0, shape[0], HEAD_CHUNK_ROWS):
             head.fill(start, f.rows(name, slice(start, start + HEAD_CHUNK_ROWS)))
         return head
@@ -521,8 +571,15 @@ class TorchBackend:
         native = self._allow_native and lowbit_rows(4) is not None
         return self.plan.four_bit == "int4" and native and lowbit_rows(5) is not None
 
+    @property
+    def grouped_int8(self) -> bool:
+        """Whether an int8 head goes to lowbit_rows.c's 8-bit build (CPUs with VNNI)."""
+        return self.plan.head == "int8" and self._allow_native and lowbit_rows(8) is not None
+
     def describe(self) -> dict[str, str]:
         described = {"cpu": cpu_features().level, **self.plan.describe()}
+        if self.grouped_int8:
+            described["lm head"] = described["lm head"].replace("int8", "int8 (lowbit_rows.c)", 1)
         if self.native_lowbit:
             described["4-bit weights"] = "int4 (lowbit_rows.c, int8 activations)"
             described["5-bit weights"] = "int5 (lowbit_rows.c, int8 activations)"
@@ -537,6 +594,8 @@ class TorchBackend:
             return int(blocks.nbytes)
         if role in ("head", "tied head"):
             kind = self._head_kind(f, name)
+            if kind == "int8" and self.grouped_int8:
+                return int(np.prod(lowbit_shape(shape[0], shape[1], 8)))
             if kind == "int8":
                 return n + 2 * shape[0]  # codes and a bf16 scale per row
             if kind == RescoredHead.kind:  # nibbles, a bf16 scale and zero a group

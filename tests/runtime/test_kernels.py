@@ -184,7 +184,8 @@ def test_head_is_int8_only_where_accurate_enough(tmp_path, plan):
     writer.write_tensors_to_file()
     writer.close()
     f, backend = GGUFFile(path), backend_for(plan)
-    assert backend.head(f, "smooth").kind == "int8"
+    int8 = "int8-groups" if backend.grouped_int8 else "int8"  # lowbit_rows.c's, with VNNI
+    assert backend.head(f, "smooth").kind == int8
     fallback = backend.head(f, "spiky")
     assert fallback.kind == PLANS[plan].head_fallback
     for name, head in (("smooth", backend.head(f, "smooth")), ("spiky", fallback)):

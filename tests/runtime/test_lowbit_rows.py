@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from runtime.kernels import native
 from runtime.kernels.cpu import cpu_features
 from runtime.kernels.gguf_blocks import GroupQuantized, quantize_groups
 from runtime.kernels.native import INT8_BLOCK, LowBitRows, lowbit_rows, pack_lowbit
+from runtime.kernels.torch_backend import Int8GroupWeight, Int8Weight
 
 pytestmark = pytest.mark.skipif(lowbit_rows() is None, reason="no C compiler for the kernel")
 BITS = [4, 5]
@@ -105,3 +107,27 @@ def test_bad_arguments_are_refused_before_the_kernel_runs():
         kernel(np.zeros((1, 64), np.float32), packed, 16, np.ones(64, np.float64))
     with pytest.raises(ValueError, match="packed"):  # a 4-bit packing given to the 5-bit kernel
         lowbit_rows(5)(np.zeros((1, 64), np.float32), packed, 16)
+
+
+needs_vnni = pytest.mark.skipif(lowbit_rows(8) is None, reason="8-bit codes need VNNI")
+
+
+@needs_vnni
+@pytest.mark.parametrize("n, k", [(61, 64), (256, 576), (1030, 640)])
+def test_int8_groups_are_the_blockwise_rounded_rows_times_the_int8_weights(n, k):
+    """The LM head's layout (`Int8GroupWeight`): int8 codes and bf16-rounded row scales as
+    `Int8Weight` chooses them, times activations rounded per block of 32."""
+    rng = np.random.default_rng(n + k)
+    dense = rng.standard_normal((n, k)).astype(np.float32)
+    weight = Int8GroupWeight.from_dense(dense)
+    codes, scales = Int8Weight.quantized(torch.from_numpy(dense))
+    stored = codes.numpy().astype(np.float64) * scales.double().numpy()[:, None]
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    x[1] *= 40.0
+    x[2, :INT8_BLOCK] = 0.0
+    expected = _quantized_activations(x) @ stored.T
+    got = weight(x)
+    assert got.shape == (5, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    alone = np.concatenate([weight(x[i : i + 1]) for i in range(len(x))])
+    assert np.array_equal(alone, got)
