@@ -49,7 +49,15 @@ def kernel_products(k: int, n: int) -> dict[str, Callable[[np.ndarray], np.ndarr
     import torch
 
     from runtime.kernels.gguf_blocks import GROUP_SIZE, GroupQuantized
-    from runtime.kernels.torch_backend import Bf16Weight, Fp16Weight, Int4Weight, Int8Weight
+    from runtime.kernels.native import lowbit_rows
+    from runtime.kernels.torch_backend import (
+        Bf16Weight,
+        Fp16Weight,
+        Int4Weight,
+        Int8GroupWeight,
+        Int8Weight,
+        LowBitWeight,
+    )
 
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
@@ -65,6 +73,11 @@ def kernel_products(k: int, n: int) -> dict[str, Callable[[np.ndarray], np.ndarr
     }
     if torch.backends.mkldnn.is_available():
         products["torch bf16"] = Bf16Weight.from_dense(dense)
+    for bits in (4, 5):  # codes below 16 are valid 5-bit codes too
+        if lowbit_rows(bits) is not None:
+            products[f"{bits}-bit (lowbit_rows.c)"] = LowBitWeight(q, bits, None)
+    if lowbit_rows(8) is not None:
+        products["int8 in groups (lowbit_rows.c)"] = Int8GroupWeight.from_dense(dense)
     return products
 
 
