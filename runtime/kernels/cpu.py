@@ -11,27 +11,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from functools import cache
-from pathlib import Path
 
-
-@dataclass(frozen=True)
-class CpuFeatures:
-    flags: frozenset[str]
-    cores: int
-
-    @property
-    def level(self) -> str:
-        """The widest vector path: "amx", "avx512_bf16", "avx512", "avx2" or "baseline"."""
-        for name, flag in (
-            ("amx", "amx_bf16"),
-            ("avx512_bf16", "avx512_bf16"),
-            ("avx512", "avx512f"),
-            ("avx2", "avx2"),
-        ):
-            if flag in self.flags:
-                return name
-        return "baseline"
+from runtime.kernels.cpu_features import CpuFeatures, cpu_features
+from runtime.kernels.native import lowbit_rows
 
 
 @dataclass(frozen=True)
@@ -64,27 +46,14 @@ class KernelPlan:
         }
 
 
-@cache
-def cpu_features() -> CpuFeatures:
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags.update(line.split(":", 1)[1].split())
-                break
-    except OSError:  # not Linux: assume the baseline
-        pass
-    return CpuFeatures(frozenset(flags), len(os.sched_getaffinity(0)))
-
-
 def plan_for(features: CpuFeatures) -> KernelPlan:
     """The kernels for this CPU (bench/RESULTS.md has the measurements behind them).
 
-    - AVX-512: GGUF's 4-bit types as torch's int4 (an eighth of float32's bytes; all 210
-      SmolLM2 layer products took 4.5 ms at 1 row and 42.6 ms at 32, against float32
-      BLAS's 21.7 / 58.9); the other types bf16 with AMX, else fbgemm's fp16, whose rows
-      do not depend on their batch there (`row_invariant_plan`); a head int8 cannot hold,
-      bf16.
+    - AVX-512: GGUF's 4- and 5-bit types as "int4": runtime/kernels/lowbit_rows.c (all
+      210 SmolLM2 layer products 2.0 ms at 1 row and 24 ms at 32, where torch's int4 took
+      4.5 / 44 and float32 BLAS 21.7 / 58.9), else torch's int4; the other types bf16
+      with AMX, else fbgemm's fp16, whose rows do not depend on their batch there
+      (`row_invariant_plan`); a head int8 cannot hold, an int4 ranking plus rescoring.
     - AVX2 only: torch's int4 and int8 kernels convert every weight for every row, so at 32
       rows they took 144 ms where float32 BLAS took 78; fbgemm's fp16 gemm (weights
       converted in registers) took 55 ms and 17.9 ms at 1 row (int4: 14.1). Whole decode
@@ -100,8 +69,6 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
     """
     if features.level in ("amx", "avx512_bf16", "avx512"):
         return row_invariant_plan(features)
-    from runtime.kernels.native import lowbit_rows  # imports this module
-
     if lowbit_rows(4) is not None and lowbit_rows(5) is not None:
         return replace(fp16_plan(features.cores), four_bit="int4")
     return fp16_plan(features.cores)

@@ -39,7 +39,7 @@ import numpy as np
 
 from runtime.cache_dir import cache_dir, source_digest, write_atomically
 from runtime.kernels.core_share import threads
-from runtime.kernels.cpu import cpu_features
+from runtime.kernels.cpu_features import cpu_features
 from runtime.kernels.gguf_blocks import GroupQuantized
 
 log = logging.getLogger("llmq.kernels")

@@ -1,15 +1,17 @@
-"""The fast backend: weights kept compact, multiplied by torch's compiled CPU kernels.
+"""The fast backend: weights kept compact, multiplied by the engine's C kernels and torch's.
 
-Per CPU (cpu.py): GGUF's 4-bit types become torch's group-wise int4 layout (group 32, one
-bf16 scale and zero per group) built straight from the file's nibbles, other types bf16;
-or every weight fp16 (fbgemm); the LM head int8 per row where its rows allow it. The int4
-and bf16 kernels take bf16 activations: torch's int4 kernel with float32 activations takes
-a path ~20x slower. int8 on the CPU is runtime/kernels/int8_rows.c, which rounds them to
-int8 per block of 32. Only int4 applies a preceding RMSNorm weight at run time; the
-dense stores fold it into their columns. Called with float32 numpy arrays they
-return numpy arrays, so the host forward pass shares model files and attention with the
-numpy backend; each weight's `product` takes and gives float32 tensors, which is what the
-tensor forward pass (kernels/device_backend.py) calls on the CPU.
+Per CPU (cpu.py): GGUF's 4- and 5-bit types keep the file's codes, a half scale and min per
+32 weights, laid out for runtime/kernels/lowbit_rows.c (`LowBitWeight`: integer dots over
+activations rounded to int8 per block of 32, as llama.cpp multiplies Q4_1 by Q8_1); where
+that kernel cannot be built, torch's group-wise int4 layout (`Int4Weight`, bf16 activations:
+torch's int4 kernel with float32 activations takes a path ~20x slower). Other types bf16 or
+fp16 (fbgemm). The LM head int8 per row where its rows allow it: lowbit_rows.c's 8-bit build
+with VNNI (`Int8GroupWeight`), else runtime/kernels/int8_rows.c. Only the 4-/5-bit layouts
+apply a preceding RMSNorm weight at run time; the dense stores fold it into their columns.
+Called with float32 numpy arrays they return numpy arrays, so the host forward pass shares
+model files and attention with the numpy backend; each weight's `product` takes and gives
+float32 tensors, which is what the tensor forward pass (kernels/device_backend.py) calls on
+the CPU.
 """
 
 from __future__ import annotations
