@@ -142,9 +142,9 @@ class LowBitWeight(_Product):
     """GGUF's 4- and 5-bit weights as runtime/kernels/lowbit_rows.c multiplies them: the
     file's codes with a half scale and min per 32 weights, 8 rows side by side
     (`native.pack_lowbit`), and activations rounded to int8 per block of 32, as llama.cpp
-    multiplies Q4_1 by Q8_1. Integer dots made SmolLM2's layer products 2.2-3.4x torch's
-    int4 kernel at 1 to 480 rows on an AVX512-BF16 EPYC (bench/RESULTS.md), and a row's
-    result is the same whatever shares its batch. Chosen wherever the kernel builds
+    multiplies Q4_1 by Q8_1. Integer dots made SmolLM2's layer products 2.3x torch's int4
+    kernel at 1 row and 1.7-1.9x at 4 to 128 on an AVX512-BF16 EPYC
+    (`bench/lowbit_products.py`), and a row's result is the same whatever shares its batch. Chosen wherever the kernel builds
     (`LLMQ_TORCH_INT4=1` keeps `Int4Weight` for 4-bit and the dense kind for 5-bit)."""
 
     kinds = {4: "int4-blocks", 5: "int5-blocks"}
@@ -326,8 +326,9 @@ class RescoredHead(_Product):
     @classmethod
     def ranking_of(cls, f: GGUFFile, name: str, native: bool) -> Int4Weight | LowBitWeight:
         """The int4 ranking built a chunk of rows at a time (no float32 copy of the head):
-        lowbit_rows.c's layout where `native` (1.4 ms a row for Gemma 3's 262k-row head
-        where torch's int4 took 3.1), else torch's."""
+        lowbit_rows.c's layout where `native` (Gemma 3's 262k-row head ranked 1 / 32 rows in
+        3.1 / 49 ms where torch's int4 took 4.7 / 66, on an AVX512-BF16 EPYC), else
+        torch's."""
         starts = range(0, f.blocks(name)[2][0], HEAD_CHUNK_ROWS)
         chunks = (quantize_groups(f.rows(name, slice(s, s + HEAD_CHUNK_ROWS))) for s in starts)
         if not native:
