@@ -144,8 +144,9 @@ class LowBitWeight(_Product):
     (`native.pack_lowbit`), and activations rounded to int8 per block of 32, as llama.cpp
     multiplies Q4_1 by Q8_1. Integer dots made SmolLM2's layer products 2.3x torch's int4
     kernel at 1 row and 1.7-1.9x at 4 to 128 on an AVX512-BF16 EPYC
-    (`bench/lowbit_products.py`), and a row's result is the same whatever shares its batch. Chosen wherever the kernel builds
-    (`LLMQ_TORCH_INT4=1` keeps `Int4Weight` for 4-bit and the dense kind for 5-bit)."""
+    (`bench/lowbit_products.py`), and a row's result is the same whatever shares its batch.
+    Chosen wherever the kernel builds (`LLMQ_TORCH_INT4=1` keeps `Int4Weight` for 4-bit and
+    the dense kind for 5-bit)."""
 
     kinds = {4: "int4-blocks", 5: "int5-blocks"}
 
