@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, replace
 
 from runtime.kernels.cpu_features import CpuFeatures, cpu_features
-from runtime.kernels.native import lowbit_rows
+from runtime.kernels.native import lowbit_builds
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
     """
     if features.level in ("amx", "avx512_bf16", "avx512"):
         return row_invariant_plan(features)
-    if lowbit_rows(4) is not None and lowbit_rows(5) is not None:
+    if lowbit_builds():
         return replace(fp16_plan(features.cores), four_bit="int4")
     return fp16_plan(features.cores)
 

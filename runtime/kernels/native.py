@@ -257,21 +257,24 @@ def lowbit_shape(n: int, k: int, bits: int) -> tuple[int, ...]:
     return (groups, blocks, LOWBIT_GROUP_BYTES[bits])
 
 
+def _whole_groups(*arrays: np.ndarray) -> list[np.ndarray]:
+    """`arrays` (rows first) with zero rows added up to a multiple of LOWBIT_GROUP."""
+    pad = -len(arrays[0]) % LOWBIT_GROUP
+    return [np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) for a in arrays]
+
+
 def pack_int8_rows(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """lowbit_rows.c's 8-bit layout of int8 rows `codes` `[N, K]` with a float32 scale a
     row: each code plus 128 as a byte, 16 rows side by side (see the layout there)."""
     n, k = codes.shape
     groups, blocks = -(-n // LOWBIT_GROUP), k // INT8_BLOCK
-    pad = groups * LOWBIT_GROUP - n
+    codes, scales = _whole_groups(codes, np.asarray(scales, np.float32))
     shifted = (codes.astype(np.int16) + 128).astype(np.uint8)
-    if pad:
-        shifted = np.concatenate([shifted, np.full((pad, k), 128, np.uint8)])
-        scales = np.concatenate([scales, np.zeros(pad, np.float32)])
     steps = shifted.reshape(groups, LOWBIT_GROUP, blocks, 8, 4)  # [g, j, b, t, i]
     packed = np.empty(lowbit_shape(n, k, 8), np.uint8)
     body = blocks * LOWBIT_GROUP_BYTES[8]
     packed[:, :body] = steps.transpose(0, 2, 3, 1, 4).reshape(groups, body)
-    packed[:, body:] = np.ascontiguousarray(scales, np.float32).reshape(groups, -1).view(np.uint8)
+    packed[:, body:] = scales.reshape(groups, -1).view(np.uint8)
     return packed
 
 
@@ -282,12 +285,7 @@ def pack_lowbit(q: GroupQuantized, bits: int) -> np.ndarray:
     Q5_0 and Q5_1, 11 significant bits of Q4_K's products)."""
     n, k = q.shape
     groups, blocks, size = -(-n // LOWBIT_GROUP), k // INT8_BLOCK, LOWBIT_GROUP_BYTES[bits]
-    pad = groups * LOWBIT_GROUP - n
-    codes, scales, mins = q.codes, q.scales, q.mins
-    if pad:
-        codes = np.concatenate([codes, np.zeros((pad, k), np.uint8)])
-        scales = np.concatenate([scales, np.zeros((pad, blocks), np.float32)])
-        mins = np.concatenate([mins, np.zeros((pad, blocks), np.float32)])
+    codes, scales, mins = _whole_groups(q.codes, q.scales, q.mins)
     grouped = codes.reshape(groups, LOWBIT_GROUP, blocks, 2, 4, 4)  # [g, j, b, half, c, i]
     nibbles = (grouped[:, :, :, 0] & 15) | ((grouped[:, :, :, 1] & 15) << 4)  # [g, j, b, c, i]
     packed = np.empty((groups, blocks, size), np.uint8)
@@ -342,6 +340,11 @@ class LowBitRows:
         if failed:
             raise MemoryError("the low-bit product could not allocate its quantized rows")
         return out
+
+
+def lowbit_builds() -> bool:
+    """Whether both the 4- and the 5-bit products build here (and are not turned off)."""
+    return lowbit_rows(4) is not None and lowbit_rows(5) is not None
 
 
 @functools.cache

@@ -126,14 +126,6 @@ static void add_scaled(float *restrict o, float p, const kv_t *restrict v, int64
     for (; d < n; d++) o[d] += p * scalar(v[d]);
 }
 
-/* out[g] = sum over j of scores[g][j] * v_j for each head g, 64 dimensions at a time held
- * in registers: each output is the same chain of fmas as `add_scaled` over o in memory
- * gives it (from zero, in key order), without loading and storing o for every key. */
-#define VALUE_TILE 64
-static void weighted_values(const float *restrict scores, int64_t stride, int64_t group,
-                            const kv_t *restrict values, const int64_t *restrict slots, int64_t count,
-                            int64_t head_dim, float *restrict out);
-
 /* Keys and values are gathered by slot, so the hardware prefetcher sees short runs: each
  * loop asks for the key (or value) PREFETCH_AHEAD positions on while it works on this one.
  * A hint only: it changes no arithmetic. */
@@ -144,6 +136,31 @@ static void weighted_values(const float *restrict scores, int64_t stride, int64_
 static inline void prefetch_vector(const kv_t *p, int64_t n) {
     const char *bytes = (const char *)p;
     for (int64_t off = 0; off < n * (int64_t)sizeof(kv_t); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
+}
+
+/* out[g] = sum over j of scores[g][j] * v_j for each head g, 64 dimensions at a time held
+ * in registers: each output is the same chain of fmas as `add_scaled` over o in memory
+ * gives it (from zero, in key order), without loading and storing o for every key. */
+#define VALUE_TILE 64
+static void weighted_values(const float *restrict scores, int64_t stride, int64_t group,
+                            const kv_t *restrict values, const int64_t *restrict slots, int64_t count,
+                            int64_t head_dim, float *restrict out) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += VALUE_TILE) {
+        for (int64_t g = 0; g < group; g++) {
+            const float *p = scores + g * stride;
+            __m256 acc[VALUE_TILE / LANES];
+            for (int i = 0; i < VALUE_TILE / LANES; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < count; j++) {
+                const kv_t *v = values + slots[j] * head_dim + d0;
+                if (g == 0 && j + PREFETCH_AHEAD < count)
+                    prefetch_vector(values + slots[j + PREFETCH_AHEAD] * head_dim + d0, VALUE_TILE);
+                const __m256 weight = _mm256_set1_ps(p[j]);
+                for (int i = 0; i < VALUE_TILE / LANES; i++)
+                    acc[i] = _mm256_fmadd_ps(weight, load8(v + i * LANES), acc[i]);
+            }
+            for (int i = 0; i < VALUE_TILE / LANES; i++) _mm256_storeu_ps(out + g * head_dim + d0 + i * LANES, acc[i]);
+        }
+    }
 }
 
 /* The `group` query heads that share one KV head, over that head's keys: each key and
@@ -187,27 +204,6 @@ static void attend_group(const float *restrict q, int64_t group, const kv_t *res
     for (int64_t g = 0; g < group; g++) {
         const float inv = scores[g * stride + count];
         for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv;
-    }
-}
-
-static void weighted_values(const float *restrict scores, int64_t stride, int64_t group,
-                            const kv_t *restrict values, const int64_t *restrict slots, int64_t count,
-                            int64_t head_dim, float *restrict out) {
-    for (int64_t d0 = 0; d0 < head_dim; d0 += VALUE_TILE) {
-        for (int64_t g = 0; g < group; g++) {
-            const float *p = scores + g * stride;
-            __m256 acc[VALUE_TILE / LANES];
-            for (int i = 0; i < VALUE_TILE / LANES; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < count; j++) {
-                const kv_t *v = values + slots[j] * head_dim + d0;
-                if (g == 0 && j + PREFETCH_AHEAD < count)
-                    prefetch_vector(values + slots[j + PREFETCH_AHEAD] * head_dim + d0, VALUE_TILE);
-                const __m256 weight = _mm256_set1_ps(p[j]);
-                for (int i = 0; i < VALUE_TILE / LANES; i++)
-                    acc[i] = _mm256_fmadd_ps(weight, load8(v + i * LANES), acc[i]);
-            }
-            for (int i = 0; i < VALUE_TILE / LANES; i++) _mm256_storeu_ps(out + g * head_dim + d0 + i * LANES, acc[i]);
-        }
     }
 }
 

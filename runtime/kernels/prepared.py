@@ -26,7 +26,7 @@ import torch
 from runtime.cache_dir import cache_dir, source_digest, write_atomically
 from runtime.gguf_file import GGUFFile
 from runtime.kernels.base import TensorPart
-from runtime.kernels.cpu import cpu_features
+from runtime.kernels.cpu_features import cpu_features
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,9 @@ from runtime.kernels.gguf_blocks import (
 )
 from runtime.kernels.native import (
     LOWBIT_GROUP,
+    LOWBIT_GROUP_BYTES,
     int8_rows,
+    lowbit_builds,
     lowbit_rows,
     lowbit_shape,
     pack_int8_rows,
@@ -138,9 +140,12 @@ class Int4Weight(_Product):
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
+BITS_OF_BLOCK_BYTES = {LOWBIT_GROUP_BYTES[bits]: bits for bits in (4, 5)}
+
+
 class LowBitWeight(_Product):
     """GGUF's 4- and 5-bit weights as runtime/kernels/lowbit_rows.c multiplies them: the
-    file's codes with a half scale and min per 32 weights, 8 rows side by side
+    file's codes with a half scale and min per 32 weights, 16 rows side by side
     (`native.pack_lowbit`), and activations rounded to int8 per block of 32, as llama.cpp
     multiplies Q4_1 by Q8_1. Integer dots made SmolLM2's layer products 2.3x torch's int4
     kernel at 1 row and 1.7-1.9x at 4 to 128 on an AVX512-BF16 EPYC
@@ -165,14 +170,13 @@ class LowBitWeight(_Product):
         return {"packed": self.packed} | scale
 
     @classmethod
-    def restorer(cls, bits: int) -> Callable[[tuple[int, int], dict], LowBitWeight]:
-        def restored(shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> LowBitWeight:
-            weight = cls.__new__(cls)
-            weight.shape, weight.bits, weight.packed = shape, bits, tensors["packed"]
-            weight.input_scale = tensors.get("input_scale")
-            return weight
-
-        return restored
+    def restored(cls, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> LowBitWeight:
+        """The weight over saved tensors; its code width is its packing's block size."""
+        weight = cls.__new__(cls)
+        weight.shape, weight.packed = shape, tensors["packed"]
+        weight.bits = BITS_OF_BLOCK_BYTES[weight.packed.shape[-1]]
+        weight.input_scale = tensors.get("input_scale")
+        return weight
 
     @functools.cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
@@ -330,14 +334,14 @@ class RescoredHead(_Product):
         lowbit_rows.c's layout where `native` (Gemma 3's 262k-row head ranked 1 / 32 rows in
         3.1 / 49 ms where torch's int4 took 4.7 / 66, on an AVX512-BF16 EPYC), else
         torch's."""
-        starts = range(0, f.blocks(name)[2][0], HEAD_CHUNK_ROWS)
+        rows, cols = (int(d) for d in f.blocks(name)[2])
+        starts = range(0, rows, HEAD_CHUNK_ROWS)
         chunks = (quantize_groups(f.rows(name, slice(s, s + HEAD_CHUNK_ROWS))) for s in starts)
         if not native:
             ranking = Int4Weight.stacked([Int4Weight(q, None) for q in chunks])
             return RescoredRanking.from_int4(ranking)
         packed = np.concatenate([pack_lowbit(q, 4) for q in chunks])  # whole groups, but the last
-        shape = (int(f.blocks(name)[2][0]), int(f.blocks(name)[2][1]))
-        return RescoredBlockRanking.restorer(4)(shape, {"packed": torch.from_numpy(packed)})
+        return RescoredBlockRanking.restored((rows, cols), {"packed": torch.from_numpy(packed)})
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.ranking.product(x)
@@ -462,13 +466,9 @@ class RescoredBlockRanking(LowBitWeight):
 RESCORED_KINDS = (RescoredRanking.kind, RescoredBlockRanking.kinds[4])
 
 WEIGHT_CLASSES = {
-    c.kind: c.restored
+    c.kind: c
     for c in (Int4Weight, Int8Weight, Int8GroupWeight, Bf16Weight, Fp16Weight, RescoredRanking)
-} | {
-    kind: cls.restorer(bits)
-    for cls in (LowBitWeight, RescoredBlockRanking)
-    for bits, kind in cls.kinds.items()
-}
+} | {kind: c for c in (LowBitWeight, RescoredBlockRanking) for kind in c.kinds.values()}
 
 
 class TorchBackend:
@@ -512,11 +512,11 @@ class TorchBackend:
     def _build(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None):
         types = {f.blocks(p.name)[1] for p in parts}
         four_bit = types <= FOUR_BIT_TYPES
-        if self.native_lowbit and types <= FOUR_BIT_TYPES | FIVE_BIT_TYPES:
+        lowbit = self.native_lowbit and types <= FOUR_BIT_TYPES | FIVE_BIT_TYPES
+        if lowbit or (four_bit and self.plan.four_bit == "int4"):
             fused = GroupQuantized.concat([group_part(f, p) for p in parts])
-            return LowBitWeight(fused, 4 if four_bit else 5, input_scale)
-        if four_bit and self.plan.four_bit == "int4":
-            fused = GroupQuantized.concat([group_part(f, p) for p in parts])
+            if lowbit:
+                return LowBitWeight(fused, 4 if four_bit else 5, input_scale)
             return Int4Weight(fused, input_scale)
         if four_bit:  # torch's threads dequantize nibbles 3x faster than gguf's numpy
             dense = torch.cat([dequantize_groups(group_part(f, p)) for p in parts]).numpy()
@@ -561,7 +561,7 @@ class TorchBackend:
         saved = self.prepared.get(key) if self.prepared is not None else None
         if saved is None:
             return None
-        return WEIGHT_CLASSES[saved.kind](saved.shape, saved.tensors)
+        return WEIGHT_CLASSES[saved.kind].restored(saved.shape, saved.tensors)
 
     def _kept(self, key: str, weight):
         if self.prepared is not None:
@@ -572,8 +572,7 @@ class TorchBackend:
     def native_lowbit(self) -> bool:
         """Whether 4- and 5-bit weights go to runtime/kernels/lowbit_rows.c: on the int4
         plans, where it builds (else torch's int4, and 5-bit as the plan's other kind)."""
-        native = self._allow_native and lowbit_rows(4) is not None
-        return self.plan.four_bit == "int4" and native and lowbit_rows(5) is not None
+        return self.plan.four_bit == "int4" and self._allow_native and lowbit_builds()
 
     @property
     def grouped_int8(self) -> bool:
@@ -583,7 +582,7 @@ class TorchBackend:
     def describe(self) -> dict[str, str]:
         described = {"cpu": cpu_features().level, **self.plan.describe()}
         if self.grouped_int8:
-            described["lm head"] = described["lm head"].replace("int8", "int8 (lowbit_rows.c)", 1)
+            described["lm head"] = f"int8 (lowbit_rows.c) (else {self.plan.head_fallback})"
         if self.native_lowbit:
             described["4-bit weights"] = "int4 (lowbit_rows.c, int8 activations)"
             described["5-bit weights"] = "int5 (lowbit_rows.c, int8 activations)"

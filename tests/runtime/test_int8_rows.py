@@ -11,19 +11,9 @@ import torch
 
 from runtime.kernels.native import INT8_BLOCK, int8_rows
 from runtime.kernels.torch_backend import Int8Weight
+from tests.runtime.int8_activations import blockwise_rounded
 
 pytestmark = pytest.mark.skipif(int8_rows() is None, reason="no C compiler for the kernel")
-
-
-def _quantized_activations(x: np.ndarray) -> np.ndarray:
-    """Each row rounded to int8 per block of 32 as the kernel states it (float32 scale =
-    peak / 127, code = round-half-even(value * (127 / peak)) in float32), back in float64."""
-    blocks = x.astype(np.float32).reshape(len(x), -1, INT8_BLOCK)
-    peak = np.abs(blocks).max(axis=2, keepdims=True)
-    scale = peak / np.float32(127)
-    inverse = np.where(peak > 0, np.float32(127) / np.where(peak > 0, peak, 1), 0)
-    codes = np.round(blocks * inverse.astype(np.float32))
-    return (codes.astype(np.float64) * scale).reshape(x.shape)
 
 
 def _weight(rng: np.random.Generator, n: int, k: int) -> Int8Weight:
@@ -38,7 +28,7 @@ def test_product_is_the_blockwise_rounded_rows_times_the_weights(n, k):
     x[1] *= 40.0  # a row far from unit scale
     x[2, :INT8_BLOCK] = 0.0  # an all-zero block
     dense = weight.codes.numpy().astype(np.float64) * weight.scales.float().numpy()[:, None]
-    expected = _quantized_activations(x) @ dense.T
+    expected = blockwise_rounded(x) @ dense.T
     got = weight(x)
     assert got.shape == (5, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

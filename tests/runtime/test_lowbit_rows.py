@@ -14,20 +14,10 @@ from runtime.kernels.cpu import cpu_features
 from runtime.kernels.gguf_blocks import GroupQuantized, quantize_groups
 from runtime.kernels.native import INT8_BLOCK, LowBitRows, lowbit_rows, pack_lowbit
 from runtime.kernels.torch_backend import Int8GroupWeight, Int8Weight
+from tests.runtime.int8_activations import blockwise_rounded
 
 pytestmark = pytest.mark.skipif(lowbit_rows() is None, reason="no C compiler for the kernel")
 BITS = [4, 5]
-
-
-def _quantized_activations(x: np.ndarray) -> np.ndarray:
-    """Each row rounded to int8 per block of 32 as the kernel states it (float32 scale =
-    peak / 127, code = round-half-even(value * (127 / peak)) in float32), back in float64."""
-    blocks = x.astype(np.float32).reshape(len(x), -1, INT8_BLOCK)
-    peak = np.abs(blocks).max(axis=2, keepdims=True)
-    scale = peak / np.float32(127)
-    inverse = np.where(peak > 0, np.float32(127) / np.where(peak > 0, peak, 1), 0)
-    codes = np.round(blocks * inverse.astype(np.float32))
-    return (codes.astype(np.float64) * scale).reshape(x.shape)
 
 
 def _weights(rng: np.random.Generator, n: int, k: int, bits: int) -> GroupQuantized:
@@ -57,13 +47,11 @@ def test_product_is_the_blockwise_rounded_rows_times_the_weights(n, k, bits):
     input_scale = rng.uniform(0.5, 1.5, k).astype(np.float32)
     kernel, packed = lowbit_rows(bits), pack_lowbit(q, bits)
     got = kernel(x, packed, n, input_scale)
-    expected = _quantized_activations(x * input_scale) @ _stored(q).T
+    expected = blockwise_rounded(x * input_scale) @ _stored(q).T
     assert got.shape == (6, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     without = kernel(x, packed, n)
-    np.testing.assert_allclose(
-        without, _quantized_activations(x) @ _stored(q).T, rtol=1e-5, atol=1e-4
-    )
+    np.testing.assert_allclose(without, blockwise_rounded(x) @ _stored(q).T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -125,7 +113,7 @@ def test_int8_groups_are_the_blockwise_rounded_rows_times_the_int8_weights(n, k)
     x = rng.standard_normal((5, k)).astype(np.float32)
     x[1] *= 40.0
     x[2, :INT8_BLOCK] = 0.0
-    expected = _quantized_activations(x) @ stored.T
+    expected = blockwise_rounded(x) @ stored.T
     got = weight(x)
     assert got.shape == (5, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
