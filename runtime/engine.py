@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from runtime.placement import device_memory_guard, kv_budget_bytes, load_placed,
 from runtime.prefix_cache import PrefixCache
 from runtime.registry import ModelSpec, resolve
 from runtime.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.decode_graphs import DecodeGraphs
 
 
 @dataclass
@@ -53,6 +56,9 @@ class EngineConfig:
     torch_forward: bool | None = None
     # torch's CPU kernels (runtime/kernels/cpu.py); None: the ones measured best on this CPU
     kernels: KernelPlan | None = None
+    # decode steps as static steps of the tensor forward pass (runtime/decode_graphs.py),
+    # captured as CUDA graphs on a GPU; None: wherever the tensor forward pass runs
+    decode_graphs: bool | None = None
 
 
 class Engine:
@@ -86,6 +92,13 @@ class Engine:
         self.prefix_cache = (
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.torch_forward and self.config.decode_graphs is not False:
+            from runtime.decode_graphs import DecodeGraphs  # torch: the tensor path's
+
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.max_sequences)
+            with device_memory_guard(self.device, f"the decode graphs of {spec.id}"):
+                self.decode_graphs.capture()
         self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters by name
         for name, path in spec.loras:  # the registry's adapters come with the model
             self.load_adapter(name, adapter_file(path))
@@ -109,6 +122,11 @@ class Engine:
     @property
     def context_length(self) -> int:
         return min(self.config.max_context or self.model.context_length, self.model.context_length)
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences decoding together: as configured, else 256 on a GPU, 64 on the CPU."""
+        return self.config.max_sequences or (256 if self.device != CPU else 64)
 
     @property
     def nbytes(self) -> int:
@@ -168,11 +186,12 @@ class Engine:
             self.prefix_cache,
             max_context=self.context_length,
             config=GeneratorConfig(
-                max_sequences=self.config.max_sequences or (256 if self.device != CPU else 64),
+                max_sequences=self.max_sequences,
                 max_batch_tokens=self.config.max_batch_tokens,
                 max_prefill_tokens=self.config.prefill_chunk,
             ),
             grammar_vocab=self.grammar_vocab,
+            decode_graphs=self.decode_graphs,
         )
 
     def generate(

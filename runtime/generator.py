@@ -127,8 +127,11 @@ class Generator:
         max_context: int | None = None,
         config: GeneratorConfig | None = None,
         grammar_vocab: GrammarVocab | None = None,
+        decode_graphs: Any = None,
     ) -> None:
         self.model, self.tokenizer, self.sampler = model, tokenizer, sampler
+        # runtime/decode_graphs.py: pure decode steps as static (on a GPU, captured) steps
+        self.decode_graphs = decode_graphs
         self.pool, self.prefix_cache = pool, prefix_cache
         self.max_context = min(max_context or model.context_length, model.context_length)
         self.config = config or GeneratorConfig()
@@ -227,10 +230,13 @@ class Generator:
         if not chunks:
             return []
         before_forward_pass()  # the thread count follows the machine's load (core_share.py)
-        hidden = self.model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
-        if not wanted:
-            return []
-        logits = self.model.logits(hidden[[row for row, _ in wanted]])  # [B, V]
+        if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
+            logits = self.decode_graphs.run(tokens, chunks)  # every row decodes: all wanted
+        else:
+            hidden = self.model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
+            if not wanted:
+                return []
+            logits = self.model.logits(hidden[[row for row, _ in wanted]])  # [B, V]
         sequences = [seq for _, seq in wanted]
         if isinstance(logits, np.ndarray):
             samples = self._sample_on_host(logits, sequences)

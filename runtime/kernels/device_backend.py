@@ -38,7 +38,10 @@ from runtime.kernels.torch_backend import (
 
 log = logging.getLogger("llmq.kernels")
 
-CUDA_INNER_K_TILES = 8  # the CUDA int4 packing's tile; 2, 4 and 8 are allowed
+# the CUDA int4 packing retiles K into inner tiles of 16 weights: 8, 4 or 2 of them per
+# tile, which must divide K (SmolLM2's K = 576 takes 4, Gemma 3's 640 takes 8)
+CUDA_INNER_K_TILES = (8, 4, 2)
+CUDA_K_TILE = 16
 # the int4 product of a random input must match the dequantized weight's product this
 # closely (relative RMS) for the int4 kernel to be used; bf16 rounding alone gives ~0.5%
 INT4_CHECK_TOLERANCE = 0.03
@@ -102,7 +105,7 @@ class CudaInt4Weight:
         codes = torch.from_numpy(q.codes).to(torch.uint8)  # [N, K], values 0..15
         packed = (codes[:, ::2] << 4) | codes[:, 1::2]  # [N, K/2]: even k in the high nibble
         self.packed = torch.ops.aten._convert_weight_to_int4pack(
-            packed.to(device), CUDA_INNER_K_TILES
+            packed.to(device), inner_k_tiles(q.shape[1])
         )
         zeros = q.mins + np.float32(8) * q.scales
         pairs = np.stack([q.scales, zeros], axis=-1).transpose(1, 0, 2)  # [K/32, N, 2]
@@ -120,6 +123,14 @@ class CudaInt4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+def inner_k_tiles(k: int) -> int:
+    """The largest inner tile count of the CUDA int4 packing whose tile divides `k`."""
+    for tiles in CUDA_INNER_K_TILES:
+        if k % (tiles * CUDA_K_TILE) == 0:
+            return tiles
+    raise ValueError(f"int4 weights need K divisible by {min(CUDA_INNER_K_TILES) * CUDA_K_TILE}, got {k}")
 
 
 def int4_matches_dense(weight: CudaInt4Weight, q: GroupQuantized, device) -> bool:
@@ -140,19 +151,37 @@ def int4_matches_dense(weight: CudaInt4Weight, q: GroupQuantized, device) -> boo
 
 
 class DeviceEmbedding:
-    """Embedding rows dequantized on the host from the mapped file, uploaded per step."""
+    """Embedding rows dequantized on the host from the mapped file, uploaded per step; on a
+    GPU, a static step (runtime/models/static_decode.py) reads them from a float32 copy of
+    the whole table on the device instead (made at its first use, the same values), since
+    a captured graph cannot call the host."""
 
     def __init__(self, f: GGUFFile, name: str, device: torch.device) -> None:
         self.table = BlockEmbedding(f, name)
         self.shape = self.table.shape
         self.device = device
+        self.on_device: torch.Tensor | None = None  # [V, D], built by `device_table`
 
-    def __call__(self, tokens: np.ndarray) -> torch.Tensor:
+    def __call__(self, tokens: np.ndarray | torch.Tensor) -> torch.Tensor:
+        if isinstance(tokens, torch.Tensor):  # token ids already on the device
+            if self.device.type != "cuda":
+                return torch.from_numpy(self.table(tokens.numpy()))
+            return self.device_table()[tokens]  # [T] -> [T, D]
         return torch.from_numpy(self.table(tokens)).to(self.device)  # [T] -> [T, D]
+
+    def device_table(self) -> torch.Tensor:
+        if self.on_device is None:
+            rows, dim = self.shape
+            table = torch.empty((rows, dim), dtype=torch.float32, device=self.device)
+            for start in range(0, rows, HEAD_CHUNK_ROWS):
+                ids = np.arange(start, min(rows, start + HEAD_CHUNK_ROWS))
+                table[start : start + len(ids)] = torch.from_numpy(self.table(ids))
+            self.on_device = table
+        return self.on_device
 
     @property
     def nbytes(self) -> int:
-        return self.table.nbytes
+        return self.table.nbytes + (0 if self.on_device is None else self.on_device.nbytes)
 
 
 class DeviceBackend:
@@ -198,7 +227,7 @@ class DeviceBackend:
         else:
             dense = torch.from_numpy(np.concatenate([p.dense(f) for p in parts], axis=0))
         if input_scale is not None:
-            dense = dense * torch.from_numpy(np.asarray(input_scale, np.float32))[None, :]
+            dense = dense * torch.from_numpy(np.array(input_scale, np.float32))[None, :]
         return DenseDeviceWeight.from_dense(dense, self.dense_dtype, self.device)
 
     def embedding(self, f: GGUFFile, name: str) -> DeviceEmbedding:

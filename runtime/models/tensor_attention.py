@@ -17,8 +17,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.models.attention import _plan, _shared_pool, _slot_ids, group_by_length
+from runtime.models.attention import _plan, _shared_pool, _slot_ids
 from runtime.models.base import BatchLayout
+from runtime.models.static_decode import (
+    StaticDecodeLayout,
+    decode_widths,
+    fill_tables,
+    gather_plan,
+)
 
 
 @dataclass
@@ -63,9 +69,7 @@ def attend_layout(
         qd = q[rows.rows].unsqueeze(2).to(keys.dtype)  # [M, H, 1, Dh]
         kd = keys[rows.index].transpose(1, 2)  # [M, L, Hkv, Dh] -> [M, Hkv, L, Dh]
         vd = values[rows.index].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=rows.mask, scale=1.0, enable_gqa=True
-        )  # [M, H, 1, Dh]
+        o = decode_attention(qd, kd, vd, rows.mask)  # [M, H, 1, Dh]
         out[rows.rows] = o.reshape(len(rows.index), n_heads * head_dim).float()
     for rows in plan.prefill:
         qp = q[rows.rows].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, H, n, Dh]
@@ -76,6 +80,51 @@ def attend_layout(
         )  # [1, H, n, Dh]
         out[rows.rows] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim).float()
     return out
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """One query per row over its gathered keys: q `[B, H, 1, Dh]`, keys and values
+    `[B, Hkv, L, Dh]`, visible `[B, 1, 1, L]` -> `[B, H, 1, Dh]`. Each row's result must not
+    depend on how many rows there are: on a GPU the fused kernel works per row and head;
+    on the CPU, torch's fused kernel splits its work by the batch's size, so it is two
+    batched products and a softmax, each per row."""
+    if q.device.type == "cuda":
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, scale=1.0, enable_gqa=True
+        )
+    rows, n_heads, _, head_dim = q.shape
+    n_kv = keys.shape[1]
+    grouped = q.reshape(rows, n_kv, n_heads // n_kv, head_dim)  # [B, Hkv, G, Dh]
+    scores = (grouped @ keys.transpose(-1, -2)).masked_fill(~visible, -torch.inf)  # [B, Hkv, G, L]
+    return (torch.softmax(scores, dim=-1) @ values).reshape(rows, n_heads, 1, head_dim)
+
+
+def attend_static(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: StaticDecodeLayout,
+    window: int | None = None,
+) -> torch.Tensor:
+    """A static decode step's attention (static_decode.py): one query per row over the
+    keys of its table window; q `[B, H, Dh]` (scaled), k and v `[B, Hkv, Dh]` -> `[B, H*Dh]`."""
+    rows, n_heads, head_dim = q.shape
+    pool = layout.pool
+    group = pool.group_of[layer]
+    if pool.groups[group].window not in (None, window):
+        raise ValueError(f"layer {layer} attends over {window} positions, its KV pool keeps less")
+    keys, values = pool.keys[layer], pool.values[layer]  # [slots, Hkv, Dh]
+    keys.index_copy_(0, layout.write_slots[group], k.to(keys.dtype))
+    values.index_copy_(0, layout.write_slots[group], v.to(values.dtype))
+    index = layout.gather[group]  # [B, L]
+    qd = q.unsqueeze(2).to(keys.dtype)  # [B, H, 1, Dh]
+    kd = keys[index].transpose(1, 2)  # [B, L, Hkv, Dh] -> [B, Hkv, L, Dh]
+    vd = values[index].transpose(1, 2)
+    o = decode_attention(qd, kd, vd, layout.visible[group])  # [B, H, 1, Dh]
+    return o.reshape(rows, n_heads * head_dim).float()
 
 
 def prepare(layout: BatchLayout, windows: list[int | None], device: torch.device) -> None:
@@ -96,12 +145,12 @@ def _build(
     layout: BatchLayout, group: int, window: int | None, device: torch.device
 ) -> TensorAttentionPlan:
     """Slots, gather indices and masks of one layer group for this forward pass."""
-    slots = _slot_ids(layout, group)
+    slots, pool = _slot_ids(layout, group), _shared_pool(layout)
     decode_rows, prefill = [], []
     for lo, hi, chunk in layout.spans:
         first = 0 if window is None else max(0, chunk.start + 1 - window)  # the first query's
         if hi - lo == 1:
-            decode_rows.append((lo, chunk.cache.slot_ids(first, chunk.start + 1, group)))
+            decode_rows.append((lo, chunk))
             continue
         index = chunk.cache.slot_ids(first, chunk.start + hi - lo, group)
         q_pos = np.arange(chunk.start, chunk.start + hi - lo)[:, None]  # [n, 1]
@@ -113,16 +162,25 @@ def _build(
             GatheredRows(slice(lo, hi), _upload(index, device), _upload(visible, device))
         )
     decode = []
-    for members in group_by_length([len(ids) for _, ids in decode_rows]):
-        width = len(decode_rows[members[0]][1])
-        index = np.zeros((len(members), width), np.int64)
-        visible = np.zeros((len(members), 1, 1, width), bool)  # [M, heads, queries, L]
-        for i, m in enumerate(members):
-            ids = decode_rows[m][1]
-            index[i, : len(ids)], visible[i, ..., : len(ids)] = ids, True
-        rows = np.array([decode_rows[m][0] for m in members])
+    if decode_rows:
+        # the static step's table windows (static_decode.py), padded to its widths, so
+        # that a row's attention is the same whether it decodes eagerly or from a graph
+        chunks = [chunk for _, chunk in decode_rows]
+        width = decode_widths(pool, chunks)[group]
+        starts = np.zeros(len(chunks), np.int64)
+        # padding columns (masked) read the row's own last block
+        last = [c.cache.tables[group][c.start // pool.block_size] for c in chunks]
+        table = np.repeat(np.array(last, np.int64)[:, None], width, axis=1)  # [M, W]
+        fill_tables(pool, chunks, group, starts, table)
+        positions = np.array([c.start for c in chunks])
+        index, visible = gather_plan(table, starts, positions, pool.block_size, window)
+        rows = np.array([lo for lo, _ in decode_rows])
         decode.append(
-            GatheredRows(_upload(rows, device), _upload(index, device), _upload(visible, device))
+            GatheredRows(
+                _upload(rows, device),
+                _upload(index, device),
+                _upload(visible[:, None, None, :], device),
+            )
         )
     return TensorAttentionPlan(_upload(slots, device), decode, prefill)
 

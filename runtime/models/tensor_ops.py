@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from runtime.kernels.device_backend import device_vector
 from runtime.kv_pool import lazy_array
 from runtime.models import base, tensor_attention
+from runtime.models.static_decode import StaticDecodeLayout, as_index
+
+MIN_ROPE_POSITIONS = 1024  # a rope table's first size; it doubles as positions grow
 
 
 class TensorOps:
@@ -27,6 +30,10 @@ class TensorOps:
         self.cuda = self.device.type == "cuda"
         self.kv_dtype = torch.float16 if self.cuda else torch.float32
         self.kv_value_bytes = 2 if self.cuda else 4
+        # positions every rope table covers from its start: a captured step reads the
+        # table at addresses fixed at capture, so the graph runner sets the context length
+        self.rope_positions = 0
+        self._rope: dict[tuple[bytes, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def vector(self, values: np.ndarray) -> torch.Tensor:
         """A float32 vector (a norm's weight) on the device."""
@@ -40,10 +47,25 @@ class TensorOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.rms_normalize(x, eps) * weight
 
-    def rope_tables(self, positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0):
-        """cos/sin `[T, 1, n_rot/2]`, computed as the host computes them, then uploaded."""
-        cos, sin = base.rope_tables(positions, inv_freq, scale)
-        return torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
+    def rope_tables(self, positions, inv_freq: np.ndarray, scale: float = 1.0):
+        """cos/sin `[T, 1, n_rot/2]` of `positions` (host array, or device tensor in a
+        static step): rows of one table per rope, computed as the host computes them and
+        uploaded once, so every step, eager or captured, reads the same values."""
+        needed = 0 if isinstance(positions, torch.Tensor) else int(np.max(positions)) + 1
+        cos, sin = self._rope_table(inv_freq, scale, needed)
+        index = as_index(positions, self.device)
+        return cos[index], sin[index]
+
+    def _rope_table(self, inv_freq: np.ndarray, scale: float, needed: int):
+        key = (np.asarray(inv_freq, np.float64).tobytes(), float(scale))
+        table = self._rope.get(key)
+        size = 0 if table is None else len(table[0])
+        if size < max(needed, self.rope_positions):
+            size = max(needed, self.rope_positions, 2 * size, MIN_ROPE_POSITIONS)
+            cos, sin = base.rope_tables(np.arange(size), inv_freq, scale)  # [P, 1, n_rot/2]
+            table = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
+            self._rope[key] = table
+        return table
 
     @staticmethod
     def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -62,11 +84,17 @@ class TensorOps:
         return F.gelu(gate, approximate="tanh") * up
 
     def prepare(self, layout, windows: list[int | None]) -> None:
-        """Attention's indices and masks for this forward pass, uploaded before any layer."""
-        tensor_attention.prepare(layout, windows, self.device)
+        """Attention's indices and masks for this forward pass, uploaded (or, in a static
+        step, built on the device) before any layer."""
+        if isinstance(layout, StaticDecodeLayout):
+            layout.prepare()
+        else:
+            tensor_attention.prepare(layout, windows, self.device)
 
     @staticmethod
     def attend(layer, q, k, v, layout, window=None) -> torch.Tensor:
+        if isinstance(layout, StaticDecodeLayout):
+            return tensor_attention.attend_static(layer, q, k, v, layout, window)
         return tensor_attention.attend_layout(layer, q, k, v, layout, window)
 
     def kv_storage(self, n_kv_heads: int, tokens: int, head_dim: int) -> torch.Tensor:

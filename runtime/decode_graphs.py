@@ -1,0 +1,164 @@
+"""Decode steps replayed from captured CUDA graphs, one per bucket.
+
+A GPU decode step launches ~50 kernels per layer from Python; at small batches the GPU
+waits on the host. `DecodeGraphs` runs a decode step as the static step of
+runtime/models/static_decode.py: on a GPU it captures that step once per bucket (batch
+rows x table width) when the model loads, all graphs in one memory pool, and a step is
+then one copy of the packed inputs, one replay and the logits left on the device for the
+sampler (whose copy of the token ids back is the step's one host sync). On the CPU the
+same static step runs uncaptured: that is how CI checks it against the eager step.
+
+A step takes the static path only when every row decodes one token without LoRA adapters
+(`can_run`): prefill chunks, mixed steps and LoRA rows take the eager forward pass.
+Sampling is outside the graph, so grammar masks, logprobs and penalties work on the
+graph's logits as on the eager step's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from runtime.kv_pool import BlockPool
+from runtime.models.base import SequenceChunk
+from runtime.models.static_decode import (
+    BATCH_BUCKETS,
+    Bucket,
+    StaticInputs,
+    batch_bucket,
+    group_widths,
+    width_buckets,
+    decode_widths,
+)
+
+log = logging.getLogger("llmq.graphs")
+
+# a bucket is captured only if its gathered keys and values stay under this many bytes
+# per layer (larger ones take the eager step): 256 rows x 8192 positions of SmolLM2 is 1.6 GB
+MAX_GATHER_BYTES = 1 << 30
+
+
+class DecodeGraphs:
+    """The static decode step of one model over its engine's KV pool, per bucket; on a
+    CUDA device each bucket's step is captured (`capture`) and replayed."""
+
+    def __init__(self, model, pool: BlockPool, max_rows: int) -> None:
+        self.model, self.pool = model, pool
+        self.device = torch.device(model.ops.device)
+        self.cuda = self.device.type == "cuda"
+        max_blocks = -(-model.context_length // pool.block_size)
+        self.batches = tuple(b for b in BATCH_BUCKETS if b < max_rows) + (max_rows,)
+        self.batches = tuple(sorted(set(self.batches)))
+        self.widths = width_buckets(max_blocks)
+        self.buckets = [
+            Bucket(rows, group_widths(pool, width))
+            for rows in self.batches
+            for width in self.widths
+            if self._gather_bytes(rows, width) <= MAX_GATHER_BYTES
+        ]
+        self.bucket_set = set(self.buckets)
+        model.ops.rope_positions = model.context_length  # tables fixed before any capture
+        self.inputs = StaticInputs(pool, max(self.buckets, key=lambda b: b.size), self.device)
+        self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool_handle = None
+        self.capture_seconds = 0.0
+        self.graph_bytes = 0  # device memory the graphs' pool took
+
+    def _gather_bytes(self, rows: int, width: int) -> int:
+        positions = width * self.pool.block_size
+        return 2 * rows * positions * self.pool.n_kv_heads * self.pool.head_dim * 2
+
+    def bucket_for(self, chunks: Sequence[SequenceChunk]) -> Bucket | None:
+        """The bucket a decode step of `chunks` runs in; None: it takes the eager step."""
+        if any(c.length != 1 or c.adapters for c in chunks):
+            return None
+        rows = batch_bucket(len(chunks), self.batches)
+        if rows is None:
+            return None
+        bucket = Bucket(rows, decode_widths(self.pool, chunks))
+        return bucket if bucket in self.bucket_set else None
+
+    def can_run(self, chunks: Sequence[SequenceChunk]) -> bool:
+        return self.bucket_for(chunks) is not None
+
+    def run(self, tokens: Sequence[int], chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        """Logits `[n, V]` (on the device) of one decode step of `chunks` fed `tokens`;
+        the caches then hold the step's keys and values."""
+        bucket = self.bucket_for(chunks)
+        if bucket is None:
+            raise ValueError("this step has no bucket: check can_run first")
+        if chunks[0].cache.pool is not self.pool:  # the engine's pool was replaced (tests)
+            self._follow_pool(chunks[0].cache.pool)
+        self.inputs.fill(bucket, tokens, chunks)
+        captured = self.graphs.get(bucket)
+        if captured is not None:
+            graph, logits = captured
+            graph.replay()
+        else:
+            logits = self._step(bucket)
+        for chunk in chunks:
+            chunk.cache.commit(chunk.start + 1)
+        return logits[: len(chunks)]
+
+    def _follow_pool(self, pool: BlockPool) -> None:
+        """Static inputs (and graphs, which read the pool at fixed addresses) for `pool`."""
+        self.pool, self.graphs = pool, {}
+        self.inputs = StaticInputs(pool, max(self.buckets, key=lambda b: b.size), self.device)
+        self.capture()
+
+    def _step(self, bucket: Bucket) -> torch.Tensor:
+        """The model's forward pass and head over the bucket's static inputs."""
+        layout = self.inputs.layout(bucket)
+        return self.model.logits(self.model.forward(layout.tokens, layout))  # [B, V]
+
+    def capture(self) -> None:
+        """Capture every bucket's step (largest first, so the smaller ones reuse its memory
+        in the shared pool); each is run once eagerly before its capture."""
+        if not self.cuda:
+            return
+        try:
+            self._capture_all()
+        except RuntimeError:  # a kernel this GPU or torch cannot capture: decode eagerly
+            log.exception("capturing the decode graphs failed: decode steps run uncaptured")
+            self.graphs = {}
+            torch.cuda.synchronize(self.device)
+
+    def _capture_all(self) -> None:
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self.pool_handle = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for bucket in sorted(self.buckets, key=lambda b: -b.size):
+                    self.inputs.fill(bucket, [], [])
+                    torch.cuda.synchronize(self.device)  # the inputs are in before the warm-up
+                    self._step(bucket)  # warm-up: lazy tables, cuBLAS handles, autotuning
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool_handle, stream=side):
+                        logits = self._step(bucket)
+                    self.graphs[bucket] = (graph, logits)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - started
+        self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info(
+            "captured %d decode graphs in %.2f s (%.0f MiB)",
+            len(self.graphs),
+            self.capture_seconds,
+            self.graph_bytes / 2**20,
+        )
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "graphs": len(self.graphs),
+            "buckets": len(self.buckets),
+            "batch buckets": list(self.batches),
+            "width buckets (blocks)": list(self.widths),
+            "capture seconds": round(self.capture_seconds, 3),
+            "graph bytes": self.graph_bytes,
+        }

@@ -1,0 +1,166 @@
+"""The static decode step (runtime/models/static_decode.py, runtime/decode_graphs.py)
+against the eager step: what a CUDA graph replays must give the eager step's logits.
+
+On the CPU the static step runs uncaptured through exactly the code a GPU captures: the
+same buckets, padding rows, packed inputs, table windows and masks. Each case prefills the
+same prompts into two sets of caches, then decodes both side by side, one set through the
+eager forward pass and the other through the static step, and compares the logits
+bitwise, in every batch bucket (with padding rows) and table width. The `gpu` cases run
+the captured graphs on CUDA.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.engine import Engine, EngineConfig
+from runtime.models.base import BatchLayout, SequenceChunk
+from runtime.models.static_decode import BATCH_BUCKETS, width_buckets
+from runtime.sampling import SamplingParams
+from tests.tiny_models import TinyShape, write_tiny_gemma3, write_tiny_llama
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda:0", id="cuda", marks=pytest.mark.gpu),
+]
+# a context of 1024 gives three table widths (256, 512, 1024 positions); gemma3's window
+# of 40 positions spans 2 to 4 blocks
+LONG = TinyShape(context_length=1024)
+LONG_GEMMA = TinyShape(n_layers=6, head_dim=32, context_length=1024, sliding_window=40)
+
+
+@pytest.fixture(scope="module")
+def long_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("long")
+    return {
+        "llama": write_tiny_llama(d / "long-llama.gguf", LONG),
+        "gemma3": write_tiny_gemma3(d / "long-gemma3.gguf", LONG_GEMMA),
+    }
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    if request.param.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    return request.param
+
+
+def _engine(path: Path, device: str, **config) -> Engine:
+    return Engine.load(
+        str(path),
+        EngineConfig(backend="torch", device=device, torch_forward=True, **config),
+    )
+
+
+def _prefilled(engine: Engine, prompts: list[list[int]]) -> list:
+    """One cache per prompt in the engine's pool, each prompt prefilled alone."""
+    model, caches = engine.model, []
+    for prompt in prompts:
+        cache = model.new_cache(len(prompt) + 8, pool=engine.kv_pool)
+        model.forward(np.asarray(prompt), BatchLayout([SequenceChunk(cache, 0, len(prompt))]))
+        caches.append(cache)
+    return caches
+
+
+def _host(logits: torch.Tensor) -> np.ndarray:
+    return logits.float().cpu().numpy()
+
+
+def _side_by_side(engine: Engine, prompts: list[list[int]], steps: int) -> int:
+    """Decode `steps` tokens of every prompt through both paths; assert equal logits each
+    step; the number of rows compared."""
+    model, graphs = engine.model, engine.decode_graphs
+    eager, static = _prefilled(engine, prompts), _prefilled(engine, prompts)
+    tokens = [p[-1] for p in prompts]
+    compared = 0
+    for _ in range(steps):
+        rows_e = [SequenceChunk(c, c.length, 1) for c in eager]
+        rows_s = [SequenceChunk(c, c.length, 1) for c in static]
+        for cache in eager + static:
+            cache.reserve(cache.length + 1)
+        assert graphs.can_run(rows_s)
+        want = _host(model.logits(model.forward(np.asarray(tokens), BatchLayout(rows_e))))
+        got = _host(graphs.run(tokens, rows_s))
+        np.testing.assert_array_equal(got, want)
+        compared += len(tokens)
+        tokens = [int(t) for t in want.argmax(axis=1)]
+    for cache in eager + static:
+        cache.release()
+    return compared
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_every_batch_bucket_gives_the_eager_logits(long_models, device: str, arch: str):
+    """Row counts that leave padding in each bucket up to 64 (1 row pads nothing)."""
+    engine = _engine(long_models[arch], device, max_sequences=64)
+    rng = np.random.default_rng(1)
+    buckets = [b for b in BATCH_BUCKETS if b <= 64]
+    assert tuple(engine.decode_graphs.batches) == tuple(buckets)
+    for rows in [1, 2, 3, 5, 7, 12, 20, 33, 64]:
+        prompts = [rng.integers(3, 250, int(rng.integers(1, 60))).tolist() for _ in range(rows)]
+        assert _side_by_side(engine, prompts, steps=2) == 2 * rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_every_table_width_gives_the_eager_logits(long_models, device: str, arch: str):
+    """Rows whose longest context falls in each width bucket (256, 512, 1024 positions),
+    crossing block boundaries and, on gemma3, the sliding window."""
+    engine = _engine(long_models[arch], device, max_sequences=8)
+    assert engine.decode_graphs.widths == width_buckets(1024 // 16) == (16, 32, 64)
+    rng = np.random.default_rng(2)
+    for longest in (250, 300, 700):
+        lengths = [longest, 15, 16, 17, 41]
+        prompts = [rng.integers(3, 250, n).tolist() for n in lengths]
+        _side_by_side(engine, prompts, steps=8)
+
+
+def test_the_generator_takes_the_static_step_for_decodes_only(long_models, monkeypatch):
+    """Pure decode steps run through the static step; prefill and mixed steps, and rows
+    with LoRA, do not (`bucket_for` is None for them)."""
+    engine = _engine(long_models["llama"], "cpu", max_sequences=8)
+    graphs = engine.decode_graphs
+    ran: list[int] = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda t, c: ran.append(len(c)) or run(t, c))
+    generator = engine.new_generator()
+    params = SamplingParams(max_tokens=6, temperature=0)
+    generator.add("a", [5, 6, 7], params)
+    generator.add("b", list(range(3, 40)), params)
+    events = []
+    while len(generator):
+        events += generator.step()
+    assert len(events) == 12
+    assert ran and set(ran) <= {1, 2}
+    assert sum(ran) == 12 - 2  # every token but the ones each prompt's prefill sampled
+    cache = engine.model.new_cache(4, pool=engine.kv_pool)
+    assert graphs.bucket_for([SequenceChunk(cache, 0, 2)]) is None  # a prefill chunk
+    cache.release()
+
+
+def test_greedy_tokens_do_not_depend_on_the_bucket(long_models, device: str):
+    """A greedy request alone (bucket 1) and among 40 others (bucket 64) gives the same
+    tokens as with the static step turned off."""
+    path = long_models["gemma3"]
+    prompt = list(range(10, 60))
+    params = SamplingParams(max_tokens=24, temperature=0)
+    tokens = {}
+    for name, config, mates in [
+        ("eager", {"decode_graphs": False}, 0),
+        ("alone", {}, 0),
+        ("batched", {}, 40),
+    ]:
+        engine = _engine(path, device, max_sequences=64, **config)
+        generator = engine.new_generator()
+        generator.add("probe", prompt, params)
+        for i in range(mates):
+            generator.add(f"mate{i}", [3 + i, 9, 4 + i], SamplingParams(max_tokens=30, seed=i))
+        out = []
+        while len(generator):
+            out += [e.token_id for e in generator.step() if e.request_id == "probe"]
+        tokens[name] = out
+    assert len(tokens["eager"]) == 24
+    assert tokens["alone"] == tokens["eager"] == tokens["batched"]
