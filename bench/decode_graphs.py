@@ -7,10 +7,11 @@
 For each mode (graphs: runtime/decode_graphs.py, captured at load on a GPU; eager: the same
 engine with `decode_graphs=False`) it loads the model, then for each batch size prefills
 that many greedy sequences with random prompts (`--prompt-tokens` alone, else
-`--batch-prompt-tokens`; EOS ignored) and times `--steps` decode steps: tokens a second, ms a step, and the first steps' time to
-first token of a 512-token prompt alone. It prints the capture time and the graphs' device
-memory, and checks that both modes produced the same tokens (greedy). On the CPU the
-"graphs" mode runs the static step uncaptured (CI's way), so the figures mean little there.
+`--batch-prompt-tokens`; EOS ignored) and times `--steps` decode steps: tokens a second
+and ms a step; also the time to first token of the `--prompt-tokens` prompt alone. It
+prints the capture time and the graphs' device memory, and checks that both modes
+produced the same tokens (greedy). On the CPU the "graphs" mode runs the static step
+uncaptured (CI's way), so the figures mean little there.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         results[mode] = r = run_mode(args, graphs=mode == "graphs")
         print(f"\n[{mode}] load {r['load_s']:.2f} s; {r.get('graphs', '')}")
-        print("  TTFT of a %d-token prompt (ms): %s" % (
-            args.prompt_tokens, ", ".join(f"{t:.1f}" for t in r["ttft_ms"])))
+        ttfts = ", ".join(f"{t:.1f}" for t in r["ttft_ms"])
+        print(f"  TTFT of a {args.prompt_tokens}-token prompt (ms): {ttfts}")
         for n, (rate, ms) in r["rates"].items():
             print(f"  {n:4d} sequences: {rate:10.1f} tok/s  {ms:7.2f} ms/step")
         if "peak_mib" in r:
@@ -122,8 +123,10 @@ def main() -> None:
         print("\ngraphs / eager:")
         for n in args.sequences:
             same = g["tokens"][n] == e["tokens"][n]
-            print(f"  {n:4d} sequences: {g['rates'][n][0] / e['rates'][n][0]:6.2f}x, "
-                  f"first sequence's greedy tokens {'equal' if same else 'DIFFER'}")
+            print(
+                f"  {n:4d} sequences: {g['rates'][n][0] / e['rates'][n][0]:6.2f}x, "
+                f"first sequence's greedy tokens {'equal' if same else 'DIFFER'}"
+            )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ from runtime.models.static_decode import (
     Bucket,
     StaticInputs,
     batch_bucket,
+    decode_widths,
     group_widths,
     width_buckets,
-    decode_widths,
 )
 
 log = logging.getLogger("llmq.graphs")

@@ -130,7 +130,8 @@ def inner_k_tiles(k: int) -> int:
     for tiles in CUDA_INNER_K_TILES:
         if k % (tiles * CUDA_K_TILE) == 0:
             return tiles
-    raise ValueError(f"int4 weights need K divisible by {min(CUDA_INNER_K_TILES) * CUDA_K_TILE}, got {k}")
+    smallest = min(CUDA_INNER_K_TILES) * CUDA_K_TILE
+    raise ValueError(f"int4 weights need K divisible by {smallest}, got {k}")
 
 
 def int4_matches_dense(weight: CudaInt4Weight, q: GroupQuantized, device) -> bool:
