@@ -210,12 +210,12 @@ def gather_plan(
     """From table windows `[B, W]`, their starts and the rows' positions `[B]`: the pool
     slot of every column `[B, W * bs]` and which columns each row sees (numpy or torch,
     the same operations)."""
-    lib = torch if isinstance(table, torch.Tensor) else np
     rows, width = table.shape
-    offsets = lib.arange(block_size)
-    k_offsets = lib.arange(width * block_size)
-    if lib is torch:
-        offsets, k_offsets = offsets.to(table.device), k_offsets.to(table.device)
+    if isinstance(table, torch.Tensor):  # made on the device: a capture copies nothing in
+        offsets = torch.arange(block_size, device=table.device)
+        k_offsets = torch.arange(width * block_size, device=table.device)
+    else:
+        offsets, k_offsets = np.arange(block_size), np.arange(width * block_size)
     index = (table[:, :, None] * block_size + offsets).reshape(rows, width * block_size)
     k_pos = starts[:, None] + k_offsets  # [B, L]
     pos = positions[:, None]
