@@ -116,7 +116,7 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket's step (largest first, so the smaller ones reuse its memory
-        in the shared pool); each is run once eagerly before its capture."""
+        in the shared pool); each batch size is run once eagerly before its first capture."""
         if not self.cuda:
             return
         try:
@@ -134,10 +134,13 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
+                warmed: set[int] = set()
                 for bucket in sorted(self.buckets, key=lambda b: -b.size):
                     self.inputs.fill(bucket, [], [])
-                    torch.cuda.synchronize(self.device)  # the inputs are in before the warm-up
-                    self._step(bucket)  # warm-up: lazy tables, cuBLAS handles, autotuning
+                    torch.cuda.synchronize(self.device)  # the inputs are in before the run
+                    if bucket.rows not in warmed:  # lazy tables, cuBLAS handles per shape
+                        self._step(bucket)
+                        warmed.add(bucket.rows)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool_handle, stream=side):
                         logits = self._step(bucket)

@@ -41,16 +41,19 @@ class TensorOps:
 
     @staticmethod
     def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last axis without its weight (folded into the next matmul)."""
-        return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+        """RMSNorm over the last axis without its weight (folded into the next matmul); one
+        fused kernel on a GPU, where a decode step is mostly kernel launches."""
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.rms_normalize(x, eps) * weight
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def rope_tables(self, positions, inv_freq: np.ndarray, scale: float = 1.0):
-        """cos/sin `[T, 1, n_rot/2]` of `positions` (host array, or device tensor in a
-        static step): rows of one table per rope, computed as the host computes them and
-        uploaded once, so every step, eager or captured, reads the same values."""
+        """cos and signed sin `[T, 1, n_rot]` of `positions` (host array, or device tensor
+        in a static step), each half repeated (`apply_rope` rotates in one product): rows of
+        one table per rope, computed as the host computes them and uploaded once, so every
+        step, eager or captured, reads the same values."""
         needed = 0 if isinstance(positions, torch.Tensor) else int(np.max(positions)) + 1
         cos, sin = self._rope_table(inv_freq, scale, needed)
         index = as_index(positions, self.device)
@@ -63,17 +66,21 @@ class TensorOps:
         if size < max(needed, self.rope_positions):
             size = max(needed, self.rope_positions, 2 * size, MIN_ROPE_POSITIONS)
             cos, sin = base.rope_tables(np.arange(size), inv_freq, scale)  # [P, 1, n_rot/2]
+            cos, sin = np.concatenate([cos, cos], -1), np.concatenate([-sin, sin], -1)
             table = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
             self._rope[key] = table
         return table
 
     @staticmethod
     def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """NeoX rotation of `x` `[T, heads, Dh]`: dims i and i + n_rot/2 form a pair."""
-        half = cos.shape[-1]
-        x1, x2 = x[..., :half], x[..., half : 2 * half]
-        rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-        return torch.cat(rotated + ([x[..., 2 * half :]] if 2 * half < x.shape[-1] else []), -1)
+        """NeoX rotation of `x` `[T, heads, Dh]`: dims i and i + n_rot/2 form a pair, so
+        with the halves swapped, x * cos + swapped * sin (sin's first half negated)."""
+        n_rot = cos.shape[-1]
+        half = n_rot // 2
+        rotating = x[..., :n_rot]
+        swapped = torch.cat([rotating[..., half:], rotating[..., :half]], -1)
+        rotated = rotating * cos + swapped * sin
+        return rotated if n_rot == x.shape[-1] else torch.cat([rotated, x[..., n_rot:]], -1)
 
     @staticmethod
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
