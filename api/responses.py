@@ -159,6 +159,15 @@ class LoraOnWorker(Body):
     source: str | None = Field(default=None, description="registry: named by a registry TOML")
 
 
+class DecodeGraphStats(Body):
+    """The static decode buckets of an engine on the tensor path (runtime/decode_graphs.py)."""
+
+    captured: int = Field(description="buckets captured as CUDA graphs (0 on the CPU)")
+    buckets: int = Field(description="batch-size x table-width buckets")
+    memory_mb: float = Field(description="device memory of the graphs' shared pool")
+    capture_seconds: float
+
+
 class PrefixCacheStats(Body):
     blocks: int
     queries: int
@@ -189,6 +198,12 @@ class PoolEntryState(Body):
     load_seconds: float | None = None
     loaded_at: float | None = None
     kv_in_use_mb: float | None = None
+    kv_pool_mb: float | None = Field(
+        default=None, description="its KV pool's size (on a GPU allocated whole at load)"
+    )
+    decode_graphs: DecodeGraphStats | None = Field(
+        default=None, description="its decode steps' static buckets and captured CUDA graphs"
+    )
     prefix_cache: PrefixCacheStats | None = None
     loras: dict[str, LoraOnWorker] | None = Field(default=None, description="adapter -> state")
 

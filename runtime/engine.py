@@ -23,10 +23,17 @@ from runtime.generator import Generator, GeneratorConfig, TokenEvent
 from runtime.gguf_file import GGUFFile
 from runtime.grammar_vocab import GrammarVocab
 from runtime.kernels.cpu import KernelPlan
+from runtime.kv_pool import BLOCK_SIZE
 from runtime.lora import AdapterStack, LoraAdapter, adapter_file, load_adapter, normalize_stack
 from runtime.model_text import ModelText
 from runtime.models.base import BatchLayout, SequenceChunk
-from runtime.placement import device_memory_guard, kv_budget_bytes, load_placed, place
+from runtime.placement import (
+    check_minimal_pool,
+    device_memory_guard,
+    kv_budget_bytes,
+    load_placed,
+    place,
+)
 from runtime.prefix_cache import PrefixCache
 from runtime.registry import ModelSpec, resolve
 from runtime.sampling import Sampler, SamplingParams
@@ -56,6 +63,9 @@ class EngineConfig:
     torch_forward: bool | None = None
     # torch's CPU kernels (runtime/kernels/cpu.py); None: the ones measured best on this CPU
     kernels: KernelPlan | None = None
+    # the KV pool's share of the GPU memory free after the weights (vLLM's
+    # --gpu-memory-utilization); None: $LLMQ_GPU_MEMORY_UTILIZATION, else half, at most 16 GiB
+    gpu_memory_utilization: float | None = None
     # decode steps as static steps of the tensor forward pass (runtime/decode_graphs.py),
     # captured as CUDA graphs on a GPU; None: wherever the tensor forward pass runs
     decode_graphs: bool | None = None
@@ -87,7 +97,14 @@ class Engine:
         # llguidance's view of the vocabulary, built on the first constrained request
         self.grammar_vocab = GrammarVocab(self.tokenizer, self.model.vocab_size)
         with device_memory_guard(self.device, f"the KV pool of {spec.id}"):
-            kv_bytes = kv_budget_bytes(self.config.kv_memory_mb, self.device)
+            kv_bytes = kv_budget_bytes(
+                self.config.kv_memory_mb, self.device, self.config.gpu_memory_utilization
+            )
+            blocks = -(-self.context_length // BLOCK_SIZE) + 1  # one sequence, and the scratch
+            layers, kv_heads, head_dim = self.model.kv_shape
+            per_block = 2 * layers * kv_heads * head_dim * BLOCK_SIZE
+            per_block *= self.model.ops.kv_value_bytes
+            check_minimal_pool(kv_bytes, blocks * per_block, self.device, spec.id)
             self.kv_pool = self.model.kv_pool_for_budget(kv_bytes)
         self.prefix_cache = (
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None

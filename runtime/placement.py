@@ -11,6 +11,7 @@ failed and goes on serving the others.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,7 +23,8 @@ from runtime.models import estimate_weight_bytes, load_model
 
 CPU_KV_MB = 1024  # pages are backed only as blocks are written
 CUDA_KV_SHARE = 0.5  # of the memory free once the weights are loaded
-CUDA_KV_MAX_MB = 16384
+CUDA_KV_MAX_MB = 16384  # the default share's cap; a share given explicitly has none
+GPU_SHARE_ENV = "LLMQ_GPU_MEMORY_UTILIZATION"  # what `--gpu-memory-utilization` sets
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,47 @@ def load_placed(gguf_file: GGUFFile, placement: Placement, model_id: str):
         return load_model(gguf_file, placement.backend)
 
 
-def kv_budget_bytes(kv_memory_mb: int | None, device: str) -> int:
-    """The KV pool's bytes: as configured, else 1 GiB on the CPU and, on a GPU, half of
-    what is free after the weights (at most CUDA_KV_MAX_MB)."""
+def gpu_kv_share(share: float | None = None) -> float | None:
+    """The KV pool's share of the GPU memory free after the weights: `share`, else
+    $LLMQ_GPU_MEMORY_UTILIZATION, else None (the default: CUDA_KV_SHARE, capped)."""
+    if share is None:
+        text = os.environ.get(GPU_SHARE_ENV)
+        if not text:
+            return None
+        try:
+            share = float(text)
+        except ValueError:
+            raise DeviceError(
+                f"{GPU_SHARE_ENV} must be a number in (0, 0.95], got {text!r}"
+            ) from None
+    if not 0.0 < share <= 0.95:
+        raise DeviceError(f"gpu_memory_utilization must be in (0, 0.95], got {share}")
+    return share
+
+
+def kv_budget_bytes(kv_memory_mb: int | None, device: str, share: float | None = None) -> int:
+    """The KV pool's bytes: as configured, else 1 GiB on the CPU and, on a GPU, `share` of
+    what is free after the weights (`gpu_kv_share`; by default half, at most
+    CUDA_KV_MAX_MB)."""
     if kv_memory_mb is not None:
         return kv_memory_mb * 2**20
     free = device_memory(device)
     if free is None:
         return CPU_KV_MB * 2**20
+    share = gpu_kv_share(share)
+    if share is not None:
+        return int(free.free * share)
     return int(min(free.free * CUDA_KV_SHARE, CUDA_KV_MAX_MB * 2**20))
+
+
+def check_minimal_pool(budget: int, one_sequence: int, device: str, model_id: str) -> None:
+    """Refuse, saying what to change, a GPU pool that cannot hold one sequence of the
+    model's context: the model would load and then fail every long request."""
+    if not on_cuda(device) or budget >= one_sequence:
+        return
+    raise DeviceMemoryError(
+        f"the KV pool of {model_id} gets {budget / 2**20:.0f} MiB on {device}, but one "
+        f"sequence of its context needs {one_sequence / 2**20:.0f} MiB: raise "
+        "--gpu-memory-utilization (or --kv-memory-mb), lower the context (max_context), "
+        "or free GPU memory"
+    )

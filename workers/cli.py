@@ -107,6 +107,15 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "(default: 1024 on the cpu, backed only as used; on a cuda device half the memory "
         "left after the weights); past it the lowest-priority sequences are preempted",
     )
+    worker.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="on a cuda device, the share of the memory left after the weights that each "
+        "model's KV pool takes (default: $LLMQ_GPU_MEMORY_UTILIZATION, else 0.5, at most "
+        "16 GiB); a pool that cannot hold one sequence of the model's context is refused",
+    )
     worker.add_argument("--name", help="worker name (default: HOST.PID); unique per worker")
     worker.add_argument(
         "--grace",
@@ -155,6 +164,7 @@ def run_worker(args: argparse.Namespace) -> int:
         backend=args.backend,
         max_sequences=args.max_sequences,
         kv_memory_mb=args.kv_memory_mb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         grace=args.grace,
         poll_interval=args.poll_interval,
     )

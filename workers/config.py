@@ -51,6 +51,9 @@ class WorkerConfig:
     # each engine's paged KV pool (--kv-memory-mb); None: the engine's default
     # (`runtime.engine.EngineConfig.kv_memory_mb`)
     kv_memory_mb: int | None = None
+    # on a GPU, the KV pool's share of the memory free after the weights
+    # (--gpu-memory-utilization); None: the engine's default (runtime/placement.py)
+    gpu_memory_utilization: float | None = None
     grace: float = 25.0  # seconds a SIGTERM lets running jobs finish before checkpointing
     poll_interval: float = 0.05  # idle wait between looks at the queues (a queued job's
     # wake token ends it at once: the poll is the fallback for jobs queued without one)
@@ -79,6 +82,9 @@ class WorkerConfig:
             self.max_sequences = default_max_sequences(self.device)
         if self.max_sequences < 1:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_sequences}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0.0 < share <= 0.95:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 0.95], got {share}")
         if self.kv_memory_mb is not None and self.kv_memory_mb < 1:
             raise ConfigError(f"--kv-memory-mb must be at least 1, got {self.kv_memory_mb}")
         if self.grace < 0:

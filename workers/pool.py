@@ -112,7 +112,18 @@ def _cache_state(engine: Engine | None) -> dict[str, Any]:
     if engine is None or not hasattr(engine, "kv_pool"):
         return {}
     pool, cache = engine.kv_pool, engine.prefix_cache
-    state: dict[str, Any] = {"kv_in_use_mb": round(pool.bytes_in_use / 2**20, 1)}
+    state: dict[str, Any] = {
+        "kv_in_use_mb": round(pool.bytes_in_use / 2**20, 1),
+        "kv_pool_mb": round(pool.n_blocks * pool.block_nbytes / 2**20, 1),
+    }
+    graphs = getattr(engine, "decode_graphs", None)
+    if graphs is not None:
+        state["decode_graphs"] = {
+            "captured": len(graphs.graphs),
+            "buckets": len(graphs.buckets),
+            "memory_mb": round(graphs.graph_bytes / 2**20, 1),
+            "capture_seconds": round(graphs.capture_seconds, 3),
+        }
     if cache is not None:
         stats = cache.stats
         state["prefix_cache"] = {
@@ -131,13 +142,19 @@ def load_engine(
     backend: str | None = None,
     device: str | None = None,
     kv_memory_mb: int | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> Engine:
     """`backend` None: the model's registry entry decides, else torch where installed;
     `device` None: the registry entry's `device`, else cpu; `kv_memory_mb` None: the
     engine's default KV pool."""
     from runtime.engine import Engine, EngineConfig  # loaded with the first model
 
-    config = EngineConfig(backend=backend, device=device, kv_memory_mb=kv_memory_mb)
+    config = EngineConfig(
+        backend=backend,
+        device=device,
+        kv_memory_mb=kv_memory_mb,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
     return Engine.load(source, config)
 
 

@@ -129,6 +129,7 @@ class LLMQWorker:
                 backend=config.backend,
                 device=config.device,
                 kv_memory_mb=config.kv_memory_mb,
+                gpu_memory_utilization=config.gpu_memory_utilization,
             ),
         )
         # models whose jobs the API may route here: only these record prefix affinity

@@ -271,3 +271,37 @@ def test_lora_on_the_tensor_path_equals_the_host_path(tiny_llama_path: Path, tmp
         outputs.append((plain, adapted))
     assert outputs[0] == outputs[1]
     assert outputs[0][0] != outputs[0][1]  # the adapter changes the output
+
+
+def test_the_kv_pool_takes_its_share_of_free_gpu_memory(monkeypatch):
+    """The default (half, capped at 16 GiB), an explicit share (uncapped), the environment's,
+    and out-of-range shares refused with the setting's name."""
+    from runtime import placement as placement_module
+    from runtime.devices import DeviceMemory
+    from runtime.placement import CUDA_KV_MAX_MB, GPU_SHARE_ENV, kv_budget_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(
+        placement_module, "device_memory", lambda d: DeviceMemory(80 * gib, 96 * gib)
+    )
+    monkeypatch.delenv(GPU_SHARE_ENV, raising=False)
+    assert kv_budget_bytes(None, "cuda:0") == CUDA_KV_MAX_MB * 2**20
+    assert kv_budget_bytes(None, "cuda:0", 0.9) == int(80 * gib * 0.9)
+    assert kv_budget_bytes(64, "cuda:0", 0.9) == 64 * 2**20  # an explicit size wins
+    monkeypatch.setenv(GPU_SHARE_ENV, "0.25")
+    assert kv_budget_bytes(None, "cuda:0") == 20 * gib
+    for bad in ("1.5", "none"):
+        monkeypatch.setenv(GPU_SHARE_ENV, bad)
+        with pytest.raises(DeviceError, match=GPU_SHARE_ENV if bad == "none" else r"0\.95"):
+            kv_budget_bytes(None, "cuda:0")
+    with pytest.raises(DeviceError, match="gpu_memory_utilization"):
+        kv_budget_bytes(None, "cuda:0", 0.0)
+
+
+def test_a_pool_too_small_for_one_sequence_is_refused_on_a_gpu():
+    from runtime.placement import check_minimal_pool
+
+    check_minimal_pool(10 * 2**20, 2**20, "cuda:0", "m")  # fits
+    check_minimal_pool(1, 2**20, "cpu", "m")  # the CPU's pool is backed as used: no check
+    with pytest.raises(DeviceMemoryError, match="gets 1 MiB on cuda:0.*needs 4 MiB.*--gpu-mem"):
+        check_minimal_pool(2**20, 4 * 2**20, "cuda:0", "m")
