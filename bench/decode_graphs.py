@@ -4,13 +4,15 @@
                                   [--sequences 1,32,256] [--prompt-tokens 512] [--steps 64]
                                   [--batch-prompt-tokens 32] [--modes graphs,eager]
 
-For each mode (graphs: runtime/decode_graphs.py, captured at load on a GPU; eager: the same
-engine with `decode_graphs=False`) it loads the model, then for each batch size prefills
-that many greedy sequences with random prompts (`--prompt-tokens` alone, else
-`--batch-prompt-tokens`; EOS ignored) and times `--steps` decode steps: tokens a second
-and ms a step; also the time to first token of the `--prompt-tokens` prompt alone. It
-prints the capture time and the graphs' device memory, and checks that both modes
-produced the same tokens (greedy). On the CPU the "graphs" mode runs the static step
+For each mode it loads the model: graphs (runtime/decode_graphs.py, captured at load on a
+GPU), eager (the same engine with `decode_graphs=False`), compiled (the static step under
+torch.compile(mode="reduce-overhead"): inductor's fusion and CUDA graphs instead of ours).
+Then, per batch size, it prefills that many greedy sequences with random prompts
+(`--prompt-tokens` alone, else `--batch-prompt-tokens`; EOS ignored) and times `--steps`
+decode steps: tokens a second, ms a step, the first decode step (a compile, where there is
+one) and a replay alone (the GPU's time for the step). Also the time to first token of the
+`--prompt-tokens` prompt alone, the capture time and the graphs' memory, and whether the
+modes gave the same greedy tokens. On the CPU the "graphs" mode runs the static step
 uncaptured (CI's way), so the figures mean little there.
 """
 
@@ -34,20 +36,48 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
+def _replay_ms(graphs: Any, device: str, times: int = 50) -> float | None:
+    """The last step's graph replayed alone: the GPU's time for a step, without the host."""
+    import torch
+
+    captured = graphs.graphs.get(graphs.last_bucket)
+    if captured is None:
+        return None
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(times):
+        captured[0].replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / times * 1000
+
+
+def _compiled(engine: Any) -> None:
+    """The static step under torch.compile(mode="reduce-overhead") instead of our own
+    capture: inductor fuses the elementwise ops and records its own CUDA graphs."""
+    import torch
+
+    graphs = engine.decode_graphs
+    graphs.graphs = {}
+    graphs._step = torch.compile(graphs._step, mode="reduce-overhead", dynamic=False)
+
+
+def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import numpy as np
 
     from runtime.engine import Engine, EngineConfig
     from runtime.sampling import SamplingParams
 
     started = time.perf_counter()
-    engine = Engine.load(
-        args.model,
-        EngineConfig(backend="torch", device=args.device, torch_forward=True, decode_graphs=graphs),
+    config = EngineConfig(
+        backend="torch", device=args.device, torch_forward=True, decode_graphs=mode != "eager"
     )
+    engine = Engine.load(args.model, config)
     out: dict[str, Any] = {"load_s": time.perf_counter() - started, "rates": {}, "tokens": {}}
-    if engine.decode_graphs is not None:
+    if mode == "compiled":
+        _compiled(engine)
+    elif engine.decode_graphs is not None:
         out["graphs"] = engine.decode_graphs.describe()
+    out["first_step_s"], out["replay_ms"] = {}, {}
     vocab = engine.model.vocab_size
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, vocab - 100, args.prompt_tokens).tolist()
@@ -72,9 +102,17 @@ def run_mode(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
             ids = rng.integers(100, vocab - 100, length).tolist()
             generator.add(f"s{i}", ids, params)
         tokens: dict[str, list[int]] = {}
-        while any(len(v) < 2 for v in tokens.values()) or len(tokens) < n:  # prefill all
+        while len(tokens) < n:  # prefill all
             for e in generator.step():
                 tokens.setdefault(e.request_id, []).append(e.token_id)
+        t0 = time.perf_counter()
+        for e in generator.step():  # the first decode step: a compile, where there is one
+            tokens[e.request_id].append(e.token_id)
+        _sync(args.device)
+        out["first_step_s"][n] = time.perf_counter() - t0
+        for _ in range(2):
+            for e in generator.step():
+                tokens[e.request_id].append(e.token_id)
         _sync(args.device)
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -83,6 +121,8 @@ def run_mode(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
         _sync(args.device)
         seconds = time.perf_counter() - t0
         out["rates"][n] = (n * args.steps / seconds, seconds / args.steps * 1000)
+        if mode == "graphs" and args.device.startswith("cuda"):
+            out["replay_ms"][n] = _replay_ms(engine.decode_graphs, args.device)
         out["tokens"][n] = tokens["s0"]
         for i in range(n):
             generator.abort(f"s{i}")
@@ -101,7 +141,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--batch-prompt-tokens", type=int, default=32, help="prompts of batches > 1")
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--modes", default="graphs,eager")
+    p.add_argument("--modes", default="graphs,eager", help="graphs, eager, compiled")
     args = p.parse_args()
     args.sequences = [int(n) for n in args.sequences.split(",")]
     import torch
@@ -110,12 +150,21 @@ def main() -> None:
     print(f"{args.model} on {args.device} ({gpu}), torch {torch.__version__}")
     results = {}
     for mode in args.modes.split(","):
-        results[mode] = r = run_mode(args, graphs=mode == "graphs")
+        try:
+            results[mode] = r = run_mode(args, mode)
+        except Exception as exc:  # a mode that fails (a compile) still lets the others report
+            print(f"\n[{mode}] failed: {type(exc).__name__}: {str(exc)[:2000]}")
+            continue
         print(f"\n[{mode}] load {r['load_s']:.2f} s; {r.get('graphs', '')}")
         ttfts = ", ".join(f"{t:.1f}" for t in r["ttft_ms"])
         print(f"  TTFT of a {args.prompt_tokens}-token prompt (ms): {ttfts}")
         for n, (rate, ms) in r["rates"].items():
-            print(f"  {n:4d} sequences: {rate:10.1f} tok/s  {ms:7.2f} ms/step")
+            replay = r["replay_ms"].get(n)
+            alone = f", replay alone {replay:.2f} ms" if replay else ""
+            print(
+                f"  {n:4d} sequences: {rate:10.1f} tok/s  {ms:7.2f} ms/step"
+                f" (first decode step {r['first_step_s'][n]:.2f} s{alone})"
+            )
         if "peak_mib" in r:
             print(f"  peak device memory {r['peak_mib']:.0f} MiB")
     if {"graphs", "eager"} <= results.keys():

@@ -66,6 +66,7 @@ class DecodeGraphs:
         self.pool_handle = None
         self.capture_seconds = 0.0
         self.graph_bytes = 0  # device memory the graphs' pool took
+        self.last_bucket: Bucket | None = None  # the last step's (benches read it)
 
     def _gather_bytes(self, rows: int, width: int) -> int:
         positions = width * self.pool.block_size
@@ -92,6 +93,7 @@ class DecodeGraphs:
             raise ValueError("this step has no bucket: check can_run first")
         if chunks[0].cache.pool is not self.pool:  # the engine's pool was replaced (tests)
             self._follow_pool(chunks[0].cache.pool)
+        self.last_bucket = bucket
         self.inputs.fill(bucket, tokens, chunks)
         captured = self.graphs.get(bucket)
         if captured is not None:

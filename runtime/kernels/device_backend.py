@@ -113,16 +113,22 @@ class CudaInt4Weight:
         self.input_scale = input_scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_scale is not None:
-            x = x * self.input_scale
         out = torch.ops.aten._weight_int4pack_mm(
-            x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros
+            as_bf16(x, self.input_scale), self.packed, GROUP_SIZE, self.scales_zeros
         )  # [T, K] -> [T, N]
         return out.float()
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+def as_bf16(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """`x` (times `scale`, a folded RMSNorm weight) in bf16: the product in float32 and
+    its rounding in one kernel, as a decode step is mostly kernel launches on a GPU."""
+    if scale is None:
+        return x.to(torch.bfloat16)
+    return torch.mul(x, scale, out=torch.empty(x.shape, dtype=torch.bfloat16, device=x.device))
 
 
 def inner_k_tiles(k: int) -> int:

@@ -72,6 +72,7 @@ class StaticDecodeLayout:
 
     def __init__(self, pool: BlockPool, inputs: torch.Tensor, bucket: Bucket) -> None:
         self.pool, self.bucket = pool, bucket
+        self.kv_dtype = pool.keys[0].dtype
         rows = bucket.rows
         self.tokens = inputs[:rows]  # [B]
         self.position_ids = inputs[rows : 2 * rows]  # [B]
@@ -103,7 +104,7 @@ class StaticDecodeLayout:
             index, visible = gather_plan(table, start, pos, self.pool.block_size, window)
             self.write_slots.append(index.gather(1, (pos - start)[:, None])[:, 0])  # [B]
             self.gather.append(index)  # [B, L]
-            self.visible.append(visible[:, None, None, :])  # [B, heads, queries, L]
+            self.visible.append(attention_mask(visible[:, None, None, :], self.kv_dtype))
 
 
 class StaticInputs:
@@ -167,8 +168,8 @@ def decode_widths(pool: BlockPool, chunks: Sequence[SequenceChunk]) -> tuple[int
     """The table widths a decode step of `chunks` attends over, per group: the eager step
     (tensor_attention.py) pads to the same widths as the static step's bucket, so that a
     row's keys sit at the same columns of an attention of the same length either way."""
-    full = MIN_WIDTH_BLOCKS
-    while full < widths_needed(pool, chunks)[0]:
+    full, needed = MIN_WIDTH_BLOCKS, widths_needed(pool, chunks)[0]
+    while full < needed:
         full *= 2
     return group_widths(pool, full)
 
@@ -223,6 +224,18 @@ def gather_plan(
     if window is not None:
         visible &= (pos - k_pos) < window
     return index, visible
+
+
+def attention_mask(visible: torch.Tensor | np.ndarray, kv_dtype) -> torch.Tensor:
+    """What attention takes as its mask: on a GPU an additive bias in the keys' dtype (0 or
+    -inf), made once per step rather than by the fused kernel in every layer; on the CPU
+    the boolean mask itself."""
+    if isinstance(visible, np.ndarray):
+        visible = torch.from_numpy(visible)
+    if kv_dtype == torch.float32:
+        return visible
+    bias = torch.zeros(visible.shape, dtype=kv_dtype, device=visible.device)
+    return bias.masked_fill_(~visible, -torch.inf)
 
 
 def as_index(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ from runtime.models.attention import _plan, _shared_pool, _slot_ids
 from runtime.models.base import BatchLayout
 from runtime.models.static_decode import (
     StaticDecodeLayout,
+    attention_mask,
     decode_widths,
     fill_tables,
     gather_plan,
@@ -86,7 +87,8 @@ def decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
     """One query per row over its gathered keys: q `[B, H, 1, Dh]`, keys and values
-    `[B, Hkv, L, Dh]`, visible `[B, 1, 1, L]` -> `[B, H, 1, Dh]`. Each row's result must not
+    `[B, Hkv, L, Dh]`, visible `[B, 1, 1, L]` (static_decode.attention_mask: a bias on a
+    GPU, booleans on the CPU) -> `[B, H, 1, Dh]`. Each row's result must not
     depend on how many rows there are: on a GPU the fused kernel works per row and head;
     on the CPU, torch's fused kernel splits its work by the batch's size, so it is two
     batched products and a softmax, each per row."""
@@ -175,13 +177,8 @@ def _build(
         positions = np.array([c.start for c in chunks])
         index, visible = gather_plan(table, starts, positions, pool.block_size, window)
         rows = np.array([lo for lo, _ in decode_rows])
-        decode.append(
-            GatheredRows(
-                _upload(rows, device),
-                _upload(index, device),
-                _upload(visible[:, None, None, :], device),
-            )
-        )
+        mask = attention_mask(_upload(visible[:, None, None, :], device), pool.keys[0].dtype)
+        decode.append(GatheredRows(_upload(rows, device), _upload(index, device), mask))
     return TensorAttentionPlan(_upload(slots, device), decode, prefill)
 
 
