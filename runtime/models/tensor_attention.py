@@ -126,7 +126,9 @@ def attend_static(
     kd = keys[index].transpose(1, 2)  # [B, L, Hkv, Dh] -> [B, Hkv, L, Dh]
     vd = values[index].transpose(1, 2)
     o = decode_attention(qd, kd, vd, layout.visible[group])  # [B, H, 1, Dh]
-    return o.reshape(rows, n_heads * head_dim).float()
+    # left in the keys' dtype: the output product rounds it to its own (fp16 -> bf16 is
+    # the same rounding as through float32), and a static step has no LoRA rows
+    return o.reshape(rows, n_heads * head_dim)
 
 
 def prepare(layout: BatchLayout, windows: list[int | None], device: torch.device) -> None:
