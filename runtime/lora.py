@@ -319,10 +319,13 @@ class RowAdapters:
             groups.append((adapter, where, np.concatenate(scale_parts)[:, None]))
         return cls(groups)
 
-    def apply(self, weight: Weight, x: np.ndarray, out: np.ndarray) -> None:
-        """Add each adapter's delta for `weight` to its rows of `out` = weight(x), in place."""
+    def apply(self, weight: Weight, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`out` = weight(x) with each adapter's delta added to its rows (in place; a
+        device product left in bf16 is widened to float32 first)."""
         key = id(weight)
         on_host = isinstance(x, np.ndarray)
+        if not on_host and out.dtype != x.dtype:
+            out = out.to(x.dtype)
         for adapter, rows, scales in self.groups:
             delta = adapter.deltas.get(key)
             if delta is None:
@@ -335,6 +338,7 @@ class RowAdapters:
             low = x[where] @ a.T  # [n, in] -> [n, R]
             low *= row_scales
             out[where] += low @ b.T  # [n, R] -> [n, out]
+        return out
 
     def _on_device(self, rows: slice | np.ndarray, scales: np.ndarray, device: Any):
         """Row index and scales as tensors on `device`, uploaded once per forward pass."""

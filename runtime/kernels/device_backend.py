@@ -70,10 +70,19 @@ class TensorWeight:
 
 class DenseDeviceWeight:
     """`[out, in]` in bf16 or fp16 on the device, multiplied by cuBLAS; an RMSNorm weight
-    before it is folded into its columns."""
+    before it is folded into its columns. Like every device weight, its product is left
+    in the weight's dtype (the next op widens it exactly, in the kernel it runs anyway);
+    the LM head's (`float_out`) is float32, what the samplers take."""
 
-    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        float_out: bool = False,
+    ) -> None:
         self.shape = (int(shape[0]), int(shape[1]))
+        self.float_out = float_out
         self.kind = "bf16" if dtype == torch.bfloat16 else "fp16"
         self.weight = torch.empty(self.shape, dtype=dtype, device=device)
 
@@ -87,7 +96,8 @@ class DenseDeviceWeight:
         self.weight[start : start + len(rows)] = rows.to(self.weight.device, self.weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).float()
+        out = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+        return out.float() if self.float_out else out
 
     @property
     def nbytes(self) -> int:
@@ -113,10 +123,9 @@ class CudaInt4Weight:
         self.input_scale = input_scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm(
+        return torch.ops.aten._weight_int4pack_mm(
             as_bf16(x, self.input_scale), self.packed, GROUP_SIZE, self.scales_zeros
-        )  # [T, K] -> [T, N]
-        return out.float()
+        )  # [T, K] -> [T, N], bf16: the next op widens it
 
     @property
     def nbytes(self) -> int:
@@ -244,7 +253,9 @@ class DeviceBackend:
         if self.cpu is not None:
             return TensorWeight(self.cpu.head(f, name, tied))
         shape = f.blocks(name)[2]
-        head = DenseDeviceWeight((shape[0], shape[1]), self.dense_dtype, self.device)
+        head = DenseDeviceWeight(
+            (shape[0], shape[1]), self.dense_dtype, self.device, float_out=True
+        )
         for start in range(0, shape[0], HEAD_CHUNK_ROWS):  # no float32 copy of the whole head
             head.fill(start, torch.from_numpy(f.rows(name, slice(start, start + HEAD_CHUNK_ROWS))))
         return head

@@ -109,7 +109,7 @@ def linear(x: np.ndarray, weight: Weight, layout: BatchLayout | None = None) -> 
     with a `layout`, each row also gets the LoRA deltas of its own sequence's adapters."""
     out = weight(x)
     if layout is not None and layout.lora is not None:
-        layout.lora.apply(weight, x, out)
+        out = layout.lora.apply(weight, x, out)
     return out
 
 

@@ -43,11 +43,12 @@ class TensorOps:
     def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last axis without its weight (folded into the next matmul); one
         fused kernel on a GPU, where a decode step is mostly kernel launches."""
-        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        """With its weight; `x` may be a product's bf16 output (widened first)."""
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
     def rope_tables(self, positions, inv_freq: np.ndarray, scale: float = 1.0):
         """cos and signed sin `[T, 1, n_rot]` of `positions` (host array, or device tensor
@@ -71,24 +72,28 @@ class TensorOps:
             self._rope[key] = table
         return table
 
-    @staticmethod
-    def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """NeoX rotation of `x` `[T, heads, Dh]`: dims i and i + n_rot/2 form a pair, so
-        with the halves swapped, x * cos + swapped * sin (sin's first half negated)."""
+        with the halves swapped, x * cos + swapped * sin (sin's first half negated). The
+        sum is rounded straight to the KV pool's dtype (what queries and keys are used in)."""
         n_rot = cos.shape[-1]
         half = n_rot // 2
         rotating = x[..., :n_rot]
         swapped = torch.cat([rotating[..., half:], rotating[..., :half]], -1)
-        rotated = rotating * cos + swapped * sin
-        return rotated if n_rot == x.shape[-1] else torch.cat([rotated, x[..., n_rot:]], -1)
+        if n_rot != x.shape[-1]:
+            rotated = rotating * cos + swapped * sin
+            return torch.cat([rotated, x[..., n_rot:]], -1).to(self.kv_dtype)
+        out = torch.empty(x.shape, dtype=self.kv_dtype, device=x.device)
+        return torch.add(rotating * cos, swapped * sin, out=out)
 
     @staticmethod
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
+        """In float32 whatever the product's dtype (`up` is widened by the product)."""
+        return F.silu(gate.float()) * up
 
     @staticmethod
     def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.gelu(gate, approximate="tanh") * up
+        return F.gelu(gate.float(), approximate="tanh") * up
 
     def prepare(self, layout, windows: list[int | None]) -> None:
         """Attention's indices and masks for this forward pass, uploaded (or, in a static

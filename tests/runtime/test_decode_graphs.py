@@ -164,3 +164,23 @@ def test_greedy_tokens_do_not_depend_on_the_bucket(long_models, device: str):
         tokens[name] = out
     assert len(tokens["eager"]) == 24
     assert tokens["alone"] == tokens["eager"] == tokens["batched"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_gpus_weight_classes_give_the_eager_logits_on_the_cpu(long_models, arch, monkeypatch):
+    """The weights a GPU gets (device_backend.py's bf16 products, left in bf16 for the next
+    op to widen) built on the CPU, so that CI runs their static step against the eager one."""
+    from runtime.kernels import device_backend
+
+    init = device_backend.DeviceBackend.__init__
+
+    def gpu_weights(self, device, plan=None):
+        init(self, device, plan)
+        self.cpu = None  # the CUDA branch of every weight, on the CPU
+
+    monkeypatch.setattr(device_backend.DeviceBackend, "__init__", gpu_weights)
+    engine = _engine(long_models[arch], "cpu", max_sequences=8)
+    assert set(engine.model.weight_kinds()) == {"bf16"}
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (300, 20, 41)]
+    assert _side_by_side(engine, prompts, steps=4) == 12
