@@ -16,6 +16,7 @@ graph's logits as on the eager step's.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -130,6 +131,7 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         started = time.perf_counter()
+        gc.collect()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.pool_handle = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self.device):
@@ -143,9 +145,16 @@ class DecodeGraphs:
                     if bucket.rows not in warmed:  # lazy tables, cuBLAS handles per shape
                         self._step(bucket)
                         warmed.add(bucket.rows)
+                    # capture_begin/end, not torch.cuda.graph(), whose every entry runs a
+                    # garbage collection (~100 ms in a loaded worker): one ran above.
+                    # thread_local: a worker's other models decode on its main thread
+                    # while this one loads in the pool's (workers/pool.py)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool_handle, stream=side):
+                    graph.capture_begin(pool=self.pool_handle, capture_error_mode="thread_local")
+                    try:
                         logits = self._step(bucket)
+                    finally:
+                        graph.capture_end()
                     self.graphs[bucket] = (graph, logits)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize(self.device)

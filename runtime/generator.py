@@ -287,7 +287,7 @@ class Generator:
         wanted: list[tuple[int, _Sequence]] = []
         preempted_before = self.preemptions
         for seq in sorted(self._running, key=lambda s: (s.priority, s.arrival)):
-            if seq.prefilling or seq not in self._running:  # preempted meanwhile
+            if seq.cache is None or seq.prefilling:  # preempted meanwhile (its cache freed)
                 continue
             if not self._reserve(seq, seq.cache.length + 1):
                 continue

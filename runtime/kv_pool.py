@@ -252,6 +252,8 @@ class PagedKVCache:
     def reserve(self, n_tokens: int) -> None:
         """Own enough blocks for `n_tokens` positions in every group; all or nothing."""
         missing = -(-n_tokens // self.pool.block_size) - len(self.tables[0])
+        if missing <= 0:  # most decode steps: the last block has room
+            return
         added = [0] * len(self.tables)
         try:
             for _ in range(missing):
