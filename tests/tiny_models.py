@@ -178,6 +178,95 @@ def write_tiny_gemma3(path: Path, shape: TinyShape | None = None, seed: int = 0)
     return path
 
 
+# Gemma 3 270M Q4_K_M's weight types, one per role; gguf's writer cannot quantize the
+# K-quants, so their blocks are random codes under small scales (valid blocks all the same)
+GEMMA_TYPES = {
+    "attn_q": gguf.GGMLQuantizationType.Q5_0,
+    "attn_k": gguf.GGMLQuantizationType.Q5_0,
+    "attn_v": gguf.GGMLQuantizationType.Q6_K,
+    "attn_output": gguf.GGMLQuantizationType.Q4_K,
+    "ffn_gate": gguf.GGMLQuantizationType.Q5_0,
+    "ffn_up": gguf.GGMLQuantizationType.Q4_K,
+    "ffn_down": gguf.GGMLQuantizationType.Q6_K,
+}
+
+
+def _k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks `[rows, bytes]`: codes and sub-block scales at random, the
+    half-precision super-block scale(s) small enough to keep activations moderate."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block_size
+    raw = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin first
+        raw[:, 0:4] = np.array([2e-3, 1e-3], np.float16).view(np.uint8)
+    else:  # Q6_K: ql, qh, int8 scales, then d last
+        raw[:, -2:] = np.array([2e-4], np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gemma3_types(path: Path, vocab_rows: int = 20000, seed: int = 0) -> Path:
+    """A tiny gemma3 whose layer weights have Gemma 3 Q4_K_M's types (GEMMA_TYPES: Q4_K,
+    Q5_0, Q6_K; embedding Q8_0) and whose tied embedding / head has `vocab_rows` rows
+    (more than one chunk of a head's upload), with a sliding window of 24 over 6 layers."""
+    s = TinyShape(
+        n_layers=6,
+        dim=256,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=64,
+        ffn_dim=512,
+        context_length=512,
+        sliding_window=24,
+    )
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _spm_vocab()
+    filler = vocab_rows - len(tokens)
+    tokens += [f"<unused{i}>" for i in range(filler)]
+    scores += [-100.0] * filler
+    types += [4] * filler  # user-defined: never produced by the tokenizer from text
+    w = _writer(path, "gemma3", s)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(s.sliding_window)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    q_dim, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    _add_quantized(w, "token_embd.weight", _weights(rng, vocab_rows, s.dim), Q8_0)
+    w.add_tensor("output_norm.weight", _norm(rng, s.dim))
+    shapes = {
+        "attn_q": (q_dim, s.dim),
+        "attn_k": (kv, s.dim),
+        "attn_v": (kv, s.dim),
+        "attn_output": (s.dim, q_dim),
+        "ffn_gate": (s.ffn_dim, s.dim),
+        "ffn_up": (s.ffn_dim, s.dim),
+        "ffn_down": (s.dim, s.ffn_dim),
+    }
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            w.add_tensor(p + norm + ".weight", _norm(rng, s.head_dim))
+        for role, qtype in GEMMA_TYPES.items():
+            rows, cols = shapes[role]
+            if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+                blocks = _k_quant_blocks(rng, rows, cols, qtype)
+                w.add_tensor(p + role + ".weight", blocks, raw_dtype=qtype)
+            else:
+                _add_quantized(w, p + role + ".weight", _weights(rng, rows, cols), qtype)
+    _finish(w)
+    return path
+
+
 def _finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

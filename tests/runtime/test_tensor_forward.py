@@ -305,3 +305,34 @@ def test_a_pool_too_small_for_one_sequence_is_refused_on_a_gpu():
     check_minimal_pool(1, 2**20, "cpu", "m")  # the CPU's pool is backed as used: no check
     with pytest.raises(DeviceMemoryError, match="gets 1 MiB on cuda:0.*needs 4 MiB.*--gpu-mem"):
         check_minimal_pool(2**20, 4 * 2**20, "cuda:0", "m")
+
+
+@pytest.fixture(scope="module")
+def gemma_types_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_models import write_tiny_gemma3_types
+
+    return write_tiny_gemma3_types(tmp_path_factory.mktemp("gemma-types") / "gemma-types.gguf")
+
+
+def test_gemma3s_weight_types_on_the_tensor_path_equal_the_host_path(gemma_types_path, device):
+    """Q4_K, Q5_0, Q6_K and Q8_0 weights, a 20,000-row tied head and a sliding window of 24,
+    prefilled and decoded past the window, against the exact host path."""
+    from tests.tiny_models import GEMMA_TYPES
+
+    exact = Engine.load(str(gemma_types_path), EngineConfig(backend="numpy"))
+    tensor = Engine.load(str(gemma_types_path), tensor_config(device))
+    qtypes = {GGUFFile(gemma_types_path).blocks(f"blk.0.{r}.weight")[1] for r in GEMMA_TYPES}
+    assert {t.name for t in qtypes} == {"Q4_K", "Q5_0", "Q6_K"}
+    assert exact.model.vocab_size == tensor.model.vocab_size == 20000
+    prompts = [random_tokens(n, seed=n, vocab=260) for n in (9, 30, 47)]
+    expected = _packed_logits(exact, prompts, decode=6)
+    got = _packed_logits(tensor, prompts, decode=6)
+    scale = max(float(np.abs(e).max()) for e in expected)
+    clear = 0
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, atol=0.05 * scale, rtol=0)
+        top2 = np.sort(want, axis=1)[:, -2:]
+        margin = top2[:, 1] - top2[:, 0] > 0.1 * scale  # rows whose choice is clear
+        np.testing.assert_array_equal(have.argmax(axis=1)[margin], want.argmax(axis=1)[margin])
+        clear += int(margin.sum())
+    assert clear > 0
