@@ -336,3 +336,16 @@ def test_gemma3s_weight_types_on_the_tensor_path_equal_the_host_path(gemma_types
         np.testing.assert_array_equal(have.argmax(axis=1)[margin], want.argmax(axis=1)[margin])
         clear += int(margin.sum())
     assert clear > 0
+
+
+def test_the_cuda_int4_packing_tiles_every_built_in_models_k():
+    """torch's CUDA int4 packing needs K divisible by its inner tiles x 16: SmolLM2's
+    hidden size 576 takes 4 tiles, its FFN 1536 and Gemma 3's 640 / 2048 take 8."""
+    from runtime.kernels.device_backend import inner_k_tiles
+
+    shapes = {576: 4, 1536: 8, 640: 8, 2048: 8, 1024: 8, 96: 2, 32: 2, 160: 2, 192: 4}
+    assert {k: inner_k_tiles(k) for k in shapes} == shapes
+    for k, tiles in shapes.items():
+        assert k % (tiles * 16) == 0
+    with pytest.raises(ValueError, match="divisible by 32, got 48"):
+        inner_k_tiles(48)
