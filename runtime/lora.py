@@ -320,12 +320,12 @@ class RowAdapters:
         return cls(groups)
 
     def apply(self, weight: Weight, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """`out` = weight(x) with each adapter's delta added to its rows (in place; a
-        device product left in bf16 is widened to float32 first)."""
+        """`out` = weight(x) with each adapter's delta added to its rows (in place; device
+        tensors left in bf16 are widened to float32 first)."""
         key = id(weight)
         on_host = isinstance(x, np.ndarray)
-        if not on_host and out.dtype != x.dtype:
-            out = out.to(x.dtype)
+        if not on_host:  # a GPU's products and their inputs may be bf16: add in float32
+            x, out = x.float(), out.float()
         for adapter, rows, scales in self.groups:
             delta = adapter.deltas.get(key)
             if delta is None:

@@ -30,6 +30,10 @@ class TensorOps:
         self.cuda = self.device.type == "cuda"
         self.kv_dtype = torch.float16 if self.cuda else torch.float32
         self.kv_value_bytes = 2 if self.cuda else 4
+        # the dtype a GPU's products take their input in (device_backend.py: int4 and dense
+        # weights are bf16 where the GPU has it); None on the CPU, whose kernels take float32
+        bf16 = self.cuda and torch.cuda.is_bf16_supported()
+        self.product_dtype = torch.bfloat16 if bf16 else None
         # positions every rope table covers from its start: a captured step reads the
         # table at addresses fixed at capture, so the graph runner sets the context length
         self.rope_positions = 0
@@ -84,16 +88,21 @@ class TensorOps:
             rotated = rotating * cos + swapped * sin
             return torch.cat([rotated, x[..., n_rot:]], -1).to(self.kv_dtype)
         out = torch.empty(x.shape, dtype=self.kv_dtype, device=x.device)
-        return torch.add(rotating * cos, swapped * sin, out=out)
+        return torch.addcmul(rotating * cos, swapped, sin, out=out)
 
-    @staticmethod
-    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """In float32 whatever the product's dtype (`up` is widened by the product)."""
-        return F.silu(gate.float()) * up
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """In float32 whatever the product's dtype; on a GPU rounded to the next product's
+        bf16 in the same kernel (what that product would do first)."""
+        return self._into_product(F.silu(gate.float()), up)
 
-    @staticmethod
-    def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.gelu(gate.float(), approximate="tanh") * up
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self._into_product(F.gelu(gate.float(), approximate="tanh"), up)
+
+    def _into_product(self, activated: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.product_dtype is None:
+            return activated * up
+        out = torch.empty(activated.shape, dtype=self.product_dtype, device=activated.device)
+        return torch.mul(activated, up, out=out)
 
     def prepare(self, layout, windows: list[int | None]) -> None:
         """Attention's indices and masks for this forward pass, uploaded (or, in a static

@@ -21,7 +21,7 @@ from runtime.engine import Engine, EngineConfig
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.models.static_decode import BATCH_BUCKETS, width_buckets
 from runtime.sampling import SamplingParams
-from tests.tiny_models import TinyShape, write_tiny_gemma3, write_tiny_llama
+from tests.tiny_models import TinyShape, write_lora, write_tiny_gemma3, write_tiny_llama
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -181,6 +181,15 @@ def test_the_gpus_weight_classes_give_the_eager_logits_on_the_cpu(long_models, a
     monkeypatch.setattr(device_backend.DeviceBackend, "__init__", gpu_weights)
     engine = _engine(long_models[arch], "cpu", max_sequences=8)
     assert set(engine.model.weight_kinds()) == {"bf16"}
+    engine.model.ops.product_dtype = torch.bfloat16  # activations rounded as a GPU's are
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 250, n).tolist() for n in (300, 20, 41)]
     assert _side_by_side(engine, prompts, steps=4) == 12
+    if arch == "llama":  # LoRA rows (eager) widen the bf16 products and their inputs
+        engine.load_adapter(
+            "a", write_lora(long_models[arch].with_name("a.gguf"), long_models[arch])
+        )
+        params = SamplingParams(max_tokens=6, temperature=0)
+        plain = [e.token_id for e in engine.generate(prompts[1], params)]
+        adapted = [e.token_id for e in engine.generate(prompts[1], params, lora=[("a", 4.0)])]
+        assert len(adapted) == 6 and adapted != plain
