@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -521,3 +522,43 @@ def test_prefix_cache_hits_are_counted(conn, start_worker):
 
     stats = wait_for(published, timeout=15, what="prefix cache stats in the worker hash")
     assert stats["cached_tokens"] == cached and 0 < stats["hit_rate"] < 1
+
+
+def test_a_steps_writes_go_out_beside_the_next_step_and_keep_every_event_in_order(
+    conn, start_worker
+):
+    """Each step's write is held until the loop has started the next step (or has no step
+    left to run): a loop that waited for its writes between steps would never finish."""
+    worker = start_worker(max_sequences=4)
+    wait_for(lambda: conn.hexists(keys.MODELS, TINY), what="the model published")
+    entered: list[int] = []
+    beside: list[bool] = []
+    real_step, real_execute = worker.running.step, worker.writer._execute
+
+    def step():
+        entered.append(1)
+        return real_step()
+
+    def execute(sent):
+        if not threading.current_thread().name.startswith("llmq-writer"):
+            return real_execute(sent)  # a write the loop waits for (none expected here)
+        seen, deadline = len(entered), time.monotonic() + 5
+        while len(entered) == seen and worker.running.has_work():
+            if time.monotonic() > deadline:
+                break  # the loop waits for this write: it is not beside a step
+            time.sleep(0.001)
+        beside.append(len(entered) > seen)
+        return real_execute(sent)
+
+    worker.running.step, worker.writer._execute = step, execute
+    ids = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"side {i}", "max_tokens": 16})
+        for i in range(3)
+    ]
+    done = [wait_done(conn, job_id, timeout=30) for job_id in ids]
+    assert all(d.status == FINISHED for d in done)
+    for job_id in ids:
+        events = stream(conn, job_id)
+        assert [kind for kind, _ in events] == ["token"] * 16 + ["done"]
+        assert [data["index"] for _, data in events[:-1]] == list(range(16))
+    assert sum(beside) >= 12  # nearly every step's write went out while the next step ran
