@@ -141,14 +141,21 @@ _WRITE_STEP = (
 local call = redis.call
 local running, jobs_metric = KEYS[1], KEYS[2]
 local ttl = ARGV[1]
-local function write(lease_key, events_key, record_key, lease, job_id, mode, expected, used,
-                     f, n, e, m)
+local lease_keys, cancel_keys = {}, {}
+for k = 3, #KEYS, 4 do
+  lease_keys[#lease_keys + 1] = KEYS[k]
+  cancel_keys[#cancel_keys + 1] = KEYS[k + 3]
+end
+-- every job's lease and cancel flag in two commands, not two per job
+local leases = call('MGET', unpack(lease_keys))
+local cancels = call('MGET', unpack(cancel_keys))
+local function write(j, lease_key, events_key, record_key, mode, expected, used, f, n, e, m)
   local length = call('XLEN', events_key)
   if m > 0 and length == expected + m then
     local last = call('XREVRANGE', events_key, '+', '-', 'COUNT', 1)[1]
     if last[2][4] == ARGV[e + 2 * m - 1] then return 1 end
   end
-  if length ~= expected or call('GET', lease_key) ~= lease then return 0 end
+  if length ~= expected or leases[j] ~= ARGV[f - 8] then return 0 end
   if n > 0 then call('HSET', record_key, unpack(ARGV, f, e - 1)) end
   for i = e, e + 2 * m - 1, 2 do
     call('XADD', events_key, '*', 'event', ARGV[i], 'data', ARGV[i + 1])
@@ -159,7 +166,7 @@ local function write(lease_key, events_key, record_key, lease, job_id, mode, exp
   end
   if mode == '3' then
     call('DEL', lease_key)
-    call('SREM', running, job_id)
+    call('SREM', running, ARGV[f - 7])
     local status = call('HGET', record_key, 'status')
     if status then call('HINCRBY', jobs_metric, status, 1) end
     if used then llmq_settle(record_key, used) end
@@ -168,17 +175,18 @@ local function write(lease_key, events_key, record_key, lease, job_id, mode, exp
 end
 local out = {}
 local a = 2
-for k = 3, #KEYS, 4 do
+for j = 1, #lease_keys do
+  local k = 4 * j - 1
   local mode, n, m = ARGV[a + 2], tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
   local f = a + 8
   local e = f + 2 * n
   local done = 1
   if mode ~= '0' then
-    done = write(KEYS[k], KEYS[k + 1], KEYS[k + 2], ARGV[a], ARGV[a + 1], mode,
-                 tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), f, n, e, m)
+    done = write(j, KEYS[k], KEYS[k + 1], KEYS[k + 2], mode, tonumber(ARGV[a + 3]),
+                 tonumber(ARGV[a + 4]), f, n, e, m)
   end
   out[#out + 1] = done
-  if ARGV[a + 5] == '1' then out[#out + 1] = call('EXISTS', KEYS[k + 3]) else out[#out + 1] = 0 end
+  if ARGV[a + 5] == '1' and cancels[j] then out[#out + 1] = 1 else out[#out + 1] = 0 end
   a = e + 2 * m
 end
 return out
