@@ -3,16 +3,21 @@
 Why scripts: taking a job off a queue must mark it running in the same instant (else a
 worker that dies between the two loses the job), and every write a worker makes for a job
 must be fenced by its lease (docs/faults.md, F12: a worker that stalled past its lease, whose
-job another worker now runs, must not write a single token more). Each wrapper takes a
-pipeline or a client, so a step's writes for every job go out in one round trip.
+job another worker now runs, must not write a single token more). A step's writes for
+every job are one script call (`write_step`), so they cost one round trip and one command.
 
 The scripts of the token path (`write_step`, one call per decode step for every job, and
-`append`) go by hash (EVALSHA, `LoadedScript`): a step's script text is ~3 KB, which EVAL
+`append`) go by hash (EVALSHA, `LoadedScript`): their text is ~3 KB, which EVAL
 would send and Redis hash again on every call (bench/redis_cost.py). A Redis that lost its
 script cache (restart, failover to a replica) answers NOSCRIPT, and the script is loaded
-again and the call repeated: NOSCRIPT means nothing ran. Scripts called a few times a
-second (claim, renew, requeue, release) are sent with EVAL. Job keys built inside a script
-use the parts that `workers.keys` names (JOB_KEY_PREFIX, LEASE_SUFFIX, CANCEL_SUFFIX).
+again and the call repeated: NOSCRIPT means nothing ran. Not a Redis 7 function (FUNCTION
+LOAD + FCALL): the same step cost Redis the same there (5.3-5.8 us a token written either way,
+64 jobs, bench/redis_cost.py's shape), and a script goes by its content's hash, so workers of
+two versions during a rolling upgrade each call their own, where one function library name
+would be replaced under the other; EVALSHA also runs on Redis 6 and fakeredis. Scripts
+called a few times a second (claim, renew, requeue, release) are sent with EVAL. Job keys
+built inside a script use the parts that `workers.keys` names (JOB_KEY_PREFIX, LEASE_SUFFIX,
+CANCEL_SUFFIX).
 """
 
 from __future__ import annotations

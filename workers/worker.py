@@ -324,7 +324,9 @@ class LLMQWorker:
         for failed_job, failure in self.running.settle_loads():
             self.ends.fail(failed_job, failure)
         if self._due_now("renew", self.config.lease_renew):
-            for job in self.leases.renew(self.running.jobs.values()):
+            self._act(self.writer.collect())  # a landed end gave its lease up: not a lost one
+            held = [job for job in self.running.jobs.values() if not job.ending_sent]
+            for job in self.leases.renew(held):
                 self.ends.drop(job)
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
             self.rq.heartbeat()

@@ -562,3 +562,16 @@ def test_a_steps_writes_go_out_beside_the_next_step_and_keep_every_event_in_orde
         assert [kind for kind, _ in events] == ["token"] * 16 + ["done"]
         assert [data["index"] for _, data in events[:-1]] == list(range(16))
     assert sum(beside) >= 12  # nearly every step's write went out while the next step ran
+
+
+def test_a_job_whose_end_is_in_flight_is_not_taken_for_a_lost_lease(conn, start_worker):
+    """The final write gives the lease up; a renewal that runs before the loop has heard
+    back from that write must not drop the job, or RQ would never hear that it finished."""
+    start_worker(max_sequences=4, lease_renew=0.001)  # a renewal every tick
+    ids = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"renew {i}", "max_tokens": 3})
+        for i in range(8)
+    ]
+    assert all(wait_done(conn, job_id).status == FINISHED for job_id in ids)
+    for job_id in ids:
+        wait_rq_status(conn, job_id, JobStatus.FINISHED)
