@@ -27,7 +27,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from workers import affinity, metrics, scripts
+from workers import affinity, metrics, resp, scripts
 from workers.jobs import ActiveJob
 from workers.wire import rate_limit
 from workers.wire.defaults import JOB_TTL_SECONDS
@@ -61,13 +61,14 @@ class _Write:
 
 @dataclass
 class _Step:
-    """One step's script call: per job (in the call's order) its write, if any."""
+    """One step's script call: per job (in the call's order) its write, if any; and the
+    metrics commands that go with it (sent once: not again after a failed round trip)."""
 
     jobs: list[ActiveJob]
     writes: list[_Write | None]
     keys: list[str]
     args: list[Any]
-    pipe: Any  # the script call first, then the metrics; None once sent
+    metrics: list[tuple[Any, ...]]
 
 
 class EventWriter:
@@ -170,7 +171,7 @@ class EventWriter:
 
     def _build(self, jobs: list[ActiveJob], step_sizes: dict[str, int] | None) -> _Step | None:
         now = time.monotonic()
-        step = _Step([], [], [], [], None)
+        step = _Step([], [], [], [], [])
         tokens: dict[str, int] = {}
         entries = []
         for job in jobs:
@@ -189,10 +190,11 @@ class EventWriter:
             return None
         step.keys, step.args = scripts.step_call(entries)
         writes = [w for w in step.writes if w is not None]
-        step.pipe = self.connection.pipeline(transaction=False)
-        scripts.WRITE_STEP.queue(step.pipe, step.keys, step.args)
-        self._record_metrics(step.pipe, writes, tokens, step_sizes)
-        self._remember_replies(step.pipe, writes)
+        recorder = self.connection.pipeline(transaction=False)  # only records: never sent
+        self._record_metrics(recorder, writes, tokens, step_sizes)
+        self._remember_replies(recorder, writes)
+        step.metrics = [tuple(args) for args, _ in recorder.command_stack]
+        recorder.reset()
         return step
 
     def _entry(self, job: ActiveJob, now: float) -> tuple[_Write, tuple[list[str], list[Any]]]:
@@ -225,11 +227,13 @@ class EventWriter:
 
     def _execute(self, step: _Step) -> Any:
         """The step's round trip (in the writer thread when sent in the background): the
-        script's reply. NOSCRIPT (Redis lost its script cache) loads it and calls again."""
-        pipe, step.pipe = step.pipe, None
-        if pipe is None:  # sent before, and failed: the script alone, as it was
-            return scripts.WRITE_STEP(self.connection, step.keys, step.args)
-        results = pipe.execute(raise_on_error=False)
+        script call and the metrics, packed here (`workers.resp`); the script's reply.
+        NOSCRIPT (Redis lost its script cache) loads it and calls again; a step sent again
+        after a failed round trip carries the script call alone, as it was."""
+        metrics, step.metrics = step.metrics, []
+        call = ["EVALSHA", scripts.WRITE_STEP.sha, len(step.keys), *step.keys, *step.args]
+        commands = [resp.pack(call), *(resp.pack(command) for command in metrics)]
+        results = resp.round_trip(self.connection, commands, len(commands))
         reply = results[0]
         if isinstance(reply, NoScriptError):
             reply = scripts.WRITE_STEP(self.connection, step.keys, step.args)

@@ -14,7 +14,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tests.workers.conftest import TINY, stream, submit
-from workers import keys
+from workers import keys, resp
 from workers.claims import CANCELLED, Claim, Claims
 from workers.errors import JobFailure
 from workers.event_writer import EventWriter
@@ -169,20 +169,20 @@ def test_a_step_whose_reply_was_lost_is_sent_again_as_it_was_and_lands_once(conn
     leases = Leases(conn, "w", 10)
     job = claimed(conn, leases)
     writer = EventWriter(conn, "w", own_models=set())
-    real_execute = redis.client.Pipeline.execute
+    real_round_trip = resp.round_trip
 
-    def execute_then_lose_the_reply(pipe, *args, **kwargs):
-        real_execute(pipe, *args, **kwargs)  # it lands in Redis ...
+    def land_then_lose_the_reply(*args, **kwargs):
+        real_round_trip(*args, **kwargs)  # it lands in Redis ...
         raise redis.ConnectionError("reply lost")  # ... but the worker never hears so
 
-    monkeypatch.setattr(redis.client.Pipeline, "execute", execute_then_lose_the_reply)
+    monkeypatch.setattr(resp, "round_trip", land_then_lose_the_reply)
     job.pending.append(token(0))
     writer.send([job], None, background=True)
     job.pending.append(token(1))
     with pytest.raises(redis.ConnectionError):
         writer.collect()
     assert writer.has_output([])  # the failed step is kept
-    monkeypatch.setattr(redis.client.Pipeline, "execute", real_execute)
+    monkeypatch.setattr(resp, "round_trip", real_round_trip)
     flushed = writer.flush([job], None)  # the kept step first, as it was, then the new event
     writer.close()
     assert flushed.lost == [] and indexes(conn, job.id) == [0, 1] and job.written == 2
