@@ -527,30 +527,39 @@ def test_prefix_cache_hits_are_counted(conn, start_worker):
 def test_a_steps_writes_go_out_beside_the_next_step_and_keep_every_event_in_order(
     conn, start_worker
 ):
-    """Each step's write is held until the loop has started the next step (or has no step
-    left to run): a loop that waited for its writes between steps would never finish."""
-    worker = start_worker(max_sequences=4)
+    """Each step's write is held until the loop has started the next step (or waits for the
+    write, or has no step left to run): a write counts as beside the next step when that
+    step started first. No lease renewal falls in the test (a renewal waits for the write)."""
+    worker = start_worker(max_sequences=4, lease_ttl=60, lease_renew=30)
     wait_for(lambda: conn.hexists(keys.MODELS, TINY), what="the model published")
     entered: list[int] = []
+    collecting = threading.Event()
     beside: list[bool] = []
     real_step, real_execute = worker.running.step, worker.writer._execute
+    real_collect = worker.writer.collect
 
     def step():
         entered.append(1)
         return real_step()
 
+    def collect():
+        collecting.set()
+        try:
+            return real_collect()
+        finally:
+            collecting.clear()
+
     def execute(sent):
         if not threading.current_thread().name.startswith("llmq-writer"):
-            return real_execute(sent)  # a write the loop waits for (none expected here)
-        seen, deadline = len(entered), time.monotonic() + 5
-        while len(entered) == seen and worker.running.has_work():
-            if time.monotonic() > deadline:
-                break  # the loop waits for this write: it is not beside a step
+            return real_execute(sent)  # a write the loop waits for
+        seen = len(entered)
+        while len(entered) == seen and worker.running.has_work() and not collecting.is_set():
             time.sleep(0.001)
         beside.append(len(entered) > seen)
         return real_execute(sent)
 
     worker.running.step, worker.writer._execute = step, execute
+    worker.writer.collect = collect
     ids = [
         submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"side {i}", "max_tokens": 16})
         for i in range(3)
