@@ -1,21 +1,23 @@
 """A SIMULATION of a fleet's token path: simulated workers, a real API, real Redis, real clients.
 
-    python bench/fleet.py [--workers 4] [--streams 256] [--rate 15] [--tokens 64]
-                          [--seconds 20] [--redis-url URL] [--api-url URL]
+    python bench/fleet.py [--workers 4] [--processes 1] [--streams 256] [--rate 15]
+                          [--tokens 64] [--seconds 20] [--redis-url URL] [--api-url URL]
+                          [--api-checkout PATH] [--api-env NAME=VALUE ...]
 
-No engine runs. `--workers` simulated workers (threads of one child process) take jobs off
-the model's queues with the worker's own claim script (`workers.claims`, a lease each) and
-write their token events through the worker's own `EventWriter` exactly as `llmq worker`'s
-loop does (one step's writes for all its jobs sent beside the next step, the outcome acted
-on after it), one token per running sequence every 1/`--rate` seconds. `--streams` clients
-(asyncio + httpx, one process) each keep one streamed completion open through a real
-`llmq api` (started here with its default settings, or `--api-url`) for `--seconds`,
-opening the next when one ends; so the jobs exist as the API's records and every token is
-relayed by the API as it does for users. The client side knows only HTTP and OpenAI's SSE.
+No engine runs. `--workers` simulated workers (threads of `--processes` child processes: one
+each where the cores allow) take jobs off the model's queues with the worker's own claim
+script (`workers.claims`, a lease each) and write their token events through the worker's
+own `EventWriter` exactly as `llmq worker`'s loop does (one step's writes for all its jobs
+sent beside the next step, the outcome acted on after it), one token per running sequence
+every 1/`--rate` seconds. `--streams` clients (asyncio + httpx, one process) each keep one
+streamed completion open through a real `llmq api` (started here from `--api-checkout` with
+its default settings but `--api-env`, or `--api-url`) for `--seconds`, opening the next when
+one ends; so the jobs exist as the API's records and every token is relayed by the API as it
+does for users. The client side knows only HTTP and OpenAI's SSE.
 
-Each token's text is the worker's clock when it sent the step ("@<unix time>|"), so every
-chunk a client reads gives the lag from the write (the step's round trip included) to the
-bytes on the client's socket; all processes share this machine's clock. Redis runs as a
+Each token's text is the worker's clock when its step made it ("@<unix time>|"), so every
+chunk a client reads gives the lag from there (the step's write and the relay included) to
+the bytes on the client's socket; all processes share this machine's clock. Redis runs as a
 child on a free port unless `--redis-url` names one (its db is flushed). Printed: Redis CPU
 per token (`used_cpu_sys` + `used_cpu_user` over the run, after CONFIG RESETSTAT, and INFO
 commandstats' busiest commands), tokens a second written and delivered, lag p50/p99/max,
@@ -213,10 +215,10 @@ class SimWorker:
 
 
 def run_workers(
-    url: str, count: int, rate: float, max_sequences: int, stop: Any, ready: Any, out: Any
+    url: str, names: list[str], rate: float, max_sequences: int, stop: Any, ready: Any, out: Any
 ) -> None:
-    """The child process: `count` simulated workers, one thread each."""
-    sims = [SimWorker(url, f"fleet-sim-{i}", rate, max_sequences) for i in range(count)]
+    """A child process: the simulated workers `names`, one thread each."""
+    sims = [SimWorker(url, name, rate, max_sequences) for name in names]
     for sim in sims:
         sim.register()
     threads = [threading.Thread(target=sim.run, args=(stop,), daemon=True) for sim in sims]
@@ -452,6 +454,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long clients open streams")
     parser.add_argument("--max-sequences", type=int, default=0, help="per worker (0: all streams)")
     parser.add_argument(
+        "--processes", type=int, default=1, help="processes the simulated workers run in"
+    )
+    parser.add_argument(
         "--redis-url", help="a Redis to use (its db is flushed); else one is started"
     )
     parser.add_argument("--api-url", help="a running API on that Redis; else `llmq api` is started")
@@ -476,8 +481,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="llmq-fleet-"))
     redis_proc = api_proc = None
     ctx = multiprocessing.get_context("spawn")
-    stop_event, ready, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    workers = None
+    stop_event, out = ctx.Event(), ctx.Queue()
+    workers: list[Any] = []
+    readiness: list[Any] = []
     try:
         if args.redis_url:
             url = args.redis_url
@@ -486,7 +492,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         conn = redis.Redis.from_url(url)
         conn.flushdb()
         print(
-            f"Redis {conn.info('server')['redis_version']} at {url}; API from {args.api_checkout}"
+            f"Redis {conn.info('server')['redis_version']} at {url}; API from "
+            f"{args.api_url or args.api_checkout} {' '.join(args.api_env)}"
         )
         with open(tmp / "api.log", "wb") as log:
             if args.api_url:
@@ -494,12 +501,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else:
                 settings = dict(item.split("=", 1) for item in args.api_env)
                 api_proc, base = start_api(url, log, args.api_checkout, settings)
-            workers = ctx.Process(
-                target=run_workers,
-                args=(url, args.workers, args.rate, max_sequences, stop_event, ready, out),
-            )
-            workers.start()
-            ready.wait(30)
+            for p in range(min(args.processes, args.workers)):
+                names = [f"fleet-sim-{i}" for i in range(p, args.workers, args.processes)]
+                readiness.append(ctx.Event())
+                sim = (url, names, args.rate, max_sequences, stop_event, readiness[-1], out)
+                workers.append(ctx.Process(target=run_workers, args=sim))
+                workers[-1].start()
+            for ready in readiness:
+                ready.wait(30)
             time.sleep(1.0)  # registered and heartbeating before the API is asked
             peaks = Peaks(conn, api_proc.pid if api_proc else None)
             conn.config_resetstat()
@@ -510,11 +519,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             commandstats = conn.info("commandstats")
             peaks.stop()
             stop_event.set()
-            result = out.get(timeout=30)
-            workers.join(30)
+            written, worker_errors = 0, Counter[str]()
+            for _ in workers:
+                result = out.get(timeout=30)
+                written += result["written"]
+                worker_errors.update(result["errors"])
+            for process in workers:
+                process.join(30)
         run = {
-            "written": result["written"],
-            "worker_errors": result["errors"],
+            "written": written,
+            "worker_errors": dict(worker_errors),
             "cpu_s": cpu,
             "wall_s": wall,
             "stats": commandstats,
@@ -526,8 +540,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {**run, "streams": stats}
     finally:
         stop_event.set()
-        if workers is not None and workers.is_alive():
-            workers.terminate()
+        for process in workers:
+            if process.is_alive():
+                process.terminate()
         stop(api_proc)
         stop(redis_proc)
 
