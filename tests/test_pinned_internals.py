@@ -8,6 +8,10 @@ directly: queues are lists of job ids under `rq:queue:<name>`, a job is a hash w
 (workers/recovery.py). The rq calls workers/rq_registries.py makes are public, but their
 argument lists changed between rq versions, so they are pinned too.
 
+redis-py: the worker's step writer (workers/event_writer.py) records its metrics commands on
+a pipeline it never sends and reads them from `command_stack`, then sends them with its own
+packing (workers/resp.py) on a connection taken from the client's pool.
+
 gunicorn: api/gunicorn_worker.py subclasses gthread's `ThreadWorker` and uses its private
 `_DEFER` verdict and its connection bookkeeping; gunicorn has no public API for deferring a
 connection.
@@ -20,6 +24,7 @@ import socket
 
 import fakeredis
 import pytest
+import redis
 from gunicorn.config import Config
 from gunicorn.http import unreader
 from gunicorn.workers import gthread
@@ -141,3 +146,24 @@ def test_gunicorn_http2_negotiation_is_where_the_worker_looks():
     from gunicorn.http2 import negotiation
 
     has_params(negotiation.prior_knowledge_allowed, "cfg", "peer_addr")
+
+
+def test_a_redis_py_pipeline_records_commands_where_the_step_writer_reads_them():
+    pipe = redis.Redis(port=1).pipeline(transaction=False)  # nothing is sent: no server
+    pipe.hincrby("h", "f", 2)
+    pipe.set("k", "v", ex=5)
+    assert [args for args, _ in pipe.command_stack] == [
+        ("HINCRBY", "h", "f", 2),
+        ("SET", "k", "v", "EX", 5),
+    ]
+    pool = redis.ConnectionPool(port=1)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [
+        p.name
+        for p in inspect.signature(pool.get_connection).parameters.values()
+        if p.kind in positional and p.default is inspect.Parameter.empty
+    ]
+    assert required == [], f"ConnectionPool.get_connection now needs {required}"
+    has_params(pool.release, "connection")
+    has_params(redis.Connection.send_packed_command, "command")
+    has_params(redis.Connection.read_response, "disable_decoding")

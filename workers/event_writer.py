@@ -1,20 +1,33 @@
 """The worker's writes for the jobs it runs: every one fenced by the job's lease.
 
-A step's new token events, finished jobs' results, metrics and every running job's cancel
-flag go out in one pipeline (`flush`), each job's events through `scripts.append`, which
-writes nothing once the lease is another worker's. Failed and cancelled jobs end through
-`end`. What the outcome means for a job (dropped, finished, cancelled) is the worker's call:
-this module only writes and reports.
+A step's writes are one script call for every job (`scripts.write_step`, by EVALSHA): each
+job's new token events (nothing lands once its lease is another worker's), a finished job's
+result and end, and every running job's cancel flag; the metrics ride in the same pipeline.
+So Redis runs one command a step, not one per job (bench/redis_cost.py measures it).
+
+`send(..., background=True)` hands the step to one writer thread (its own pooled
+connection), so its round trip runs beside the next decode step instead of between steps;
+`collect` waits for it and says what it found, for the loop to act on before the step
+after (a lost lease, a finished job or a cancel is acted on at most one step late, never
+lost). Only one step is in flight: the next is built after the last one's outcome is
+applied, so each write is fenced on the stream length the last one left. A step whose round
+trip failed (Redis down) is kept and sent again first, exactly as it was, so the script's
+retry check finds it if it had landed. Failed and cancelled jobs end through `end`, after
+the step in flight. What the outcome means for a job (dropped, finished, cancelled) is the
+worker's call: this module only writes and reports.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers import affinity, keys, metrics, scripts
+from redis.exceptions import NoScriptError
+
+from workers import affinity, metrics, resp, scripts
 from workers.jobs import ActiveJob
 from workers.wire import rate_limit
 from workers.wire.defaults import JOB_TTL_SECONDS
@@ -22,10 +35,15 @@ from workers.wire.errors import cancelled_error
 from workers.wire.events import Event, ending, write_ending
 from workers.wire.job import CANCELLED, FINISHED
 
+# A running job's record counters (`completion_tokens`, which /admin shows) are rewritten at
+# most this often: an HSET per job per step was ~1 us of Redis a token (bench/redis_cost.py),
+# and the API's progress reads the stream's length too (api/jobs.py). Its end writes them.
+COUNTERS_SECONDS = 1.0
+
 
 @dataclass
 class Flushed:
-    """What one flush found: jobs whose lease is lost (nothing was written for them), jobs
+    """What writes found: jobs whose lease is lost (nothing was written for them), jobs
     whose final write landed, and running jobs whose cancel flag is set."""
 
     lost: list[ActiveJob] = field(default_factory=list)
@@ -36,8 +54,21 @@ class Flushed:
 @dataclass
 class _Write:
     job: ActiveJob
-    events: list[tuple[str, str]]
+    taken: list[Event]  # from the job's `pending`: given back if the lease is lost
+    events: list[Event]  # `taken`, and the terminal event of a final write
     final: bool
+
+
+@dataclass
+class _Step:
+    """One step's script call: per job (in the call's order) its write, if any; and the
+    metrics commands that go with it (sent once: not again after a failed round trip)."""
+
+    jobs: list[ActiveJob]
+    writes: list[_Write | None]
+    keys: list[str]
+    args: list[Any]
+    metrics: list[tuple[Any, ...]]
 
 
 class EventWriter:
@@ -46,44 +77,66 @@ class EventWriter:
         self.worker = worker_name
         self.own_models = own_models  # models whose replies record prefix affinity
         self.throughput = metrics.Throughput()
+        self._executor: ThreadPoolExecutor | None = None
+        self._in_flight: tuple[_Step, Future[Any]] | None = None
+        self._unsent: _Step | None = None  # its round trip failed: sent again first
+        self._outcome = Flushed()
 
-    @staticmethod
-    def has_output(jobs: Iterable[ActiveJob]) -> bool:
-        return any(j.pending or j.result is not None for j in jobs)
+    def has_output(self, jobs: Iterable[ActiveJob]) -> bool:
+        """Anything to write: a job's new events, a result whose write is not sent yet, or a
+        step whose round trip failed."""
+        if self._unsent is not None:
+            return True
+        return any(j.pending or (j.result is not None and not j.ending_sent) for j in jobs)
 
     def flush(self, jobs: Iterable[ActiveJob], step_sizes: dict[str, int] | None) -> Flushed:
-        """One round trip: every job's new events (fenced), finished jobs' results, metrics,
-        and every running job's cancel flag. `step_sizes` (model -> sequences) after a
-        decode step, None otherwise."""
-        jobs = list(jobs)
-        writes: list[_Write] = []
-        tokens: dict[str, int] = {}
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                if job.pending or job.result is not None:
-                    writes.append(self._append(pipe, job))
-                    tokens[job.model] = tokens.get(job.model, 0) + len(job.pending)
-            checked = [j for j in jobs if j.result is None]
-            for job in checked:
-                pipe.exists(keys.job_cancel(job.id))
-            self._record_metrics(pipe, writes, tokens, step_sizes)
-            self._remember_replies(pipe, writes)
-            results = pipe.execute()
-        flushed = Flushed()
-        for write, written in zip(writes, results, strict=False):
-            if written is None:
-                flushed.lost.append(write.job)
-                continue
-            write.job.pending.clear()
-            write.job.written += len(write.events)
-            if write.final:
-                flushed.finished.append(write.job)
-        flags = results[len(writes) : len(writes) + len(checked)]
-        flushed.cancel_requested = [job for job, flag in zip(checked, flags, strict=True) if flag]
-        return flushed
+        """One round trip, waited for: every job's new events (fenced), finished jobs'
+        results, metrics, and every running job's cancel flag. `step_sizes` (model ->
+        sequences) after a decode step, None otherwise. Includes what a step in flight
+        found."""
+        self.send(jobs, step_sizes)
+        return self.collect()
+
+    def send(
+        self,
+        jobs: Iterable[ActiveJob],
+        step_sizes: dict[str, int] | None,
+        background: bool = False,
+    ) -> None:
+        """`flush`'s writes; with `background`, in the writer thread, whose outcome the
+        next `collect` (or `send`, `end`) waits for."""
+        self._settle()
+        self._send_unsent()
+        step = self._build(list(jobs), step_sizes)
+        if step is None:
+            return
+        if not background:
+            self._apply(step, self._execute(step))
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"llmq-writer-{self.worker}")
+        self._in_flight = (step, self._executor.submit(self._execute, step))
+
+    def collect(self) -> Flushed:
+        """What the writes since the last `collect` found (waits for the step in flight);
+        raises what its round trip raised (the step is then sent again first)."""
+        self._settle()
+        outcome, self._outcome = self._outcome, Flushed()
+        return outcome
+
+    def close(self) -> None:
+        """Wait for the step in flight and stop the writer thread."""
+        try:
+            self._settle()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
 
     def end(self, job: ActiveJob, status: str, body: dict[str, Any]) -> bool:
         """Fenced terminal write of a failed or cancelled job; False if it was not ours."""
+        self._settle()  # fenced on the length the step in flight leaves
+        self._send_unsent()
         end_fields, end_event = ending(status, body)
         events = [*job.pending, end_event]
         fields = {**end_fields, **_counts(job)}
@@ -114,11 +167,44 @@ class EventWriter:
     def tokens_per_second(self) -> float:
         return self.throughput.rate()
 
-    def _append(self, pipe: Any, job: ActiveJob) -> _Write:
-        events, final = list(job.pending), job.result is not None
-        fields = {"completion_tokens": str(job.completion_tokens)}
+    # ------------------------------------------------------------------ one step
+
+    def _build(self, jobs: list[ActiveJob], step_sizes: dict[str, int] | None) -> _Step | None:
+        now = time.monotonic()
+        step = _Step([], [], [], [], [])
+        tokens: dict[str, int] = {}
+        entries = []
+        for job in jobs:
+            write = None
+            if job.pending or (job.result is not None and not job.ending_sent):
+                write, entry = self._entry(job, now)
+                tokens[job.model] = tokens.get(job.model, 0) + len(write.taken)
+            elif job.result is None:
+                entry = scripts.step_entry(job.id, job.lease, scripts.STEP_CHECK_ONLY)
+            else:
+                continue  # its final write is sent: nothing more to write or read
+            step.jobs.append(job)
+            step.writes.append(write)
+            entries.append(entry)
+        if not entries:
+            return None
+        step.keys, step.args = scripts.step_call(entries)
+        writes = [w for w in step.writes if w is not None]
+        recorder = self.connection.pipeline(transaction=False)  # only records: never sent
+        self._record_metrics(recorder, writes, tokens, step_sizes)
+        self._remember_replies(recorder, writes)
+        step.metrics = [tuple(args) for args, _ in recorder.command_stack]
+        recorder.reset()
+        return step
+
+    def _entry(self, job: ActiveJob, now: float) -> tuple[_Write, tuple[list[str], list[Any]]]:
+        taken, job.pending = job.pending, []
+        events = list(taken)
+        fields: dict[str, str] = {}
         used = None
+        final = job.result is not None
         if final:
+            assert job.result is not None
             end_fields, end_event = ending(FINISHED, job.result)
             events.append(end_event)
             fields.update(end_fields)
@@ -126,8 +212,71 @@ class EventWriter:
             usage = job.result["usage"]
             fields["prompt_tokens"] = str(usage["prompt_tokens"])
             used = usage["prompt_tokens"] + usage.get("completion_tokens", 0)
-        _fenced_append(pipe, job, events, fields, final=final, used=used)
-        return _Write(job, events, final)
+            mode = scripts.STEP_FINAL
+            job.ending_sent = True
+        else:
+            mode = scripts.STEP_WRITE if job.ttl_set else scripts.STEP_FIRST_WRITE
+            job.ttl_set = True
+            if job.counters_at is None or now - job.counters_at >= COUNTERS_SECONDS:
+                fields["completion_tokens"] = str(job.completion_tokens)
+                job.counters_at = now
+        entry = scripts.step_entry(
+            job.id, job.lease, mode, job.written, events, fields, used, check_cancel=not final
+        )
+        return _Write(job, taken, events, final), entry
+
+    def _execute(self, step: _Step) -> Any:
+        """The step's round trip (in the writer thread when sent in the background): the
+        script call and the metrics, packed here (`workers.resp`); the script's reply.
+        NOSCRIPT (Redis lost its script cache) loads it and calls again; a step sent again
+        after a failed round trip carries the script call alone, as it was."""
+        metrics, step.metrics = step.metrics, []
+        call = ["EVALSHA", scripts.WRITE_STEP.sha, len(step.keys), *step.keys, *step.args]
+        commands = [resp.pack(call), *(resp.pack(command) for command in metrics)]
+        results = resp.round_trip(self.connection, commands, len(commands))
+        reply = results[0]
+        if isinstance(reply, NoScriptError):
+            reply = scripts.WRITE_STEP(self.connection, step.keys, step.args)
+        for result in [reply, *results[1:]]:
+            if isinstance(result, Exception):
+                raise result
+        return reply
+
+    def _settle(self) -> None:
+        """Apply the outcome of the step in flight, once it is back."""
+        if self._in_flight is None:
+            return
+        step, future = self._in_flight
+        self._in_flight = None
+        try:
+            reply = future.result()
+        except Exception:
+            self._unsent = step
+            raise
+        self._apply(step, reply)
+
+    def _send_unsent(self) -> None:
+        if self._unsent is None:
+            return
+        step = self._unsent
+        reply = self._execute(step)
+        self._unsent = None
+        self._apply(step, reply)
+
+    def _apply(self, step: _Step, reply: Any) -> None:
+        outcome = self._outcome
+        results = scripts.step_results(reply)
+        for job, write, (written, cancel) in zip(step.jobs, step.writes, results, strict=True):
+            if write is not None and written:
+                job.written += len(write.events)
+                if write.final:
+                    outcome.finished.append(job)
+            elif write is not None:
+                job.pending[:0] = write.taken  # not written: a later end may still need them
+                job.ending_sent = False
+                outcome.lost.append(job)
+            if cancel and job not in outcome.cancel_requested:  # once until collected
+                outcome.cancel_requested.append(job)
 
     def _record_metrics(
         self,
@@ -166,9 +315,8 @@ def _fenced_append(
     used: int | None = None,
 ) -> Any:
     """`scripts.append` of `events` after the ones `job` has written, fenced by its lease:
-    the one way this writer puts anything on a job's record or stream (on a pipeline, its
-    answer comes from `execute()`). A final write settles the job's rate-limit reservation
-    at `used` tokens."""
+    a job's end outside a step. A final write settles the job's rate-limit reservation at
+    `used` tokens."""
     return scripts.append(
         client,
         job.id,

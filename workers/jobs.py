@@ -85,6 +85,10 @@ class ActiveJob:
     choices: list[ChoiceState] = field(default_factory=list)
     pending: list[tuple[str, str]] = field(default_factory=list)  # (kind, JSON) to append
     written: int = 0  # entries in the job's stream, as far as this worker knows
+    # the writer's bookkeeping (`workers.event_writer`)
+    ttl_set: bool = False  # a write of this attempt set its record's and stream's TTLs
+    ending_sent: bool = False  # its final write is sent (in flight or landed)
+    counters_at: float | None = None  # when its record's counters were last written (monotonic)
     result: dict[str, Any] | None = None
     claimed_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

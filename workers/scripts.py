@@ -3,19 +3,30 @@
 Why scripts: taking a job off a queue must mark it running in the same instant (else a
 worker that dies between the two loses the job), and every write a worker makes for a job
 must be fenced by its lease (docs/faults.md, F12: a worker that stalled past its lease, whose
-job another worker now runs, must not write a single token more). Each wrapper takes a
-pipeline or a client, so a step's writes for every job go out in one round trip.
+job another worker now runs, must not write a single token more). A step's writes for
+every job are one script call (`write_step`), so they cost one round trip and one command.
 
-Scripts are sent with EVAL (Redis caches them by hash), so a Redis restart that empties the
-script cache needs no reloading logic. Job keys built inside a script use the parts that
-`workers.keys` names (JOB_KEY_PREFIX, LEASE_SUFFIX, CANCEL_SUFFIX).
+The scripts of the token path (`write_step`, one call per decode step for every job, and
+`append`) go by hash (EVALSHA, `LoadedScript`): their text is ~3 KB, which EVAL
+would send and Redis hash again on every call (bench/redis_cost.py). A Redis that lost its
+script cache (restart, failover to a replica) answers NOSCRIPT, and the script is loaded
+again and the call repeated: NOSCRIPT means nothing ran. Not a Redis 7 function (FUNCTION
+LOAD + FCALL): the same step cost Redis the same there (5.3-5.8 us a token written either way,
+64 jobs, bench/redis_cost.py's shape), and a script goes by its content's hash, so workers of
+two versions during a rolling upgrade each call their own, where one function library name
+would be replaced under the other; EVALSHA also runs on Redis 6 and fakeredis. Scripts
+called a few times a second (claim, renew, requeue, release) are sent with EVAL. Job keys
+built inside a script use the parts that `workers.keys` names (JOB_KEY_PREFIX, LEASE_SUFFIX,
+CANCEL_SUFFIX).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import NoScriptError
 from rq.queue import Queue
 
 from workers import keys
@@ -117,6 +128,84 @@ return last
 """
 )
 
+# One decode step's writes for every job a worker runs, in one call (`write_step`).
+# KEYS: running set, jobs metric hash, then per job: lease, events stream, record, cancel flag.
+# ARGV: ttl (s), then per job 8 values: expected lease, job id, write mode (STEP_* below),
+# stream length the writer expects before its events, tokens used ('' if not known), "1" to
+# read the cancel flag, n record fields, m events; then 2n field/value strings and 2m event
+# kind/data strings. Per job, as `_APPEND`: nothing is written unless the lease is the
+# expected one and the stream is as the writer left it, a write retried after its reply was
+# lost is not applied twice, and a final write gives up the lease, leaves the running set,
+# counts the job's end once and settles its rate-limit reservation. TTLs are set by a job's
+# first write of an attempt and by its final one, not by every step (the record and stream
+# outlive a running job by far). Returns a string of 2 characters per job, in order: "1"
+# written (or nothing to write), "0" lease or stream not as expected (nothing written); then
+# "1" if its cancel flag is set, else "0" (one string: cheaper to build and to read than
+# 2 integers a job).
+_WRITE_STEP = (
+    rate_limit.SETTLE_LUA
+    + """
+local call = redis.call
+local running, jobs_metric = KEYS[1], KEYS[2]
+local ttl = ARGV[1]
+local lease_keys, cancel_keys = {}, {}
+for k = 3, #KEYS, 4 do
+  lease_keys[#lease_keys + 1] = KEYS[k]
+  cancel_keys[#cancel_keys + 1] = KEYS[k + 3]
+end
+-- every job's lease and cancel flag in two commands, not two per job
+local leases = call('MGET', unpack(lease_keys))
+local cancels = call('MGET', unpack(cancel_keys))
+local function write(j, lease_key, events_key, record_key, mode, expected, used, f, n, e, m)
+  local length = call('XLEN', events_key)
+  if m > 0 and length == expected + m then
+    local last = call('XREVRANGE', events_key, '+', '-', 'COUNT', 1)[1]
+    if last[2][4] == ARGV[e + 2 * m - 1] then return 1 end
+  end
+  if length ~= expected or leases[j] ~= ARGV[f - 8] then return 0 end
+  if n > 0 then call('HSET', record_key, unpack(ARGV, f, e - 1)) end
+  for i = e, e + 2 * m - 1, 2 do
+    call('XADD', events_key, '*', 'event', ARGV[i], 'data', ARGV[i + 1])
+  end
+  if mode ~= '1' then
+    call('EXPIRE', record_key, ttl)
+    if m > 0 or length > 0 then call('EXPIRE', events_key, ttl) end
+  end
+  if mode == '3' then
+    call('DEL', lease_key)
+    call('SREM', running, ARGV[f - 7])
+    local status = call('HGET', record_key, 'status')
+    if status then call('HINCRBY', jobs_metric, status, 1) end
+    if used then llmq_settle(record_key, used) end
+  end
+  return 1
+end
+local out = {}
+local a = 2
+for j = 1, #lease_keys do
+  local k = 4 * j - 1
+  local mode, n, m = ARGV[a + 2], tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
+  local f = a + 8
+  local e = f + 2 * n
+  local done = 1
+  if mode ~= '0' then
+    done = write(j, KEYS[k], KEYS[k + 1], KEYS[k + 2], mode, tonumber(ARGV[a + 3]),
+                 tonumber(ARGV[a + 4]), f, n, e, m)
+  end
+  local cancel = '0'
+  if ARGV[a + 5] == '1' and cancels[j] then cancel = '1' end
+  out[j] = done .. cancel
+  a = e + 2 * m
+end
+return table.concat(out)
+"""
+)
+STEP_CHECK_ONLY = "0"  # nothing to write: only the cancel flag is read
+STEP_WRITE = "1"  # events and fields under the lease
+STEP_FIRST_WRITE = "2"  # the same, and the record's and stream's TTLs set
+STEP_FINAL = "3"  # the job's last write: TTLs set, lease given up, end counted
+
+
 # KEYS: lease. ARGV: expected lease, TTL (ms). 1 if renewed, 0 if the lease is not ours.
 _RENEW = """
 local lease_key, lease, lease_ms = KEYS[1], ARGV[1], ARGV[2]
@@ -157,6 +246,87 @@ while redis.call('RPOPLPUSH', source, target) do moved = moved + 1 end
 redis.call('SREM', queues_set, source)
 return moved
 """
+
+
+class LoadedScript:
+    """A script called by its SHA1 (EVALSHA), loaded again when Redis has lost it (NOSCRIPT,
+    after a restart or a failover): what redis-py's `register_script` does for a client, but
+    also usable in a pipeline without its SCRIPT EXISTS round trip before every execute."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """Call on a client (not a pipeline), loading the script if Redis lacks it."""
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.load(client)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+    def queue(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
+        """Add the call to a pipeline; its NOSCRIPT reply comes back from
+        `execute(raise_on_error=False)` for the caller to `load` and call again."""
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    def load(self, client: Any) -> None:
+        client.script_load(self.text)
+
+
+APPEND = LoadedScript(_APPEND)
+WRITE_STEP = LoadedScript(_WRITE_STEP)
+
+
+def step_entry(
+    job_id: str,
+    lease: str,
+    mode: str,
+    expected_length: int = 0,
+    events: Sequence[tuple[str, str]] = (),
+    fields: dict[str, str] | None = None,
+    used_tokens: int | None = None,
+    check_cancel: bool = True,
+) -> tuple[list[str], list[Any]]:
+    """One job's part of a `write_step` call (`_WRITE_STEP`): its keys and its arguments."""
+    fields = fields or {}
+    used = "" if used_tokens is None else used_tokens
+    args: list[Any] = [lease, job_id, mode, expected_length, used, "1" if check_cancel else "0"]
+    args += [len(fields), len(events)]
+    for name, value in fields.items():
+        args += [name, value]
+    for kind, data in events:
+        args += [kind, data]
+    job_keys = [keys.job_lease(job_id), keys.job_events(job_id), keys.job(job_id)]
+    job_keys.append(keys.job_cancel(job_id))
+    return job_keys, args
+
+
+def step_call(
+    entries: Sequence[tuple[list[str], list[Any]]], ttl: int = JOB_TTL_SECONDS
+) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of one `_WRITE_STEP` call over `step_entry` parts."""
+    all_keys: list[str] = [keys.RUNNING, keys.METRIC_JOBS]
+    args: list[Any] = [ttl]
+    for job_keys, job_args in entries:
+        all_keys += job_keys
+        args += job_args
+    return all_keys, args
+
+
+def write_step(
+    client: Any, entries: Sequence[tuple[list[str], list[Any]]], ttl: int = JOB_TTL_SECONDS
+) -> list[tuple[bool, bool]]:
+    """Every job's writes of one step (`step_entry` each) in one script call on a client:
+    (written, cancel flag set) per job, in order (`written` False: the lease or the stream
+    was not as expected, and nothing was written for it)."""
+    return step_results(WRITE_STEP(client, *step_call(entries, ttl)))
+
+
+def step_results(reply: bytes | str) -> list[tuple[bool, bool]]:
+    """`_WRITE_STEP`'s reply as (written, cancel flag set) per job."""
+    flags = reply.decode() if isinstance(reply, bytes) else reply
+    return [(flags[i] == "1", flags[i + 1] == "1") for i in range(0, len(flags), 2)]
 
 
 def claim(
@@ -217,7 +387,9 @@ def append(
         keys.RUNNING,
         keys.METRIC_JOBS,
     ]
-    return client.eval(_APPEND, len(job_keys), *job_keys, *argv)
+    if hasattr(client, "command_stack"):  # a pipeline: no NOSCRIPT retry there
+        return client.eval(_APPEND, len(job_keys), *job_keys, *argv)
+    return APPEND(client, job_keys, argv)
 
 
 def renew(client: Any, job_id: str, lease: str, lease_ms: int) -> Any:

@@ -8,8 +8,10 @@ still sees everything: the worker is registered (`rq info` lists it and its queu
 each job goes through RQ's own bookkeeping with several executions open at once
 (`workers.rq_registries`).
 
-Per step, one pipeline carries every job's new token events (each write fenced by the
-job's lease), their progress counters and the metrics, and reads every job's cancel flag.
+Per step, one script call carries every job's new token events (each write fenced by the
+job's lease) and reads every job's cancel flag, with the metrics in the same pipeline; it
+is sent beside the next step (`EventWriter.send` in its writer thread), and what it found
+(lost leases, landed ends, cancels) is acted on right after that step.
 Leases are renewed every `lease_renew` seconds; a reaper requeues the jobs of dead workers,
 and the batch driver (`workers.batches`) moves offline batches on.
 SIGTERM drains (no new jobs, `grace` seconds for running ones, then checkpoint-and-requeue);
@@ -51,7 +53,7 @@ from workers.claims import MISSING as CLAIMED_MISSING
 from workers.claims import Claims
 from workers.config import WorkerConfig, preload_models, serving, worker_device
 from workers.errors import JobFailure, PoolFull
-from workers.event_writer import EventWriter
+from workers.event_writer import EventWriter, Flushed
 from workers.history import HistorySampler
 from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
@@ -98,7 +100,8 @@ def connect(url: str | None = None, settings: BrokerSettings | None = None) -> r
 
 
 class LLMQWorker:
-    """The loop: claim -> step -> flush -> chores, over the collaborators it holds."""
+    """The loop: claim -> step (beside the last step's writes) -> act on them -> send this
+    step's writes -> chores, over the collaborators it holds."""
 
     def __init__(
         self,
@@ -290,14 +293,19 @@ class LLMQWorker:
         if self.running.has_work():
             _, broken = self.running.step()
             self.steps += 1
+            self._act(self.writer.collect())  # the last step's writes, made beside this step
             for job, exc in broken:
+                if not self._runs(job):
+                    continue  # ended by what the last step's writes found
                 if not isinstance(exc, JobFailure):
                     exc = JobFailure(f"the engine failed: {type(exc).__name__}: {exc}")
                 self.ends.fail(job, exc)
-            self._flush(step=True)
+            step_sizes = self.running.last_step_sizes
+            self.writer.send(self.running.jobs.values(), step_sizes, background=True)
             if self.config.step_delay:
                 time.sleep(self.config.step_delay)
         else:
+            self._act(self.writer.collect())
             self._idle()
 
     def _idle(self) -> None:
@@ -317,7 +325,9 @@ class LLMQWorker:
         for failed_job, failure in self.running.settle_loads():
             self.ends.fail(failed_job, failure)
         if self._due_now("renew", self.config.lease_renew):
-            for job in self.leases.renew(self.running.jobs.values()):
+            self._act(self.writer.collect())  # a landed end gave its lease up: not a lost one
+            held = [job for job in self.running.jobs.values() if not job.ending_sent]
+            for job in self.leases.renew(held):
                 self.ends.drop(job)
         if self._due_now("rq_heartbeat", RQ_MONITORING_INTERVAL / 2):
             self.rq.heartbeat()
@@ -367,17 +377,26 @@ class LLMQWorker:
     def _sync_adapters(self) -> None:
         self.admin.sync_adapters()
 
-    def _flush(self, step: bool = False) -> None:
-        """Write what the running jobs produced (`EventWriter.flush`), then act on it."""
-        step_sizes = self.running.last_step_sizes if step else None
-        flushed = self.writer.flush(self.running.jobs.values(), step_sizes)
+    def _flush(self) -> None:
+        """Write what the running jobs produced outside a step (`EventWriter.flush`, after
+        the step in flight), and act on it."""
+        self._act(self.writer.flush(self.running.jobs.values(), None))
+
+    def _act(self, flushed: Flushed) -> None:
+        """What writes found: lost leases, landed ends, cancel flags. A job that has left
+        since (an end acted on earlier) is not ended twice."""
         for job in flushed.lost:
-            self.ends.drop(job)
+            if self._runs(job):
+                self.ends.drop(job)
         for job in flushed.finished:
-            self.ends.finished(job)
+            if self._runs(job):
+                self.ends.finished(job)
         for job in flushed.cancel_requested:
-            if job.id in self.running.jobs:
+            if self._runs(job):
                 self.ends.cancel(job)
+
+    def _runs(self, job: ActiveJob) -> bool:
+        return self.running.jobs.get(job.id) is job
 
     # ------------------------------------------------------------------ taking jobs
 
@@ -458,6 +477,7 @@ class LLMQWorker:
         self.rq.sync_state()
 
     def _checkpoint_all(self) -> None:
+        self._act(self.writer.collect())
         if self.writer.has_output(self.running.jobs.values()):
             self._flush()
         for job in list(self.running.jobs.values()):
@@ -471,6 +491,10 @@ class LLMQWorker:
             log.error(
                 "worker %s: could not checkpoint (%s); the reaper will requeue", self.name, exc
             )
+        try:
+            self.writer.close()
+        except BROKER_LOST as exc:
+            log.error("worker %s: last writes not sent (%s); the reaper requeues", self.name, exc)
         self.pool.close()
         self.admin.close()
         try:

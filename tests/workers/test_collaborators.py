@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import redis
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tests.workers.conftest import TINY, stream, submit
-from workers import keys
+from workers import keys, resp
 from workers.claims import CANCELLED, Claim, Claims
 from workers.errors import JobFailure
 from workers.event_writer import EventWriter
@@ -105,6 +106,86 @@ def test_event_writer_ends_a_job_once_and_only_under_its_lease(conn):
     assert conn.hget(keys.job(job.id), "status") == FAILED.encode()
     assert not conn.exists(keys.job_lease(job.id))
     assert not writer.end(job, FAILED, body)  # the lease went with the end
+
+
+def token(index: int) -> tuple[str, str]:
+    return ("token", json.dumps({"index": index, "text": f"t{index}"}))
+
+
+def indexes(conn, job_id: str) -> list[int]:
+    return [data["index"] for kind, data in stream(conn, job_id) if kind == "token"]
+
+
+def test_event_writer_sends_a_step_beside_the_next_and_reports_it_on_collect(conn):
+    leases = Leases(conn, "w", 10)
+    jobs = [claimed(conn, leases) for _ in range(3)]
+    writer = EventWriter(conn, "w", own_models=set())
+    try:
+        for step in range(4):
+            for job in jobs:
+                job.pending.append(token(step))
+            flushed = writer.collect()  # the previous step's outcome, as the loop takes it
+            assert flushed.lost == [] and flushed.cancel_requested == []
+            writer.send(jobs, {TINY: 3}, background=True)
+            assert all(job.pending == [] for job in jobs)  # taken by the step in flight
+            assert not writer.has_output(jobs)
+        conn.set(keys.job_cancel(jobs[0].id), "1")
+        writer.send(jobs, None, background=True)  # waits for step 3 first: one in flight
+        flushed = writer.collect()
+    finally:
+        writer.close()
+    assert flushed.cancel_requested == [jobs[0]]
+    for job in jobs:
+        assert indexes(conn, job.id) == [0, 1, 2, 3] and job.written == 4
+
+
+def test_event_writer_end_is_fenced_after_the_step_in_flight(conn):
+    leases = Leases(conn, "w", 10)
+    job = claimed(conn, leases)
+    writer = EventWriter(conn, "w", own_models=set())
+    job.pending.append(token(0))
+    writer.send([job], None, background=True)
+    job.pending.append(token(1))  # made by the next step, while the first is in flight
+    assert writer.end(job, FAILED, {"error": {"message": "no", "type": "server_error"}})
+    writer.close()
+    assert [kind for kind, _ in stream(conn, job.id)] == ["token", "token", "error"]
+    assert indexes(conn, job.id) == [0, 1]
+
+
+def test_a_lost_lease_in_flight_gives_the_events_back_and_writes_nothing(conn):
+    leases = Leases(conn, "w", 10)
+    job = claimed(conn, leases)
+    conn.set(keys.job_lease(job.id), "other:2")
+    writer = EventWriter(conn, "w", own_models=set())
+    job.pending.append(token(0))
+    writer.send([job], None, background=True)
+    job.pending.append(token(1))
+    assert writer.collect().lost == [job]
+    writer.close()
+    assert job.pending == [token(0), token(1)] and stream(conn, job.id) == []
+
+
+def test_a_step_whose_reply_was_lost_is_sent_again_as_it_was_and_lands_once(conn, monkeypatch):
+    leases = Leases(conn, "w", 10)
+    job = claimed(conn, leases)
+    writer = EventWriter(conn, "w", own_models=set())
+    real_round_trip = resp.round_trip
+
+    def land_then_lose_the_reply(*args, **kwargs):
+        real_round_trip(*args, **kwargs)  # it lands in Redis ...
+        raise redis.ConnectionError("reply lost")  # ... but the worker never hears so
+
+    monkeypatch.setattr(resp, "round_trip", land_then_lose_the_reply)
+    job.pending.append(token(0))
+    writer.send([job], None, background=True)
+    job.pending.append(token(1))
+    with pytest.raises(redis.ConnectionError):
+        writer.collect()
+    assert writer.has_output([])  # the failed step is kept
+    monkeypatch.setattr(resp, "round_trip", real_round_trip)
+    flushed = writer.flush([job], None)  # the kept step first, as it was, then the new event
+    writer.close()
+    assert flushed.lost == [] and indexes(conn, job.id) == [0, 1] and job.written == 2
 
 
 def registries(conn, name: str = "w") -> RQRegistries:

@@ -139,3 +139,53 @@ def test_requeue_puts_a_job_back_at_the_front_of_its_priority_level(conn):
     late = submit(conn, COMPLETIONS, {"prompt": "w"})  # priority 0 still goes first
     assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, late, 1)
     assert scripts.claim(conn, QUEUES, "w", 10_000) == (0, first, 2)
+
+
+def _claimed(conn, count: int) -> list[str]:
+    ids = [submit(conn, COMPLETIONS, {"prompt": f"s{i}"}) for i in range(count)]
+    for job_id in ids:
+        assert scripts.claim(conn, QUEUES, "w", 10_000)[1] == job_id
+    return ids
+
+
+def test_one_step_call_fences_each_job_on_its_own_lease_and_reads_cancel_flags(conn):
+    ours, stolen, idle = _claimed(conn, 3)
+    conn.set(keys.job_lease(stolen), "other:2")
+    conn.set(keys.job_cancel(idle), "1")
+    token = [("token", '{"index": 0}')]
+    entries = [
+        scripts.step_entry(
+            ours, "w:1", scripts.STEP_FIRST_WRITE, 0, token, {"completion_tokens": "1"}
+        ),
+        scripts.step_entry(stolen, "w:1", scripts.STEP_WRITE, 0, token),
+        scripts.step_entry(idle, "w:1", scripts.STEP_CHECK_ONLY),
+    ]
+    assert scripts.write_step(conn, entries, ttl=60) == [
+        (True, False),
+        (False, False),
+        (True, True),
+    ]
+    assert len(stream(conn, ours)) == 1 and stream(conn, stolen) == []
+    assert conn.hget(keys.job(ours), "completion_tokens") == b"1"
+    assert 0 < conn.ttl(keys.job_events(ours)) <= 60  # the first write sets the TTLs
+    stale = scripts.step_entry(ours, "w:1", scripts.STEP_WRITE, 0, [("token", '{"index": 9}')])
+    assert scripts.write_step(conn, [stale]) == [(False, False)]  # the stream moved on
+
+
+def test_a_final_step_write_ends_the_job_once_even_when_retried(conn):
+    [job_id] = _claimed(conn, 1)
+    events = [("token", '{"index": 0}'), ("done", '{"id": "cmpl"}')]
+    final = scripts.step_entry(job_id, "w:1", scripts.STEP_FINAL, 0, events, {"status": "finished"})
+    assert scripts.write_step(conn, [final]) == [(True, False)]
+    assert not conn.exists(keys.job_lease(job_id)) and not conn.smembers(keys.RUNNING)
+    assert scripts.write_step(conn, [final]) == [(True, False)]  # its reply was lost: sent again
+    assert len(stream(conn, job_id)) == 2
+    assert conn.hget(keys.METRIC_JOBS, "finished") == b"1"
+
+
+def test_the_step_script_is_loaded_again_after_redis_lost_its_scripts(conn):
+    [job_id] = _claimed(conn, 1)
+    conn.script_flush()  # as a restarted Redis, or a replica promoted by a failover
+    entry = scripts.step_entry(job_id, "w:1", scripts.STEP_WRITE, 0, [("token", '{"index": 0}')])
+    assert scripts.write_step(conn, [entry]) == [(True, False)]
+    assert conn.script_exists(scripts.WRITE_STEP.sha) == [True]

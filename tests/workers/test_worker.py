@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -521,3 +522,65 @@ def test_prefix_cache_hits_are_counted(conn, start_worker):
 
     stats = wait_for(published, timeout=15, what="prefix cache stats in the worker hash")
     assert stats["cached_tokens"] == cached and 0 < stats["hit_rate"] < 1
+
+
+def test_a_steps_writes_go_out_beside_the_next_step_and_keep_every_event_in_order(
+    conn, start_worker
+):
+    """Each step's write is held until the loop has started the next step (or waits for the
+    write, or has no step left to run): a write counts as beside the next step when that
+    step started first. No lease renewal falls in the test (a renewal waits for the write)."""
+    worker = start_worker(max_sequences=4, lease_ttl=60, lease_renew=30)
+    wait_for(lambda: conn.hexists(keys.MODELS, TINY), what="the model published")
+    entered: list[int] = []
+    collecting = threading.Event()
+    beside: list[bool] = []
+    real_step, real_execute = worker.running.step, worker.writer._execute
+    real_collect = worker.writer.collect
+
+    def step():
+        entered.append(1)
+        return real_step()
+
+    def collect():
+        collecting.set()
+        try:
+            return real_collect()
+        finally:
+            collecting.clear()
+
+    def execute(sent):
+        if not threading.current_thread().name.startswith("llmq-writer"):
+            return real_execute(sent)  # a write the loop waits for
+        seen = len(entered)
+        while len(entered) == seen and worker.running.has_work() and not collecting.is_set():
+            time.sleep(0.001)
+        beside.append(len(entered) > seen)
+        return real_execute(sent)
+
+    worker.running.step, worker.writer._execute = step, execute
+    worker.writer.collect = collect
+    ids = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"side {i}", "max_tokens": 16})
+        for i in range(3)
+    ]
+    done = [wait_done(conn, job_id, timeout=30) for job_id in ids]
+    assert all(d.status == FINISHED for d in done)
+    for job_id in ids:
+        events = stream(conn, job_id)
+        assert [kind for kind, _ in events] == ["token"] * 16 + ["done"]
+        assert [data["index"] for _, data in events[:-1]] == list(range(16))
+    assert sum(beside) >= 12  # nearly every step's write went out while the next step ran
+
+
+def test_a_job_whose_end_is_in_flight_is_not_taken_for_a_lost_lease(conn, start_worker):
+    """The final write gives the lease up; a renewal that runs before the loop has heard
+    back from that write must not drop the job, or RQ would never hear that it finished."""
+    start_worker(max_sequences=4, lease_renew=0.001)  # a renewal every tick
+    ids = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"renew {i}", "max_tokens": 3})
+        for i in range(8)
+    ]
+    assert all(wait_done(conn, job_id).status == FINISHED for job_id in ids)
+    for job_id in ids:
+        wait_rq_status(conn, job_id, JobStatus.FINISHED)

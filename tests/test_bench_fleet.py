@@ -1,0 +1,48 @@
+"""bench/fleet.py and bench/redis_cost.py run against real Redis and measure what they say:
+the simulator's tokens reach its clients through a real API, every one, with its lag; the
+writer's cost is one script call a step."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import redis
+
+from bench import fleet, redis_cost
+from workers import scripts
+
+pytestmark = pytest.mark.integration
+
+REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+
+
+@pytest.fixture
+def conn():
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def test_the_writer_bench_sends_one_script_call_a_step_for_every_job(conn):
+    scripts.WRITE_STEP.load(conn)  # a NOSCRIPT retry (another test flushed scripts) is not counted
+    result = redis_cost.run(conn, jobs=5, steps=4)
+    stats = result["stats"]
+    assert result["tokens"] == 20
+    assert int(stats["evalsha"]["calls"]) == 4  # every job's writes of a step in one call
+    assert "eval" not in stats  # never the script's text
+    assert int(stats["xadd"]["calls"]) == 20 + 5  # every token, then each job's end
+
+
+def test_the_fleet_simulation_delivers_every_token_through_the_api(conn, capsys):
+    argv = ["--workers", "2", "--streams", "4", "--rate", "50", "--tokens", "6"]
+    result = fleet.main([*argv, "--seconds", "1", "--redis-url", REDIS_URL])
+    out = capsys.readouterr().out
+    assert "SIMULATION, no engine" in out
+    streams = result["streams"]
+    assert streams.failures == {} and result["worker_errors"] == {}
+    assert streams.completed == streams.streams >= 4
+    assert streams.tokens == result["written"] == 6 * streams.streams
+    assert len(streams.lags) == streams.tokens and min(streams.lags) >= 0
