@@ -5,9 +5,15 @@ the standard library, so the API can use it without pulling in the engine.
 
 Layout:
 - `llmq:job:{id}`            hash: the job record (see `workers.wire.job.JobRecord`)
-- `llmq:job:{id}:events`     stream: token/done/error events; entry ids are the SSE ids
+- `llmq:job:{{id}}:events`   stream: token/done/error events; entry ids are the SSE ids
 - `llmq:job:{id}:cancel`     string flag: the decode loop stops the job when it is set
-- `llmq:job:{id}:lease`      string "{worker}:{attempt}" with a short TTL, renewed while running
+- `llmq:job:{{id}}:lease`    string "{worker}:{attempt}" with a short TTL, renewed while running
+                             The stream and the lease that fences it carry the job id as a
+                             Redis Cluster hash tag (`{id}` in braces), so on the events
+                             cluster (`LLMQ_EVENTS_CLUSTER`, `wire.broker.EventsSettings`)
+                             both live in one hash slot and one script reads and writes them
+                             together; on one Redis the braces are only part of the name.
+                             Every other key stays on the queue Redis
 - `llmq:running`             set of job ids a worker has started and not finished
 - `llmq:workers`             set of worker names; `llmq:worker:{name}` hash, TTL'd heartbeat
                              (fields: `workers.wire.worker_info.WorkerInfo`)
@@ -84,9 +90,10 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 # Lua scripts that learn a job id inside Redis build its keys from these parts, so the
 # layout is still named only here: job(id) == JOB_KEY_PREFIX + id, job_lease(id) ==
-# JOB_KEY_PREFIX + id + LEASE_SUFFIX, job_cancel(id) == JOB_KEY_PREFIX + id + CANCEL_SUFFIX.
+# TAGGED_PREFIX + id + LEASE_SUFFIX, job_cancel(id) == JOB_KEY_PREFIX + id + CANCEL_SUFFIX.
 JOB_KEY_PREFIX = f"{PREFIX}:job:"
-LEASE_SUFFIX = ":lease"
+TAGGED_PREFIX = JOB_KEY_PREFIX + "{"  # the job id as a hash tag: its slot on a cluster
+LEASE_SUFFIX = "}:lease"
 CANCEL_SUFFIX = ":cancel"
 
 RUNNING = f"{PREFIX}:running"
@@ -123,9 +130,18 @@ def _key_of(family: str, suffix: str = "") -> Callable[[str], str]:
 
 
 job = _key_of("job")  # == JOB_KEY_PREFIX + id, as the Lua scripts build it
-job_events = _key_of("job", ":events")
 job_cancel = _key_of("job", CANCEL_SUFFIX)
-job_lease = _key_of("job", LEASE_SUFFIX)
+
+
+def job_events(job_id: str) -> str:
+    return f"{TAGGED_PREFIX}{job_id}}}:events"
+
+
+def job_lease(job_id: str) -> str:
+    """In the hash slot of `job_events`: the fenced append reads both in one script."""
+    return f"{TAGGED_PREFIX}{job_id}{LEASE_SUFFIX}"
+
+
 refused_submission = _key_of("refused")  # of a job id
 worker = _key_of("worker")
 worker_commands = _key_of("worker", ":commands")

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
 from workers import keys
@@ -37,6 +38,9 @@ MIN_REPLICAS_ENV = "LLMQ_REDIS_MIN_REPLICAS"
 PASSWORD_ENV = "REDIS_PASSWORD"
 USERNAME_ENV = "REDIS_USERNAME"
 DB_ENV = "REDIS_DB"
+# startup nodes of the Redis Cluster that holds every job's event stream and lease
+# (`EventsSettings`); unset, they stay on the queue Redis
+EVENTS_CLUSTER_ENV = "LLMQ_EVENTS_CLUSTER"
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MASTER_NAME = "mymaster"
@@ -311,3 +315,64 @@ def replication_state(conn: redis.Redis) -> ReplicationState:
         replicas=int(info.get("connected_slaves", 0)),
         sentinel=sentinel,
     )
+
+
+@dataclass(frozen=True)
+class EventsSettings:
+    """Where the token path's keys live (`keys.job_events`, `keys.job_lease`): on the queue
+    Redis (no `nodes`, the default), or on a Redis Cluster whose startup nodes
+    `LLMQ_EVENTS_CLUSTER` lists (`host:port,host:port`). One Redis core carries ~200,000
+    tokens a second written and relayed (bench/fleet.py); a cluster spreads the jobs'
+    streams over its shards by hash slot, while RQ's queues, the job records and everything
+    else stay on the one Redis (or Sentinel master) RQ needs. `connect` gives the events
+    client to workers and the API alike."""
+
+    nodes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def clustered(self) -> bool:
+        return bool(self.nodes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EventsSettings:
+        env = os.environ if environ is None else environ
+        spec = env.get(EVENTS_CLUSTER_ENV, "").strip()
+        if not spec:
+            return cls()
+        nodes = []
+        for part in (p.strip() for p in spec.split(",")):
+            host, sep, port = part.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise BrokerConfigError(
+                    f"{EVENTS_CLUSTER_ENV} must list host:port entries separated by commas, "
+                    f"got {part!r}"
+                )
+            nodes.append((host.strip("[]"), int(port)))
+        return cls(tuple(nodes))
+
+    def connect(self, queue: redis.Redis, **client_kwargs: Any) -> Any:
+        """The events client: `queue` itself without a cluster, else a `RedisCluster` of
+        the startup nodes (it learns the rest of the cluster and follows MOVED / failovers
+        itself). `client_kwargs` (timeouts) are the caller's."""
+        if not self.clustered:
+            return queue
+        client_kwargs.pop("retry", None)  # RedisCluster retries a moved slot itself
+        client_kwargs.pop("health_check_interval", None)
+        startup = [ClusterNode(host, port) for host, port in self.nodes]
+        return RedisCluster(startup_nodes=startup, **client_kwargs)
+
+    def env(self) -> dict[str, str]:
+        """The variable that hands these settings to a child process (`llmq serve`)."""
+        if not self.clustered:
+            return {}
+        return {EVENTS_CLUSTER_ENV: ",".join(f"{h}:{p}" for h, p in self.nodes)}
+
+    def describe(self) -> str:
+        if not self.clustered:
+            return "on the queue Redis"
+        return "cluster via " + ",".join(f"{h}:{p}" for h, p in self.nodes)
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether `client` is the events cluster's (its keys are spread over nodes)."""
+    return isinstance(client, RedisCluster)

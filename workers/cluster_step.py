@@ -1,0 +1,264 @@
+"""A step's writes when the token events live on a Redis Cluster (`LLMQ_EVENTS_CLUSTER`).
+
+On one Redis a step is one script call (`scripts.write_step`): lease, stream, record,
+running set and metrics are read and written together. With an events cluster the stream
+and its lease are on the cluster (one hash slot per job: `keys.job_events`, `keys.job_lease`)
+and the rest on the queue Redis, and no script spans two servers. So a step is two round
+trips, in this order, both in the writer thread beside the next decode step:
+
+1. the cluster: each writing job's events, fenced by its lease and the stream's length
+   (`_APPEND_EVENTS`, by EVALSHA; one call a job, pipelined, redis-py's cluster pipeline
+   sends each node its calls in one write). A final write gives the lease up there.
+2. the queue Redis: the record fields of the jobs whose events landed, their ends (leave
+   the running set, count the end, settle the rate-limit reservation: once, only by the call
+   that takes the job out of the running set) and every job's cancel flag
+   (`_RECORD_STEP`), with the step's metrics, in one round trip (`workers.resp`).
+
+A job's end is in its stream (the terminal event, fenced) before its record says so. A
+worker that dies between the two leaves a running job with no lease whose stream ends in a
+terminal event: the reaper finishes its record from that event (`finish_from_stream`)
+instead of running it again (docs/faults.md, "Token events on a Redis Cluster"). A step
+sent again after a failed round trip is applied once: the events' retry check finds them
+landed, and the record's end counts only when it leaves the running set.
+
+The reply has `scripts.write_step`'s shape (2 characters a job), so `EventWriter` reads
+both the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError, ResponseError
+
+from workers import keys, resp, scripts
+from workers.wire import rate_limit
+from workers.wire.defaults import JOB_TTL_SECONDS
+from workers.wire.events import (
+    EVENT_DONE,
+    EVENT_ERROR,
+    StreamDone,
+    StreamError,
+    decode_event,
+    ending,
+    event_fields,
+)
+from workers.wire.job import CANCELLED, FAILED, FINISHED
+
+# KEYS: lease, events stream (one slot). ARGV: expected lease, write mode (scripts.STEP_*),
+# stream length the writer expects before its events, ttl (s), then event kind/data pairs.
+# 1 if written (or already written by this same call, retried after a lost reply), 0 if
+# the lease or the stream is not as the writer left it (nothing written).
+_APPEND_EVENTS = """
+local lease_key, events_key = KEYS[1], KEYS[2]
+local lease, mode, expected, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local m = (#ARGV - 4) / 2
+local length = redis.call('XLEN', events_key)
+if m > 0 and length == expected + m then
+  local last = redis.call('XREVRANGE', events_key, '+', '-', 'COUNT', 1)[1]
+  if last[2][4] == ARGV[#ARGV] then return 1 end
+end
+if length ~= expected or redis.call('GET', lease_key) ~= lease then return 0 end
+for i = 5, #ARGV - 1, 2 do
+  redis.call('XADD', events_key, '*', 'event', ARGV[i], 'data', ARGV[i + 1])
+end
+if mode ~= '1' and (m > 0 or length > 0) then redis.call('EXPIRE', events_key, ttl) end
+if mode == '3' then redis.call('DEL', lease_key) end
+return 1
+"""
+
+# KEYS: running set, jobs metric hash, then per job: record, cancel flag.
+# ARGV: ttl (s), then per job: job id, write mode ('0': its events did not land or it had
+# none: only its cancel flag is read), tokens used ('' if not known), "1" to read the cancel
+# flag, n record fields, then 2n field/value strings. Returns one character a job: "1" if
+# its cancel flag is set. A final write's end is counted and settled only by the call
+# that takes the job out of the running set, so a retried or recovered end counts once.
+_RECORD_STEP = (
+    rate_limit.SETTLE_LUA
+    + """
+local call = redis.call
+local running, jobs_metric, ttl = KEYS[1], KEYS[2], ARGV[1]
+local out = {}
+local a = 2
+for j = 1, (#KEYS - 2) / 2 do
+  local record_key, cancel_key = KEYS[2 * j + 1], KEYS[2 * j + 2]
+  local job_id, mode, used, check = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 3]
+  local n = tonumber(ARGV[a + 4])
+  local f = a + 5
+  if mode ~= '0' then
+    if n > 0 then call('HSET', record_key, unpack(ARGV, f, f + 2 * n - 1)) end
+    if mode ~= '1' then call('EXPIRE', record_key, ttl) end
+    if mode == '3' and call('SREM', running, job_id) == 1 then
+      local status = call('HGET', record_key, 'status')
+      if status then call('HINCRBY', jobs_metric, status, 1) end
+      if used then llmq_settle(record_key, used) end
+    end
+  end
+  local cancel = '0'
+  if check == '1' and call('EXISTS', cancel_key) == 1 then cancel = '1' end
+  out[j] = cancel
+  a = f + 2 * n
+end
+return table.concat(out)
+"""
+)
+
+APPEND_EVENTS = scripts.LoadedScript(_APPEND_EVENTS)
+RECORD_STEP = scripts.LoadedScript(_RECORD_STEP)
+
+Entry = tuple[list[str], list[Any]]  # `scripts.step_entry`: keys and arguments of one job
+
+
+def write_step(
+    events: Any,
+    queue: Any,
+    entries: Sequence[Entry],
+    metrics: Sequence[Sequence[Any]] = (),
+    ttl: int = JOB_TTL_SECONDS,
+) -> str:
+    """Every job's writes of one step (`scripts.step_entry` each) over the events cluster
+    and the queue Redis, with `metrics` (commands) on the queue Redis: `scripts.write_step`'s
+    reply string, "{written}{cancel}" a job."""
+    landed = append_events(events, entries, ttl)
+    cancels = record_step(queue, entries, landed, metrics, ttl)
+    return "".join(f"{int(w)}{c}" for w, c in zip(landed, cancels, strict=True))
+
+
+def append_events(events: Any, entries: Sequence[Entry], ttl: int = JOB_TTL_SECONDS) -> list[bool]:
+    """Round trip 1: each writing job's fenced events on the cluster; per job, True if
+    written (or nothing to write)."""
+    landed = [True] * len(entries)
+    calls: list[tuple[int, list[str], list[Any]]] = []
+    for j, (job_keys, args) in enumerate(entries):
+        lease, mode, expected, n, m = args[0], args[2], args[3], int(args[6]), int(args[7])
+        if mode == scripts.STEP_CHECK_ONLY:
+            continue
+        start = 8 + 2 * n
+        calls.append((j, job_keys[:2], [lease, mode, expected, ttl, *args[start : start + 2 * m]]))
+    if not calls:
+        return landed
+    replies = _pipelined(events, calls)
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:  # a node lost its script cache (restart, failover): load it, call again
+        APPEND_EVENTS.load(events)
+        again = _pipelined(events, [calls[i] for i in missing])
+        for i, reply in zip(missing, again, strict=True):
+            replies[i] = reply
+    for (j, _, _), reply in zip(calls, replies, strict=True):
+        if isinstance(reply, Exception):
+            raise reply
+        landed[j] = bool(reply)
+    return landed
+
+
+def _pipelined(events: Any, calls: Sequence[tuple[int, list[str], list[Any]]]) -> list[Any]:
+    """Each call on the node that holds its slot: every node's calls packed into one write
+    (`workers.resp`), all nodes written before any is read. An error reply (NOSCRIPT,
+    MOVED after a resharding or failover) comes back in its place; MOVED also makes the
+    client learn the cluster's slots again before the step is sent again."""
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, (_, job_keys, _) in enumerate(calls):
+        node = events.get_node_from_key(job_keys[0])
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    replies: list[Any] = [None] * len(calls)
+    sent = []
+    try:
+        for node, indexes in by_node.values():
+            pool = events.get_redis_connection(node).connection_pool
+            connection = pool.get_connection()
+            sent.append((pool, connection, indexes))
+            packed = [
+                resp.pack(["EVALSHA", APPEND_EVENTS.sha, 2, *calls[i][1], *calls[i][2]])
+                for i in indexes
+            ]
+            connection.send_packed_command([b"".join(packed)])
+        for _, connection, indexes in sent:
+            for i in indexes:
+                try:
+                    replies[i] = connection.read_response()
+                except ResponseError as exc:
+                    replies[i] = exc
+    except BaseException:
+        for _, connection, _ in sent:
+            connection.disconnect()  # replies may be left unread on it
+        raise
+    finally:
+        for pool, connection, _ in sent:
+            pool.release(connection)
+    if any(isinstance(r, ResponseError) and str(r).startswith(("MOVED", "ASK")) for r in replies):
+        events.nodes_manager.initialize()
+    return replies
+
+
+def record_step(
+    queue: Any,
+    entries: Sequence[Entry],
+    landed: Sequence[bool],
+    metrics: Sequence[Sequence[Any]] = (),
+    ttl: int = JOB_TTL_SECONDS,
+) -> list[str]:
+    """Round trip 2: the records of the jobs whose events `landed`, their ends, every
+    job's cancel flag, and the step's `metrics`; one "1"/"0" cancel flag a job."""
+    step_keys: list[str] = [keys.RUNNING, keys.METRIC_JOBS]
+    step_args: list[Any] = [ttl]
+    for (job_keys, args), written in zip(entries, landed, strict=True):
+        mode, n = args[2], int(args[6])
+        if not written:
+            mode, n = scripts.STEP_CHECK_ONLY, 0
+        step_keys += [job_keys[2], job_keys[3]]
+        step_args += [args[1], mode, args[4], args[5], n, *args[8 : 8 + 2 * n]]
+    call = ["EVALSHA", RECORD_STEP.sha, len(step_keys), *step_keys, *step_args]
+    commands = [resp.pack(call), *(resp.pack(command) for command in metrics)]
+    results = resp.round_trip(queue, commands, len(commands))
+    reply = results[0]
+    if isinstance(reply, NoScriptError):
+        reply = RECORD_STEP(queue, step_keys, step_args)
+    for result in [reply, *results[1:]]:
+        if isinstance(result, Exception):
+            raise result
+    flags = reply.decode() if isinstance(reply, bytes) else reply
+    return list(flags)
+
+
+def finish_from_stream(events: Any, queue: Any, job_id: str) -> str | None:
+    """A running job whose worker died after its final events landed on the cluster and
+    before its record heard of them: end the record from the stream's terminal event (the
+    same fields the worker would have written; the end counted once). The status it ended
+    with, or None when the stream does not end in a terminal event (then it resumes)."""
+    last = events.xrevrange(keys.job_events(job_id), count=1)
+    if not last:
+        return None
+    kind, data = decode_event(last[0][1])  # only the kind matters: no token is read
+    if kind == EVENT_DONE:
+        status, body = FINISHED, StreamDone.from_data(data).to_data()
+    elif kind == EVENT_ERROR:
+        error = StreamError.from_data(data)
+        code = (error.error or {}).get("code")
+        status, body = (CANCELLED if code == "cancelled" else FAILED), error.to_data()
+    else:
+        return None
+    fields, _ = ending(status, body)
+    usage = body.get("usage") if status == FINISHED else None
+    used = None
+    if usage:
+        used = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+        fields["completion_tokens"] = str(usage.get("completion_tokens", 0))
+        fields["prompt_tokens"] = str(usage.get("prompt_tokens", 0))
+    entry = scripts.step_entry(job_id, "", scripts.STEP_FINAL, 0, (), fields, used, False)
+    record_step(queue, [entry], [True])
+    return status
+
+
+def end_unclaimed(events: Any, queue: Any, job_id: str, status: str, body: dict[str, Any]) -> None:
+    """The end of a job nobody holds a lease on (cancelled while queued): its terminal
+    event on the cluster, then its record and count (`wire.events.write_ending`'s split)."""
+    fields, event = ending(status, body)
+    with events.pipeline(transaction=False) as pipe:
+        pipe.xadd(keys.job_events(job_id), event_fields(event))
+        pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
+        pipe.execute()
+    with queue.pipeline() as pipe:
+        pipe.hset(keys.job(job_id), mapping=fields)
+        pipe.hincrby(keys.METRIC_JOBS, status, 1)
+        pipe.execute()
