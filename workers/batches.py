@@ -116,8 +116,11 @@ return 0
 
 
 class BatchDriver:
-    def __init__(self, conn: redis.Redis, owner: str, queue_depth: int = QUEUE_DEPTH) -> None:
+    def __init__(
+        self, conn: redis.Redis, owner: str, events: Any = None, queue_depth: int = QUEUE_DEPTH
+    ) -> None:
         self.conn = conn
+        self.events = conn if events is None else events  # where the jobs' streams are
         self.owner = owner
         self.queue_depth = queue_depth
 
@@ -213,7 +216,11 @@ class BatchDriver:
                 custom_id = json.loads(raw)["custom_id"] if raw is not None else None
                 args = _answer(rec.id, line, custom_id, job_id, status, state[1:], ending)
                 self._record(pipe, rec, line, *args)
-                pipe.delete(keys.job(job_id), keys.job_events(job_id), keys.job_cancel(job_id))
+                pipe.delete(keys.job(job_id), keys.job_cancel(job_id))
+                if self.events is self.conn:
+                    pipe.delete(keys.job_events(job_id))
+                else:  # a stream on the events cluster: a command a key, not in the MULTI
+                    self.events.delete(keys.job_events(job_id))
             pipe.expire(keys.batch_output(rec.id), _batch_ttl(rec))
             pipe.expire(keys.batch_errors(rec.id), _batch_ttl(rec))
             pipe.execute()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers import scripts
+from workers import keys, scripts
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.recovery import requeue
@@ -30,25 +30,38 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, connection: Any, leases: Leases) -> None:
+    def __init__(self, connection: Any, leases: Leases, events: Any = None) -> None:
         self.connection = connection
         self.leases = leases
+        self.events = connection if events is None else events  # where leases live
 
     def take(
         self, queue_keys: Sequence[str], kind_ranks: Sequence[int] | None = None
     ) -> Claim | None:
         """The job that comes first by (kind rank, priority, place in `queue_keys`) on the
         queues and their priority levels, or None (no ranks: all rank alike)."""
+        apart = self.events is not self.connection  # the lease is on the events cluster
         claimed = scripts.claim(
             self.connection,
             queue_keys=queue_keys,
             worker=self.leases.worker,
-            lease_ms=self.leases.ttl_ms,
+            lease_ms=0 if apart else self.leases.ttl_ms,
             kind_ranks=kind_ranks,
         )
-        return None if claimed is None else Claim(*claimed)
+        if claimed is None:
+            return None
+        claim = Claim(*claimed)
+        if apart and claim.attempt >= 1:
+            # after the claim: a worker that dies between the two leaves a running job
+            # without a lease, which the reaper requeues. A claimed attempt is the newest
+            # (attempts only grow), so its lease replaces any (a reaper's lock)
+            lease = self.leases.name(claim.attempt)
+            self.events.set(keys.job_lease(claim.job_id), lease, px=self.leases.ttl_ms)
+        return claim
 
     def give_back(self, job: ActiveJob) -> bool:
         """Requeue a running job at the front of its queue (drain, no room), to be resumed
         from its stream; False if its lease was not ours any more."""
-        return job.rq_job is not None and requeue(self.connection, job.id, job.lease, job.rq_job)
+        if job.rq_job is None:
+            return False
+        return requeue(self.connection, job.id, job.lease, job.rq_job, self.events)

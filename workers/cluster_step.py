@@ -129,36 +129,51 @@ def append_events(events: Any, entries: Sequence[Entry], ttl: int = JOB_TTL_SECO
     """Round trip 1: each writing job's fenced events on the cluster; per job, True if
     written (or nothing to write)."""
     landed = [True] * len(entries)
-    calls: list[tuple[int, list[str], list[Any]]] = []
+    calls: list[tuple[list[str], list[Any]]] = []
+    indexes: list[int] = []
     for j, (job_keys, args) in enumerate(entries):
         lease, mode, expected, n, m = args[0], args[2], args[3], int(args[6]), int(args[7])
         if mode == scripts.STEP_CHECK_ONLY:
             continue
         start = 8 + 2 * n
-        calls.append((j, job_keys[:2], [lease, mode, expected, ttl, *args[start : start + 2 * m]]))
+        calls.append((job_keys[:2], [lease, mode, expected, ttl, *args[start : start + 2 * m]]))
+        indexes.append(j)
     if not calls:
         return landed
-    replies = _pipelined(events, calls)
-    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-    if missing:  # a node lost its script cache (restart, failover): load it, call again
-        APPEND_EVENTS.load(events)
-        again = _pipelined(events, [calls[i] for i in missing])
-        for i, reply in zip(missing, again, strict=True):
-            replies[i] = reply
-    for (j, _, _), reply in zip(calls, replies, strict=True):
-        if isinstance(reply, Exception):
-            raise reply
+    for j, reply in zip(indexes, per_node(events, APPEND_EVENTS, calls), strict=True):
         landed[j] = bool(reply)
     return landed
 
 
-def _pipelined(events: Any, calls: Sequence[tuple[int, list[str], list[Any]]]) -> list[Any]:
+def per_node(
+    events: Any, script: scripts.LoadedScript, calls: Sequence[tuple[list[str], list[Any]]]
+) -> list[Any]:
+    """`script` called once per (keys, args) in `calls` (keys of one slot each), each on
+    the node that holds its slot: one write and one read per node (redis-py's cluster
+    pipeline refuses EVALSHA). A node that lost its scripts gets them loaded and the calls
+    it answered NOSCRIPT to sent again; any other error reply is raised."""
+    replies = _pipelined(events, script, calls)
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:  # a node lost its script cache (restart, failover): load it, call again
+        script.load(events)
+        again = _pipelined(events, script, [calls[i] for i in missing])
+        for i, reply in zip(missing, again, strict=True):
+            replies[i] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def _pipelined(
+    events: Any, script: scripts.LoadedScript, calls: Sequence[tuple[list[str], list[Any]]]
+) -> list[Any]:
     """Each call on the node that holds its slot: every node's calls packed into one write
     (`workers.resp`), all nodes written before any is read. An error reply (NOSCRIPT,
     MOVED after a resharding or failover) comes back in its place; MOVED also makes the
     client learn the cluster's slots again before the step is sent again."""
     by_node: dict[str, tuple[Any, list[int]]] = {}
-    for i, (_, job_keys, _) in enumerate(calls):
+    for i, (job_keys, _) in enumerate(calls):
         node = events.get_node_from_key(job_keys[0])
         by_node.setdefault(node.name, (node, []))[1].append(i)
     replies: list[Any] = [None] * len(calls)
@@ -169,7 +184,7 @@ def _pipelined(events: Any, calls: Sequence[tuple[int, list[str], list[Any]]]) -
             connection = pool.get_connection()
             sent.append((pool, connection, indexes))
             packed = [
-                resp.pack(["EVALSHA", APPEND_EVENTS.sha, 2, *calls[i][1], *calls[i][2]])
+                resp.pack(["EVALSHA", script.sha, len(calls[i][0]), *calls[i][0], *calls[i][1]])
                 for i in indexes
             ]
             connection.send_packed_command([b"".join(packed)])

@@ -18,7 +18,7 @@ from runtime.registry import DEFAULT_MODEL, load_registry
 from workers import keys
 from workers.errors import WorkerError
 from workers.pool import PoolConfig
-from workers.wire.broker import BrokerConfigError, BrokerSettings
+from workers.wire.broker import BrokerConfigError, BrokerSettings, EventsSettings
 from workers.wire.defaults import LEASE_RENEW_SECONDS, LEASE_TTL_SECONDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -66,6 +66,8 @@ class WorkerConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     # where Redis is when found through Sentinel (`from_env`); None: the one at `redis_url`
     sentinel: BrokerSettings | None = None
+    # where the jobs' event streams and leases live (`LLMQ_EVENTS_CLUSTER`); default: above
+    events: EventsSettings = field(default_factory=EventsSettings)
 
     @property
     def broker(self) -> BrokerSettings:
@@ -105,11 +107,13 @@ class WorkerConfig:
         delay = os.environ.get(STEP_DELAY_ENV)
         try:  # REDIS_URL (or --redis-url) and REDIS_SENTINELS both set is an error
             broker = BrokerSettings.from_env(url=overrides.get("redis_url"))  # type: ignore[arg-type]
+            events = EventsSettings.from_env()
         except BrokerConfigError as exc:
             raise ConfigError(str(exc)) from None
         base = {
             "redis_url": broker.url or DEFAULT_REDIS_URL,
             "sentinel": broker if broker.uses_sentinel else None,
+            "events": events,
             "backend": os.environ.get(BACKEND_ENV) or None,
             "device": os.environ.get(DEVICE_ENV) or None,
             "pool": PoolConfig.from_env(),

@@ -27,9 +27,10 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from workers import affinity, metrics, resp, scripts
+from workers import affinity, cluster_step, metrics, resp, scripts
 from workers.jobs import ActiveJob
 from workers.wire import rate_limit
+from workers.wire.broker import is_cluster
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
 from workers.wire.events import Event, ending, write_ending
@@ -69,11 +70,18 @@ class _Step:
     keys: list[str]
     args: list[Any]
     metrics: list[tuple[Any, ...]]
+    entries: list[cluster_step.Entry] = field(default_factory=list)  # per job, for a cluster
 
 
 class EventWriter:
-    def __init__(self, connection: Any, worker_name: str, own_models: set[str]) -> None:
+    def __init__(
+        self, connection: Any, worker_name: str, own_models: set[str], events: Any = None
+    ) -> None:
         self.connection = connection
+        # where the streams and leases are: `connection`, or the events cluster's client
+        # (`wire.broker.EventsSettings`), whose steps `workers.cluster_step` writes
+        self.events = connection if events is None else events
+        self.clustered = is_cluster(self.events)
         self.worker = worker_name
         self.own_models = own_models  # models whose replies record prefix affinity
         self.throughput = metrics.Throughput()
@@ -140,9 +148,17 @@ class EventWriter:
         end_fields, end_event = ending(status, body)
         events = [*job.pending, end_event]
         fields = {**end_fields, **_counts(job)}
-        written = _fenced_append(
-            self.connection, job, events, fields, final=True, used=_used_so_far(job)
-        )
+        if self.clustered:
+            entry = scripts.step_entry(
+                job.id, job.lease, scripts.STEP_FINAL, job.written, events, fields,
+                _used_so_far(job), check_cancel=False,
+            )  # fmt: skip
+            reply = cluster_step.write_step(self.events, self.connection, [entry])
+            written = scripts.step_results(reply)[0][0] or None
+        else:
+            written = _fenced_append(
+                self.connection, job, events, fields, final=True, used=_used_so_far(job)
+            )
         if written is None:
             return False
         job.pending.clear()
@@ -152,9 +168,14 @@ class EventWriter:
     def cancel_unclaimed(self, job_id: str) -> None:
         """End a job cancelled while it waited. No worker holds it (the claim took no
         lease), so the write needs no fence."""
-        with self.connection.pipeline() as pipe:
-            write_ending(pipe, job_id, CANCELLED, cancelled_error())
-            pipe.execute()
+        if self.clustered:
+            cluster_step.end_unclaimed(
+                self.events, self.connection, job_id, CANCELLED, cancelled_error()
+            )
+        else:
+            with self.connection.pipeline() as pipe:
+                write_ending(pipe, job_id, CANCELLED, cancelled_error())
+                pipe.execute()
         rate_limit.settle(self.connection, job_id, used=0)  # after, not in, the MULTI
 
     def count_job(self, state: str) -> None:
@@ -189,6 +210,8 @@ class EventWriter:
         if not entries:
             return None
         step.keys, step.args = scripts.step_call(entries)
+        if self.clustered:
+            step.entries = entries
         writes = [w for w in step.writes if w is not None]
         recorder = self.connection.pipeline(transaction=False)  # only records: never sent
         self._record_metrics(recorder, writes, tokens, step_sizes)
@@ -231,6 +254,8 @@ class EventWriter:
         NOSCRIPT (Redis lost its script cache) loads it and calls again; a step sent again
         after a failed round trip carries the script call alone, as it was."""
         metrics, step.metrics = step.metrics, []
+        if self.clustered:
+            return cluster_step.write_step(self.events, self.connection, step.entries, metrics)
         call = ["EVALSHA", scripts.WRITE_STEP.sha, len(step.keys), *step.keys, *step.args]
         commands = [resp.pack(call), *(resp.pack(command) for command in metrics)]
         results = resp.round_trip(self.connection, commands, len(commands))

@@ -82,10 +82,8 @@ class JobEnds:
         """A claimed job that had already ended (an earlier worker died between its final
         write and RQ's bookkeeping): give the claim back and make RQ agree. Its end was
         counted by the write that ended it."""
-        with self.connection.pipeline() as pipe:
-            pipe.srem(keys.RUNNING, job.id)
-            pipe.delete(keys.job_lease(job.id))
-            pipe.execute()
+        self.connection.srem(keys.RUNNING, job.id)
+        self.writer.events.delete(keys.job_lease(job.id))
         status = job.record.status
         if status == FINISHED:
             self._rq_success(job)

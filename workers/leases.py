@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from workers import scripts
+from workers import cluster_step, keys, scripts
 from workers.jobs import ActiveJob
+from workers.wire.broker import is_cluster
 
 
 class Leases:
@@ -31,6 +32,10 @@ class Leases:
         jobs = list(jobs)
         if not jobs:
             return []
+        if is_cluster(self.connection):  # leases on the events cluster: per node
+            calls = [([keys.job_lease(j.id)], [j.lease, self.ttl_ms]) for j in jobs]
+            renewed = cluster_step.per_node(self.connection, scripts.RENEW, calls)
+            return [job for job, ok in zip(jobs, renewed, strict=True) if not ok]
         with self.connection.pipeline(transaction=False) as pipe:
             for job in jobs:
                 scripts.renew(pipe, job_id=job.id, lease=job.lease, lease_ms=self.ttl_ms)

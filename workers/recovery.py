@@ -23,10 +23,12 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from workers import affinity, keys, metrics, scripts
+from workers.cluster_step import finish_from_stream
 from workers.presence import wake
 from workers.wire.errors import error_body
 from workers.wire.job import FAILED, TERMINAL_STATUSES
 from workers.wire.members import each_member
+from workers.wire.text import as_str
 
 log = logging.getLogger("llmq.recovery")
 
@@ -48,25 +50,43 @@ def clear_started(pipe: Any, connection: Any, rq_job: Job) -> None:
     pipe.delete(executions.key)
 
 
-def requeue(connection: Any, job_id: str, lease: str, rq_job: Job) -> bool:
+def requeue(connection: Any, job_id: str, lease: str, rq_job: Job, events: Any = None) -> bool:
     """Put a job that holds `lease` back at the front of its queue; False if the lease was
-    no longer `lease` (someone else owns the job now)."""
+    no longer `lease` (someone else owns the job now). With the lease on the events cluster
+    (`events` another client): checked there first, the job put back only if it is still
+    running, then the lease given up; one that dies between finds the lease expiring and the
+    next sweep requeues the job (once: it left the running set)."""
+    apart = events is not None and events is not connection
+    if apart and _lease(events, job_id) != lease:
+        return False
     with connection.pipeline() as pipe:
         clear_started(pipe, connection, rq_job)
         rq_job.failed_job_registry.remove(rq_job, pipeline=pipe)  # RQ may have given up on it
         pipe.execute()
     queue_key = Queue(rq_job.origin, connection=connection).key
-    if not scripts.requeue(connection, job_id, lease, queue_key, rq_job.key):
+    if not scripts.requeue(connection, job_id, "" if apart else lease, queue_key, rq_job.key):
         return False
+    if apart:
+        scripts.give_up(events, job_id, lease)
     wake(connection, rq_job.origin)  # an idle worker resumes it now, not at its next poll
     return True
 
 
-class Reaper:
-    """Finds running jobs whose lease expired and requeues them."""
+def _lease(events: Any, job_id: str) -> str | None:
+    value = events.get(keys.job_lease(job_id))
+    return value.decode() if isinstance(value, bytes) else value
 
-    def __init__(self, connection: Any, worker_name: str, lease_ms: int) -> None:
+
+class Reaper:
+    """Finds running jobs whose lease expired and requeues them; with the events on a
+    cluster, one whose stream already ends (its worker died between its final events and
+    its record's end, `workers.cluster_step`) is finished from its stream instead."""
+
+    def __init__(
+        self, connection: Any, worker_name: str, lease_ms: int, events: Any = None
+    ) -> None:
         self.connection = connection
+        self.events = connection if events is None else events  # where leases live
         self.worker = worker_name
         self.lease = f"reaper:{worker_name}"
         self.lease_ms = lease_ms
@@ -79,14 +99,21 @@ class Reaper:
     def run(self) -> list[str]:
         """One sweep; the ids of the jobs it requeued."""
         recovered = []
-        leases = each_member(
-            self.connection, keys.RUNNING, lambda p, j: p.exists(keys.job_lease(j))
-        )
+        if self.events is self.connection:
+            leases = each_member(
+                self.connection, keys.RUNNING, lambda p, j: p.exists(keys.job_lease(j))
+            )
+        else:
+            running = [as_str(m) for m in self.connection.smembers(keys.RUNNING)]
+            with self.events.pipeline(transaction=False) as pipe:
+                for job_id in running:
+                    pipe.exists(keys.job_lease(job_id))
+                leases = list(zip(running, pipe.execute() if running else [], strict=True))
         for job_id, has_lease in leases:
             if has_lease:
                 continue
             lease_key = keys.job_lease(job_id)
-            if not self.connection.set(lease_key, self.lease, nx=True, px=self.lease_ms):
+            if not self.events.set(lease_key, self.lease, nx=True, px=self.lease_ms):
                 continue  # another reaper (or a claim) got there first
             if self._recover(job_id):
                 recovered.append(job_id)
@@ -97,12 +124,18 @@ class Reaper:
         if status is None or status.decode() in TERMINAL_STATUSES:
             self._forget(job_id, lost=status is None)
             return False
+        if self.events is not self.connection:
+            ended = finish_from_stream(self.events, self.connection, job_id)
+            if ended is not None:
+                scripts.give_up(self.events, job_id, self.lease)
+                log.warning("job %s: its worker died after its end; record %s", job_id, ended)
+                return False
         try:
             rq_job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
         except NoSuchJobError:
             self._forget(job_id, lost=True)
             return False
-        if requeue(self.connection, job_id, self.lease, rq_job):
+        if requeue(self.connection, job_id, self.lease, rq_job, self.events):
             log.warning("job %s lost its worker (lease expired); requeued to resume", job_id)
             return True
         return False
@@ -122,6 +155,6 @@ class Reaper:
                 )
                 metrics.count_job(pipe, FAILED)
             pipe.srem(keys.RUNNING, job_id)
-            pipe.delete(keys.job_lease(job_id))
             pipe.execute()
+        self.events.delete(keys.job_lease(job_id))
         log.warning("job %s was running without a worker and cannot resume; dropped", job_id)

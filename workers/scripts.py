@@ -210,6 +210,12 @@ STEP_FIRST_WRITE = "2"  # the same, and the record's and stream's TTLs set
 STEP_FINAL = "3"  # the job's last write: TTLs set, lease given up, end counted
 
 
+# KEYS: lease. ARGV: expected lease. Deletes it if it is that lease: 1 if so, else 0.
+_GIVE_UP = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # KEYS: lease. ARGV: expected lease, TTL (ms). 1 if renewed, 0 if the lease is not ours.
 _RENEW = """
 local lease_key, lease, lease_ms = KEYS[1], ARGV[1], ARGV[2]
@@ -220,11 +226,17 @@ return 0
 # KEYS: lease, RQ queue, running set, RQ job hash, record, the queue's level set, RQ's set
 # of queue keys. ARGV: expected lease, job id, level separator. Puts the job back at the
 # front of where its priority waits (the record's `priority`: the queue, or its level list,
-# as `keys.level_queue_name`), as queued, and gives up the lease.
+# as `keys.level_queue_name`), as queued, and gives up the lease. An empty expected lease:
+# the lease is on the events cluster and was checked there (`recovery.requeue`); then only
+# a job still in the running set is put back, so two requeues of one run push it once.
 _REQUEUE = """
 local lease_key, queue, running, rq_job, record, levels, queues_set = unpack(KEYS)
 local lease, job_id, separator = ARGV[1], ARGV[2], ARGV[3]
-if redis.call('GET', lease_key) ~= lease then return 0 end
+if lease == '' then
+  if redis.call('SISMEMBER', running, job_id) == 0 then return 0 end
+elseif redis.call('GET', lease_key) ~= lease then
+  return 0
+end
 local priority = tonumber(redis.call('HGET', record, 'priority') or '0') or 0
 if priority ~= 0 then
   queue = queue .. separator .. priority
@@ -279,6 +291,7 @@ class LoadedScript:
 
 
 APPEND = LoadedScript(_APPEND)
+RENEW = LoadedScript(_RENEW)  # by hash on an events cluster (`workers.leases`)
 WRITE_STEP = LoadedScript(_WRITE_STEP)
 
 
@@ -401,6 +414,11 @@ def renew(client: Any, job_id: str, lease: str, lease_ms: int) -> Any:
     """Extend `lease` on the job by `lease_ms` if it is still the job's lease (`_RENEW`):
     1 if renewed, 0 if another worker holds the job now."""
     return client.eval(_RENEW, 1, keys.job_lease(job_id), lease, lease_ms)
+
+
+def give_up(client: Any, job_id: str, lease: str) -> int:
+    """Delete the job's lease if it is still `lease` (`_GIVE_UP`): 1 if deleted."""
+    return int(client.eval(_GIVE_UP, 1, keys.job_lease(job_id), lease))
 
 
 def requeue(client: Any, job_id: str, lease: str, queue_key: str, rq_job_key: str) -> Any:

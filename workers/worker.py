@@ -124,6 +124,10 @@ class LLMQWorker:
         )
         self.name: str = self.rq_worker.name
         self.connection: redis.Redis = self.rq_worker.connection
+        # the jobs' streams and leases: this same client, or the events cluster's
+        self.events = config.events.connect(
+            self.connection, socket_timeout=REDIS_SOCKET_TIMEOUT, socket_connect_timeout=2
+        )
         self.pool = pool or EnginePool(
             config.pool,
             sources,
@@ -137,15 +141,15 @@ class LLMQWorker:
         )
         # models whose jobs the API may route here: only these record prefix affinity
         own_models = {keys.parse_queue_name(n)[0] for n in queue_names if keys.queue_owner(n)}
-        self.leases = Leases(self.connection, self.name, config.lease_ttl)
-        self.claims = Claims(self.connection, self.leases)
-        self.writer = EventWriter(self.connection, self.name, own_models)
+        self.leases = Leases(self.events, self.name, config.lease_ttl)
+        self.claims = Claims(self.connection, self.leases, self.events)
+        self.writer = EventWriter(self.connection, self.name, own_models, self.events)
         self._own_models = own_models
         self.rq = RQRegistries(self.rq_worker)
         self.running = RunningJobs(self.pool, config.max_sequences, self._sync_adapters)
         self.ends = JobEnds(self.connection, self.running, self.writer, self.rq, self.claims)
-        self.reaper = Reaper(self.connection, self.name, self.leases.ttl_ms)
-        self.batch_driver = batches.BatchDriver(self.connection, self.name)
+        self.reaper = Reaper(self.connection, self.name, self.leases.ttl_ms, self.events)
+        self.batch_driver = batches.BatchDriver(self.connection, self.name, self.events)
         self.history = HistorySampler(self.connection)  # the dashboard's charts
         info = WorkerInfo(
             name=self.name,
@@ -436,9 +440,9 @@ class LLMQWorker:
             failure = failure or JobFailure(f"job {job_id}: its record cannot be read")
         job = ActiveJob(record, attempt, self.leases.name(attempt), rq_job, queue)
         try:
-            job.progress = read_progress(self.connection, job_id)
+            job.progress = read_progress(self.events, job_id)
         except (KeyError, ValueError, TypeError):
-            job.progress.length = self.connection.xlen(keys.job_events(job_id))
+            job.progress.length = self.events.xlen(keys.job_events(job_id))
             failure = failure or JobFailure(f"job {job_id}: its event stream cannot be read")
         job.written = job.progress.length  # every write of ours is fenced on this
         if failure is not None:

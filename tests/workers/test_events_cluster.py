@@ -4,6 +4,7 @@ queue Redis (`workers.cluster_step`), and a job's end exactly once across the tw
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,10 +12,15 @@ import redis
 from redis.cluster import RedisCluster
 
 from tests.events_cluster import flush, local_cluster
-from tests.workers.conftest import record, submit
+from tests.workers.conftest import TINY, record, submit, wait_done, wait_for
 from workers import cluster_step, keys, scripts
+from workers.jobs import ActiveJob
+from workers.leases import Leases
+from workers.recovery import Reaper
 from workers.wire.broker import EventsSettings
+from workers.wire.errors import cancelled_error
 from workers.wire.events import decode_event
+from workers.wire.job import JobRecord
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +36,13 @@ def cluster_ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int
 
 
 @pytest.fixture
-def events(cluster_ports: list[int]) -> Iterator[RedisCluster]:
+def settings(cluster_ports: list[int]) -> EventsSettings:
+    return EventsSettings.from_env({"LLMQ_EVENTS_CLUSTER": f"127.0.0.1:{cluster_ports[0]}"})
+
+
+@pytest.fixture
+def events(cluster_ports: list[int], settings: EventsSettings) -> Iterator[RedisCluster]:
     flush(cluster_ports)
-    settings = EventsSettings.from_env({"LLMQ_EVENTS_CLUSTER": f"127.0.0.1:{cluster_ports[0]}"})
     client = settings.connect(redis.Redis())
     yield client
     client.close()
@@ -131,3 +141,76 @@ def test_the_scripts_are_loaded_again_on_nodes_that_lost_them(conn, events):
     reply = cluster_step.write_step(events, conn, [entry])
     assert scripts.step_results(reply) == [(True, False)]
     assert _stream(events, job_id) == ["token"]
+
+
+GREEDY = {"model": TINY, "temperature": 0, "ignore_eos": True}
+
+
+def _tokens(events: RedisCluster, job_id: str) -> int:
+    return _stream(events, job_id).count("token")
+
+
+def test_a_worker_streams_every_token_onto_the_cluster_and_ends_the_job_once(
+    conn, events, settings, start_worker
+):
+    jobs = [
+        submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"p{i}", "max_tokens": 8}) for i in "abc"
+    ]
+    start_worker(events=settings)
+    for job_id in jobs:
+        done = wait_done(conn, job_id)
+        assert done.status == "finished" and done.result["usage"]["completion_tokens"] == 8
+        assert _stream(events, job_id) == ["token"] * 8 + ["done"]
+        assert not conn.exists(keys.job_events(job_id))  # nothing of it on the queue Redis
+        assert not events.exists(keys.job_lease(job_id))
+    assert conn.hget(keys.METRIC_JOBS, "finished") == b"3" and not conn.smembers(keys.RUNNING)
+
+
+def test_cancel_and_a_lost_lease_act_on_a_job_whose_stream_is_on_the_cluster(
+    conn, events, settings, start_worker
+):
+    cancelled = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "go", "max_tokens": 200})
+    fenced = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "fence", "max_tokens": 200})
+    worker = start_worker(events=settings, step_delay=0.02)
+    wait_for(lambda: _tokens(events, cancelled) >= 3 and _tokens(events, fenced) >= 3)
+    conn.set(keys.job_cancel(cancelled), "1")  # the API's cancel: on the queue Redis
+    events.set(keys.job_lease(fenced), "someone-else:9")  # another worker took it over
+    ended = wait_done(conn, cancelled, timeout=5)
+    assert ended.status == "cancelled" and ended.error == cancelled_error()
+    assert _stream(events, cancelled)[-1] == "error"
+    wait_for(lambda: not worker.running.jobs, timeout=5, what="the fenced job to be dropped")
+    frozen = len(_stream(events, fenced))
+    assert "done" not in _stream(events, fenced) and record(conn, fenced).status == "started"
+    time.sleep(0.2)
+    assert len(_stream(events, fenced)) == frozen
+
+
+def test_the_reaper_resumes_a_vanished_workers_job_or_finishes_one_that_had_ended(
+    conn, events, settings, start_worker
+):
+    resumed = _claim(conn, events)  # claimed by "w", which dies: its lease runs out
+    ended = _claim(conn, events)
+    assert cluster_step.append_events(events, [_final(ended)]) == [True]  # died after this
+    events.pexpire(keys.job_lease(resumed), 100)
+    reaper = Reaper(conn, "reaper-test", 5_000, events)
+    wait_for(lambda: resumed in reaper.run(), timeout=5, what="the job to be requeued")
+    assert record(conn, ended).status == "finished"  # from its stream, not run again
+    assert conn.hget(keys.METRIC_JOBS, "finished") == b"1"
+    assert not events.exists(keys.job_lease(ended))
+    start_worker(events=settings)
+    done = wait_done(conn, resumed)
+    assert done.status == "finished" and done.attempts == 2
+
+
+def test_leases_on_the_cluster_are_renewed_in_one_pipeline_and_a_stolen_one_is_reported(
+    conn, events
+):
+    ours, stolen = _claim(conn, events), _claim(conn, events)
+    events.pexpire(keys.job_lease(ours), 500)
+    events.set(keys.job_lease(stolen), "other:2")
+    leases = Leases(events, "w", ttl_seconds=30)
+    jobs = [
+        ActiveJob(JobRecord(j, COMPLETIONS, TINY, {}), 1, "w:1", None, None) for j in (ours, stolen)
+    ]
+    assert [job.id for job in leases.renew(jobs)] == [stolen]
+    assert events.pttl(keys.job_lease(ours)) > 20_000
