@@ -5,15 +5,19 @@ the standard library, so the API can use it without pulling in the engine.
 
 Layout:
 - `llmq:job:{id}`            hash: the job record (see `workers.wire.job.JobRecord`)
-- `llmq:job:{{id}}:events`   stream: token/done/error events; entry ids are the SSE ids
+- `llmq:job:{e<b>}:{id}:events` stream: token/done/error events; entry ids are the SSE ids
 - `llmq:job:{id}:cancel`     string flag: the decode loop stops the job when it is set
-- `llmq:job:{{id}}:lease`    string "{worker}:{attempt}" with a short TTL, renewed while running
-                             The stream and the lease that fences it carry the job id as a
-                             Redis Cluster hash tag (`{id}` in braces), so on the events
-                             cluster (`LLMQ_EVENTS_CLUSTER`, `wire.broker.EventsSettings`)
-                             both live in one hash slot and one script reads and writes them
-                             together; on one Redis the braces are only part of the name.
-                             Every other key stays on the queue Redis
+- `llmq:job:{e<b>}:{id}:lease` string "{worker}:{attempt}" with a short TTL, renewed while
+                             running. The stream and the lease that fences it carry the job's
+                             event bucket `b` (`event_bucket`, 0..EVENT_BUCKETS-1) as a Redis
+                             Cluster hash tag (`{e<b>}`), so on the events cluster
+                             (`LLMQ_EVENTS_CLUSTER`, `wire.broker.EventsSettings`) both live
+                             in one hash slot and one script reads and writes them together,
+                             and a reader can XREAD every followed stream of a bucket in one
+                             call (a cluster refuses a command whose keys span slots, so one
+                             tag per job would cost one XREAD per stream). On one Redis the
+                             tag is only part of the name. Every other key stays on the queue
+                             Redis
 - `llmq:running`             set of job ids a worker has started and not finished
 - `llmq:workers`             set of worker names; `llmq:worker:{name}` hash, TTL'd heartbeat
                              (fields: `workers.wire.worker_info.WorkerInfo`)
@@ -90,11 +94,15 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 # Lua scripts that learn a job id inside Redis build its keys from these parts, so the
 # layout is still named only here: job(id) == JOB_KEY_PREFIX + id, job_lease(id) ==
-# TAGGED_PREFIX + id + LEASE_SUFFIX, job_cancel(id) == JOB_KEY_PREFIX + id + CANCEL_SUFFIX.
+# JOB_KEY_PREFIX + bucket_tag(event_bucket(id)) + ":" + id + LEASE_SUFFIX, job_cancel(id) ==
+# JOB_KEY_PREFIX + id + CANCEL_SUFFIX.
 JOB_KEY_PREFIX = f"{PREFIX}:job:"
-TAGGED_PREFIX = JOB_KEY_PREFIX + "{"  # the job id as a hash tag: its slot on a cluster
-LEASE_SUFFIX = "}:lease"
+LEASE_SUFFIX = ":lease"  # after the bucket's tag and the id: `job_lease`
 CANCEL_SUFFIX = ":cancel"
+# Event buckets: the hash slots the jobs' streams and leases are spread over on an events
+# cluster. Fixed for a fleet (the key names depend on it): 128 spread a cluster's nodes
+# evenly enough while a reader's calls stay few (one per followed bucket).
+EVENT_BUCKETS = 128
 
 RUNNING = f"{PREFIX}:running"
 WORKERS = f"{PREFIX}:workers"
@@ -133,13 +141,31 @@ job = _key_of("job")  # == JOB_KEY_PREFIX + id, as the Lua scripts build it
 job_cancel = _key_of("job", CANCEL_SUFFIX)
 
 
+def event_bucket(job_id: str) -> int:
+    """The job's event bucket: a hash of its id that Lua computes the same way
+    (`scripts._CLAIM` names the lease of the job it pops)."""
+    h = 0
+    for byte in job_id.encode():
+        h = (h * 31 + byte) % 65536
+    return h % EVENT_BUCKETS
+
+
+def bucket_tag(bucket: int) -> str:
+    """The hash tag of an event bucket: every key with it is in one slot."""
+    return f"{{e{bucket}}}"
+
+
+def events_prefix(job_id: str) -> str:
+    return f"{JOB_KEY_PREFIX}{bucket_tag(event_bucket(job_id))}:{job_id}"
+
+
 def job_events(job_id: str) -> str:
-    return f"{TAGGED_PREFIX}{job_id}}}:events"
+    return f"{events_prefix(job_id)}:events"
 
 
 def job_lease(job_id: str) -> str:
     """In the hash slot of `job_events`: the fenced append reads both in one script."""
-    return f"{TAGGED_PREFIX}{job_id}{LEASE_SUFFIX}"
+    return f"{events_prefix(job_id)}{LEASE_SUFFIX}"
 
 
 refused_submission = _key_of("refused")  # of a job id

@@ -68,9 +68,11 @@ def test_a_jobs_stream_and_lease_share_a_slot_and_the_claim_leaves_the_lease_to_
     assert events.keyslot(keys.job_events(job_id)) == events.keyslot(keys.job_lease(job_id))
     assert not conn.exists(keys.job_lease(job_id))  # lease TTL 0: none on the queue Redis
     assert conn.sismember(keys.RUNNING, job_id)
-    slots = {events.keyslot(keys.job_events(f"job{i}")) for i in range(64)}
-    nodes = {events.get_node_from_key(keys.job_events(f"job{i}")).name for i in range(64)}
-    assert len(slots) > 32 and len(nodes) == 3  # jobs spread over every shard
+    ids = [f"job{i}" for i in range(256)]
+    slots = {events.keyslot(keys.job_events(i)) for i in ids}
+    nodes = {events.get_node_from_key(keys.job_events(i)).name for i in ids}
+    assert len(slots) == len({keys.event_bucket(i) for i in ids}) > 64  # a slot a bucket
+    assert len(nodes) == 3  # jobs spread over every shard
 
 
 def test_a_step_is_fenced_by_the_clusters_lease_and_reads_cancel_flags_on_the_queue_redis(

@@ -189,3 +189,9 @@ def test_the_step_script_is_loaded_again_after_redis_lost_its_scripts(conn):
     entry = scripts.step_entry(job_id, "w:1", scripts.STEP_WRITE, 0, [("token", '{"index": 0}')])
     assert scripts.write_step(conn, [entry]) == [(True, False)]
     assert conn.script_exists(scripts.WRITE_STEP.sha) == [True]
+
+
+def test_the_claim_names_the_lease_key_as_keys_job_lease_does(conn):
+    ids = _claimed(conn, 40)  # 40 ids: many event buckets
+    assert all(conn.exists(keys.job_lease(job_id)) for job_id in ids)
+    assert len({keys.event_bucket(job_id) for job_id in ids}) > 20
