@@ -1,6 +1,7 @@
 """What a worker's token writes cost Redis: per command and per token, through the real writer.
 
     python bench/redis_cost.py [--redis-url redis://127.0.0.1:6379/15] [--jobs 64] [--steps 40]
+                               [--events-cluster host:port,...]
 
 `--jobs` jobs are claimed through the worker's own claim script (`workers.claims`, a real
 lease each), then `--steps` decode steps are written as the worker writes them: every job
@@ -13,7 +14,10 @@ figure to compare). Printed per token written, with the writer's wall time per s
 round trip, waited for: `flush`).
 
 It measures the writer only (no engine, no reader); `bench/fleet.py` adds the API's relay.
-The db given is flushed before and after: give it one of its own.
+The db given is flushed before and after: give it one of its own. With `--events-cluster`
+(`LLMQ_EVENTS_CLUSTER`'s startup nodes; the cluster is flushed too) the streams and leases
+are written there (`workers/cluster_step.py`): the commands and CPU of the cluster's
+primaries and of the queue Redis are printed apart.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from workers.claims import Claims  # noqa: E402
 from workers.event_writer import EventWriter  # noqa: E402
 from workers.jobs import ActiveJob  # noqa: E402
 from workers.leases import Leases  # noqa: E402
+from workers.wire.broker import EVENTS_CLUSTER_ENV, EventsSettings  # noqa: E402
 from workers.wire.events import token_event  # noqa: E402
 from workers.wire.job import COMPLETIONS, JobRecord, response_id  # noqa: E402
 
@@ -59,10 +64,13 @@ class SimJob(ActiveJob):
         return self.tokens
 
 
-def claim_jobs(conn: redis.Redis, count: int, worker: str = WORKER) -> list[SimJob]:
+def claim_jobs(
+    conn: redis.Redis, count: int, worker: str = WORKER, events: Any = None
+) -> list[SimJob]:
     """`count` job records as the API stores them, claimed with the worker's claim script
     (from a private list: no RQ queue is needed to hold a lease)."""
-    leases = Leases(conn, worker, ttl_seconds=600)
+    events = conn if events is None else events
+    leases = Leases(events, worker, ttl_seconds=600)
     hand = f"{keys.PREFIX}:bench:hand:{worker}"
     jobs = []
     for _ in range(count):
@@ -71,7 +79,7 @@ def claim_jobs(conn: redis.Redis, count: int, worker: str = WORKER) -> list[SimJ
         )
         conn.hset(keys.job(record.id), mapping=record.to_hash())
         conn.rpush(hand, record.id)
-        claim = Claims(conn, leases).take([hand])
+        claim = Claims(conn, leases, events).take([hand])
         assert claim is not None and claim.attempt == 1, claim
         jobs.append(SimJob(record, claim.attempt, leases.name(claim.attempt), None, None))
     return jobs
@@ -113,11 +121,19 @@ def command_stats(conn: redis.Redis) -> dict[str, dict[str, float]]:
     }
 
 
-def run(conn: redis.Redis, jobs: int, steps: int) -> dict[str, Any]:
-    sim = claim_jobs(conn, jobs)
-    writer = EventWriter(conn, WORKER, own_models=set())
-    conn.config_resetstat()
+def primaries(events: Any) -> list[redis.Redis]:
+    """A client of each primary of the events cluster."""
+    return [events.get_redis_connection(node) for node in events.get_primaries()]
+
+
+def run(conn: redis.Redis, jobs: int, steps: int, events: Any = None) -> dict[str, Any]:
+    sim = claim_jobs(conn, jobs, events=events)
+    writer = EventWriter(conn, WORKER, own_models=set(), events=events)
+    nodes = primaries(events) if events is not None else []
+    for node in [conn, *nodes]:
+        node.config_resetstat()
     cpu0 = redis_cpu(conn)
+    cluster0 = sum(redis_cpu(node) for node in nodes)
     walls = []
     for step in range(steps):
         for job in sim:
@@ -128,6 +144,18 @@ def run(conn: redis.Redis, jobs: int, steps: int) -> dict[str, Any]:
         assert not flushed.lost, "a lease was lost"
     cpu = redis_cpu(conn) - cpu0
     stats = command_stats(conn)
+    if nodes:
+        cluster_cpu = sum(redis_cpu(node) for node in nodes) - cluster0
+        for node in nodes:
+            for name, s in command_stats(node).items():
+                mine = stats.setdefault(f"cluster:{name}", {"calls": 0, "usec": 0.0})
+                mine["calls"] = int(mine["calls"]) + int(s["calls"])
+                mine["usec"] = float(mine["usec"]) + float(s["usec"])
+                mine["usec_per_call"] = float(mine["usec"]) / max(1, int(mine["calls"]))
+        print(
+            f"cluster primaries ({len(nodes)}): used_cpu us per token written "
+            f"{cluster_cpu * 1e6 / (jobs * steps):.2f}; queue Redis below"
+        )
     close = getattr(writer, "close", None)
     if close is not None:
         close()
@@ -142,7 +170,7 @@ def report(result: dict[str, Any]) -> None:
     for name, s in sorted(stats.items(), key=lambda kv: -float(kv[1]["usec"])):
         if name.startswith(("config", "info")):
             continue  # the bench's own
-        if name in SCRIPT_COMMANDS:
+        if name.removeprefix("cluster:") in SCRIPT_COMMANDS:
             scripts += float(s["usec"])
         per_call = float(s["usec_per_call"])
         print(f"{name:22} {int(s['calls']):8d} {per_call:9.2f} {float(s['usec']) / tokens:9.2f}")
@@ -160,8 +188,15 @@ def main() -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--events-cluster", help="startup nodes: the events on a cluster")
     args = parser.parse_args()
     conn = redis.Redis.from_url(args.redis_url)
+    events = None
+    if args.events_cluster:
+        settings = EventsSettings.from_env({EVENTS_CLUSTER_ENV: args.events_cluster})
+        events = settings.connect(conn)
+        for node in primaries(events):
+            node.flushall()
     version = conn.info("server")["redis_version"]
     print(
         f"redis_cost: {args.jobs} jobs x {args.steps} steps through workers.event_writer "
@@ -170,7 +205,7 @@ def main() -> None:
     )
     conn.flushdb()
     try:
-        report(run(conn, args.jobs, args.steps))
+        report(run(conn, args.jobs, args.steps, events))
     finally:
         conn.flushdb()
 

@@ -7,8 +7,8 @@ and the rest on the queue Redis, and no script spans two servers. So a step is t
 trips, in this order, both in the writer thread beside the next decode step:
 
 1. the cluster: each writing job's events, fenced by its lease and the stream's length
-   (`_APPEND_EVENTS`, by EVALSHA; one call a job, pipelined, redis-py's cluster pipeline
-   sends each node its calls in one write). A final write gives the lease up there.
+   (`_APPEND_EVENTS`, by EVALSHA: one call per event bucket with jobs in the step, every
+   node's calls in one write). A final write gives the lease up there.
 2. the queue Redis: the record fields of the jobs whose events landed, their ends (leave
    the running set, count the end, settle the rate-limit reservation: once, only by the call
    that takes the job out of the running set) and every job's cancel flag
@@ -46,58 +46,73 @@ from workers.wire.events import (
 )
 from workers.wire.job import CANCELLED, FAILED, FINISHED
 
-# KEYS: lease, events stream (one slot). ARGV: expected lease, write mode (scripts.STEP_*),
-# stream length the writer expects before its events, ttl (s), then event kind/data pairs.
-# 1 if written (or already written by this same call, retried after a lost reply), 0 if
-# the lease or the stream is not as the writer left it (nothing written).
+# One event bucket's writes of a step (every key in the bucket's slot: `keys.job_events`).
+# KEYS: per job, lease and events stream. ARGV: ttl (s), then per job: expected lease, write
+# mode (scripts.STEP_*), stream length the writer expects before its events, m, then m event
+# kind/data pairs. Returns one character a job: "1" if written (or already written by this
+# same call, retried after a lost reply), "0" if the lease or the stream is not as the
+# writer left it (nothing written for it).
 _APPEND_EVENTS = """
-local lease_key, events_key = KEYS[1], KEYS[2]
-local lease, mode, expected, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local m = (#ARGV - 4) / 2
-local length = redis.call('XLEN', events_key)
-if m > 0 and length == expected + m then
-  local last = redis.call('XREVRANGE', events_key, '+', '-', 'COUNT', 1)[1]
-  if last[2][4] == ARGV[#ARGV] then return 1 end
+local call = redis.call
+local ttl = ARGV[1]
+local out = {}
+local a = 2
+for j = 1, #KEYS / 2 do
+  local lease_key, events_key = KEYS[2 * j - 1], KEYS[2 * j]
+  local lease, mode = ARGV[a], ARGV[a + 1]
+  local expected, m = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local e = a + 4
+  local last_data = ARGV[e + 2 * m - 1]
+  a = e + 2 * m
+  local length = call('XLEN', events_key)
+  local done = '0'
+  if m > 0 and length == expected + m then
+    local last = call('XREVRANGE', events_key, '+', '-', 'COUNT', 1)[1]
+    if last[2][4] == last_data then done = '1' end
+  end
+  if done == '0' and length == expected and call('GET', lease_key) == lease then
+    for i = e, e + 2 * m - 1, 2 do
+      call('XADD', events_key, '*', 'event', ARGV[i], 'data', ARGV[i + 1])
+    end
+    if mode ~= '1' and (m > 0 or length > 0) then call('EXPIRE', events_key, ttl) end
+    if mode == '3' then call('DEL', lease_key) end
+    done = '1'
+  end
+  out[j] = done
 end
-if length ~= expected or redis.call('GET', lease_key) ~= lease then return 0 end
-for i = 5, #ARGV - 1, 2 do
-  redis.call('XADD', events_key, '*', 'event', ARGV[i], 'data', ARGV[i + 1])
-end
-if mode ~= '1' and (m > 0 or length > 0) then redis.call('EXPIRE', events_key, ttl) end
-if mode == '3' then redis.call('DEL', lease_key) end
-return 1
+return table.concat(out)
 """
 
-# KEYS: running set, jobs metric hash, then per job: record, cancel flag.
-# ARGV: ttl (s), then per job: job id, write mode ('0': its events did not land or it had
-# none: only its cancel flag is read), tokens used ('' if not known), "1" to read the cancel
-# flag, n record fields, then 2n field/value strings. Returns one character a job: "1" if
-# its cancel flag is set. A final write's end is counted and settled only by the call
-# that takes the job out of the running set, so a retried or recovered end counts once.
+# KEYS: running set, jobs metric hash, then c cancel flags (every job of the step), then a
+# record per job that has something for it. ARGV: ttl (s), c, then per such job: job id,
+# write mode (scripts.STEP_*), tokens used ('' if not known), n record fields, then 2n
+# field/value strings. Returns c characters: "1" where that cancel flag is set. A final
+# write's end is counted and settled only by the call that takes the job out of the running
+# set, so a retried or recovered end counts once. A step of running jobs with nothing new
+# for their records (most steps: counters go every second) is one MGET here.
 _RECORD_STEP = (
     rate_limit.SETTLE_LUA
     + """
 local call = redis.call
-local running, jobs_metric, ttl = KEYS[1], KEYS[2], ARGV[1]
+local running, jobs_metric, ttl, c = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
 local out = {}
-local a = 2
-for j = 1, (#KEYS - 2) / 2 do
-  local record_key, cancel_key = KEYS[2 * j + 1], KEYS[2 * j + 2]
-  local job_id, mode, used, check = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 3]
-  local n = tonumber(ARGV[a + 4])
-  local f = a + 5
-  if mode ~= '0' then
-    if n > 0 then call('HSET', record_key, unpack(ARGV, f, f + 2 * n - 1)) end
-    if mode ~= '1' then call('EXPIRE', record_key, ttl) end
-    if mode == '3' and call('SREM', running, job_id) == 1 then
-      local status = call('HGET', record_key, 'status')
-      if status then call('HINCRBY', jobs_metric, status, 1) end
-      if used then llmq_settle(record_key, used) end
-    end
+if c > 0 then
+  for j, flag in ipairs(call('MGET', unpack(KEYS, 3, 2 + c))) do
+    out[j] = flag and '1' or '0'
   end
-  local cancel = '0'
-  if check == '1' and call('EXISTS', cancel_key) == 1 then cancel = '1' end
-  out[j] = cancel
+end
+local a = 3
+for k = 3 + c, #KEYS do
+  local record_key = KEYS[k]
+  local job_id, mode, used, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local f = a + 4
+  if n > 0 then call('HSET', record_key, unpack(ARGV, f, f + 2 * n - 1)) end
+  if mode ~= '1' then call('EXPIRE', record_key, ttl) end
+  if mode == '3' and call('SREM', running, job_id) == 1 then
+    local status = call('HGET', record_key, 'status')
+    if status then call('HINCRBY', jobs_metric, status, 1) end
+    if used then llmq_settle(record_key, used) end
+  end
   a = f + 2 * n
 end
 return table.concat(out)
@@ -129,19 +144,24 @@ def append_events(events: Any, entries: Sequence[Entry], ttl: int = JOB_TTL_SECO
     """Round trip 1: each writing job's fenced events on the cluster; per job, True if
     written (or nothing to write)."""
     landed = [True] * len(entries)
-    calls: list[tuple[list[str], list[Any]]] = []
-    indexes: list[int] = []
+    buckets: dict[int, tuple[list[int], list[str], list[Any]]] = {}
     for j, (job_keys, args) in enumerate(entries):
         lease, mode, expected, n, m = args[0], args[2], args[3], int(args[6]), int(args[7])
         if mode == scripts.STEP_CHECK_ONLY:
             continue
         start = 8 + 2 * n
-        calls.append((job_keys[:2], [lease, mode, expected, ttl, *args[start : start + 2 * m]]))
-        indexes.append(j)
-    if not calls:
+        jobs, call_keys, call_args = buckets.setdefault(keys.event_bucket(args[1]), ([], [], [ttl]))
+        jobs.append(j)
+        call_keys += job_keys[:2]
+        call_args += [lease, mode, expected, m, *args[start : start + 2 * m]]
+    if not buckets:
         return landed
-    for j, reply in zip(indexes, per_node(events, APPEND_EVENTS, calls), strict=True):
-        landed[j] = bool(reply)
+    calls = [(call_keys, call_args) for _, call_keys, call_args in buckets.values()]
+    replies = per_node(events, APPEND_EVENTS, calls)
+    for (jobs, _, _), reply in zip(buckets.values(), replies, strict=True):
+        flags = reply.decode() if isinstance(reply, bytes) else reply
+        for j, flag in zip(jobs, flags, strict=True):
+            landed[j] = flag == "1"
     return landed
 
 
@@ -215,14 +235,16 @@ def record_step(
 ) -> list[str]:
     """Round trip 2: the records of the jobs whose events `landed`, their ends, every
     job's cancel flag, and the step's `metrics`; one "1"/"0" cancel flag a job."""
-    step_keys: list[str] = [keys.RUNNING, keys.METRIC_JOBS]
-    step_args: list[Any] = [ttl]
+    cancel_keys = [job_keys[3] for job_keys, _ in entries]
+    record_keys: list[str] = []
+    step_args: list[Any] = [ttl, len(cancel_keys)]
     for (job_keys, args), written in zip(entries, landed, strict=True):
         mode, n = args[2], int(args[6])
-        if not written:
-            mode, n = scripts.STEP_CHECK_ONLY, 0
-        step_keys += [job_keys[2], job_keys[3]]
-        step_args += [args[1], mode, args[4], args[5], n, *args[8 : 8 + 2 * n]]
+        if not written or mode == scripts.STEP_CHECK_ONLY or (mode == scripts.STEP_WRITE and not n):
+            continue  # nothing for its record
+        record_keys.append(job_keys[2])
+        step_args += [args[1], mode, args[4], n, *args[8 : 8 + 2 * n]]
+    step_keys = [keys.RUNNING, keys.METRIC_JOBS, *cancel_keys, *record_keys]
     call = ["EVALSHA", RECORD_STEP.sha, len(step_keys), *step_keys, *step_args]
     commands = [resp.pack(call), *(resp.pack(command) for command in metrics)]
     results = resp.round_trip(queue, commands, len(commands))
@@ -233,7 +255,8 @@ def record_step(
         if isinstance(result, Exception):
             raise result
     flags = reply.decode() if isinstance(reply, bytes) else reply
-    return list(flags)
+    checks = [args[5] == "1" for _, args in entries]
+    return [flag if check else "0" for flag, check in zip(flags, checks, strict=True)]
 
 
 def finish_from_stream(events: Any, queue: Any, job_id: str) -> str | None:

@@ -216,3 +216,25 @@ def test_leases_on_the_cluster_are_renewed_in_one_pipeline_and_a_stolen_one_is_r
     ]
     assert [job.id for job in leases.renew(jobs)] == [stolen]
     assert events.pttl(keys.job_lease(ours)) > 20_000
+
+
+def test_jobs_of_one_event_bucket_are_written_by_one_call_each_fenced_on_its_own(events):
+    ids = [f"same{i}" for i in range(2000)]
+    bucket = keys.event_bucket(ids[0])
+    ours, stolen, again = [i for i in ids if keys.event_bucket(i) == bucket][:3]
+    for job_id in (ours, stolen, again):
+        events.set(keys.job_lease(job_id), "w:1")
+    events.set(keys.job_lease(stolen), "other:2")
+    assert cluster_step.append_events(
+        events, [scripts.step_entry(again, "w:1", scripts.STEP_FIRST_WRITE, 0, [TOKEN])]
+    ) == [True]
+    entries = [
+        scripts.step_entry(job_id, "w:1", scripts.STEP_WRITE, 0, [("token", '{"index": 5}')])
+        for job_id in (ours, stolen, again)  # `again` expects 0 entries: it has 1
+    ]
+    node = events.get_redis_connection(events.get_node_from_key(keys.job_events(ours)))
+    node.config_resetstat()
+    assert cluster_step.append_events(events, entries) == [True, False, False]
+    assert node.info("commandstats")["cmdstat_evalsha"]["calls"] == 1  # one call, 3 jobs
+    assert _stream(events, ours) == ["token"] and _stream(events, stolen) == []
+    assert _stream(events, again) == ["token"]
