@@ -3,6 +3,7 @@
     python bench/fleet.py [--workers 4] [--processes 1] [--streams 256] [--rate 15]
                           [--tokens 64] [--seconds 20] [--redis-url URL] [--api-url URL]
                           [--api-checkout PATH] [--api-env NAME=VALUE ...]
+                          [--events-cluster local|host:port,...]
 
 No engine runs. `--workers` simulated workers (threads of `--processes` child processes: one
 each where the cores allow) take jobs off the model's queues with the worker's own claim
@@ -24,6 +25,12 @@ commandstats' busiest commands), tokens a second written and delivered, lag p50/
 the time to each stream's response headers, Redis's connected clients and the API's RSS at
 their peak, and every failure by kind (HTTP status, in-band error code such as
 `broker_down`, transport errors, streams cut before `[DONE]`).
+
+`--events-cluster` puts the token events and their leases on a Redis Cluster
+(`LLMQ_EVENTS_CLUSTER`, for the simulated workers and the API alike; `local` starts a
+3-shard one here): the Redis CPU is then printed per server (the queue Redis and each of the
+cluster's primaries), with the tokens a second the busiest of them would carry at 100% of
+its core (its CPU per token), which is what adding shards raises.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from workers.event_writer import EventWriter  # noqa: E402
 from workers.jobs import ActiveJob  # noqa: E402
 from workers.leases import Leases  # noqa: E402
 from workers.supervisor import free_port, wait_for_port  # noqa: E402
+from workers.wire.broker import EVENTS_CLUSTER_ENV, EventsSettings  # noqa: E402
 from workers.wire.errors import cancelled_error  # noqa: E402
 from workers.wire.events import token_event  # noqa: E402
 from workers.wire.job import (  # noqa: E402
@@ -112,14 +120,18 @@ class SimWorker:
     """One simulated `llmq worker`: the real claim, lease, writer and ends of a job; a clock
     instead of an engine."""
 
-    def __init__(self, url: str, name: str, rate: float, max_sequences: int) -> None:
+    def __init__(
+        self, url: str, name: str, rate: float, max_sequences: int, events_nodes: str = ""
+    ) -> None:
         self.conn = connect(url)  # the worker's own client settings
+        settings = EventsSettings.from_env({EVENTS_CLUSTER_ENV: events_nodes})
+        self.events = settings.connect(self.conn, socket_timeout=5, socket_connect_timeout=2)
         self.name = name
         self.interval = 1.0 / rate
         self.max_sequences = max_sequences
-        self.leases = Leases(self.conn, name, LEASE_SECONDS)
-        self.claims = Claims(self.conn, self.leases)
-        self.writer = EventWriter(self.conn, name, own_models=set())
+        self.leases = Leases(self.events, name, LEASE_SECONDS)
+        self.claims = Claims(self.conn, self.leases, self.events)
+        self.writer = EventWriter(self.conn, name, own_models=set(), events=self.events)
         served = [keys.queue_name(MODEL, kind) for kind in keys.QUEUE_KINDS]
         self.queues = [f"rq:queue:{name}" for name in served]
         self.info = WorkerInfo(
@@ -181,7 +193,7 @@ class SimWorker:
             spec = GenerationSpec.from_record(record.spec or {})
             job = SimJob(record, claim.attempt, self.leases.name(claim.attempt), None, None)
             job.max_tokens = spec.max_tokens or 16
-            job.written = self.conn.xlen(keys.job_events(job.id))
+            job.written = self.events.xlen(keys.job_events(job.id))
             with self.conn.pipeline() as pipe:
                 pipe.hset(keys.job(job.id), mapping={"status": STARTED, "worker": self.name})
                 pipe.hsetnx(keys.job(job.id), "started_at", time.time())
@@ -215,10 +227,17 @@ class SimWorker:
 
 
 def run_workers(
-    url: str, names: list[str], rate: float, max_sequences: int, stop: Any, ready: Any, out: Any
+    url: str,
+    names: list[str],
+    rate: float,
+    max_sequences: int,
+    stop: Any,
+    ready: Any,
+    out: Any,
+    events_nodes: str = "",
 ) -> None:
     """A child process: the simulated workers `names`, one thread each."""
-    sims = [SimWorker(url, name, rate, max_sequences) for name in names]
+    sims = [SimWorker(url, name, rate, max_sequences, events_nodes) for name in names]
     for sim in sims:
         sim.register()
     threads = [threading.Thread(target=sim.run, args=(stop,), daemon=True) for sim in sims]
@@ -394,6 +413,52 @@ def redis_cpu(conn: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
+def start_cluster(tmp: Path, shards: int = 3) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """A local Redis Cluster of `shards` primaries (no replicas, nothing saved): its
+    processes and `LLMQ_EVENTS_CLUSTER`'s value."""
+    ports: list[int] = []
+    while len(ports) < shards:
+        port = free_port()
+        if port + 10000 < 65536 and port not in ports and _free(port + 10000):
+            ports.append(port)
+    procs = []
+    for port in ports:
+        argv = [shutil.which("redis-server") or "redis-server", "--port", str(port)]
+        argv += ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)]
+        argv += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+    for port in ports:
+        wait_for_port(port, 10)
+    create = [shutil.which("redis-cli") or "redis-cli", "--cluster", "create"]
+    create += [f"127.0.0.1:{port}" for port in ports]
+    create += ["--cluster-replicas", "0", "--cluster-yes"]
+    subprocess.run(create, check=True, stdout=subprocess.DEVNULL, timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        infos = [redis.Redis(port=p).execute_command("CLUSTER INFO") for p in ports]
+        if all(info.get("cluster_state") == "ok" for info in infos):
+            break
+        time.sleep(0.1)
+    return procs, ",".join(f"127.0.0.1:{port}" for port in ports)
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_primaries(nodes: str) -> list[redis.Redis]:
+    """A client of each primary of the events cluster (`nodes`: its startup nodes)."""
+    events = EventsSettings.from_env({EVENTS_CLUSTER_ENV: nodes}).connect(redis.Redis())
+    return [events.get_redis_connection(node) for node in events.get_primaries()]
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -419,6 +484,16 @@ def report(args: argparse.Namespace, stats: ClientStats, run: dict[str, Any]) ->
         print(
             f"Redis CPU per token written (used_cpu sys+user, writes and relay): "
             f"{cpu * 1e6 / written:.2f} us ({cpu / wall * 100:.0f}% of one core)"
+        )
+        busiest = max(run["per_server"].values())
+        for server, seconds in run["per_server"].items():
+            print(
+                f"  {server}: {seconds * 1e6 / written:.2f} us a token "
+                f"({seconds / wall * 100:.0f}% of its core)"
+            )
+        print(
+            f"the busiest server at 100% of its core would carry "
+            f"{written / max(busiest, 1e-9):.0f} tokens a second (its CPU per token)"
         )
     ms = [lag * 1e3 for lag in stats.lags]
     print(
@@ -470,6 +545,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--api-checkout", type=Path, default=REPO, help="the checkout whose `llmq api` is started"
     )
+    parser.add_argument(
+        "--events-cluster",
+        default="",
+        help="the token events on a Redis Cluster: `local` (3 shards started here) or its nodes",
+    )
     args = parser.parse_args(argv)
     max_sequences = args.max_sequences or max(1, -(-args.streams // args.workers))
     print(
@@ -480,6 +560,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     tmp = Path(tempfile.mkdtemp(prefix="llmq-fleet-"))
     redis_proc = api_proc = None
+    cluster_procs: list[subprocess.Popen[bytes]] = []
     ctx = multiprocessing.get_context("spawn")
     stop_event, out = ctx.Event(), ctx.Queue()
     workers: list[Any] = []
@@ -491,6 +572,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             redis_proc, url = start_redis(tmp)
         conn = redis.Redis.from_url(url)
         conn.flushdb()
+        nodes = args.events_cluster
+        if nodes == "local":
+            cluster_procs, nodes = start_cluster(tmp)
+        shards = cluster_primaries(nodes) if nodes else []
+        for shard in shards:
+            shard.flushall()
+        if nodes:
+            print(f"token events on a Redis Cluster of {len(shards)} primaries: {nodes}")
         print(
             f"Redis {conn.info('server')['redis_version']} at {url}; API from "
             f"{args.api_url or args.api_checkout} {' '.join(args.api_env)}"
@@ -500,23 +589,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 base = args.api_url
             else:
                 settings = dict(item.split("=", 1) for item in args.api_env)
+                if nodes:
+                    settings[EVENTS_CLUSTER_ENV] = nodes
                 api_proc, base = start_api(url, log, args.api_checkout, settings)
             for p in range(min(args.processes, args.workers)):
                 names = [f"fleet-sim-{i}" for i in range(p, args.workers, args.processes)]
                 readiness.append(ctx.Event())
-                sim = (url, names, args.rate, max_sequences, stop_event, readiness[-1], out)
+                sim = (url, names, args.rate, max_sequences, stop_event, readiness[-1], out, nodes)
                 workers.append(ctx.Process(target=run_workers, args=sim))
                 workers[-1].start()
             for ready in readiness:
                 ready.wait(30)
             time.sleep(1.0)  # registered and heartbeating before the API is asked
             peaks = Peaks(conn, api_proc.pid if api_proc else None)
-            conn.config_resetstat()
-            cpu0, t0 = redis_cpu(conn), time.monotonic()
+            servers = {"queue Redis": conn}
+            servers.update({f"cluster {s.get_connection_kwargs()['port']}": s for s in shards})
+            for server in servers.values():
+                server.config_resetstat()
+            cpu0 = {name: redis_cpu(server) for name, server in servers.items()}
+            t0 = time.monotonic()
             stats = asyncio.run(run_clients(base, args.streams, args.tokens, args.seconds))
             wall = time.monotonic() - t0
-            cpu = redis_cpu(conn) - cpu0
+            per_server = {name: redis_cpu(s) - cpu0[name] for name, s in servers.items()}
+            cpu = sum(per_server.values())
             commandstats = conn.info("commandstats")
+            for shard in shards:
+                for name, s in shard.info("commandstats").items():
+                    mine = commandstats.setdefault(f"cluster:{name}", {"calls": 0, "usec": 0.0})
+                    mine["calls"] = int(mine["calls"]) + int(s["calls"])
+                    mine["usec"] = float(mine["usec"]) + float(s["usec"])
+                    mine["usec_per_call"] = float(mine["usec"]) / max(1, int(mine["calls"]))
             peaks.stop()
             stop_event.set()
             written, worker_errors = 0, Counter[str]()
@@ -530,6 +632,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "written": written,
             "worker_errors": dict(worker_errors),
             "cpu_s": cpu,
+            "per_server": per_server,
             "wall_s": wall,
             "stats": commandstats,
             "clients": peaks.clients,
@@ -545,6 +648,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 process.terminate()
         stop(api_proc)
         stop(redis_proc)
+        for proc in cluster_procs:
+            stop(proc)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,12 @@ the standard library, so the API can use it without pulling in the engine.
 
 Layout:
 - `llmq:job:{id}`            hash: the job record (see `workers.wire.job.JobRecord`)
-- `llmq:job:{e<b>}:{id}:events` stream: token/done/error events; entry ids are the SSE ids
+- `llmq:job:{<tag>}:{id}:events` stream: token/done/error events; entry ids are the SSE ids
 - `llmq:job:{id}:cancel`     string flag: the decode loop stops the job when it is set
-- `llmq:job:{e<b>}:{id}:lease` string "{worker}:{attempt}" with a short TTL, renewed while
-                             running. The stream and the lease that fences it carry the job's
-                             event bucket `b` (`event_bucket`, 0..EVENT_BUCKETS-1) as a Redis
-                             Cluster hash tag (`{e<b>}`), so on the events cluster
+- `llmq:job:{<tag>}:{id}:lease` string "{worker}:{attempt}" with a short TTL, renewed while
+                             running. The stream and the lease that fences it carry the tag
+                             of the job's event bucket (`event_bucket`, `BUCKET_TAGS`) as a
+                             Redis Cluster hash tag, so on the events cluster
                              (`LLMQ_EVENTS_CLUSTER`, `wire.broker.EventsSettings`) both live
                              in one hash slot and one script reads and writes them together,
                              and a reader can XREAD every followed stream of a bucket in one
@@ -100,9 +100,46 @@ JOB_KEY_PREFIX = f"{PREFIX}:job:"
 LEASE_SUFFIX = ":lease"  # after the bucket's tag and the id: `job_lease`
 CANCEL_SUFFIX = ":cancel"
 # Event buckets: the hash slots the jobs' streams and leases are spread over on an events
-# cluster. Fixed for a fleet (the key names depend on it): 128 spread a cluster's nodes
-# evenly enough while a reader's calls stay few (one per followed bucket).
-EVENT_BUCKETS = 128
+# cluster, one blocking XREAD (one connection) per followed bucket in each API process.
+# Fixed for a fleet (the key names depend on them). Bucket b's tag hashes to a slot in the
+# b-th 32nd of the 16,384 (tests/workers/test_events_cluster.py checks it), so a cluster
+# whose nodes hold equal runs of slots (`redis-cli --cluster create`, 2, 4, 8, 16 or 32
+# shards exactly; 3 within one bucket) holds equal shares of the buckets.
+BUCKET_TAGS = (
+    "e0.72",
+    "e1.40",
+    "e2.131",
+    "e3.33",
+    "e4.61",
+    "e5.53",
+    "e6.12",
+    "e7.20",
+    "e8.42",
+    "e9.70",
+    "e10.42",
+    "e11.70",
+    "e12.0",
+    "e13.72",
+    "e14.51",
+    "e15.63",
+    "e16.50",
+    "e17.1",
+    "e18.70",
+    "e19.42",
+    "e20.50",
+    "e21.3",
+    "e22.23",
+    "e23.11",
+    "e24.0",
+    "e25.70",
+    "e26.31",
+    "e27.120",
+    "e28.60",
+    "e29.52",
+    "e30.153",
+    "e31.32",
+)
+EVENT_BUCKETS = len(BUCKET_TAGS)
 
 RUNNING = f"{PREFIX}:running"
 WORKERS = f"{PREFIX}:workers"
@@ -147,12 +184,12 @@ def event_bucket(job_id: str) -> int:
     h = 0
     for byte in job_id.encode():
         h = (h * 31 + byte) % 65536
-    return h % EVENT_BUCKETS
+    return (h * 40503) % 65536 * EVENT_BUCKETS // 65536  # Knuth's multiplier: high bits
 
 
 def bucket_tag(bucket: int) -> str:
     """The hash tag of an event bucket: every key with it is in one slot."""
-    return f"{{e{bucket}}}"
+    return f"{{{BUCKET_TAGS[bucket]}}}"
 
 
 def events_prefix(job_id: str) -> str:

@@ -40,7 +40,8 @@ CLAIMED_MISSING = -1  # the job's record is gone
 CLAIMED_CANCELLED = -2  # its cancel flag was set while it was queued: it must never run
 
 # KEYS: n queue keys in service order, then the n keys of their level sets
-# (`keys.queue_levels`). ARGV: running set, job key prefix, event buckets, lease suffix,
+# (`keys.queue_levels`). ARGV: running set, job key prefix, the event buckets' tags joined
+# by ',' (`keys.BUCKET_TAGS`), lease suffix,
 # cancel suffix, worker name, lease TTL (ms; 0: no lease here, the caller takes it on the
 # events cluster, `workers.claims`), level separator, then each queue's kind rank (0
 # interactive, 1 batch). Takes the job that comes first by (kind rank, priority, queue
@@ -50,7 +51,7 @@ CLAIMED_CANCELLED = -2  # its cancel flag was set while it was queued: it must n
 # Returns {queue index, job id, attempt} where attempt is the new attempt number (>= 1) or
 # one of the CLAIMED_* codes; nil if all empty.
 _CLAIM = """
-local running, prefix, buckets, lease_suffix, cancel_suffix, worker, lease_ms, separator =
+local running, prefix, tags, lease_suffix, cancel_suffix, worker, lease_ms, separator =
   ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
 local n = #KEYS / 2
 local best, best_index, best_rank, best_level
@@ -80,9 +81,12 @@ if redis.call('EXISTS', record .. cancel_suffix) == 1 then return {best_index, i
 local attempt = redis.call('HINCRBY', record, 'attempts', 1)
 redis.call('SADD', running, id)
 if lease_ms ~= '0' then
+  local buckets = {}
+  for tag in string.gmatch(tags, '[^,]+') do buckets[#buckets + 1] = tag end
   local h = 0  -- keys.event_bucket
   for i = 1, #id do h = (h * 31 + string.byte(id, i)) % 65536 end
-  local lease_key = prefix .. '{e' .. (h % tonumber(buckets)) .. '}:' .. id .. lease_suffix
+  local b = math.floor((h * 40503) % 65536 * #buckets / 65536)
+  local lease_key = prefix .. '{' .. buckets[b + 1] .. '}:' .. id .. lease_suffix
   redis.call('SET', lease_key, worker .. ':' .. attempt, 'PX', lease_ms)
 end
 return {best_index, id, attempt}
@@ -366,7 +370,7 @@ def claim(
     if levels_keys is None:
         levels_keys = [keys.queue_levels(_queue_name(k)) for k in queue_keys]
     ranks = list(kind_ranks) if kind_ranks is not None else [0] * len(queue_keys)
-    args = [keys.RUNNING, keys.JOB_KEY_PREFIX, keys.EVENT_BUCKETS, keys.LEASE_SUFFIX]
+    args = [keys.RUNNING, keys.JOB_KEY_PREFIX, ",".join(keys.BUCKET_TAGS), keys.LEASE_SUFFIX]
     args.append(keys.CANCEL_SUFFIX)
     args += [worker, lease_ms, keys.LEVEL_SEPARATOR, *ranks]
     found = client.eval(_CLAIM, 2 * len(queue_keys), *queue_keys, *levels_keys, *args)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 from redis.cluster import RedisCluster
+from redis.crc import key_slot
 
 from tests.events_cluster import flush, local_cluster
 from tests.workers.conftest import TINY, record, submit, wait_done, wait_for
@@ -71,8 +72,15 @@ def test_a_jobs_stream_and_lease_share_a_slot_and_the_claim_leaves_the_lease_to_
     ids = [f"job{i}" for i in range(256)]
     slots = {events.keyslot(keys.job_events(i)) for i in ids}
     nodes = {events.get_node_from_key(keys.job_events(i)).name for i in ids}
-    assert len(slots) == len({keys.event_bucket(i) for i in ids}) > 64  # a slot a bucket
+    assert len(slots) == len({keys.event_bucket(i) for i in ids}) == keys.EVENT_BUCKETS
     assert len(nodes) == 3  # jobs spread over every shard
+
+
+def test_each_event_bucket_hashes_to_its_own_even_share_of_the_slots():
+    share = 16384 // keys.EVENT_BUCKETS
+    for bucket in range(keys.EVENT_BUCKETS):
+        slot = key_slot(keys.bucket_tag(bucket).encode())
+        assert bucket * share <= slot < (bucket + 1) * share
 
 
 def test_a_step_is_fenced_by_the_clusters_lease_and_reads_cancel_flags_on_the_queue_redis(

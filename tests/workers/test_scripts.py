@@ -194,4 +194,4 @@ def test_the_step_script_is_loaded_again_after_redis_lost_its_scripts(conn):
 def test_the_claim_names_the_lease_key_as_keys_job_lease_does(conn):
     ids = _claimed(conn, 40)  # 40 ids: many event buckets
     assert all(conn.exists(keys.job_lease(job_id)) for job_id in ids)
-    assert len({keys.event_bucket(job_id) for job_id in ids}) > 20
+    assert len({keys.event_bucket(job_id) for job_id in ids}) > keys.EVENT_BUCKETS // 2
