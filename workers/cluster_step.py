@@ -42,7 +42,7 @@ from workers.wire.events import (
     StreamError,
     decode_event,
     ending,
-    event_fields,
+    write_ending,
 )
 from workers.wire.job import CANCELLED, FAILED, FINISHED
 
@@ -290,13 +290,7 @@ def finish_from_stream(events: Any, queue: Any, job_id: str) -> str | None:
 
 def end_unclaimed(events: Any, queue: Any, job_id: str, status: str, body: dict[str, Any]) -> None:
     """The end of a job nobody holds a lease on (cancelled while queued): its terminal
-    event on the cluster, then its record and count (`wire.events.write_ending`'s split)."""
-    fields, event = ending(status, body)
-    with events.pipeline(transaction=False) as pipe:
-        pipe.xadd(keys.job_events(job_id), event_fields(event))
-        pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
-        pipe.execute()
+    event on the cluster, then its record and count (`wire.events.write_ending`)."""
     with queue.pipeline() as pipe:
-        pipe.hset(keys.job(job_id), mapping=fields)
-        pipe.hincrby(keys.METRIC_JOBS, status, 1)
+        write_ending(pipe, job_id, status, body, events)
         pipe.execute()

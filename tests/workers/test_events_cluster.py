@@ -246,3 +246,14 @@ def test_jobs_of_one_event_bucket_are_written_by_one_call_each_fenced_on_its_own
     assert node.info("commandstats")["cmdstat_evalsha"]["calls"] == 1  # one call, 3 jobs
     assert _stream(events, ours) == ["token"] and _stream(events, stolen) == []
     assert _stream(events, again) == ["token"]
+
+
+def test_a_job_cancelled_while_queued_ends_in_its_stream_on_the_cluster(
+    conn, events, settings, start_worker
+):
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "never", "max_tokens": 5})
+    conn.set(keys.job_cancel(job_id), "1")
+    start_worker(events=settings)
+    ended = wait_done(conn, job_id)
+    assert ended.status == "cancelled" and ended.attempts == 0
+    assert _stream(events, job_id) == ["error"] and not conn.exists(keys.job_events(job_id))

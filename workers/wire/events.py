@@ -230,12 +230,19 @@ def ending(status: str, body: dict[str, Any]) -> tuple[dict[str, str], Event]:
     return fields, encode(event)
 
 
-def write_ending(pipe: Any, job_id: str, status: str, body: dict[str, Any]) -> None:
+def write_ending(
+    pipe: Any, job_id: str, status: str, body: dict[str, Any], events: Any = None
+) -> None:
     """Queue on `pipe` the end of a job nobody holds a lease on (cancelled while queued, or
     refused): record fields, terminal event, and its count in `METRIC_JOBS`. A job a worker
-    runs ends through the fenced `scripts.append` with the same `ending`."""
+    runs ends through the fenced `scripts.append` with the same `ending`. With `events` (the
+    events cluster's client, `wire.broker.EventsSettings`) the terminal event is written
+    there now, before the record's end that `pipe` carries (the stream ends first)."""
     fields, event = ending(status, body)
     pipe.hset(keys.job(job_id), mapping=fields)
-    pipe.xadd(keys.job_events(job_id), event_fields(event))
-    pipe.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
+    stream = pipe if events is None else events.pipeline(transaction=False)
+    stream.xadd(keys.job_events(job_id), event_fields(event))
+    stream.expire(keys.job_events(job_id), JOB_TTL_SECONDS)
+    if stream is not pipe:
+        stream.execute()
     pipe.hincrby(keys.METRIC_JOBS, status, 1)
