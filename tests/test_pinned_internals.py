@@ -10,7 +10,7 @@ argument lists changed between rq versions, so they are pinned too.
 
 gunicorn: api/gunicorn_worker.py subclasses gthread's `ThreadWorker` and uses its private
 `_DEFER` verdict and its connection bookkeeping; gunicorn has no public API for deferring a
-connection.
+connection. api/gevent_worker.py (the default) uses the gevent worker's hooks.
 """
 
 from __future__ import annotations
@@ -141,3 +141,19 @@ def test_gunicorn_http2_negotiation_is_where_the_worker_looks():
     from gunicorn.http2 import negotiation
 
     has_params(negotiation.prior_knowledge_allowed, "cfg", "peer_addr")
+
+
+def test_gevent_worker_hooks_are_where_api_gevent_worker_expects():
+    """api/gevent_worker.py: the header deadline is `timeout_ctx` around the parser in
+    AsyncWorker's keep-alive loop; the body is a `LengthReader` on the request's `Body`."""
+    from gunicorn.http.body import Body, LengthReader
+    from gunicorn.workers import base_async, ggevent
+
+    handle = inspect.getsource(base_async.AsyncWorker.handle)
+    assert "with self.timeout_ctx():" in handle, "AsyncWorker no longer bounds next(parser)"
+    assert "except StopIteration" in handle, "AsyncWorker no longer ends on StopIteration"
+    has_params(ggevent.GeventWorker.handle_request, "listener_name", "req", "sock", "addr")
+    has_params(ggevent.GeventWorker.handle, "listener", "client", "addr")
+    reader = LengthReader(unreader.Unreader(), 3)
+    assert reader.length == 3, "gunicorn's LengthReader has no length"
+    assert Body(reader).reader is reader, "gunicorn's Body no longer keeps its reader"

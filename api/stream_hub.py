@@ -1,0 +1,272 @@
+"""One reader per API process for every job stream its clients wait on.
+
+A waiting client (an SSE stream, a `/events` listener, a sync request waiting for its job's
+end) costs a `Follower`, a small queue and an event, not a thread and not a Redis
+connection: one reader thread (a greenlet under gunicorn's gevent worker) XREADs every
+followed stream in one blocking call, each from the last entry its followers have, and hands
+the entries out. The reader exists only while someone follows; the call is re-issued when
+the set changes: a follower added while it blocks wakes it through this process's own wake
+stream (`keys.api_wake`, one XADD per blocked call at most), so its first events are not
+held back by the block.
+
+The stream stays the only source of truth (docs/faults.md L7): a follower starts from the
+id its client gave, and a job whose record vanished, or ended without a terminal event,
+gets a synthesized one from the reader's periodic check of idle followers (F8).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from workers import keys
+from workers.wire.errors import cancelled_error, error_body
+from workers.wire.events import StreamDone, StreamError, StreamEvent, decode, is_terminal
+from workers.wire.job import FAILED, FINISHED, TERMINAL_STATUSES
+from workers.wire.text import as_str
+
+log = logging.getLogger(__name__)
+
+BLOCK_MS = 1000  # below the client's 2 s socket timeout (api.config.REDIS_SOCKET_TIMEOUT)
+COUNT = 256  # entries per stream and call; a longer backlog takes several calls
+CHECK_SECONDS = 1.0  # how often idle followers' job records are looked at
+IDLE_SECONDS = 0.5  # a follower with no event for this long has its record checked
+LOST_GRACE_SECONDS = 5.0  # a terminal record without a terminal event after this is repaired
+RETRY_SECONDS = 0.2  # after a failed XREAD (its followers were told), before the next
+WAKE_TTL_SECONDS = 3600
+CHECK_BATCH = 500  # job records read per pipeline in a check
+
+
+@dataclass
+class Event:
+    """A job event as a reader meets it: its stream entry id (the SSE `id:`) and what it says."""
+
+    id: str
+    message: StreamEvent
+
+    @property
+    def kind(self) -> str:
+        return self.message.kind
+
+    @property
+    def terminal(self) -> bool:
+        return is_terminal(self.message)
+
+
+def entry_id(value: str) -> tuple[int, int]:
+    """A stream entry id as numbers, for ordering ("0" is the start)."""
+    ms, _, seq = value.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(eq=False)
+class Follower:
+    """One client's place in one job's stream: events the reader delivered and not yet
+    taken, and the event that wakes the client's thread (or greenlet)."""
+
+    job_id: str
+    last: str
+    key: str = ""
+    events: deque[Event] = field(default_factory=deque)
+    wake: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    active_at: float = field(default_factory=time.monotonic)
+    ended: bool = False
+
+    def __post_init__(self) -> None:
+        self.key = keys.job_events(self.job_id)
+        self.position = entry_id(self.last)
+
+    def take(self, timeout: float) -> list[Event]:
+        """What arrived since the last call, waiting up to `timeout` for something (or for
+        `wake` set by someone else: the caller then finds an empty list). Raises the error
+        that stopped the reader for this follower (Redis unreachable)."""
+        if not self.events and self.error is None:
+            self.wake.wait(timeout)
+        self.wake.clear()  # before draining: an event added meanwhile sets it again
+        taken = []
+        while self.events:
+            taken.append(self.events.popleft())
+        if not taken and self.error is not None:
+            raise self.error
+        return taken
+
+    def deliver(self, event: Event) -> None:
+        self.events.append(event)
+        self.last, self.position = event.id, entry_id(event.id)
+        self.active_at = time.monotonic()
+        self.ended = self.ended or event.terminal
+        self.wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.wake.set()
+
+
+class StreamHub:
+    """The reader of one API process (`follow`, `leave`); `app.extensions["streams"]`."""
+
+    def __init__(self, conn: redis.Redis, block_ms: int = BLOCK_MS) -> None:
+        self.conn = conn
+        self.block_ms = block_ms
+        self.wake_key = keys.api_wake(uuid.uuid4().hex)
+        self._wake_last = "0"
+        self._by_key: dict[str, set[Follower]] = {}
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._reading = False  # a snapshot was taken and its XREAD may be blocking
+        self._woken = False  # a wake was sent for the current call
+        self._checked = time.monotonic()
+
+    @property
+    def open(self) -> int:
+        """Followers now (the `llmq_api_streams_open` gauge)."""
+        with self._lock:
+            return sum(len(f) for f in self._by_key.values())
+
+    def follow(self, job_id: str, after: str = "0") -> Follower:
+        follower = Follower(job_id, after)
+        with self._lock:
+            self._by_key.setdefault(follower.key, set()).add(follower)
+            self._start_reader()
+            wake = self._reading and not self._woken
+            self._woken = self._woken or wake
+        if wake:
+            self._wake()
+        return follower
+
+    def leave(self, follower: Follower) -> None:
+        with self._lock:
+            self._drop(follower)
+
+    def _drop(self, follower: Follower) -> None:
+        followers = self._by_key.get(follower.key)
+        if followers is not None:
+            followers.discard(follower)
+            if not followers:
+                del self._by_key[follower.key]
+
+    def _start_reader(self) -> None:
+        if self._pid != os.getpid():  # forked after it started: the thread stayed behind
+            self._pid, self._reader = os.getpid(), None
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._run, name="llmq-streams", daemon=True)
+            self._reader.start()
+
+    def _wake(self) -> None:
+        try:
+            with self.conn.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.expire(self.wake_key, WAKE_TTL_SECONDS)
+                pipe.execute()
+        except redis.RedisError as exc:  # the reader comes round within its block anyway
+            log.debug("stream reader not woken: %s", exc)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._by_key:
+                    self._reader, self._reading = None, False
+                    return
+                streams = {key: _earliest(fs) for key, fs in self._by_key.items()}
+                self._reading, self._woken = True, False
+            streams[self.wake_key] = self._wake_last
+            try:
+                reply = self.conn.xread(streams, count=COUNT, block=self._block())
+                self._deliver(reply or [])
+                if time.monotonic() - self._checked >= CHECK_SECONDS:
+                    self._check_idle()
+            except redis.RedisError as exc:
+                self._fail_all(exc)
+                time.sleep(RETRY_SECONDS)
+            except Exception:  # never leave followers waiting on a dead reader
+                log.exception("stream reader failed")
+                self._fail_all(redis.RedisError("the stream reader failed"))
+                time.sleep(RETRY_SECONDS)
+            finally:
+                self._reading = False
+
+    def _block(self) -> int:
+        left = CHECK_SECONDS - (time.monotonic() - self._checked)
+        return max(1, min(self.block_ms, int(left * 1000)))
+
+    def _deliver(self, reply: Iterable[Any]) -> None:
+        for raw_key, entries in reply:
+            key = as_str(raw_key)
+            if key == self.wake_key:
+                self._wake_last = as_str(entries[-1][0]) if entries else self._wake_last
+                continue
+            with self._lock:
+                followers = list(self._by_key.get(key, ()))
+            for raw_id, fields in entries:
+                event = Event(as_str(raw_id), decode(fields))
+                position = entry_id(event.id)
+                for follower in followers:
+                    if position > follower.position and not follower.ended:
+                        follower.deliver(event)
+            with self._lock:
+                for follower in followers:
+                    if follower.ended:
+                        self._drop(follower)  # nothing follows a terminal event
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            followers = [f for fs in self._by_key.values() for f in fs]
+            self._by_key.clear()
+        for follower in followers:
+            follower.fail(error)
+
+    def _check_idle(self) -> None:
+        """A terminal event for each idle follower whose job record is gone, or terminal
+        for LOST_GRACE_SECONDS without one in the stream (docs/faults.md F8)."""
+        self._checked = now = time.monotonic()
+        with self._lock:
+            idle = [
+                f for fs in self._by_key.values() for f in fs if now - f.active_at >= IDLE_SECONDS
+            ]
+        for start in range(0, len(idle), CHECK_BATCH):
+            batch = idle[start : start + CHECK_BATCH]
+            with self.conn.pipeline(transaction=False) as pipe:
+                for follower in batch:
+                    pipe.hmget(keys.job(follower.job_id), ["status", "result", "error"])
+                records = pipe.execute()
+            for follower, raw in zip(batch, records, strict=True):
+                event = repair(follower.job_id, follower.last, raw, now - follower.active_at)
+                if event is not None:
+                    follower.deliver(event)
+                    self.leave(follower)
+
+
+def _earliest(followers: set[Follower]) -> str:
+    return min(followers, key=lambda f: f.position).last
+
+
+def repair(job_id: str, last: str, raw: list[Any], idle: float) -> Event | None:
+    """The terminal event a follower idle for `idle` seconds should get, given its job
+    record's `status`, `result` and `error` fields (`raw`); None while it should wait."""
+    status = as_str(raw[0]) if raw[0] is not None else None
+    if status is None:
+        error = error_body(
+            f"Job {job_id} no longer exists (expired or lost).",
+            code="job_lost",
+            status=404,
+        )
+        return Event(last, StreamError.from_data(error))
+    if status in TERMINAL_STATUSES and idle >= LOST_GRACE_SECONDS:
+        if status == FINISHED and raw[1] is not None:
+            return Event(last, StreamDone.from_data(json.loads(raw[1])))
+        if status == FAILED and raw[2] is not None:
+            return Event(last, StreamError.from_data(json.loads(raw[2])))
+        return Event(last, StreamError.from_data(cancelled_error()))
+    return None
