@@ -193,7 +193,10 @@ def stream(record: JobRecord, req: Any) -> Response:
         finished = False
         last_sent = time.monotonic()
         try:
-            for chunk in chunks.start():
+            first = chunks.start()
+            if not first:  # the headers go out with the first bytes: now, not at the 1st token
+                yield ": ping\n\n"
+            for chunk in first:
                 yield _data(chunk)
             for event in follow(hub, record.id, tick=idle_tick(ping), watch=watch):
                 if watch.gone():

@@ -241,9 +241,21 @@ class StreamHub:
                 for follower in batch:
                     pipe.hmget(keys.job(follower.job_id), ["status", "result", "error"])
                 records = pipe.execute()
+            repairs = []
             for follower, raw in zip(batch, records, strict=True):
                 event = repair(follower.job_id, follower.last, raw, now - follower.active_at)
                 if event is not None:
+                    repairs.append((follower, event))
+            if not repairs:
+                continue
+            # a job may have ended after the last XREAD: its events are then in the stream,
+            # and the next XREAD hands them out; only a stream with nothing more is repaired
+            with self.conn.pipeline(transaction=False) as pipe:
+                for follower, _ in repairs:
+                    pipe.xrange(follower.key, min=f"({follower.last}", count=1)
+                pending = pipe.execute()
+            for (follower, event), more in zip(repairs, pending, strict=True):
+                if not more:
                     follower.deliver(event)
                     self.leave(follower)
 
