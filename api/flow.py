@@ -194,8 +194,8 @@ def stream(record: JobRecord, req: Any) -> Response:
         last_sent = time.monotonic()
         try:
             first = chunks.start()
-            if not first:  # the headers go out with the first bytes: now, not at the 1st token
-                yield ": ping\n\n"
+            if not first:  # the server sends the headers at the first write, even an empty
+                yield ""  # one: now, not at the first token (or the first ping)
             for chunk in first:
                 yield _data(chunk)
             for event in follow(hub, record.id, tick=idle_tick(ping), watch=watch):

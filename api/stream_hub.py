@@ -43,6 +43,10 @@ CHECK_SECONDS = 1.0  # how often idle followers' job records are looked at
 IDLE_SECONDS = 0.5  # a follower with no event for this long has its record checked
 LOST_GRACE_SECONDS = 5.0  # a terminal record without a terminal event after this is repaired
 RETRY_SECONDS = 0.2  # after a failed XREAD (its followers were told), before the next
+# A reply later than the socket timeout (a busy process or Redis) is read again from the same
+# ids this many times before the followers are told the broker is down: one stall must not
+# end every open stream with `broker_down` while Redis is up.
+STALLS_TOLERATED = 2
 WAKE_TTL_SECONDS = 3600
 CHECK_BATCH = 500  # job records read per pipeline in a check
 
@@ -174,6 +178,7 @@ class StreamHub:
             log.debug("stream reader not woken: %s", exc)
 
     def _run(self) -> None:
+        stalls = 0
         while True:
             with self._lock:
                 if not self._by_key:
@@ -184,9 +189,17 @@ class StreamHub:
             streams[self.wake_key] = self._wake_last
             try:
                 reply = self.conn.xread(streams, count=COUNT, block=self._block())
+                stalls = 0
                 self._deliver(reply or [])
                 if time.monotonic() - self._checked >= CHECK_SECONDS:
                     self._check_idle()
+            except redis.TimeoutError as exc:  # slow, not gone: the positions are kept
+                stalls += 1
+                log.warning("stream reader: Redis answered late (%d in a row)", stalls)
+                if stalls > STALLS_TOLERATED:
+                    self._fail_all(exc)
+                    time.sleep(RETRY_SECONDS)
+                continue
             except redis.RedisError as exc:
                 self._fail_all(exc)
                 time.sleep(RETRY_SECONDS)

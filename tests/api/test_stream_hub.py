@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from api.stream_hub import LOST_GRACE_SECONDS, Follower, StreamHub
+from api.stream_hub import LOST_GRACE_SECONDS, STALLS_TOLERATED, Follower, StreamHub
 from workers import keys
 from workers.wire.events import event_fields, token_event, write_ending
 from workers.wire.job import FINISHED
@@ -128,3 +128,35 @@ def test_a_broken_connection_reaches_every_follower(redis_url: str) -> None:
         with pytest.raises(redis.ConnectionError):
             _drain(follower)
     assert hub.open == 0
+
+
+class _Stalling:
+    """A client whose first `stalls` XREADs time out (a reply later than the socket
+    timeout), then reads the real Redis."""
+
+    def __init__(self, conn: redis.Redis, stalls: int) -> None:
+        self.conn, self.stalls = conn, stalls
+
+    def xread(self, *args, **kwargs):
+        if self.stalls:
+            self.stalls -= 1
+            raise redis.TimeoutError("Timeout reading from socket")
+        return self.conn.xread(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.conn, name)
+
+
+def test_a_stalled_read_is_read_again_not_reported_as_broker_down(
+    real_redis: redis.Redis,
+) -> None:
+    _token(real_redis, "slow", 0)
+    _finish(real_redis, "slow")
+    hub = StreamHub(_Stalling(real_redis, STALLS_TOLERATED))
+    assert [e.kind for e in _drain(hub.follow("slow"))] == ["token", "done"]
+
+
+def test_a_read_that_keeps_stalling_ends_the_streams(real_redis: redis.Redis) -> None:
+    hub = StreamHub(_Stalling(real_redis, STALLS_TOLERATED + 1))
+    with pytest.raises(redis.TimeoutError):
+        _drain(hub.follow("stuck"))
