@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 BLOCK_MS = 1000  # below the client's 2 s socket timeout (api.config.REDIS_SOCKET_TIMEOUT)
 COUNT = 256  # entries per stream and call; a longer backlog takes several calls
-CHECK_SECONDS = 1.0  # how often idle followers' job records are looked at
-IDLE_SECONDS = 0.5  # a follower with no event for this long has its record checked
+CHECK_SECONDS = 1.0  # how often the reader looks for idle followers
+IDLE_SECONDS = 0.5  # a follower with no event for this long has its record checked ...
+RECHECK_SECONDS = 2.0  # ... and again this long after (thousands of queued jobs wait)
 LOST_GRACE_SECONDS = 5.0  # a terminal record without a terminal event after this is repaired
 RETRY_SECONDS = 0.2  # after a failed XREAD (its followers were told), before the next
 # A reply later than the socket timeout (a busy process or Redis) is read again from the same
@@ -48,6 +49,12 @@ RETRY_SECONDS = 0.2  # after a failed XREAD (its followers were told), before th
 # end every open stream with `broker_down` while Redis is up.
 STALLS_TOLERATED = 2
 WAKE_TTL_SECONDS = 3600
+# With more than PAUSE_ABOVE streams followed, a call re-issued at once after a join waits
+# until JOIN_PAUSE after the previous one began, and after events until EVENT_PAUSE: at
+# 2,000 streams a call cost Redis ~1 ms, and one per join took its CPU (bench/streams.py).
+PAUSE_ABOVE = 64
+JOIN_PAUSE = 0.05
+EVENT_PAUSE = 0.002
 CHECK_BATCH = 500  # job records read per pipeline in a check
 
 
@@ -85,6 +92,7 @@ class Follower:
     wake: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     active_at: float = field(default_factory=time.monotonic)
+    checked_at: float = 0.0  # when the reader last looked at its job record
     ended: bool = False
 
     def __post_init__(self) -> None:
@@ -188,9 +196,15 @@ class StreamHub:
                 self._reading, self._woken = True, False
             streams[self.wake_key] = self._wake_last
             try:
+                issued = time.monotonic()
                 reply = self.conn.xread(streams, count=COUNT, block=self._block())
                 stalls = 0
-                self._deliver(reply or [])
+                woken = self._deliver(reply or [])
+                # Each call costs Redis and this process O(streams followed): a burst of
+                # joins (or of events) is gathered for a moment instead of one call each
+                pause = (JOIN_PAUSE if woken else EVENT_PAUSE) - (time.monotonic() - issued)
+                if reply and pause > 0 and len(streams) > PAUSE_ABOVE:
+                    time.sleep(pause)
                 if time.monotonic() - self._checked >= CHECK_SECONDS:
                     self._check_idle()
             except redis.TimeoutError as exc:  # slow, not gone: the positions are kept
@@ -214,11 +228,14 @@ class StreamHub:
         left = CHECK_SECONDS - (time.monotonic() - self._checked)
         return max(1, min(self.block_ms, int(left * 1000)))
 
-    def _deliver(self, reply: Iterable[Any]) -> None:
+    def _deliver(self, reply: Iterable[Any]) -> bool:
+        """Hand out what one XREAD returned; whether it held a wake (a join)."""
+        woken = False
         for raw_key, entries in reply:
             key = as_str(raw_key)
             if key == self.wake_key:
                 self._wake_last = as_str(entries[-1][0]) if entries else self._wake_last
+                woken = True
                 continue
             with self._lock:
                 followers = list(self._by_key.get(key, ()))
@@ -232,6 +249,7 @@ class StreamHub:
                 for follower in followers:
                     if follower.ended:
                         self._drop(follower)  # nothing follows a terminal event
+        return woken
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -246,8 +264,13 @@ class StreamHub:
         self._checked = now = time.monotonic()
         with self._lock:
             idle = [
-                f for fs in self._by_key.values() for f in fs if now - f.active_at >= IDLE_SECONDS
+                f
+                for fs in self._by_key.values()
+                for f in fs
+                if now - f.active_at >= IDLE_SECONDS and now - f.checked_at >= RECHECK_SECONDS
             ]
+        for follower in idle:
+            follower.checked_at = now
         for start in range(0, len(idle), CHECK_BATCH):
             batch = idle[start : start + CHECK_BATCH]
             with self.conn.pipeline(transaction=False) as pipe:

@@ -123,6 +123,11 @@ def gauges(port: int, name: str) -> list[float]:
     return sorted(seen.values())
 
 
+def redis_cpu(conn: redis.Redis) -> float:
+    cpu = conn.info("cpu")
+    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
 def statuses(conn: redis.Redis) -> dict[str, int]:
     counts: dict[str, int] = {}
     for key in conn.scan_iter(keys.job("*"), count=5000):
@@ -135,6 +140,8 @@ def statuses(conn: redis.Redis) -> dict[str, int]:
 async def run_n(n: int, rate: float, port: int, conn: redis.Redis, master) -> dict:
     procs = api_processes(master)
     base_rss = rss(procs)
+    conn.config_resetstat()
+    cpu_before = redis_cpu(conn)
     streams = [Stream(i) for i in range(n)]
     tasks = []
     started = time.monotonic()
@@ -155,6 +162,8 @@ async def run_n(n: int, rate: float, port: int, conn: redis.Redis, master) -> di
             errors[label] = errors.get(label, 0) + 1
     now_rss = rss(procs)
     info = conn.info("clients")
+    commands = conn.info("commandstats")
+    redis_cpu_s = redis_cpu(conn) - cpu_before
     result = {
         "streams": n,
         "opened_in_s": round(opened_s, 1),
@@ -170,6 +179,12 @@ async def run_n(n: int, rate: float, port: int, conn: redis.Redis, master) -> di
         "redis_connections_per_process": gauges(port, "llmq_api_redis_connections_open"),
         "redis_connected_clients": info.get("connected_clients"),
         "jobs": statuses(conn),
+        "redis_cpu_s_while_opening": round(redis_cpu_s, 2),
+        "redis_calls": {
+            name.removeprefix("cmdstat_"): (stat["calls"], stat["usec_per_call"])
+            for name, stat in commands.items()
+            if stat["calls"] >= n // 10
+        },
     }
     gone = ok[:HANG_UPS]
     hung_up = time.monotonic()

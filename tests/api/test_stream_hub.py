@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import redis
 
-from api.stream_hub import LOST_GRACE_SECONDS, STALLS_TOLERATED, Follower, StreamHub
+from api.stream_hub import (
+    LOST_GRACE_SECONDS,
+    RECHECK_SECONDS,
+    STALLS_TOLERATED,
+    Follower,
+    StreamHub,
+)
 from workers import keys
 from workers.wire.events import event_fields, token_event, write_ending
 from workers.wire.job import FINISHED
@@ -105,6 +111,7 @@ def test_an_ended_job_without_a_terminal_event_is_repaired_after_the_grace(
     hub._check_idle()
     assert not follower.events
     follower.active_at -= LOST_GRACE_SECONDS
+    follower.checked_at -= RECHECK_SECONDS  # as if the reader's next look were due
     hub._check_idle()
     assert [e.kind for e in follower.events] == ["done"]
     assert hub.open == 0
