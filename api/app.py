@@ -21,7 +21,7 @@ from api.config import broker_settings, from_env, make_redis, redis_conn
 from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
-from api.stream_hub import StreamHub
+from api.stream_hub import MAX_READERS, StreamHub
 from workers.wire.broker import Replication
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,10 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     broker = broker_settings(app.config)
     client = app.config.get("REDIS_CLIENT") or make_redis(broker, app.config["REDIS_CONNECTIONS"])
     app.extensions["redis"] = client
-    app.extensions["streams"] = StreamHub(client)  # one XREAD for every waiting client
+    # the readers of every waiting client's job stream, on connections of their own (each
+    # holds one while it blocks): LLMQ_API_REDIS_CONNECTIONS stays the requests' bound
+    streams = app.config.get("REDIS_CLIENT") or make_redis(broker, MAX_READERS + 4)
+    app.extensions["streams"] = StreamHub(streams)
     # with Sentinels, a 202 waits for the job to reach the replicas (`wire.broker`)
     app.extensions["replication"] = app.config.get("REPLICATION") or Replication.of(broker)
     app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template

@@ -211,23 +211,26 @@ class ProcessCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         pid = [str(os.getpid())]
-        pool = self.conn.connection_pool
-        bound = getattr(pool, "max_connections", None)
+        pools = [self.conn.connection_pool]
+        if self.streams is not None and self.streams.conn.connection_pool is not pools[0]:
+            pools.append(self.streams.conn.connection_pool)  # the stream readers' own
+        bounded = [p for p in pools if isinstance(p, BoundedPool)]
         for name, doc, value in (
             (
                 "llmq_api_redis_connections_max",
-                "Redis connections this API process may open (LLMQ_API_REDIS_CONNECTIONS).",
-                bound,
+                "Redis connections this API process may open (LLMQ_API_REDIS_CONNECTIONS "
+                "for requests, plus its stream readers').",
+                sum(p.max_connections for p in bounded) if bounded else None,
             ),
             (
                 "llmq_api_redis_connections_in_use",
                 "Redis connections of this API process handed out now.",
-                pool.in_use() if isinstance(pool, BoundedPool) else None,
+                sum(p.in_use() for p in bounded) if bounded else None,
             ),
             (
                 "llmq_api_redis_connections_open",
                 "Redis connections this API process has open (in use or idle).",
-                len(getattr(pool, "_connections", ())) if isinstance(pool, BoundedPool) else None,
+                sum(len(p._connections) for p in bounded) if bounded else None,
             ),
             (
                 "llmq_api_streams_open",

@@ -1,13 +1,14 @@
-"""One reader per API process for every job stream its clients wait on.
+"""The readers of one API process for every job stream its clients wait on.
 
 A waiting client (an SSE stream, a `/events` listener, a sync request waiting for its job's
 end) costs a `Follower`, a small queue and an event, not a thread and not a Redis
-connection: one reader thread (a greenlet under gunicorn's gevent worker) XREADs every
-followed stream in one blocking call, each from the last entry its followers have, and hands
-the entries out. The reader exists only while someone follows; the call is re-issued when
-the set changes: a follower added while it blocks wakes it through this process's own wake
-stream (`keys.api_wake`, one XADD per blocked call at most), so its first events are not
-held back by the block.
+connection: a reader thread (a greenlet under gunicorn's gevent worker) XREADs a group of up
+to GROUP_SIZE followed streams in one blocking call, each from the last entry its followers
+have, and hands the entries out; a process has up to MAX_READERS of them (`StreamHub`). A
+reader exists only while someone follows; its call is re-issued when its group changes: a
+follower added while it blocks wakes it through the reader's own wake stream
+(`keys.api_wake`, one XADD per blocked call at most), so its first events are not held back
+by the block.
 
 The stream stays the only source of truth (docs/faults.md L7): a follower starts from the
 id its client gave, and a job whose record vanished, or ended without a terminal event,
@@ -49,6 +50,8 @@ RETRY_SECONDS = 0.2  # after a failed XREAD (its followers were told), before th
 # end every open stream with `broker_down` while Redis is up.
 STALLS_TOLERATED = 2
 WAKE_TTL_SECONDS = 3600
+GROUP_SIZE = 256  # streams per XREAD (one reader) while readers are left ...
+MAX_READERS = 16  # ... and readers per process: connections held blocking
 # With more than PAUSE_ABOVE streams followed, a call re-issued at once after a join waits
 # until JOIN_PAUSE after the previous one began, and after events until EVENT_PAUSE: at
 # 2,000 streams a call cost Redis ~1 ms, and one per join took its CPU (bench/streams.py).
@@ -87,6 +90,7 @@ class Follower:
 
     job_id: str
     last: str
+    reader: StreamReader | None = None
     key: str = ""
     events: deque[Event] = field(default_factory=deque)
     wake: threading.Event = field(default_factory=threading.Event)
@@ -126,7 +130,58 @@ class Follower:
 
 
 class StreamHub:
-    """The reader of one API process (`follow`, `leave`); `app.extensions["streams"]`."""
+    """The readers of one API process (`follow`, `leave`); `app.extensions["streams"]`.
+
+    An XREAD costs Redis and this process in proportion to the streams it names (26 ms for
+    5,000 on this 2-core EPYC), and it is re-issued at every join and after every event, so
+    the followed streams are split between up to `max_readers` readers of `group_size`
+    streams each (more each once all readers are full): a join or an event re-issues one
+    group's call. Each reader holds one connection while it blocks."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        block_ms: int = BLOCK_MS,
+        group_size: int = GROUP_SIZE,
+        max_readers: int = MAX_READERS,
+    ) -> None:
+        self.conn = conn
+        self.block_ms = block_ms
+        self.group_size = group_size
+        self.max_readers = max_readers
+        self.readers: list[StreamReader] = []
+        self._lock = threading.Lock()
+
+    @property
+    def open(self) -> int:
+        """Followers now (the `llmq_api_streams_open` gauge)."""
+        return sum(reader.open for reader in list(self.readers))
+
+    def follow(self, job_id: str, after: str = "0") -> Follower:
+        key = keys.job_events(job_id)
+        with self._lock:
+            reader = self._reader_for(key)
+        return reader.follow(job_id, after)
+
+    def leave(self, follower: Follower) -> None:
+        if follower.reader is not None:
+            follower.reader.leave(follower)
+
+    def _reader_for(self, key: str) -> StreamReader:
+        for reader in self.readers:
+            if reader.reads(key):
+                return reader  # one job's followers share its reader's one read
+        for reader in self.readers:
+            if reader.size < self.group_size:
+                return reader
+        if len(self.readers) < self.max_readers:
+            self.readers.append(StreamReader(self.conn, self.block_ms))
+            return self.readers[-1]
+        return min(self.readers, key=lambda r: r.size)
+
+
+class StreamReader:
+    """One blocking XREAD over a group of followed streams, in its own thread (greenlet)."""
 
     def __init__(self, conn: redis.Redis, block_ms: int = BLOCK_MS) -> None:
         self.conn = conn
@@ -143,12 +198,20 @@ class StreamHub:
 
     @property
     def open(self) -> int:
-        """Followers now (the `llmq_api_streams_open` gauge)."""
+        """Followers now."""
         with self._lock:
             return sum(len(f) for f in self._by_key.values())
 
+    @property
+    def size(self) -> int:
+        """Streams this reader reads."""
+        return len(self._by_key)
+
+    def reads(self, key: str) -> bool:
+        return key in self._by_key
+
     def follow(self, job_id: str, after: str = "0") -> Follower:
-        follower = Follower(job_id, after)
+        follower = Follower(job_id, after, reader=self)
         with self._lock:
             self._by_key.setdefault(follower.key, set()).add(follower)
             self._start_reader()

@@ -13,6 +13,7 @@ from api.stream_hub import (
     STALLS_TOLERATED,
     Follower,
     StreamHub,
+    StreamReader,
 )
 from workers import keys
 from workers.wire.events import event_fields, token_event, write_ending
@@ -65,7 +66,7 @@ def test_followers_of_many_jobs_get_their_own_events_each_after_its_own_id(
 
 
 def test_a_follower_added_while_the_reader_blocks_wakes_it(real_redis: redis.Redis) -> None:
-    hub = StreamHub(real_redis, block_ms=900)
+    hub = StreamReader(real_redis, block_ms=900)
     waiting = hub.follow("quiet")
     real_redis.xadd(keys.job_events("noise"), {"event": "x", "data": "{}"})  # nobody follows
     for _ in range(100):  # until the reader is inside its blocking XREAD
@@ -87,7 +88,7 @@ def test_an_ended_job_whose_events_are_still_unread_is_not_repaired(
     """The reader's idle check found the record finished, but the job's tokens and its done
     event reached the stream after the last XREAD: they are handed out, not replaced by a
     synthesized done (which would drop the tokens)."""
-    hub = StreamHub(real_redis)
+    hub = StreamReader(real_redis)
     follower = Follower("ended", "0")  # not through follow(): no reader runs, the test
     with hub._lock:  # drives the check itself
         hub._by_key[follower.key] = {follower}
@@ -102,7 +103,7 @@ def test_an_ended_job_whose_events_are_still_unread_is_not_repaired(
 def test_an_ended_job_without_a_terminal_event_is_repaired_after_the_grace(
     real_redis: redis.Redis,
 ) -> None:
-    hub = StreamHub(real_redis)
+    hub = StreamReader(real_redis)
     follower = Follower("orphan", "0")  # not through follow(): no reader runs, the test
     with hub._lock:  # drives the check itself
         hub._by_key[follower.key] = {follower}
@@ -167,3 +168,23 @@ def test_a_read_that_keeps_stalling_ends_the_streams(real_redis: redis.Redis) ->
     hub = StreamHub(_Stalling(real_redis, STALLS_TOLERATED + 1))
     with pytest.raises(redis.TimeoutError):
         _drain(hub.follow("stuck"))
+
+
+def test_streams_are_split_between_readers_of_a_group_each(real_redis: redis.Redis) -> None:
+    """Each XREAD names at most `group_size` streams while readers are left (a join or an
+    event re-issues one group's call); past `max_readers` the smallest group grows. Every
+    follower still gets its events, and followers of one job share one reader."""
+    hub = StreamHub(real_redis, group_size=2, max_readers=3)
+    jobs = [f"g{i}" for i in range(7)]
+    followers = [hub.follow(job) for job in jobs]
+    twin = hub.follow("g0", "0")
+    assert len(hub.readers) == 3
+    assert sorted(r.size for r in hub.readers) == [2, 2, 3]
+    assert twin.reader is followers[0].reader
+    for job in jobs:
+        _token(real_redis, job, 0)
+        _finish(real_redis, job)
+    for follower in [*followers, twin]:
+        assert [e.kind for e in _drain(follower)] == ["token", "done"]
+        hub.leave(follower)
+    assert hub.open == 0
