@@ -17,7 +17,7 @@ from typing import Any
 from flask import Flask, Response, g, request
 
 from api import admin, batches, files, jobs, metrics, openai_api, openapi, ops, rate_limits, ui
-from api.config import broker_settings, from_env, make_redis, redis_conn
+from api.config import broker_settings, from_env, make_events, make_redis, redis_conn
 from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
@@ -42,7 +42,12 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     # the readers of every waiting client's job stream, on connections of their own (each
     # holds one while it blocks): LLMQ_API_REDIS_CONNECTIONS stays the requests' bound
     streams = app.config.get("REDIS_CLIENT") or make_redis(broker, MAX_READERS + 4)
-    app.extensions["streams"] = StreamHub(streams)
+    events = None
+    settings = app.config.get("EVENTS")
+    if settings is not None and settings.clustered:  # the streams on a Redis Cluster
+        events = app.config.get("EVENTS_CLIENT") or make_events(settings, streams)
+        app.extensions["events"] = events
+    app.extensions["streams"] = StreamHub(streams, events=events)
     # with Sentinels, a 202 waits for the job to reach the replicas (`wire.broker`)
     app.extensions["replication"] = app.config.get("REPLICATION") or Replication.of(broker)
     app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template

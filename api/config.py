@@ -15,7 +15,8 @@ import redis
 from flask import current_app
 
 from api.stream_hub import StreamHub
-from workers.wire.broker import BrokerSettings, Replication
+from workers import keys
+from workers.wire.broker import BrokerSettings, EventsSettings, Replication
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MAX_QUEUE = 1000
@@ -33,6 +34,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {
         "REDIS_URL": broker.url,  # None with Sentinels
         "BROKER": broker,
+        "EVENTS": EventsSettings.from_env(env),  # the streams' Redis Cluster, if any
         "API_KEYS": _csv(env.get("LLMQ_API_KEYS", "")),
         "ADMIN_KEY": env.get("LLMQ_ADMIN_KEY") or None,
         "MAX_QUEUE": _int("LLMQ_MAX_QUEUE", env.get("LLMQ_MAX_QUEUE"), DEFAULT_MAX_QUEUE),
@@ -101,8 +103,25 @@ def make_redis(
     )
 
 
+def make_events(settings: EventsSettings, queue: redis.Redis) -> Any:
+    """The events cluster's client (`queue` itself without one): per node, a connection
+    for each event bucket's blocking reader and a few for requests."""
+    return settings.connect(
+        queue,
+        max_connections=keys.EVENT_BUCKETS + 8,
+        socket_timeout=REDIS_SOCKET_TIMEOUT,
+        socket_connect_timeout=REDIS_SOCKET_TIMEOUT,
+    )
+
+
 def redis_conn() -> redis.Redis:
     return current_app.extensions["redis"]
+
+
+def events_conn() -> Any:
+    """Where the jobs' streams are: `redis_conn()`, or the events cluster's client
+    (`LLMQ_EVENTS_CLUSTER`, `workers.wire.broker.EventsSettings`)."""
+    return current_app.extensions.get("events") or redis_conn()
 
 
 def stream_hub() -> StreamHub:

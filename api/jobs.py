@@ -13,7 +13,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from api import store
 from api.auth import caller_scope, require_api_key
 from api.body import json_object
-from api.config import redis_conn, stream_hub
+from api.config import events_conn, redis_conn, stream_hub
 from api.errors import APIError, InvalidRequest, ServiceUnavailable, pool_exhausted
 from api.events import SSE_HEADERS, follow, idle_tick, parse_event_id, sse
 from api.flow import accepted, submit_request
@@ -78,7 +78,8 @@ def job_view(conn: Any, record: JobRecord) -> Job:
     if record.result and isinstance(record.result.get("usage"), dict):
         completion_tokens = record.result["usage"].get("completion_tokens", completion_tokens)
     elif record.status not in TERMINAL_STATUSES:
-        completion_tokens = max(completion_tokens, conn.xlen(keys.job_events(record.id)))
+        length = events_conn().xlen(keys.job_events(record.id))
+        completion_tokens = max(completion_tokens, length)
     view: dict[str, Any] = {
         "id": record.id,
         "object": "job",

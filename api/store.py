@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from flask import current_app, has_app_context
 from rq import Queue
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job
@@ -381,7 +382,7 @@ def _mark_cancelled(conn: redis.Redis, record: JobRecord) -> None:
     error = cancelled_error()
     record.status, record.finished_at, record.error = CANCELLED, time.time(), error
     pipe = conn.pipeline()
-    write_ending(pipe, record.id, CANCELLED, error)
+    write_ending(pipe, record.id, CANCELLED, error, _events_apart())
     pipe.execute()
     rate_limit.settle(conn, record.id, used=0)  # it used nothing; after, not in, the MULTI
     try:  # keep RQ's own bookkeeping honest (CanceledJobRegistry); the job never ran
@@ -389,6 +390,14 @@ def _mark_cancelled(conn: redis.Redis, record: JobRecord) -> None:
     except (NoSuchJobError, InvalidJobOperation):
         pass
     log.info("job %s cancelled while queued", record.id)
+
+
+def _events_apart() -> Any:
+    """The events cluster's client when the streams live there (`api.config.events_conn`),
+    else None: the stream is on `conn` with the record."""
+    if not has_app_context():
+        return None
+    return current_app.extensions.get("events")
 
 
 def flag_and_dequeue(conn: redis.Redis, job_id: str) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import redis
 
 from workers import keys
+from workers.wire.broker import is_cluster
 from workers.wire.errors import cancelled_error, error_body
 from workers.wire.events import StreamDone, StreamError, StreamEvent, decode, is_terminal
 from workers.wire.job import FAILED, FINISHED, TERMINAL_STATUSES
@@ -144,12 +145,19 @@ class StreamHub:
         block_ms: int = BLOCK_MS,
         group_size: int = GROUP_SIZE,
         max_readers: int = MAX_READERS,
+        events: Any = None,
     ) -> None:
-        self.conn = conn
+        self.conn = conn  # the job records (the queue Redis)
+        # the streams: `conn`, or the events cluster (`LLMQ_EVENTS_CLUSTER`), where a
+        # command's keys must share a slot: there each reader reads one event bucket's
+        # streams (`keys.event_bucket`; at most `keys.EVENT_BUCKETS` readers)
+        self.events = conn if events is None else events
+        self.by_bucket = is_cluster(self.events)
         self.block_ms = block_ms
         self.group_size = group_size
         self.max_readers = max_readers
         self.readers: list[StreamReader] = []
+        self._buckets: dict[int, StreamReader] = {}
         self._lock = threading.Lock()
 
     @property
@@ -160,12 +168,23 @@ class StreamHub:
     def follow(self, job_id: str, after: str = "0") -> Follower:
         key = keys.job_events(job_id)
         with self._lock:
-            reader = self._reader_for(key)
+            if self.by_bucket:
+                reader = self._bucket_reader(keys.event_bucket(job_id))
+            else:
+                reader = self._reader_for(key)
         return reader.follow(job_id, after)
 
     def leave(self, follower: Follower) -> None:
         if follower.reader is not None:
             follower.reader.leave(follower)
+
+    def _bucket_reader(self, bucket: int) -> StreamReader:
+        reader = self._buckets.get(bucket)
+        if reader is None:
+            reader = StreamReader(self.conn, self.block_ms, self.events, bucket)
+            self._buckets[bucket] = reader
+            self.readers.append(reader)
+        return reader
 
     def _reader_for(self, key: str) -> StreamReader:
         for reader in self.readers:
@@ -183,10 +202,19 @@ class StreamHub:
 class StreamReader:
     """One blocking XREAD over a group of followed streams, in its own thread (greenlet)."""
 
-    def __init__(self, conn: redis.Redis, block_ms: int = BLOCK_MS) -> None:
-        self.conn = conn
+    def __init__(
+        self,
+        conn: redis.Redis,
+        block_ms: int = BLOCK_MS,
+        events: Any = None,
+        bucket: int | None = None,
+    ) -> None:
+        self.conn = conn  # the job records
+        self.events = conn if events is None else events  # the streams (`StreamHub`)
         self.block_ms = block_ms
-        self.wake_key = keys.api_wake(uuid.uuid4().hex)
+        ident = uuid.uuid4().hex
+        # on an events cluster, in the slot of the one bucket this reader reads
+        self.wake_key = keys.api_wake(ident) if bucket is None else keys.api_wake_in(bucket, ident)
         self._wake_last = "0"
         self._by_key: dict[str, set[Follower]] = {}
         self._lock = threading.Lock()
@@ -241,7 +269,7 @@ class StreamReader:
 
     def _wake(self) -> None:
         try:
-            with self.conn.pipeline(transaction=False) as pipe:
+            with self.events.pipeline(transaction=False) as pipe:
                 pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
                 pipe.expire(self.wake_key, WAKE_TTL_SECONDS)
                 pipe.execute()
@@ -260,7 +288,7 @@ class StreamReader:
             streams[self.wake_key] = self._wake_last
             try:
                 issued = time.monotonic()
-                reply = self.conn.xread(streams, count=COUNT, block=self._block())
+                reply = self.events.xread(streams, count=COUNT, block=self._block())
                 stalls = 0
                 woken = self._deliver(reply or [])
                 # Each call costs Redis and this process O(streams followed): a burst of
@@ -349,7 +377,7 @@ class StreamReader:
                 continue
             # a job may have ended after the last XREAD: its events are then in the stream,
             # and the next XREAD hands them out; only a stream with nothing more is repaired
-            with self.conn.pipeline(transaction=False) as pipe:
+            with self.events.pipeline(transaction=False) as pipe:
                 for follower, _ in repairs:
                     pipe.xrange(follower.key, min=f"({follower.last}", count=1)
                 pending = pipe.execute()

@@ -228,6 +228,14 @@ batch_errors = _key_of("batch", ":errors")
 metric = _key_of("metrics")
 rate_limit = _key_of("ratelimit")  # == RATE_LIMIT_PREFIX + caller
 api_wake = _key_of("api", ":wake")  # of an API process's stream reader (`api.stream_hub`)
+
+
+def api_wake_in(bucket: int, ident: str) -> str:
+    """A stream reader's wake stream in an event bucket's slot: on an events cluster a
+    reader XREADs one bucket's streams and its wake stream in one call."""
+    return f"{PREFIX}:api:{bucket_tag(bucket)}:{ident}:wake"
+
+
 RATE_LIMIT_PREFIX = rate_limit("")  # a bucket named on a record must start with it
 
 

@@ -1,0 +1,102 @@
+"""The API and a real worker with the token events on a real local Redis Cluster
+(`LLMQ_EVENTS_CLUSTER`): streams, sync answers, a job's `/events` and a cancel on a client's
+hang-up all go through the cluster, the records stay on the queue Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from flask import Flask
+
+from api.app import create_app
+from tests.api.conftest import _published_ready, serving
+from tests.api.sse import parse
+from tests.events_cluster import flush, local_cluster
+from tests.tiny_models import write_tiny_llama
+from tests.workers.conftest import WorkerThread, wait_for
+from workers import keys
+from workers.wire.broker import EventsSettings
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-llama-cluster"
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventsSettings]:
+    with local_cluster(tmp_path_factory.mktemp("cluster")) as ports:
+        yield EventsSettings(((("127.0.0.1", ports[0])),))
+        flush(ports)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{MODEL}.gguf")
+
+
+@pytest.fixture
+def cluster_app(redis_url: str, real_redis, settings: EventsSettings) -> Iterator[Flask]:
+    config = {"TESTING": True, "REDIS_URL": redis_url, "PING_SECONDS": 0.5, "EVENTS": settings}
+    app = create_app(config)
+    yield app
+    app.extensions["redis"].close()
+
+
+@pytest.fixture
+def server(cluster_app: Flask) -> Iterator[str]:
+    with serving(cluster_app) as url:
+        yield url
+
+
+@pytest.fixture
+def worker(redis_url: str, real_redis, tiny_model: Path, settings: EventsSettings):
+    runner = WorkerThread(redis_url, [str(tiny_model)], events=settings, step_delay=0.01)
+    with runner as worker:
+        wait_for(lambda: _published_ready(real_redis, worker.name, MODEL), 30, "model ready")
+        yield worker
+
+
+def _job_ids(conn: redis.Redis) -> list[str]:
+    return [k.decode().split(":")[2] for k in conn.keys(keys.job("*")) if k.count(b":") == 2]
+
+
+def test_streams_sync_answers_and_events_come_from_the_cluster(
+    server, worker, real_redis, cluster_app
+) -> None:
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    sync = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()
+    assert sync["usage"]["completion_tokens"] == 8
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=30
+    ) as response:
+        lines = list(response.iter_lines())
+    chunks = [line for line in lines if line.startswith("data: ")]
+    assert chunks[-1] == "data: [DONE]"
+    text = "".join(m.json()["choices"][0]["text"] for m in parse(lines) if m.data != "[DONE]")
+    assert text == sync["choices"][0]["text"]
+    job = httpx.post(f"{server}/v1/completions", json=body, headers={"Prefer": "respond-async"})
+    url = f"{server}/v1/jobs/{job.json()['id']}/events"
+    events = list(parse(httpx.get(url, timeout=30).text.split("\n")))
+    assert [m.event for m in events if m.event] == ["token"] * 8 + ["done"]
+    events_client = cluster_app.extensions["events"]
+    for job_id in _job_ids(real_redis):
+        assert not real_redis.exists(keys.job_events(job_id))  # on the cluster only
+        assert events_client.xlen(keys.job_events(job_id)) == 9
+
+
+def test_a_client_that_hangs_up_cancels_its_job_on_the_cluster(server, worker, real_redis) -> None:
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 6:
+                break
+    [job_id] = _job_ids(real_redis)
+    deadline = time.monotonic() + 5
+    while real_redis.hget(keys.job(job_id), "status") != b"cancelled":
+        assert time.monotonic() < deadline, "the worker did not stop the job"
+        time.sleep(0.05)
