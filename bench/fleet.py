@@ -615,7 +615,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             commandstats = conn.info("commandstats")
             for shard in shards:
                 for name, s in shard.info("commandstats").items():
-                    mine = commandstats.setdefault(f"cluster:{name}", {"calls": 0, "usec": 0.0})
+                    label = f"cluster:{name.removeprefix('cmdstat_')}"
+                    mine = commandstats.setdefault(label, {"calls": 0, "usec": 0.0})
                     mine["calls"] = int(mine["calls"]) + int(s["calls"])
                     mine["usec"] = float(mine["usec"]) + float(s["usec"])
                     mine["usec_per_call"] = float(mine["usec"]) / max(1, int(mine["calls"]))

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from bench import fleet, redis_cost
-from workers import scripts
+from workers import keys, scripts
 
 pytestmark = pytest.mark.integration
 
@@ -46,3 +46,23 @@ def test_the_fleet_simulation_delivers_every_token_through_the_api(conn, capsys)
     assert streams.completed == streams.streams >= 4
     assert streams.tokens == result["written"] == 6 * streams.streams
     assert len(streams.lags) == streams.tokens and min(streams.lags) >= 0
+
+
+def test_the_fleet_simulation_delivers_every_token_through_an_events_cluster(
+    conn, capsys, tmp_path
+):
+    from tests.events_cluster import local_cluster
+
+    with local_cluster(tmp_path) as ports:
+        argv = ["--workers", "2", "--streams", "4", "--rate", "50", "--tokens", "6"]
+        argv += ["--events-cluster", f"127.0.0.1:{ports[0]}"]
+        result = fleet.main([*argv, "--seconds", "1", "--redis-url", REDIS_URL])
+    out = capsys.readouterr().out
+    assert "token events on a Redis Cluster of 3 primaries" in out
+    streams = result["streams"]
+    assert streams.failures == {} and result["worker_errors"] == {}
+    assert streams.completed == streams.streams >= 4
+    assert streams.tokens == result["written"] == 6 * streams.streams
+    assert len(result["per_server"]) == 4  # the queue Redis and 3 primaries
+    streams_here = [k for k in conn.keys(f"{keys.JOB_KEY_PREFIX}*") if k.endswith(b":events")]
+    assert streams_here == []  # the records are here, no job's stream
