@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -100,3 +101,23 @@ def test_a_client_that_hangs_up_cancels_its_job_on_the_cluster(server, worker, r
     while real_redis.hget(keys.job(job_id), "status") != b"cancelled":
         assert time.monotonic() < deadline, "the worker did not stop the job"
         time.sleep(0.05)
+
+
+def test_many_streams_sharing_event_buckets_each_get_exactly_their_own_events(
+    server, worker
+) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    headers = {"Prefer": "respond-async"}
+    ids = [
+        httpx.post(f"{server}/v1/completions", json=body, headers=headers).json()["id"]
+        for _ in range(keys.EVENT_BUCKETS + 8)  # more jobs than buckets: some share one
+    ]
+    assert len({keys.event_bucket(job_id) for job_id in ids}) < len(ids)
+    with ThreadPoolExecutor(len(ids)) as pool:
+        answers = list(
+            pool.map(lambda i: httpx.get(f"{server}/v1/jobs/{i}/events", timeout=60).text, ids)
+        )
+    for job_id, text in zip(ids, answers, strict=True):
+        events = [m for m in parse(text.split("\n")) if m.event]
+        assert [m.event for m in events] == ["token"] * 4 + ["done"], job_id
+        assert events[-1].json()["id"].endswith(job_id)
