@@ -507,4 +507,6 @@ class LLMQWorker:
             self.rq_worker.teardown()
         except BROKER_LOST as exc:
             log.error("worker %s: could not unregister (%s)", self.name, exc)
+        if self.events is not self.connection:
+            self.events.close()  # the events cluster's connections
         log.info("worker %s: stopped", self.name)

@@ -15,6 +15,7 @@ from redis.crc import key_slot
 from tests.events_cluster import flush, local_cluster
 from tests.workers.conftest import TINY, record, submit, wait_done, wait_for
 from workers import cluster_step, keys, scripts
+from workers.event_writer import EventWriter
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.recovery import Reaper
@@ -257,3 +258,27 @@ def test_a_job_cancelled_while_queued_ends_in_its_stream_on_the_cluster(
     ended = wait_done(conn, job_id)
     assert ended.status == "cancelled" and ended.attempts == 0
     assert _stream(events, job_id) == ["error"] and not conn.exists(keys.job_events(job_id))
+
+
+def test_a_step_whose_record_write_failed_is_sent_again_and_ends_the_job_once(conn, events):
+    """docs/faults.md C2: the events landed on the cluster, the queue Redis's round trip
+    failed; the writer sends the step again as it was."""
+    job_id = _claim(conn, events)
+    record_ = record(conn, job_id)
+    job = ActiveJob(record_, 1, "w:1", None, None)
+    done = {"id": "cmpl", "usage": {"prompt_tokens": 2, "completion_tokens": 1}}
+    job.pending.append(TOKEN)
+    job.result = done
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2)  # the queue Redis, down
+    writer = EventWriter(dead, "w", own_models=set(), events=events)
+    writer.send([job], None, background=True)  # as the worker's loop sends a step
+    with pytest.raises(redis.ConnectionError):
+        writer.collect()
+    assert _stream(events, job_id) == ["token", "done"]  # write 1 landed
+    assert record(conn, job_id).status == "queued"  # write 2 did not
+    writer.connection = conn  # the queue Redis is back
+    assert writer.flush([job], None).finished == [job]  # the kept step, sent first
+    writer.close()
+    assert _stream(events, job_id) == ["token", "done"]  # nothing appended twice
+    assert record(conn, job_id).status == "finished" and not conn.smembers(keys.RUNNING)
+    assert conn.hget(keys.METRIC_JOBS, "finished") == b"1"
