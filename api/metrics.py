@@ -237,12 +237,25 @@ class ProcessCollector(Collector):
                 "Clients of this API process waiting on a job's events (streams, sync calls).",
                 self.streams.open if self.streams is not None else None,
             ),
+            (
+                "llmq_api_events_connections_open",
+                "Connections this API process has open to the events cluster's nodes "
+                "(LLMQ_EVENTS_CLUSTER; at most one blocking reader a followed event bucket).",
+                self._events_open(),
+            ),
         ):
             if value is None:
                 continue
             family = GaugeMetricFamily(name, doc, labels=["pid"])
             family.add_metric(pid, value)
             yield family
+
+    def _events_open(self) -> int | None:
+        if self.streams is None or not self.streams.by_bucket:
+            return None
+        pools = [n.redis_connection.connection_pool for n in self.streams.events.get_nodes()
+                 if n.redis_connection is not None]  # fmt: skip
+        return sum(getattr(p, "_created_connections", 0) for p in pools)
 
 
 def render(conn: redis.Redis, streams: StreamHub | None = None) -> bytes:

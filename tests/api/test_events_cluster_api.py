@@ -88,6 +88,9 @@ def test_streams_sync_answers_and_events_come_from_the_cluster(
     for job_id in _job_ids(real_redis):
         assert not real_redis.exists(keys.job_events(job_id))  # on the cluster only
         assert events_client.xlen(keys.job_events(job_id)) == 9
+    metrics = httpx.get(f"{server}/metrics").text
+    [line] = [m for m in metrics.splitlines() if m.startswith("llmq_api_events_connections_open")]
+    assert 1 <= float(line.split()[-1]) <= 3 * (keys.EVENT_BUCKETS + 8)
 
 
 def test_a_client_that_hangs_up_cancels_its_job_on_the_cluster(server, worker, real_redis) -> None:
