@@ -50,10 +50,11 @@ def run_api(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("llmq api: --workers must be at least 1", file=sys.stderr)
         return 2
-    from workers.wire.broker import BrokerConfigError, BrokerSettings
+    from workers.wire.broker import BrokerConfigError, BrokerSettings, EventsSettings
 
     try:  # REDIS_URL and REDIS_SENTINELS both set: one line now, not a traceback per process
         BrokerSettings.from_env()
+        EventsSettings.from_env()  # LLMQ_EVENTS_CLUSTER unreadable: the same
     except BrokerConfigError as exc:
         print(f"llmq api: {exc}", file=sys.stderr)
         return 2

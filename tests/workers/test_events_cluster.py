@@ -19,7 +19,7 @@ from workers.event_writer import EventWriter
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.recovery import Reaper
-from workers.wire.broker import EventsSettings
+from workers.wire.broker import BrokerConfigError, EventsSettings
 from workers.wire.errors import cancelled_error
 from workers.wire.events import decode_event
 from workers.wire.job import JobRecord
@@ -282,3 +282,14 @@ def test_a_step_whose_record_write_failed_is_sent_again_and_ends_the_job_once(co
     assert _stream(events, job_id) == ["token", "done"]  # nothing appended twice
     assert record(conn, job_id).status == "finished" and not conn.smembers(keys.RUNNING)
     assert conn.hget(keys.METRIC_JOBS, "finished") == b"1"
+
+
+def test_the_setting_names_host_port_nodes_and_unset_changes_nothing():
+    assert not EventsSettings.from_env({}).clustered
+    queue = redis.Redis()
+    assert EventsSettings.from_env({}).connect(queue) is queue  # one Redis, one client
+    nodes = EventsSettings.from_env({"LLMQ_EVENTS_CLUSTER": "10.0.0.1:7000, [::1]:7001"})
+    assert nodes.nodes == (("10.0.0.1", 7000), ("::1", 7001))
+    assert nodes.env() == {"LLMQ_EVENTS_CLUSTER": "10.0.0.1:7000,::1:7001"}
+    with pytest.raises(BrokerConfigError, match="LLMQ_EVENTS_CLUSTER must list host:port"):
+        EventsSettings.from_env({"LLMQ_EVENTS_CLUSTER": "10.0.0.1"})
