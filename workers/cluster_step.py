@@ -30,7 +30,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ConnectionError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 
 from workers import keys, resp, scripts
 from workers.wire import rate_limit
@@ -119,6 +126,9 @@ return table.concat(out)
 """
 )
 
+# error replies of a cluster whose slots are moving or whose primary is being replaced
+MOVING = (AskError, TryAgainError, ClusterDownError)  # MovedError is an AskError
+
 APPEND_EVENTS = scripts.LoadedScript(_APPEND_EVENTS)
 RECORD_STEP = scripts.LoadedScript(_RECORD_STEP)
 
@@ -180,6 +190,10 @@ def per_node(
         for i, reply in zip(missing, again, strict=True):
             replies[i] = reply
     for reply in replies:
+        if isinstance(reply, MOVING):
+            # the slot moved or the cluster is electing: away for now, as a lost
+            # connection is (every room backs off and sends the same step again)
+            raise ConnectionError(f"events cluster: {reply}") from reply
         if isinstance(reply, Exception):
             raise reply
     return replies
@@ -221,7 +235,7 @@ def _pipelined(
     finally:
         for pool, connection, _ in sent:
             pool.release(connection)
-    if any(isinstance(r, ResponseError) and str(r).startswith(("MOVED", "ASK")) for r in replies):
+    if any(isinstance(r, MOVING) for r in replies):
         events.nodes_manager.initialize()
     return replies
 

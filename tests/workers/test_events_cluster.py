@@ -293,3 +293,19 @@ def test_the_setting_names_host_port_nodes_and_unset_changes_nothing():
     assert nodes.env() == {"LLMQ_EVENTS_CLUSTER": "10.0.0.1:7000,::1:7001"}
     with pytest.raises(BrokerConfigError, match="LLMQ_EVENTS_CLUSTER must list host:port"):
         EventsSettings.from_env({"LLMQ_EVENTS_CLUSTER": "10.0.0.1"})
+
+
+def test_a_write_sent_to_a_node_that_no_longer_holds_the_slot_is_a_lost_connection(
+    events, monkeypatch
+):
+    job_id = "moved-job"
+    events.set(keys.job_lease(job_id), "w:1")
+    owner = events.get_node_from_key(keys.job_events(job_id))
+    [other, *_] = [n for n in events.get_primaries() if n.name != owner.name]
+    monkeypatch.setattr(events, "get_node_from_key", lambda key: other)  # a stale slot map
+    entry = scripts.step_entry(job_id, "w:1", scripts.STEP_WRITE, 0, [TOKEN])
+    with pytest.raises(redis.ConnectionError, match="events cluster"):
+        cluster_step.append_events(events, [entry])
+    monkeypatch.undo()
+    assert cluster_step.append_events(events, [entry]) == [True]  # sent again: lands once
+    assert _stream(events, job_id) == ["token"]
