@@ -1,8 +1,9 @@
-"""The Flask application factory: `gunicorn -k gthread --threads 32 'api.app:create_app()'`.
+"""The Flask application factory: `gunicorn -c api/gunicorn_conf.py 'api.app:create_app()'`.
 
 One blueprint per surface (`openai`, `jobs`, `files`, `batches`, `ops`, `admin`, `ui`), one
-Redis client shared by every thread in `app.extensions["redis"]`, one error handler family
-(api.errors). This process never imports the engine: models live in worker processes.
+Redis client (a bounded pool) shared by every request in `app.extensions["redis"]`, one
+reader of job streams for every waiting client in `app.extensions["streams"]`, one error
+handler family (api.errors). This process never imports the engine: models live in worker processes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from api.config import broker_settings, from_env, make_redis, redis_conn
 from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
+from api.stream_hub import MAX_READERS, StreamHub
 from workers.wire.broker import Replication
 
 log = logging.getLogger(__name__)
@@ -35,8 +37,12 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
         app.config.update(test_config)
     app.json.sort_keys = False  # keep OpenAI's field order in bodies
     broker = broker_settings(app.config)
-    client = app.config.get("REDIS_CLIENT") or make_redis(broker)
+    client = app.config.get("REDIS_CLIENT") or make_redis(broker, app.config["REDIS_CONNECTIONS"])
     app.extensions["redis"] = client
+    # the readers of every waiting client's job stream, on connections of their own (each
+    # holds one while it blocks): LLMQ_API_REDIS_CONNECTIONS stays the requests' bound
+    streams = app.config.get("REDIS_CLIENT") or make_redis(broker, MAX_READERS + 4)
+    app.extensions["streams"] = StreamHub(streams)
     # with Sentinels, a 202 waits for the job to reach the replicas (`wire.broker`)
     app.extensions["replication"] = app.config.get("REPLICATION") or Replication.of(broker)
     app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template

@@ -12,7 +12,7 @@ from runtime.cli_options import add_command, add_listen_options
 CONF = Path(__file__).with_name("gunicorn_conf.py")
 
 
-API_HELP = """serve the HTTP API (gunicorn, threads)
+API_HELP = """serve the HTTP API (gunicorn, gevent)
 
 Serve the OpenAI-compatible HTTP API with gunicorn. Needs Redis (REDIS_URL, or
 REDIS_SENTINELS and REDIS_MASTER_NAME) and, to answer requests, at least one `llmq worker`.
@@ -26,7 +26,7 @@ def add_api_commands(sub: argparse._SubParsersAction) -> None:
         "--workers",
         type=int,
         default=int(os.environ.get("LLMQ_API_WORKERS", "2")),
-        help="gunicorn processes, each with 32 threads (default: 2)",
+        help="gunicorn processes, each holding thousands of streams (default: 2)",
     )
     api.set_defaults(handler=run_api)
 

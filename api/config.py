@@ -14,12 +14,17 @@ from typing import Any
 import redis
 from flask import current_app
 
+from api.stream_hub import StreamHub
 from workers.wire.broker import BrokerSettings, Replication
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MAX_QUEUE = 1000
 MAX_CONTENT_LENGTH = 1024 * 1024  # 1 MiB: far above any sane prompt, far below memory trouble
 REDIS_SOCKET_TIMEOUT = 2.0  # a stalled Redis turns into a 503 within ~2 s (docs/faults.md F7)
+# Redis connections per API process: waiting streams hold none (api.stream_hub), so these
+# serve submissions and reads; a request waits up to REDIS_POOL_TIMEOUT for one.
+DEFAULT_REDIS_CONNECTIONS = 32
+REDIS_POOL_TIMEOUT = 10.0
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -34,6 +39,11 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         # per API key (or client address) and minute; 0: off (api.rate_limits)
         "RATE_LIMIT_RPM": _limit("LLMQ_RATE_LIMIT_RPM", env.get("LLMQ_RATE_LIMIT_RPM")),
         "RATE_LIMIT_TPM": _limit("LLMQ_RATE_LIMIT_TPM", env.get("LLMQ_RATE_LIMIT_TPM")),
+        "REDIS_CONNECTIONS": _positive(
+            "LLMQ_API_REDIS_CONNECTIONS",
+            env.get("LLMQ_API_REDIS_CONNECTIONS"),
+            DEFAULT_REDIS_CONNECTIONS,
+        ),
         "MAX_CONTENT_LENGTH": MAX_CONTENT_LENGTH,
         "PING_SECONDS": 15.0,  # SSE `: ping` comment after this long without an event
         "SSE_RETRY_MS": 2000,
@@ -62,6 +72,13 @@ def _limit(name: str, value: str | None) -> int:
     return limit
 
 
+def _positive(name: str, value: str | None, default: int) -> int:
+    number = _int(name, value, default)
+    if number < 1:
+        raise ValueError(f"{name} must be 1 or more, got {number}")
+    return number
+
+
 def broker_settings(config: Mapping[str, Any]) -> BrokerSettings:
     """The app's broker: Sentinel when configured, else `REDIS_URL` (which a test config
     may override)."""
@@ -71,8 +88,13 @@ def broker_settings(config: Mapping[str, Any]) -> BrokerSettings:
     return BrokerSettings(url=config.get("REDIS_URL") or DEFAULT_REDIS_URL)
 
 
-def make_redis(settings: BrokerSettings) -> redis.Redis:
+def make_redis(
+    settings: BrokerSettings, max_connections: int = DEFAULT_REDIS_CONNECTIONS
+) -> redis.Redis:
+    """The process's one client: at most `max_connections` connections (a bounded pool)."""
     return settings.connect(
+        max_connections=max_connections,
+        pool_timeout=REDIS_POOL_TIMEOUT,
         socket_timeout=REDIS_SOCKET_TIMEOUT,
         socket_connect_timeout=REDIS_SOCKET_TIMEOUT,
         health_check_interval=30,
@@ -81,6 +103,11 @@ def make_redis(settings: BrokerSettings) -> redis.Redis:
 
 def redis_conn() -> redis.Redis:
     return current_app.extensions["redis"]
+
+
+def stream_hub() -> StreamHub:
+    """The process's one reader of job streams (api.stream_hub)."""
+    return current_app.extensions["streams"]
 
 
 def replication() -> Replication:

@@ -2,7 +2,8 @@
 
 Every error body is `{"error": {"message", "type", "param", "code"}}`, whatever raised it:
 our own `APIError`s, Flask/Werkzeug's HTTP errors (404, 405, 413, 415, ...), Redis being
-unreachable (503 + Retry-After, docs/faults.md F7) and unexpected exceptions (500, logged with
+unreachable (503 + Retry-After, docs/faults.md F7), this process's Redis connections all
+busy (503 `redis_pool_exhausted`, never `broker_down`) and unexpected exceptions (500, logged with
 their traceback but never with it in the body).
 """
 
@@ -15,7 +16,7 @@ import redis
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
-from workers.wire.broker import NotReplicated
+from workers.wire.broker import NotReplicated, PoolExhausted
 from workers.wire.errors import OpenAIError, openai_error
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,15 @@ class NoWorker(ServiceUnavailable):
         )
 
 
+def pool_exhausted() -> ServiceUnavailable:
+    """This process's Redis connections all stayed busy (`LLMQ_API_REDIS_CONNECTIONS`):
+    the API is overloaded, the broker is not down, so it is not `broker_down`."""
+    return ServiceUnavailable(
+        "This API process is busy (all its Redis connections are in use); retry later.",
+        code="redis_pool_exhausted",
+    )
+
+
 def error_response(error: APIError) -> Response:
     response = jsonify(error.body())
     response.status_code = error.status
@@ -224,6 +234,12 @@ def register_error_handlers(app: Flask) -> None:
                 code="not_replicated",
             )
         )
+
+    @app.errorhandler(PoolExhausted)
+    @app.errorhandler(redis.exceptions.MaxConnectionsError)  # a capped Sentinel pool
+    def _pool_exhausted(exc: Exception) -> Response:
+        log.warning("Redis connections exhausted: %s", exc)
+        return error_response(pool_exhausted())
 
     @app.errorhandler(redis.exceptions.ConnectionError)
     @app.errorhandler(redis.exceptions.TimeoutError)

@@ -1,50 +1,41 @@
 """Following a job's event stream, and noticing clients that went away.
 
 The stream (`keys.job_events`) is the only source of truth for what a client may see
-(docs/faults.md L7): readers XREAD it from an entry id, so a late or reconnecting reader gets
-every later event exactly once. XREAD BLOCK wakes us as soon as a worker appends; the block
-is shorter than the Redis socket timeout, and each empty wait is reported to the caller as an
-idle tick (for pings, disconnect checks and lost-job checks).
+(docs/faults.md L7): readers get it from an entry id, so a late or reconnecting reader gets
+every later event exactly once. The reading itself is the process's `StreamHub`'s (one
+XREAD for every waiting client, api/stream_hub.py); a follower waits for what it hands out,
+and each wait that ends empty is reported to the caller as an idle tick (for pings,
+disconnect checks and deadlines).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import socket
+import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from api.errors import InvalidRequest
-from workers import keys
-from workers.wire.errors import cancelled_error, error_body
-from workers.wire.events import StreamDone, StreamError, StreamEvent, decode, is_terminal
-from workers.wire.job import FAILED, FINISHED, TERMINAL_STATUSES
-from workers.wire.text import as_str
+from api.stream_hub import Event, StreamHub
 
-BLOCK_MS = 500  # below the client's 2 s socket timeout, short enough to notice disconnects
-LOST_GRACE_SECONDS = 5.0  # a terminal record without a terminal event after this is repaired
+__all__ = ["Event", "follow", "parse_event_id", "client_gone", "DisconnectWatch", "sse"]
+
+THREAD_TICK = 0.5  # threads peek at the client's socket this often while idle
+GREEN_TICK = 5.0  # greenlets are woken by the socket itself (DisconnectWatch.attach)
 STREAM_ID = re.compile(r"^\d{1,20}(-\d{1,20})?$")
 
 
-@dataclass
-class Event:
-    """A job event as a reader meets it: its stream entry id (the SSE `id:`) and what it says."""
+def cooperative() -> bool:
+    """Whether this process runs greenlets (gunicorn's gevent worker patched the socket)."""
+    monkey = sys.modules.get("gevent.monkey")
+    return monkey is not None and bool(monkey.is_module_patched("socket"))
 
-    id: str
-    message: StreamEvent
 
-    @property
-    def kind(self) -> str:
-        return self.message.kind
-
-    @property
-    def terminal(self) -> bool:
-        return is_terminal(self.message)
+def idle_tick(ping: float) -> float:
+    """How long a follower waits before an idle tick: at most `ping`."""
+    return min(ping, GREEN_TICK if cooperative() else THREAD_TICK)
 
 
 def parse_event_id(value: str | None, name: str = "Last-Event-ID") -> str:
@@ -56,51 +47,39 @@ def parse_event_id(value: str | None, name: str = "Last-Event-ID") -> str:
     return value
 
 
-def follow(conn: redis.Redis, job_id: str, after: str = "0") -> Iterator[Event | None]:
-    """Events after `after`, ending with the terminal one; None for each idle wait.
+def follow(
+    hub: StreamHub,
+    job_id: str,
+    after: str = "0",
+    *,
+    tick: float = THREAD_TICK,
+    watch: DisconnectWatch | None = None,
+) -> Iterator[Event | None]:
+    """Events after `after`, ending with the terminal one; None for each idle tick (a wait
+    of `tick` seconds, or a wake by `watch` when the client's socket turned readable).
 
     If the job's record vanishes (expired, or Redis lost it) or is terminal without a
     terminal event in the stream, a synthesized terminal event ends the iteration instead
-    of leaving the reader waiting forever (docs/faults.md F8).
+    of leaving the reader waiting forever (docs/faults.md F8). Raises the Redis error that
+    stopped the hub's reader.
     """
-    stream = keys.job_events(job_id)
-    last = after
-    idle_since = time.monotonic()
-    while True:
-        reply = conn.xread({stream: last}, count=256, block=BLOCK_MS)
-        if not reply:
-            yield None
-            repaired = _repair(conn, job_id, last, time.monotonic() - idle_since)
-            if repaired is not None:
-                yield repaired
-                return
-            continue
-        idle_since = time.monotonic()
-        for entry_id, fields in reply[0][1]:
-            last = as_str(entry_id)
-            event = Event(last, decode(fields))
-            yield event
-            if event.terminal:
-                return
-
-
-def _repair(conn: redis.Redis, job_id: str, last: str, idle: float) -> Event | None:
-    raw = conn.hmget(keys.job(job_id), ["status", "result", "error"])
-    status = as_str(raw[0]) if raw[0] is not None else None
-    if status is None:
-        error = error_body(
-            f"Job {job_id} no longer exists (expired or lost).",
-            code="job_lost",
-            status=404,
-        )
-        return Event(last, StreamError.from_data(error))
-    if status in TERMINAL_STATUSES and idle >= LOST_GRACE_SECONDS:
-        if status == FINISHED and raw[1] is not None:
-            return Event(last, StreamDone.from_data(_json(raw[1])))
-        if status == FAILED and raw[2] is not None:
-            return Event(last, StreamError.from_data(_json(raw[2])))
-        return Event(last, StreamError.from_data(cancelled_error()))
-    return None
+    follower = hub.follow(job_id, after)
+    if watch is not None:
+        watch.attach(follower.wake)
+    try:
+        while True:
+            events = follower.take(tick)
+            if not events:
+                yield None
+                continue
+            for event in events:
+                yield event
+                if event.terminal:
+                    return
+    finally:
+        if watch is not None:
+            watch.detach()
+        hub.leave(follower)
 
 
 def client_gone(environ: dict[str, Any]) -> bool:
@@ -109,7 +88,7 @@ def client_gone(environ: dict[str, Any]) -> bool:
     WSGI offers no disconnect signal while a response is pending; gunicorn and werkzeug both
     expose the socket in the environ, and a readable socket with nothing to read is closed.
     """
-    sock = environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
+    sock = _socket(environ)
     if sock is None:
         return False
     try:
@@ -122,19 +101,57 @@ def client_gone(environ: dict[str, Any]) -> bool:
 
 
 class DisconnectWatch:
-    """`client_gone` at most every `interval` seconds, so busy streams check it cheaply too."""
+    """`client_gone` at most every `interval` seconds, so busy streams check it cheaply too.
+
+    Under gevent, `attach` asks the event loop to say when the client's socket turns
+    readable (a closed socket does; an idle live one does not), so thousands of idle
+    streams cost no periodic peeks: `gone` then peeks only once signalled, and falls back
+    to the interval if a live client sent bytes (a pipelined request)."""
 
     def __init__(self, environ: dict[str, Any], interval: float = 0.25) -> None:
         self.environ = environ
         self.interval = interval
         self.checked = time.monotonic()
+        self._io: Any = None
+        self._signalled = False
+
+    def attach(self, wake: Any) -> None:
+        sock = _socket(self.environ)
+        if sock is None or not cooperative() or _is_tls(sock):
+            return
+        from gevent import get_hub
+
+        self._io = get_hub().loop.io(sock.fileno(), 1)
+        self._io.start(self._readable, wake)
+
+    def _readable(self, wake: Any) -> None:
+        import gevent
+
+        self._signalled = True
+        self.detach()  # once: a live client's unread bytes would signal it again and again
+        gevent.spawn(wake.set)  # not in the event loop's own greenlet, where nothing may wait
+
+    def detach(self) -> None:
+        if self._io is not None:
+            self._io.stop()
+            self._io.close()
+            self._io = None
 
     def gone(self) -> bool:
+        if self._io is not None:
+            return False  # not signalled yet: the socket is open and quiet
         now = time.monotonic()
-        if now - self.checked < self.interval:
+        if not self._signalled and now - self.checked < self.interval:
             return False
-        self.checked = now
+        self._signalled, self.checked = False, now
         return client_gone(self.environ)
+
+
+def _socket(environ: dict[str, Any]) -> Any:
+    """The client's socket; under gevent its plain one (gevent's `recv` would wait where
+    MSG_DONTWAIT asks it not to)."""
+    sock = environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
+    return getattr(sock, "_sock", sock)
 
 
 def _is_tls(sock: Any) -> bool:
@@ -156,7 +173,3 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # nginx: flush each event, do not buffer the stream
 }
-
-
-def _json(raw: bytes | str) -> dict[str, Any]:
-    return json.loads(raw)

@@ -18,15 +18,15 @@ from flask import Response, current_app, jsonify, request
 from api import loras, rate_limits, store
 from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream
-from api.config import redis_conn, replication
-from api.errors import InternalError, InvalidRequest, ServiceUnavailable
-from api.events import SSE_HEADERS, DisconnectWatch, follow, sse
+from api.config import redis_conn, replication, stream_hub
+from api.errors import InternalError, InvalidRequest, ServiceUnavailable, pool_exhausted
+from api.events import SSE_HEADERS, DisconnectWatch, follow, idle_tick, sse
 from api.model_texts import ModelTexts
 from api.responses import JobSummary
 from api.token_budget import embedding_tokens, reserved_tokens
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec
-from workers.wire.broker import NotReplicated
+from workers.wire.broker import NotReplicated, PoolExhausted
 from workers.wire.errors import engine_refusal
 from workers.wire.events import StreamDone, StreamError, StreamEvent, StreamToken
 from workers.wire.job import JobRecord
@@ -162,8 +162,10 @@ def wait(record: JobRecord) -> Response:
     """Follow the job's events until it ends; cancel it if the client goes away."""
     conn = redis_conn()
     watch = DisconnectWatch(request.environ)
-    deadline = time.monotonic() + current_app.config["SYNC_TIMEOUT_SECONDS"]
-    for event in follow(conn, record.id):
+    timeout = current_app.config["SYNC_TIMEOUT_SECONDS"]
+    deadline = time.monotonic() + timeout
+    tick = idle_tick(min(timeout, current_app.config["PING_SECONDS"]))
+    for event in follow(stream_hub(), record.id, tick=tick, watch=watch):
         if watch.gone():
             store.flag_and_dequeue(conn, record.id)
             return Response(status=499)  # nobody reads it; keeps the access log honest
@@ -182,6 +184,7 @@ def wait(record: JobRecord) -> Response:
 def stream(record: JobRecord, req: Any) -> Response:
     """OpenAI-style SSE chunks for the job, ending with `data: [DONE]`."""
     conn = redis_conn()
+    hub = stream_hub()
     watch = DisconnectWatch(request.environ)
     ping = current_app.config["PING_SECONDS"]
     chunks = ChunkStream(record, req)
@@ -190,9 +193,12 @@ def stream(record: JobRecord, req: Any) -> Response:
         finished = False
         last_sent = time.monotonic()
         try:
-            for chunk in chunks.start():
+            first = chunks.start()
+            if not first:  # the server sends the headers at the first write, even an empty
+                yield ""  # one: now, not at the first token (or the first ping)
+            for chunk in first:
                 yield _data(chunk)
-            for event in follow(conn, record.id):
+            for event in follow(hub, record.id, tick=idle_tick(ping), watch=watch):
                 if watch.gone():
                     return  # the finally clause cancels the job
                 if event is None:
@@ -206,6 +212,10 @@ def stream(record: JobRecord, req: Any) -> Response:
                     last_sent = time.monotonic()
                     yield item
             finished = True
+        except PoolExhausted:  # this process is busy, Redis is not down: say which
+            finished = True
+            yield _data(pool_exhausted().body())
+            yield "data: [DONE]\n\n"
         except redis.RedisError:  # the broker went away mid-stream: report it in-band
             finished = True  # the job may still run; the client cannot be told more
             yield _data(

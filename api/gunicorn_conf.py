@@ -1,9 +1,13 @@
 """Gunicorn settings for the API: `gunicorn -c api/gunicorn_conf.py 'api.app:create_app()'`.
 
-Threads, not processes, carry the load: most requests wait on Redis (a sync completion or
-an SSE stream holds its thread for the whole generation), so each process runs a gthread
-pool. `timeout` is the heartbeat of a process's main loop, not a request limit, so long
-streams are not killed by it; idle keep-alive sockets and slow request headers are.
+Greenlets, not threads, carry the load: most requests wait on a job (a sync completion or
+an SSE stream lasts the whole generation), so each process runs gevent
+(api/gevent_worker.py) and holds thousands of connections, while every waiting request's
+events come from the process's one stream reader (api/stream_hub.py) over a bounded pool of
+Redis connections (LLMQ_API_REDIS_CONNECTIONS). `LLMQ_API_WORKER_CLASS=gthread` runs the
+previous thread pool (api/gunicorn_worker.py, LLMQ_API_THREADS threads). `timeout` is the
+heartbeat of a process's main loop, not a request limit, so long streams are not killed by
+it; idle keep-alive sockets and slow request headers are.
 """
 
 from __future__ import annotations
@@ -12,9 +16,15 @@ import os
 
 bind = f"{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
 workers = int(os.environ.get("LLMQ_API_WORKERS", "2"))
-worker_class = "api.gunicorn_worker.HeaderDeadlineWorker"  # gthread, slow-loris safe
-threads = int(os.environ.get("LLMQ_API_THREADS", "32"))
-worker_connections = 1000  # open sockets per process, idle keep-alive ones included
+WORKER_CLASSES = {
+    "gevent": "api.gevent_worker.StreamingWorker",  # a connection is a greenlet
+    "gthread": "api.gunicorn_worker.HeaderDeadlineWorker",  # a connection holds a thread
+}
+worker_class = WORKER_CLASSES[os.environ.get("LLMQ_API_WORKER_CLASS", "gevent")]
+threads = int(os.environ.get("LLMQ_API_THREADS", "32"))  # gthread only
+# open sockets per process, idle keep-alive ones included (gevent: also the open streams);
+# each needs a file descriptor, so the process raises its soft limit (post_worker_init)
+worker_connections = int(os.environ.get("LLMQ_API_CONNECTIONS", "10000"))
 
 timeout = 120  # a process whose main loop stalls this long is restarted
 graceful_timeout = 30  # on SIGTERM, streams in flight get this long to end
@@ -32,3 +42,16 @@ accesslog = "-"  # URLs carry no prompt text; bodies are never logged
 access_log_format = '%(h)s %(l)s %(u)s %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s" %(M)sms'
 errorlog = "-"
 loglevel = os.environ.get("LLMQ_LOG_LEVEL", "info")
+
+
+def post_worker_init(worker: object) -> None:
+    """Raise the soft limit on open files as far as the hard one allows: each stream is a
+    socket, and the common soft limit (1024) is far below `worker_connections`."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = worker_connections + 256  # the Redis pool, logs, the listener
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

@@ -13,14 +13,15 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from api import store
 from api.auth import caller_scope, require_api_key
 from api.body import json_object
-from api.config import redis_conn
-from api.errors import APIError, InvalidRequest, ServiceUnavailable
-from api.events import SSE_HEADERS, follow, parse_event_id, sse
+from api.config import redis_conn, stream_hub
+from api.errors import APIError, InvalidRequest, ServiceUnavailable, pool_exhausted
+from api.events import SSE_HEADERS, follow, idle_tick, parse_event_id, sse
 from api.flow import accepted, submit_request
 from api.paging import int_arg, list_page
 from api.responses import Job, JobList
 from api.schemas import parse_request
 from workers import keys
+from workers.wire.broker import PoolExhausted
 from workers.wire.events import EVENT_ERROR, StreamError, StreamEvent, StreamToken
 from workers.wire.job import ENDPOINTS, JOB_STATUSES, TERMINAL_STATUSES, JobRecord
 
@@ -146,12 +147,13 @@ def job_events(job_id: str) -> Response:
     store.require_record(conn, job_id, caller_scope())
     ping = current_app.config["PING_SECONDS"]
     retry_ms = current_app.config["SSE_RETRY_MS"]
+    hub = stream_hub()
 
     def generate() -> Iterator[str]:
         yield f"retry: {retry_ms}\n\n"
         last_sent = time.monotonic()
         try:
-            for event in follow(conn, job_id, after):
+            for event in follow(hub, job_id, after, tick=idle_tick(ping)):
                 if event is None:
                     if time.monotonic() - last_sent >= ping:
                         last_sent = time.monotonic()
@@ -165,6 +167,8 @@ def job_events(job_id: str) -> Response:
                 )
         except (APIError, redis.RedisError) as exc:  # say so; the client reconnects and resumes
             error = exc if isinstance(exc, APIError) else BROKER_DOWN
+            if isinstance(exc, PoolExhausted):
+                error = pool_exhausted()
             yield sse(json.dumps(error.body()), event=EVENT_ERROR)
 
     # A listener that disconnects does not cancel: async jobs outlive their watchers.

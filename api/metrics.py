@@ -10,6 +10,7 @@ one pipelined round trip.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -25,8 +26,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from rq import Queue
 
+from api.stream_hub import StreamHub
 from workers import keys
-from workers.wire.broker import replication_state
+from workers.wire.broker import BoundedPool, replication_state
 from workers.wire.histograms import STEP_SIZE_BUCKETS, TTFT_BUCKETS, format_bucket
 from workers.wire.queues import llmq_queue_names, queue_lengths
 from workers.wire.worker_info import WorkerInfo
@@ -199,7 +201,52 @@ class RedisCollector(Collector):
         yield tps
 
 
-def render(conn: redis.Redis) -> bytes:
+class ProcessCollector(Collector):
+    """What the API process that answers the scrape holds now (label `pid`): its Redis
+    connections against their bound (`LLMQ_API_REDIS_CONNECTIONS`) and its open streams
+    (api/stream_hub.py). Each process answers for itself; a scrape reaches one of them."""
+
+    def __init__(self, conn: redis.Redis, streams: StreamHub | None) -> None:
+        self.conn, self.streams = conn, streams
+
+    def collect(self) -> Iterator[Metric]:
+        pid = [str(os.getpid())]
+        pools = [self.conn.connection_pool]
+        if self.streams is not None and self.streams.conn.connection_pool is not pools[0]:
+            pools.append(self.streams.conn.connection_pool)  # the stream readers' own
+        bounded = [p for p in pools if isinstance(p, BoundedPool)]
+        for name, doc, value in (
+            (
+                "llmq_api_redis_connections_max",
+                "Redis connections this API process may open (LLMQ_API_REDIS_CONNECTIONS "
+                "for requests, plus its stream readers').",
+                sum(p.max_connections for p in bounded) if bounded else None,
+            ),
+            (
+                "llmq_api_redis_connections_in_use",
+                "Redis connections of this API process handed out now.",
+                sum(p.in_use() for p in bounded) if bounded else None,
+            ),
+            (
+                "llmq_api_redis_connections_open",
+                "Redis connections this API process has open (in use or idle).",
+                sum(len(p._connections) for p in bounded) if bounded else None,
+            ),
+            (
+                "llmq_api_streams_open",
+                "Clients of this API process waiting on a job's events (streams, sync calls).",
+                self.streams.open if self.streams is not None else None,
+            ),
+        ):
+            if value is None:
+                continue
+            family = GaugeMetricFamily(name, doc, labels=["pid"])
+            family.add_metric(pid, value)
+            yield family
+
+
+def render(conn: redis.Redis, streams: StreamHub | None = None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(conn))
+    registry.register(ProcessCollector(conn, streams))
     return generate_latest(registry)

@@ -6,7 +6,7 @@ from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api import metrics, store
-from api.config import redis_conn
+from api.config import redis_conn, stream_hub
 from api.errors import ServiceUnavailable
 from api.responses import BrokerState, Health, Ready
 from workers.wire.broker import replication_state
@@ -58,4 +58,4 @@ def _in_state(worker: WorkerInfo, state: str) -> list[str]:
 
 @bp.get("/metrics")
 def prometheus() -> Response:
-    return Response(metrics.render(redis_conn()), mimetype=CONTENT_TYPE_LATEST)
+    return Response(metrics.render(redis_conn(), stream_hub()), mimetype=CONTENT_TYPE_LATEST)

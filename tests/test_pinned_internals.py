@@ -14,7 +14,7 @@ packing (workers/resp.py) on a connection taken from the client's pool.
 
 gunicorn: api/gunicorn_worker.py subclasses gthread's `ThreadWorker` and uses its private
 `_DEFER` verdict and its connection bookkeeping; gunicorn has no public API for deferring a
-connection.
+connection. api/gevent_worker.py (the default) uses the gevent worker's hooks.
 """
 
 from __future__ import annotations
@@ -167,3 +167,19 @@ def test_a_redis_py_pipeline_records_commands_where_the_step_writer_reads_them()
     has_params(pool.release, "connection")
     has_params(redis.Connection.send_packed_command, "command")
     has_params(redis.Connection.read_response, "disable_decoding")
+
+
+def test_gevent_worker_hooks_are_where_api_gevent_worker_expects():
+    """api/gevent_worker.py: the header deadline is `timeout_ctx` around the parser in
+    AsyncWorker's keep-alive loop; the body is a `LengthReader` on the request's `Body`."""
+    from gunicorn.http.body import Body, LengthReader
+    from gunicorn.workers import base_async, ggevent
+
+    handle = inspect.getsource(base_async.AsyncWorker.handle)
+    assert "with self.timeout_ctx():" in handle, "AsyncWorker no longer bounds next(parser)"
+    assert "except StopIteration" in handle, "AsyncWorker no longer ends on StopIteration"
+    has_params(ggevent.GeventWorker.handle_request, "listener_name", "req", "sock", "addr")
+    has_params(ggevent.GeventWorker.handle, "listener", "client", "addr")
+    reader = LengthReader(unreader.Unreader(), 3)
+    assert reader.length == 3, "gunicorn's LengthReader has no length"
+    assert Body(reader).reader is reader, "gunicorn's Body no longer keeps its reader"

@@ -24,6 +24,9 @@ Layout:
                              for this job, so a retried gate answers the same (`api.gate`)
 - `llmq:replication:mark`    counter: the write `WAIT` waits for when an acknowledgement
                              must be replicated (`wire.broker.Replication.confirm`; Sentinel)
+- `llmq:api:{reader}:wake`   stream (MAXLEN 1, short TTL): wakes one API process's stream
+                             reader out of its blocking XREAD when a client starts following
+                             a job (`api.stream_hub`); `{reader}` is random per process
 - `llmq:metrics:*`           counters and histograms shared by every API and worker process
                              (the `METRIC_*` names below; no TTL, never any prompt text)
 - `llmq:metrics:history`     stream: a sample of those every few seconds, the last 15 minutes
@@ -145,6 +148,7 @@ batch_output = _key_of("batch", ":output")
 batch_errors = _key_of("batch", ":errors")
 metric = _key_of("metrics")
 rate_limit = _key_of("ratelimit")  # == RATE_LIMIT_PREFIX + caller
+api_wake = _key_of("api", ":wake")  # of an API process's stream reader (`api.stream_hub`)
 RATE_LIMIT_PREFIX = rate_limit("")  # a bucket named on a record must start with it
 
 

@@ -45,7 +45,7 @@ def test_gunicorn_config_loads(monkeypatch) -> None:
 
     monkeypatch.setenv("PORT", "8555")
     conf = runpy.run_path(str(CONF))
-    assert conf["worker_class"] == "api.gunicorn_worker.HeaderDeadlineWorker"
-    assert conf["threads"] == 32
+    assert conf["worker_class"] == "api.gevent_worker.StreamingWorker"
+    assert conf["worker_connections"] >= 5000  # streams per process (bench/streams.py)
     assert conf["bind"].endswith(":8555")
     assert conf["limit_request_line"] <= 8190

@@ -1,11 +1,17 @@
 """A bounded load test (tests/README.md), loopback only: `llmq serve --workers 2` on a Redis of
 its own and a tiny model; 200 concurrent clients mixing synchronous, streaming and async
-requests for LLMQ_LOAD_SECONDS (`make test-load`: 60).
+requests for LLMQ_LOAD_SECONDS (`make test-load`: 60), and beside them a streams phase:
+LLMQ_LOAD_STREAMS (default 2,000; 0: none) clients that each open streamed completions one
+after another (their starts spread over the first third of the run, at most STREAMS_RAMP_S
+seconds), most of them waiting in the queue at any time (LLMQ_MAX_QUEUE is raised so that
+they may).
 
 Pass: every request gets a 2xx, or a 429 with Retry-After; every accepted job finishes; the
 p99 of async submissions (POST to 202) is under 100 ms; no process of `llmq serve` was
 restarted; every key the run left in Redis carries a TTL (its memory goes back to the
-baseline within the TTLs).
+baseline within the TTLs). The streams phase passes when no stream is lost (each ends with
+[DONE] after its `max_tokens` tokens and no error chunk), none is answered 5xx, and every
+stream's headers came within 1 s of its request (api/stream_hub.py, api/gevent_worker.py).
 
 With LLMQ_LOAD_SENTINEL=1 the Redis is a master with one replica behind three Sentinels
 (tests/faults/sentinel.py), so every acknowledgement waits for `WAIT` (docs/faults.md F20):
@@ -15,6 +21,7 @@ the run's p50 against a plain run's is what the replication wait costs a submiss
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
@@ -33,6 +40,10 @@ from workers.wire.defaults import JOB_TTL_SECONDS
 
 CLIENTS = 200
 SECONDS = float(os.environ.get("LLMQ_LOAD_SECONDS", "0"))
+STREAMS = int(os.environ.get("LLMQ_LOAD_STREAMS", "2000"))
+STREAMS_RAMP_S = 20.0  # at most, and a third of the run: 100 new streams a second at 60 s
+STREAM_TOKENS = 4
+HEADERS_WITHIN_S = 1.0
 SENTINEL = os.environ.get("LLMQ_LOAD_SENTINEL", "") not in ("", "0")
 
 # Opt in (`make test-load`): about 2.5 minutes with start-up and draining (tests/README.md)
@@ -107,6 +118,86 @@ async def _run_clients(base: str, kinds: list[str], until: float, tally: dict) -
         await asyncio.gather(*(http.aclose() for http in https))
 
 
+class StreamClient:
+    """One of the streams phase's clients: streamed completions back to back until the
+    end, each checked whole (nothing lost) and timed to its headers. Raw asyncio sockets
+    (one connection per stream, `Connection: close`): 2,000 HTTP client objects in this
+    process took more of the cores than the API, and their own lag into the timings."""
+
+    def __init__(self, port: int, delay: float, until: float, tally: dict) -> None:
+        self.port, self.delay, self.until, self.tally = port, delay, until, tally
+
+    async def run(self) -> None:
+        await asyncio.sleep(self.delay)
+        i = 0
+        while time.monotonic() < self.until:
+            i += 1
+            try:
+                await self.one(i)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                self.tally["problems"].append(f"stream: {exc!r}")
+
+    async def one(self, i: int) -> None:
+        body = _body(i, stream=True, max_tokens=STREAM_TOKENS, ignore_eos=True)
+        payload = json.dumps(body).encode()
+        sent = time.monotonic()
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: load\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(payload), payload)
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            self.tally["headers_s"].append(time.monotonic() - sent)
+            status = int(head.split(b" ", 2)[1])
+            self.tally["status"][status] += 1
+            raw = await reader.read()  # to the end: the server closes after the response
+        finally:
+            writer.close()
+        if status != 200:
+            if status >= 500 or b"retry-after:" not in head.lower():
+                self.tally["problems"].append(f"stream: {status} {raw[:200]!r}")
+            return
+        text = _dechunk(raw) if b"chunked" in head.lower() else raw
+        lines = [x[6:] for x in text.decode().split("\n") if x.startswith("data: ")]
+        if not lines or lines[-1] != "[DONE]":
+            self.tally["problems"].append(f"stream ended without [DONE]: {lines[-1:]}")
+            return
+        chunks = [json.loads(x) for x in lines[:-1]]
+        tokens = sum(1 for c in chunks if c.get("choices") and c["choices"][0].get("text"))
+        if any("error" in c for c in chunks) or tokens != STREAM_TOKENS:
+            self.tally["problems"].append(f"stream lost tokens or failed: {chunks[-1:]}")
+            return
+        self.tally["done"] += 1
+
+
+def _dechunk(raw: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's bytes."""
+    out, at = [], 0
+    while True:
+        end = raw.index(b"\r\n", at)
+        size = int(raw[at:end].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(raw[end + 2 : end + 2 + size])
+        at = end + 2 + size + 2
+
+
+async def _run_streams(base: str, until: float, tally: dict) -> None:
+    port = int(base.rsplit(":", 1)[1])
+    ramp = min(STREAMS_RAMP_S, SECONDS / 3)
+    clients = [StreamClient(port, ramp * k / STREAMS, until, tally) for k in range(STREAMS)]
+    await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), SECONDS + 240)
+
+
+async def _run_all(base: str, kinds: list[str], until: float, tally: dict, streams: dict) -> None:
+    await asyncio.gather(
+        _run_clients(base, kinds, until, tally),
+        _run_streams(base, until, streams) if STREAMS else asyncio.sleep(0),
+    )
+
+
 @pytest.fixture
 def broker(fault_redis, tmp_path: Path) -> Iterator[tuple[redis.Redis, dict[str, str]]]:
     """The run's Redis and the environment that names it: one server, or (LLMQ_LOAD_SENTINEL)
@@ -126,6 +217,8 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
     conn, broker_env = broker
     env = {**os.environ, **broker_env}
     env.pop("LLMQ_API_KEYS", None)
+    if STREAMS:  # the streams phase's jobs wait in the queue: room for all of them
+        env["LLMQ_MAX_QUEUE"] = str(max(1000, 2 * (STREAMS + CLIENTS)))
     if SENTINEL:
         env.pop("REDIS_URL", None)
     serve = Served(env, fault_model)
@@ -139,8 +232,18 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
         tally = {"status": Counter(), "problems": [], "submit_s": [], "accepted": []}
         until = time.monotonic() + SECONDS
         kinds = ["sync"] * 70 + ["stream"] * 70 + ["async"] * 60
-        asyncio.run(_run_clients(base, kinds[:CLIENTS], until, tally))
-
+        streams = {"status": Counter(), "problems": [], "headers_s": [], "done": 0}
+        asyncio.run(_run_all(base, kinds[:CLIENTS], until, tally, streams))
+        if STREAMS:  # its figures first: they explain the mixed phase's too
+            heads = sorted(streams["headers_s"]) or [float("inf")]
+            print(f"streams phase problems: {len(streams['problems'])} {streams['problems'][:5]}")
+            print(
+                f"streams phase: {STREAMS} clients, {len(heads)} streams opened "
+                f"({dict(streams['status'])}), {streams['done']} complete; headers p50 "
+                f"{heads[len(heads) // 2] * 1000:.0f} ms, p99 "
+                f"{heads[int(len(heads) * 0.99)] * 1000:.0f} ms, max {heads[-1] * 1000:.0f} ms, "
+                f"{sum(1 for h in heads if h > HEADERS_WITHIN_S)} over {HEADERS_WITHIN_S:.0f} s"
+            )
         assert tally["problems"] == [], tally["problems"][:10]
         statuses = tally["status"]
         assert set(statuses) <= {200, 202, 429}, statuses
@@ -177,6 +280,12 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
         )
         assert untimed == [], untimed
         assert own_p99 < 100, f"p99 of async submissions in the API: {own_p99} ms"
+        if STREAMS:
+            assert streams["problems"] == [], streams["problems"][:10]
+            assert all(code < 500 for code in streams["status"]), streams["status"]
+            assert streams["done"] == streams["status"][200]
+            assert heads[-1] <= HEADERS_WITHIN_S, f"slowest headers {heads[-1]:.2f} s"
+
     finally:
         serve.stop()
         conn.close()

@@ -56,6 +56,34 @@ BROKER_LOST: tuple[type[Exception], ...] = (
 )
 
 
+class PoolExhausted(redis.RedisError):
+    """Every connection of a bounded pool stayed in use for the pool's whole timeout: the
+    process is busy, Redis is not down. Deliberately not a ConnectionError, so no room
+    mistakes it for a broker outage (the API answers it 503 `redis_pool_exhausted`)."""
+
+
+class BoundedPool(redis.BlockingConnectionPool):
+    """redis-py's blocking pool (a caller waits for a free connection instead of failing at
+    the cap, as `ConnectionPool` does with `MaxConnectionsError`), whose timeout raises
+    `PoolExhausted` rather than the ConnectionError redis-py raises for it."""
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().get_connection(*args, **kwargs)
+        except redis.ConnectionError as exc:
+            if exc.args != ("No connection available.",):  # redis-py's words for the timeout
+                raise
+            raise PoolExhausted(
+                f"all {self.max_connections} Redis connections of this process stayed busy "
+                f"for {self.timeout} s"
+            ) from None
+
+    def in_use(self) -> int:
+        """Connections handed out now (made, and not back in the pool)."""
+        idle = sum(1 for conn in list(self.pool.queue) if conn is not None)
+        return len(self._connections) - idle
+
+
 class BrokerConfigError(ValueError):
     """The broker settings contradict each other or cannot be read."""
 
@@ -125,12 +153,28 @@ class BrokerSettings:
             server_kwargs=server_kwargs,
         )
 
-    def connect(self, **client_kwargs: Any) -> redis.Redis:
+    def connect(
+        self,
+        *,
+        max_connections: int | None = None,
+        pool_timeout: float = 10.0,
+        **client_kwargs: Any,
+    ) -> redis.Redis:
         """A client of the master. `client_kwargs` (timeouts, retry policy) are the
-        caller's; the address, credentials and TLS are these settings'."""
+        caller's; the address, credentials and TLS are these settings'. With
+        `max_connections`, one URL gets a `BoundedPool` (callers wait up to `pool_timeout`
+        for a connection); Sentinel's pool is capped at it (redis-py has no blocking
+        Sentinel pool; at the cap it raises `MaxConnectionsError`)."""
         if not self.uses_sentinel:
             assert self.url is not None
-            return redis.Redis.from_url(self.url, **client_kwargs)
+            if max_connections is None:
+                return redis.Redis.from_url(self.url, **client_kwargs)
+            pool = BoundedPool.from_url(
+                self.url, max_connections=max_connections, timeout=pool_timeout, **client_kwargs
+            )
+            return redis.Redis(connection_pool=pool)
+        if max_connections is not None:
+            client_kwargs["max_connections"] = max_connections
         timeout = client_kwargs.get("socket_connect_timeout") or SENTINEL_SOCKET_TIMEOUT
         sentinel_kwargs = {
             "socket_timeout": min(timeout, SENTINEL_SOCKET_TIMEOUT),
