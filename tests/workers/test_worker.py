@@ -586,3 +586,29 @@ def test_a_job_whose_end_is_in_flight_is_not_taken_for_a_lost_lease(conn, start_
     assert all(wait_done(conn, job_id).status == FINISHED for job_id in ids)
     for job_id in ids:
         wait_rq_status(conn, job_id, JobStatus.FINISHED)
+
+
+def test_a_busy_worker_looks_for_jobs_between_steps_only_now_and_then(
+    conn, start_worker, monkeypatch
+):
+    """A claim is a round trip: with sequences running, it is made at most every
+    CLAIM_WHILE_BUSY_SECONDS, not before every step (a GPU steps hundreds of times a
+    second); a job queued meanwhile is still taken once the interval has passed."""
+    from workers import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "CLAIM_WHILE_BUSY_SECONDS", 0.5)
+    first = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "long", "max_tokens": 200})
+    worker = start_worker(max_sequences=8, step_delay=0.01)  # 200 steps take over 2 s
+    takes: list[float] = []
+    take = worker.claims.take
+    monkeypatch.setattr(
+        worker.claims, "take", lambda *a, **k: takes.append(time.time()) or take(*a, **k)
+    )
+    wait_for(lambda: worker.steps >= 20, what="20 steps of the first job")
+    second = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "late", "max_tokens": 4})
+    done = [wait_done(conn, job_id) for job_id in (first, second)]
+    assert all(d.status == FINISHED for d in done)
+    assert done[1].finished_at < done[0].finished_at  # taken while the first still ran
+    busy = [t for t in takes if t <= done[0].finished_at]
+    steps = worker.steps
+    assert len(busy) < steps / 4, f"{len(busy)} claims over {steps} steps"
