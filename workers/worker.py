@@ -77,6 +77,9 @@ from workers.wire.job import STARTED, TERMINAL_STATUSES, JobRecord
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger("llmq.worker")
+# a worker with sequences running looks for more at most this often, not at every step:
+# the claim is a round trip, and a GPU steps hundreds of times a second
+CLAIM_WHILE_BUSY_SECONDS = 0.02
 
 BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
 PRUNE_SECONDS = 10
@@ -290,7 +293,9 @@ class LLMQWorker:
                 self._checkpoint_all()
                 self._done = True
                 return
-        elif not self._suspended:
+        elif not self._suspended and (
+            not self.running.jobs or self._due_now("claim", CLAIM_WHILE_BUSY_SECONDS)
+        ):
             self._claim()
         if self.writer.has_output(self.running.jobs.values()):
             self._flush()

@@ -83,7 +83,7 @@ def worker_thread(
     worker = LLMQWorker(config, connect(redis_url))
     thread = threading.Thread(target=worker.work, daemon=True)
     thread.start()
-    wait_for(lambda: _published_ready(conn, worker.name, model.stem), 30, "the model ready")
+    wait_for(lambda: _published_ready(conn, worker.name, model.stem), 60, "the model ready")
     try:
         yield worker
     finally:
@@ -207,7 +207,7 @@ def _gunicorn(redis_url: str, **env_overrides: str) -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # generous: a busy machine starts gunicorn slowly
     while True:
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:

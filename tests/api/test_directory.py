@@ -9,13 +9,17 @@ from api import directory as directory_module
 from api.directory import Directory, DirectoryCache
 
 
-def _reads(monkeypatch, snapshots: list[Directory], delay: float = 0.0) -> list[float]:
-    """Make `Directory.read` hand out `snapshots` in turn; the times it was called."""
+def _reads(
+    monkeypatch, snapshots: list[Directory], gate: threading.Event | None = None
+) -> list[float]:
+    """Make `Directory.read` hand out `snapshots` in turn; the times it was called. With a
+    `gate`, each read waits until it is set (5 s at most)."""
     calls: list[float] = []
 
     def read(conn) -> Directory:
         calls.append(time.monotonic())
-        time.sleep(delay)
+        if gate is not None:
+            gate.wait(5)
         snapshot = snapshots[min(len(calls), len(snapshots)) - 1]
         return Directory(snapshot.models, snapshot.served)  # read_at: now
 
@@ -45,15 +49,22 @@ def test_a_model_missing_from_the_snapshot_is_read_again_before_a_refusal(monkey
 
 
 def test_a_stale_snapshot_is_served_while_one_thread_reads_the_next(monkeypatch):
-    calls = _reads(monkeypatch, [_snapshot("m"), _snapshot("m"), _snapshot("m")], delay=0.3)
+    """The refresher's read is held open until the stale answer is in: a `get` that queued
+    behind it would return only when the gate's 5 s ran out, after the refresher."""
+    gate = threading.Event()
+    calls = _reads(monkeypatch, [_snapshot("m"), _snapshot("m"), _snapshot("m")], gate)
     cache = DirectoryCache(max_age=0.05)
+    gate.set()
     cache.get(None, "m")  # the first read
+    gate.clear()
     time.sleep(0.1)  # now stale
     refresher = threading.Thread(target=cache.get, args=(None, "m"))
     refresher.start()
-    time.sleep(0.05)  # the refresher is inside its 0.3 s read
-    started = time.monotonic()
+    deadline = time.monotonic() + 10
+    while len(calls) < 2 and time.monotonic() < deadline:  # the refresher is inside its read
+        time.sleep(0.01)
     assert cache.get(None, "m").has("m")  # the stale one, at once
-    assert time.monotonic() - started < 0.1
+    assert refresher.is_alive() and len(calls) == 2
+    gate.set()
     refresher.join()
     assert len(calls) == 2

@@ -246,7 +246,7 @@ def test_cancel_a_running_job(live_client, worker, real_redis) -> None:
     wait_for(lambda: real_redis.xlen(keys.job_events(job_id)) >= 2)
     response = live_client.post(f"/v1/jobs/{job_id}/cancel")
     assert response.status_code == 202
-    wait_for(lambda: status_of(real_redis, job_id) == "cancelled", timeout=2)
+    wait_for(lambda: status_of(real_redis, job_id) == "cancelled")
     assert real_redis.xlen(keys.job_events(job_id)) < 50
     assert live_client.post(f"/v1/jobs/{job_id}/cancel").status_code == 409
     assert live_client.post("/v1/jobs/nosuchjob/cancel").status_code == 404
@@ -277,8 +277,8 @@ def test_stream_disconnect_cancels_the_job(server, worker, real_redis) -> None:
             if chunks == 4:
                 break
     job_id = worker.processed[-1]
-    wait_for(lambda: real_redis.exists(keys.job_cancel(job_id)), timeout=3)
-    wait_for(lambda: status_of(real_redis, job_id) == "cancelled", timeout=3)
+    wait_for(lambda: real_redis.exists(keys.job_cancel(job_id)))
+    wait_for(lambda: status_of(real_redis, job_id) == "cancelled")
     assert real_redis.xlen(keys.job_events(job_id)) < 100
 
 
@@ -301,7 +301,7 @@ def test_sync_disconnect_cancels_the_job(server, worker, real_redis) -> None:
     job_id = worker.processed[-1]
     wait_for(lambda: real_redis.xlen(keys.job_events(job_id)) >= 2)
     sock.close()
-    wait_for(lambda: status_of(real_redis, job_id) == "cancelled", timeout=3)
+    wait_for(lambda: status_of(real_redis, job_id) == "cancelled")
 
 
 def test_disconnect_while_queued_never_runs(server, worker, real_redis) -> None:
@@ -311,7 +311,7 @@ def test_disconnect_while_queued_never_runs(server, worker, real_redis) -> None:
     queue_key = f"rq:queue:{keys.queue_name('tiny')}"
     job_id = wait_for(lambda: real_redis.lrange(queue_key, 0, -1))[0].decode()
     sock.close()
-    wait_for(lambda: status_of(real_redis, job_id) == "cancelled", timeout=3)
+    wait_for(lambda: status_of(real_redis, job_id) == "cancelled")
     assert real_redis.llen(queue_key) == 0
     worker.paused.clear()
     time.sleep(0.2)

@@ -110,8 +110,14 @@ def _loaded_entry() -> PoolEntry:
     engine = SimpleNamespace(
         backend=SimpleNamespace(name="torch"),
         model=SimpleNamespace(weight_kinds=lambda: {"int4": 3, "int8": 1}),
-        kv_pool=SimpleNamespace(bytes_in_use=2**20),
+        kv_pool=SimpleNamespace(bytes_in_use=2**20, n_blocks=64, block_nbytes=2**16),
         prefix_cache=_PrefixCache(),
+        decode_graphs=SimpleNamespace(
+            graphs={"b1": None, "b2": None},
+            buckets=[1, 2, 3],
+            graph_bytes=2**21,
+            capture_seconds=0.5,
+        ),
     )
     loras = {
         "style": {"state": "ready", "path": "style.gguf", "memory_mb": 0.25},

@@ -26,6 +26,7 @@ from workers.wire.job import TERMINAL_STATUSES
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 SUBMITS, LIMIT = 200, 100
+STEP_DELAY_MS = 250
 
 
 def _queued(conn: redis.Redis) -> int:
@@ -33,8 +34,15 @@ def _queued(conn: redis.Redis) -> int:
 
 
 def test_f10_200_simultaneous_submits_against_a_limit_of_100(start_system) -> None:
+    # Each job takes ~1 s (4 tokens, 250 ms a step), so the 3 workers take a few dozen at most
+    # while the burst lasts and the queue reaches its limit: with 80 ms jobs, beside two busy
+    # loops the burst came so slowly that they ran every job at once and none was refused.
     server, api, _ = start_system(
-        processes=2, workers=3, worker_args=("--max-batch", "1"), LLMQ_MAX_QUEUE=str(LIMIT)
+        processes=2,
+        workers=3,
+        step_delay_ms=STEP_DELAY_MS,
+        worker_args=("--max-batch", "1"),
+        LLMQ_MAX_QUEUE=str(LIMIT),
     )
     conn = redis.Redis.from_url(server.url)
     depth: list[int] = []

@@ -327,9 +327,9 @@ def test_gemma3_vocab_facts(gemma3_tokenizer):
 
 @pytest.mark.slow
 def test_gemma3_builds_quickly(gemma3_metadata):
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: what busy neighbours take is not the build's
     tok = Tokenizer.from_metadata(gemma3_metadata)
-    assert time.perf_counter() - started < 3.0
+    assert time.process_time() - started < 3.0
     assert tok.vocab_size == 262144
 
 

@@ -131,7 +131,12 @@ def tokens(conn: redis.Redis, job_id: str) -> list[dict[str, Any]]:
     return [data for kind, data in stream(conn, job_id) if kind == "token"]
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+# Deadlines for what must happen, not for how fast: they cost nothing when things are quick,
+# and a machine shared with busy processes (CI) may take several times as long.
+WAIT_SECONDS = 30.0
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = WAIT_SECONDS, what: str = "") -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -141,7 +146,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = ""
     raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
 
 
-def wait_done(conn: redis.Redis, job_id: str, timeout: float = 10.0) -> JobRecord:
+def wait_done(conn: redis.Redis, job_id: str, timeout: float = WAIT_SECONDS) -> JobRecord:
     def ended() -> JobRecord | None:
         current = record(conn, job_id)
         return current if current.status in TERMINAL_STATUSES else None
@@ -239,7 +244,7 @@ class WorkerProcess:
             stderr=subprocess.STDOUT,
         )
 
-    def wait_registered(self, conn: redis.Redis, timeout: float = 20.0) -> None:
+    def wait_registered(self, conn: redis.Redis, timeout: float = 60.0) -> None:
         wait_for(
             lambda: conn.exists(keys.worker(self.name)) or self.process.poll() is not None,
             timeout,
@@ -285,7 +290,7 @@ def serving_workers(
         )
         started.append(proc)
         proc.wait_registered(conn)
-        wait_for(lambda: conn.hexists(keys.MODELS, model.stem), 30, f"{model.stem} published")
+        wait_for(lambda: conn.hexists(keys.MODELS, model.stem), 60, f"{model.stem} published")
         return proc
 
     try:

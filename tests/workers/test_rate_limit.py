@@ -1,5 +1,10 @@
 """The rate-limit buckets' scripts (`workers.wire.rate_limit`) and the settling of a job's
-reservation by its final write (`workers.scripts.append`), against real Redis."""
+reservation by its final write (`workers.scripts.append`), against real Redis.
+
+Where a test reads a bucket's remaining figures exactly, its limits are small enough that one
+unit comes back only after seconds: a stall between two calls on a busy machine (beside two
+busy loops, tens of ms) then refills nothing. With 6,000 tokens a minute, one token every
+10 ms, the settling tests failed there every time."""
 
 from __future__ import annotations
 
@@ -31,37 +36,41 @@ def look(conn, bucket: str, limits: tuple[int, int]) -> rate_limit.Charge:
 
 
 def test_charges_take_from_both_buckets_until_one_is_short_and_a_refusal_takes_nothing(conn):
-    limits = (3, 1000)
+    limits = (3, 10)  # a request every 20 s, a token every 6 s
+    first = time.monotonic()
     for remaining in (2, 1, 0):
-        charged = rate_limit.charge(conn, A, limits, (1, 100))
+        charged = rate_limit.charge(conn, A, limits, (1, 2))
         assert charged.refused_by is None and charged.retry_after_ms == 0
         assert figures(charged) == {
             REQUESTS: (3, remaining),
-            TOKENS: (1000, 1000 - 100 * (3 - remaining)),
+            TOKENS: (10, 10 - 2 * (3 - remaining)),
         }
     held = conn.hgetall(A)
-    refused = rate_limit.charge(conn, A, limits, (1, 100))
+    refused = rate_limit.charge(conn, A, limits, (1, 2))
+    since_first_ms = (time.monotonic() - first) * 1000
     assert refused.refused_by == REQUESTS
-    # one request comes back every 20 s; the first was taken a few ms ago
-    assert 19_000 < refused.retry_after_ms <= 20_000
+    # one request comes back every 20 s; the first was taken `since_first_ms` ago
+    assert 20_000 - since_first_ms - 1 < refused.retry_after_ms <= 20_000
     assert conn.hgetall(A) == held  # nothing was taken
-    assert figures(refused) == {REQUESTS: (3, 0), TOKENS: (1000, 700)}
+    assert figures(refused) == {REQUESTS: (3, 0), TOKENS: (10, 4)}
 
 
 def test_the_tokens_bucket_refuses_by_itself_and_says_so(conn):
-    limits = (100, 100)  # one token every 600 ms
-    assert rate_limit.charge(conn, A, limits, (1, 80)).refused_by is None
-    refused = rate_limit.charge(conn, A, limits, (1, 30))
+    limits = (10, 10)  # one request and one token every 6 s
+    start = time.monotonic()
+    assert rate_limit.charge(conn, A, limits, (1, 8)).refused_by is None
+    refused = rate_limit.charge(conn, A, limits, (1, 3))
+    since_ms = (time.monotonic() - start) * 1000
     assert refused.refused_by == TOKENS
-    assert 5_500 < refused.retry_after_ms <= 6_000  # 10 tokens short
-    assert figures(refused) == {REQUESTS: (100, 99), TOKENS: (100, 20)}
+    assert 6_000 - since_ms - 1 < refused.retry_after_ms <= 6_000  # one token short
+    assert figures(refused) == {REQUESTS: (10, 9), TOKENS: (10, 2)}
 
 
 def test_a_limit_that_is_off_has_no_bucket(conn):
-    charged = rate_limit.charge(conn, A, (0, 50), (1, 10))
+    charged = rate_limit.charge(conn, A, (0, 5), (1, 1))
     assert [b.name for b in charged.buckets] == [TOKENS]
     assert set(conn.hkeys(A)) == {TOKENS.encode()}
-    assert rate_limit.charge(conn, A, (0, 50), (1, 41)).refused_by == TOKENS
+    assert rate_limit.charge(conn, A, (0, 5), (1, 5)).refused_by == TOKENS
 
 
 def test_a_bucket_refills_continuously(conn):
@@ -93,46 +102,52 @@ def test_a_refused_caller_is_let_through_once_enough_time_has_passed(conn):
 
 
 def test_giving_back_never_fills_a_bucket_past_its_limit(conn):
-    limits = (10, 1000)
-    rate_limit.charge(conn, A, limits, (2, 300))
-    partly = rate_limit.charge(conn, A, limits, (-1, -100))
-    assert figures(partly) == {REQUESTS: (10, 9), TOKENS: (1000, 800)}
-    full = rate_limit.charge(conn, A, limits, (-5, -5000))
-    assert figures(full) == {REQUESTS: (10, 10), TOKENS: (1000, 1000)}
+    limits = (10, 10)
+    rate_limit.charge(conn, A, limits, (2, 3))
+    partly = rate_limit.charge(conn, A, limits, (-1, -1))
+    assert figures(partly) == {REQUESTS: (10, 9), TOKENS: (10, 8)}
+    full = rate_limit.charge(conn, A, limits, (-5, -50))
+    assert figures(full) == {REQUESTS: (10, 10), TOKENS: (10, 10)}
     assert [b.reset_ms for b in full.buckets] == [0, 0]
     assert not conn.exists(A)  # a full bucket is not stored
 
 
 def test_a_bucket_expires_when_it_is_full_again(conn):
     limits = (6, 600)  # 10 s per request, 100 ms per token
+    start = time.monotonic()
     charged = rate_limit.charge(conn, A, limits, (1, 1))
     resets = {b.name: b.reset_ms for b in charged.buckets}
     assert 9_900 < resets[REQUESTS] <= 10_000 and 0 < resets[TOKENS] <= 100
-    assert resets[REQUESTS] - 50 <= conn.pttl(A) <= resets[REQUESTS] + 2  # the later one
+    ttl = conn.pttl(A)
+    waited_ms = (time.monotonic() - start) * 1000  # a stall on a busy machine counts here
+    assert resets[REQUESTS] - waited_ms - 2 <= ttl <= resets[REQUESTS] + 2  # the later one
+    start = time.monotonic()
     rate_limit.charge(conn, B, (0, 600), (0, 2))  # full again in 200 ms
-    assert 0 < conn.pttl(B) <= 202
+    ttl = conn.pttl(B)
+    waited_ms = (time.monotonic() - start) * 1000
+    assert 200 - waited_ms - 2 <= ttl <= 202 and (ttl > 0 or waited_ms >= 198)
     time.sleep(0.3)
     assert not conn.exists(B)  # an idle caller leaves nothing behind
 
 
 def test_a_look_changes_nothing(conn):
-    rate_limit.charge(conn, A, (5, 500), (1, 50))
+    rate_limit.charge(conn, A, (5, 10), (1, 1))
     held, ttl = conn.hgetall(A), conn.pttl(A)
-    looked = look(conn, A, (5, 500))
-    assert figures(looked) == {REQUESTS: (5, 4), TOKENS: (500, 450)}
+    looked = look(conn, A, (5, 10))
+    assert figures(looked) == {REQUESTS: (5, 4), TOKENS: (10, 9)}
     assert conn.hgetall(A) == held and conn.pttl(A) <= ttl
-    assert figures(look(conn, B, (5, 500))) == {REQUESTS: (5, 5), TOKENS: (500, 500)}
+    assert figures(look(conn, B, (5, 10))) == {REQUESTS: (5, 5), TOKENS: (10, 10)}
     assert not conn.exists(B)
 
 
 def test_two_callers_have_separate_buckets(conn):
-    limits = (2, 100)
-    rate_limit.charge(conn, A, limits, (1, 100))
+    limits = (2, 10)
+    rate_limit.charge(conn, A, limits, (1, 10))
     assert rate_limit.charge(conn, A, limits, (1, 1)).refused_by == TOKENS
-    other = rate_limit.charge(conn, B, limits, (1, 60))
+    other = rate_limit.charge(conn, B, limits, (1, 6))
     assert other.refused_by is None
-    assert figures(other) == {REQUESTS: (2, 1), TOKENS: (100, 40)}
-    assert figures(look(conn, A, limits)) == {REQUESTS: (2, 1), TOKENS: (100, 0)}
+    assert figures(other) == {REQUESTS: (2, 1), TOKENS: (10, 4)}
+    assert figures(look(conn, A, limits)) == {REQUESTS: (2, 1), TOKENS: (10, 0)}
 
 
 def _reserve(conn, job_id: str, tokens: int, limits: tuple[int, int]) -> None:
@@ -143,23 +158,23 @@ def _reserve(conn, job_id: str, tokens: int, limits: tuple[int, int]) -> None:
 
 
 def test_settling_charges_what_the_job_used_once(conn):
-    limits = (0, 6000)  # 10 ms per token: a test's few ms refill nothing
+    limits = (0, 6)  # 10 s per token: a test's stalls refill nothing
     job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
-    _reserve(conn, job_id, 1000, limits)
-    assert figures(look(conn, A, limits))[TOKENS] == (6000, 5000)
-    assert rate_limit.settle(conn, job_id, used=120) == 1
-    assert figures(look(conn, A, limits))[TOKENS] == (6000, 5880)
+    _reserve(conn, job_id, 5, limits)
+    assert figures(look(conn, A, limits))[TOKENS] == (6, 1)
+    assert rate_limit.settle(conn, job_id, used=2) == 1
+    assert figures(look(conn, A, limits))[TOKENS] == (6, 4)
     assert not conn.hexists(keys.job(job_id), rate_limit.KEY_FIELD)
     assert rate_limit.settle(conn, job_id, used=0) == 0  # a second end settles nothing
-    assert figures(look(conn, A, limits))[TOKENS] == (6000, 5880)
+    assert figures(look(conn, A, limits))[TOKENS] == (6, 4)
 
 
 def test_settling_more_than_was_reserved_charges_the_difference(conn):
-    limits = (0, 6000)
+    limits = (0, 6)
     job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
-    _reserve(conn, job_id, 100, limits)
-    rate_limit.settle(conn, job_id, used=350)
-    assert figures(look(conn, A, limits))[TOKENS] == (6000, 5650)
+    _reserve(conn, job_id, 1, limits)
+    rate_limit.settle(conn, job_id, used=4)
+    assert figures(look(conn, A, limits))[TOKENS] == (6, 2)
 
 
 def test_a_record_cannot_point_the_settlement_at_another_key(conn):
@@ -174,21 +189,21 @@ def test_a_record_cannot_point_the_settlement_at_another_key(conn):
 
 
 def test_the_final_append_settles_and_neither_a_retry_nor_a_fenced_out_one_does(conn):
-    limits = (0, 6000)
+    limits = (0, 6)
     job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
-    _reserve(conn, job_id, 500, limits)
+    _reserve(conn, job_id, 5, limits)
     scripts.claim(conn, QUEUES, "w", 10_000)
     token = [("token", '{"index": 0}')]
     scripts.append(conn, job_id, "w:1", 0, token, {"completion_tokens": "1"}, used_tokens=1)
-    assert figures(look(conn, A, limits))[TOKENS] == (6000, 5500)  # not the final write
+    assert figures(look(conn, A, limits))[TOKENS] == (6, 1)  # not the final write
     done = [("done", '{"id": "cmpl"}')]
     end = {"status": "finished"}
-    assert scripts.append(conn, job_id, "x:1", 1, done, end, final=True, used_tokens=7) is None
-    assert figures(look(conn, A, limits))[TOKENS] == (6000, 5500)  # fenced out: no settling
-    scripts.append(conn, job_id, "w:1", 1, done, end, final=True, used_tokens=40)
-    assert figures(look(conn, A, limits))[TOKENS] == (6000, 5960)
-    scripts.append(conn, job_id, "w:1", 1, done, end, final=True, used_tokens=40)  # retried
-    assert figures(look(conn, A, limits))[TOKENS] == (6000, 5960)
+    assert scripts.append(conn, job_id, "x:1", 1, done, end, final=True, used_tokens=4) is None
+    assert figures(look(conn, A, limits))[TOKENS] == (6, 1)  # fenced out: no settling
+    scripts.append(conn, job_id, "w:1", 1, done, end, final=True, used_tokens=2)
+    assert figures(look(conn, A, limits))[TOKENS] == (6, 4)
+    scripts.append(conn, job_id, "w:1", 1, done, end, final=True, used_tokens=2)  # retried
+    assert figures(look(conn, A, limits))[TOKENS] == (6, 4)
 
 
 def test_the_record_keeps_the_reservation_under_the_fields_the_scripts_read():

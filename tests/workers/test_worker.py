@@ -171,9 +171,11 @@ def test_cancel_stops_a_running_job_within_a_few_tokens(conn, start_worker):
     job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "go", "max_tokens": 200})
     worker = start_worker(step_delay=0.02)
     wait_for(lambda: len(tokens(conn, job_id)) >= 3, what="a few tokens")
-    sent_before = len(tokens(conn, job_id))
-    conn.set(keys.job_cancel(job_id), "1")
-    cancelled = wait_done(conn, job_id, timeout=3)
+    with conn.pipeline() as pipe:  # MULTI: the events there when the flag was set, however
+        pipe.set(keys.job_cancel(job_id), "1")  # long this thread waits for a core
+        pipe.xlen(keys.job_events(job_id))
+        sent_before = pipe.execute()[1]
+    cancelled = wait_done(conn, job_id)
 
     assert cancelled.status == CANCELLED
     assert cancelled.error == cancelled_error()
@@ -349,7 +351,7 @@ def test_a_worker_that_lost_the_lease_stops_writing(conn, start_worker):
     worker = start_worker(step_delay=0.02)
     wait_for(lambda: len(tokens(conn, job_id)) >= 3, what="a few tokens")
     conn.set(keys.job_lease(job_id), "someone-else:9")  # another worker took the job over
-    wait_for(lambda: not worker.running.jobs, timeout=3, what="the job to be dropped")
+    wait_for(lambda: not worker.running.jobs, what="the job to be dropped")
     frozen = len(stream(conn, job_id))
     time.sleep(0.2)
     assert len(stream(conn, job_id)) == frozen
@@ -486,7 +488,7 @@ def test_rq_stop_job_command_cancels_a_running_job(conn, start_worker):
     start_worker(step_delay=0.02)
     wait_for(lambda: tokens(conn, job_id), what="the job to run")
     send_stop_job_command(conn, job_id, serializer=JSONSerializer)
-    assert wait_done(conn, job_id, timeout=3).status == CANCELLED
+    assert wait_done(conn, job_id).status == CANCELLED
 
 
 def test_two_workers_never_run_the_same_job(conn, start_worker):
@@ -584,3 +586,29 @@ def test_a_job_whose_end_is_in_flight_is_not_taken_for_a_lost_lease(conn, start_
     assert all(wait_done(conn, job_id).status == FINISHED for job_id in ids)
     for job_id in ids:
         wait_rq_status(conn, job_id, JobStatus.FINISHED)
+
+
+def test_a_busy_worker_looks_for_jobs_between_steps_only_now_and_then(
+    conn, start_worker, monkeypatch
+):
+    """A claim is a round trip: with sequences running, it is made at most every
+    CLAIM_WHILE_BUSY_SECONDS, not before every step (a GPU steps hundreds of times a
+    second); a job queued meanwhile is still taken once the interval has passed."""
+    from workers import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "CLAIM_WHILE_BUSY_SECONDS", 0.5)
+    first = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "long", "max_tokens": 200})
+    worker = start_worker(max_sequences=8, step_delay=0.01)  # 200 steps take over 2 s
+    takes: list[float] = []
+    take = worker.claims.take
+    monkeypatch.setattr(
+        worker.claims, "take", lambda *a, **k: takes.append(time.time()) or take(*a, **k)
+    )
+    wait_for(lambda: worker.steps >= 20, what="20 steps of the first job")
+    second = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "late", "max_tokens": 4})
+    done = [wait_done(conn, job_id) for job_id in (first, second)]
+    assert all(d.status == FINISHED for d in done)
+    assert done[1].finished_at < done[0].finished_at  # taken while the first still ran
+    busy = [t for t in takes if t <= done[0].finished_at]
+    steps = worker.steps
+    assert len(busy) < steps / 4, f"{len(busy)} claims over {steps} steps"
