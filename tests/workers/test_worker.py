@@ -527,11 +527,17 @@ def test_prefix_cache_hits_are_counted(conn, start_worker):
 
 
 def test_a_steps_writes_go_out_beside_the_next_step_and_keep_every_event_in_order(
-    conn, start_worker
+    conn, start_worker, monkeypatch
 ):
     """Each step's write is held until the loop has started the next step (or waits for the
     write, or has no step left to run): a write counts as beside the next step when that
-    step started first. No lease renewal falls in the test (a renewal waits for the write)."""
+    step started first. No lease renewal falls in the test (a renewal waits for the write).
+    The loop claims at every tick here: the claim's round trip is what lets the writer
+    thread take the step before the tiny model's next step holds the GIL, which this test's
+    way of telling "beside" needs (a real step releases the GIL in its kernels)."""
+    from workers import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "CLAIM_WHILE_BUSY_SECONDS", 0.0)
     worker = start_worker(max_sequences=4, lease_ttl=60, lease_renew=30)
     wait_for(lambda: conn.hexists(keys.MODELS, TINY), what="the model published")
     entered: list[int] = []
