@@ -140,9 +140,10 @@ def write_tiny_llama(
     return path
 
 
-def write_tiny_gemma3(path: Path, shape: TinyShape | None = None, seed: int = 0) -> Path:
-    s, rng = shape or TinyShape(n_layers=6, head_dim=32), np.random.default_rng(seed)
-    tokens, scores, types = _spm_vocab()
+def _gemma3_writer(
+    path: Path, s: TinyShape, tokens: list[str], scores: list[float], types: list[int]
+) -> gguf.GGUFWriter:
+    """A gemma3 writer with its hyperparameters and SentencePiece vocabulary set."""
     w = _writer(path, "gemma3", s)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
@@ -157,6 +158,13 @@ def write_tiny_gemma3(path: Path, shape: TinyShape | None = None, seed: int = 0)
     w.add_eos_token_id(1)
     w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
+    return w
+
+
+def write_tiny_gemma3(path: Path, shape: TinyShape | None = None, seed: int = 0) -> Path:
+    s, rng = shape or TinyShape(n_layers=6, head_dim=32), np.random.default_rng(seed)
+    tokens, scores, types = _spm_vocab()
+    w = _gemma3_writer(path, s, tokens, scores, types)
     vocab, q_dim, kv = len(tokens), s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
     w.add_tensor("output_norm.weight", _norm(rng, s.dim))
@@ -224,20 +232,7 @@ def write_tiny_gemma3_types(path: Path, vocab_rows: int = 20000, seed: int = 0) 
     tokens += [f"<unused{i}>" for i in range(filler)]
     scores += [-100.0] * filler
     types += [4] * filler  # user-defined: never produced by the tokenizer from text
-    w = _writer(path, "gemma3", s)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_sliding_window(s.sliding_window)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_add_bos_token(True)
-    w.add_add_space_prefix(False)
+    w = _gemma3_writer(path, s, tokens, scores, types)
     q_dim, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     _add_quantized(w, "token_embd.weight", _weights(rng, vocab_rows, s.dim), Q8_0)
     w.add_tensor("output_norm.weight", _norm(rng, s.dim))
