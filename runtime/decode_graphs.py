@@ -51,8 +51,7 @@ class DecodeGraphs:
         self.device = torch.device(model.ops.device)
         self.cuda = self.device.type == "cuda"
         max_blocks = -(-model.context_length // pool.block_size)
-        self.batches = tuple(b for b in BATCH_BUCKETS if b < max_rows) + (max_rows,)
-        self.batches = tuple(sorted(set(self.batches)))
+        self.batches = (*(b for b in BATCH_BUCKETS if b < max_rows), max_rows)
         self.widths = width_buckets(max_blocks)
         self.buckets = [
             Bucket(rows, group_widths(pool, width))
@@ -62,7 +61,7 @@ class DecodeGraphs:
         ]
         self.bucket_set = set(self.buckets)
         model.ops.rope_positions = model.context_length  # tables fixed before any capture
-        self.inputs = StaticInputs(pool, max(self.buckets, key=lambda b: b.size), self.device)
+        self.inputs = self._new_inputs()
         self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_handle = None
         self.capture_seconds = 0.0
@@ -86,12 +85,18 @@ class DecodeGraphs:
     def can_run(self, chunks: Sequence[SequenceChunk]) -> bool:
         return self.bucket_for(chunks) is not None
 
-    def run(self, tokens: Sequence[int], chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        """Logits `[n, V]` (on the device) of one decode step of `chunks` fed `tokens`;
-        the caches then hold the step's keys and values."""
-        bucket = self.bucket_for(chunks)
+    def run(
+        self,
+        tokens: Sequence[int],
+        chunks: Sequence[SequenceChunk],
+        bucket: Bucket | None = None,
+    ) -> torch.Tensor:
+        """Logits `[n, V]` (on the device) of one decode step of `chunks` fed `tokens`, in
+        `bucket` (the caller's `bucket_for`, else looked up); the caches then hold the
+        step's keys and values."""
+        bucket = bucket or self.bucket_for(chunks)
         if bucket is None:
-            raise ValueError("this step has no bucket: check can_run first")
+            raise ValueError("this step has no bucket: check bucket_for first")
         if chunks[0].cache.pool is not self.pool:  # the engine's pool was replaced (tests)
             self._follow_pool(chunks[0].cache.pool)
         self.last_bucket = bucket
@@ -109,8 +114,11 @@ class DecodeGraphs:
     def _follow_pool(self, pool: BlockPool) -> None:
         """Static inputs (and graphs, which read the pool at fixed addresses) for `pool`."""
         self.pool, self.graphs = pool, {}
-        self.inputs = StaticInputs(pool, max(self.buckets, key=lambda b: b.size), self.device)
+        self.inputs = self._new_inputs()
         self.capture()
+
+    def _new_inputs(self) -> StaticInputs:
+        return StaticInputs(self.pool, max(self.buckets, key=lambda b: b.size), self.device)
 
     def _step(self, bucket: Bucket) -> torch.Tensor:
         """The model's forward pass and head over the bucket's static inputs."""

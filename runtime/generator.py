@@ -230,8 +230,9 @@ class Generator:
         if not chunks:
             return []
         before_forward_pass()  # the thread count follows the machine's load (core_share.py)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(chunks):
-            logits = self.decode_graphs.run(tokens, chunks)  # every row decodes: all wanted
+        bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(chunks)
+        if bucket is not None:  # every row decodes one token: all are wanted
+            logits = self.decode_graphs.run(tokens, chunks, bucket)
         else:
             hidden = self.model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
             if not wanted:

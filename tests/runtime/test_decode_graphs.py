@@ -125,7 +125,7 @@ def test_the_generator_takes_the_static_step_for_decodes_only(long_models, monke
     graphs = engine.decode_graphs
     ran: list[int] = []
     run = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda t, c: ran.append(len(c)) or run(t, c))
+    monkeypatch.setattr(graphs, "run", lambda t, c, *b: ran.append(len(c)) or run(t, c, *b))
     generator = engine.new_generator()
     params = SamplingParams(max_tokens=6, temperature=0)
     generator.add("a", [5, 6, 7], params)
