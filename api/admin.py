@@ -72,7 +72,10 @@ REGISTRIES = {
 @bp.get("/workers")
 def workers() -> Response:
     conn = redis_conn()
-    data = [WorkerObject(**asdict(w), alive=w.is_alive()) for w in store.all_workers(conn)]
+    data = [
+        WorkerObject(**{**asdict(w), "loop": w.loop or None}, alive=w.is_alive())
+        for w in store.all_workers(conn)
+    ]
     broker = BrokerState(**replication_state(conn).to_dict())
     return jsonify(WorkerList(object="list", data=data, broker=broker).dump())
 

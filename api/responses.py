@@ -208,6 +208,22 @@ class PoolEntryState(Body):
     loras: dict[str, LoraOnWorker] | None = Field(default=None, description="adapter -> state")
 
 
+class LoopStats(Body):
+    """Where a worker's loop spent its last few seconds (workers/loop_clock.py): ms per
+    decode step in each part of its tick. Through the API a step costs `step_ms` plus the
+    rest; in-process only `step_ms`."""
+
+    seconds: float = Field(description="the window these figures cover")
+    steps: int = Field(description="decode steps in it")
+    chores_ms: float = Field(description="leases, heartbeat, presence, reaper, batches")
+    claim_ms: float = Field(description="taking jobs off the queues")
+    step_ms: float = Field(description="the engines' forward passes and sampling")
+    writes_ms: float = Field(description="waiting for and acting on the token writes")
+    ends_ms: float = Field(description="failing the jobs a step broke")
+    idle_ms: float = Field(description="waiting for work")
+    busy: float = Field(description="share of the window not idle")
+
+
 class WorkerObject(Body):
     """A worker as it publishes itself, with whether its heartbeat is still live."""
 
@@ -225,6 +241,9 @@ class WorkerObject(Body):
     device: str = Field(
         description="where its models run: cpu, cuda:N, or (no --device) the registry "
         "devices of its models, comma-separated, e.g. cpu,cuda:0"
+    )
+    loop: LoopStats | None = Field(
+        default=None, description="where its loop's time went (absent: an older worker)"
     )
     alive: bool
 

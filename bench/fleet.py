@@ -10,11 +10,11 @@ each where the cores allow) take jobs off the model's queues with the worker's o
 script (`workers.claims`, a lease each) and write their token events through the worker's
 own `EventWriter` exactly as `llmq worker`'s loop does (one step's writes for all its jobs
 sent beside the next step, the outcome acted on after it), one token per running sequence
-every 1/`--rate` seconds. `--streams` clients (asyncio + httpx, one process) each keep one
-streamed completion open through a real `llmq api` (started here from `--api-checkout` with
-its default settings but `--api-env`, or `--api-url`) for `--seconds`, opening the next when
-one ends; so the jobs exist as the API's records and every token is relayed by the API as it
-does for users. The client side knows only HTTP and OpenAI's SSE.
+every 1/`--rate` seconds. `--streams` clients (asyncio over raw sockets,
+bench/sse_client.py, one process) each keep one streamed completion open through a real
+`llmq api` (started here from `--api-checkout` with its default settings but `--api-env`,
+or `--api-url`) for `--seconds`, opening the next when one ends; so the jobs exist as the
+API's records and every token is relayed by the API as it does for users. The client side knows only HTTP and OpenAI's SSE.
 
 Each token's text is the worker's clock when its step made it ("@<unix time>|"), so every
 chunk a client reads gives the lag from there (the step's write and the relay included) to
@@ -40,6 +40,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,6 +52,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -60,6 +62,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
+from bench.sse_client import HTTPStreamError, StreamedResponse  # noqa: E402
 from bench.wire_codec import cpu_name  # noqa: E402
 from runtime.request import GenerationSpec  # noqa: E402
 from workers import keys  # noqa: E402
@@ -86,6 +89,7 @@ CONTEXT = 4096
 LEASE_SECONDS = 30
 IDLE_SECONDS = 0.01  # an idle simulated worker looks for jobs this often
 STAMP = "@"  # a token's text: STAMP + the send time + "|"
+STAMPS = re.compile(rb"@(\d+\.\d+)\|")
 
 
 # ----------------------------------------------------------------------------- workers
@@ -267,43 +271,52 @@ class ClientStats:
     last_token: float | None = None
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, tokens: int, stats: ClientStats) -> None:
+async def one_stream(host: str, port: int, tokens: int, stats: ClientStats) -> None:
     body = {"model": MODEL, "prompt": "simulated", "max_tokens": tokens, "stream": True}
     started = time.time()
     stats.streams += 1
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            stats.headers.append(time.time() - started)
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                code = _error_code(text)
-                stats.failures[f"HTTP {response.status_code} {code}".strip()] += 1
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload == "[DONE]":
-                    stats.completed += 1
-                    return
-                _take_chunk(json.loads(payload), time.time(), stats)
-            stats.failures["cut before [DONE]"] += 1
-    except httpx.HTTPError as exc:
-        stats.failures[type(exc).__name__] += 1
-
-
-def _take_chunk(chunk: dict[str, Any], now: float, stats: ClientStats) -> None:
-    if "error" in chunk:
-        error = chunk["error"] or {}
-        stats.failures[f"in-band error {error.get('code') or error.get('type')}"] += 1
+        response = await StreamedResponse.post(host, port, "/v1/completions", body)
+    except HTTPStreamError as exc:
+        stats.failures[str(exc)] += 1
         return
-    for choice in chunk.get("choices") or []:
-        for part in (choice.get("text") or "").split("|"):
-            if part.startswith(STAMP):
-                stats.lags.append(now - float(part[1:]))
-                stats.tokens += 1
-                stats.first_token = stats.first_token or now
-                stats.last_token = now
+    try:
+        stats.headers.append(time.time() - started)
+        if response.status != 200:
+            code = _error_code((await response.read()).decode(errors="replace"))
+            stats.failures[f"HTTP {response.status} {code}".strip()] += 1
+            return
+        async for chunk in response.chunks():
+            if _take_chunk(chunk, time.time(), stats):
+                stats.completed += 1
+                return
+        stats.failures["cut before [DONE]"] += 1
+    except HTTPStreamError as exc:
+        stats.failures[str(exc)] += 1
+    finally:
+        response.close()
+
+
+def _take_chunk(chunk: bytes, now: float, stats: ClientStats) -> bool:
+    """Count the tokens of one body chunk (one or more SSE events) by their stamps; True
+    at `[DONE]`. The stamps are found in the raw bytes: decoding every event's JSON cost
+    this process more than the API spent relaying it."""
+    for line in chunk.split(b"\n"):
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:]
+        if payload == b"[DONE]":
+            return True
+        if b'"error"' in payload:
+            error = json.loads(payload).get("error") or {}
+            stats.failures[f"in-band error {error.get('code') or error.get('type')}"] += 1
+            continue
+        for stamp in STAMPS.findall(payload):
+            stats.lags.append(now - float(stamp))
+            stats.tokens += 1
+            stats.first_token = stats.first_token or now
+            stats.last_token = now
+    return False
 
 
 def _error_code(text: str) -> str:
@@ -317,15 +330,14 @@ def _error_code(text: str) -> str:
 async def run_clients(url: str, streams: int, tokens: int, seconds: float) -> ClientStats:
     stats = ClientStats()
     deadline = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=streams + 16, max_keepalive_connections=streams + 16)
-    timeout = httpx.Timeout(connect=60, read=60, write=60, pool=60)
+    address = urlsplit(url)
+    host, port = address.hostname or "127.0.0.1", address.port or 80
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop() -> None:
         while time.monotonic() < deadline:
-            await one_stream(client, url, tokens, stats)
+            await one_stream(host, port, tokens, stats)
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(streams)))
+    await asyncio.gather(*(client_loop() for _ in range(streams)))
     return stats
 
 

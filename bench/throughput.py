@@ -449,6 +449,7 @@ def decode_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) ->
                         streams = concurrent_streams(system.base_url, "/v1/completions", bodies)
                         rate, window, _ = steady_rate(streams)
                         result = {"decode_tps": rate, "window_s": window}
+                        result["worker_loop"] = worker_loop(system.base_url)
                     elif kind == "llama":
                         job = {"prompts": ids[:n], "steps": args.steps}
                         job |= {"model_path": path, "kv_unified": kv_layout}
@@ -465,6 +466,18 @@ def decode_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) ->
                         f"{result['decode_tps']:7.1f} tok/s"
                     )
     return {"runs": runs, "kv_unified": kv_layout}
+
+
+def worker_loop(base_url: str) -> dict[str, float] | None:
+    """Where the worker's loop spent its last 5-10 s, per decode step (`WorkerInfo.loop`,
+    workers/loop_clock.py): the API column's step against the in-process one, and what
+    the rest of its tick went to. Published when its jobs end, so read just after."""
+    import httpx
+
+    time.sleep(0.2)
+    workers = httpx.get(f"{base_url}/admin/workers", timeout=10).json()["data"]
+    busiest = max(workers, key=lambda w: (w.get("loop") or {}).get("steps", 0), default=None)
+    return None if busiest is None else busiest.get("loop")
 
 
 def mixed_runs(args: argparse.Namespace, env_name: str, env: dict[str, str]) -> dict[str, Any]:
@@ -859,6 +872,7 @@ def _decode_block(
             f"{_times(ours / single):>10} {_times(ours / llama):>10} {_times(api / ours):>8} "
             f"{n / ours * 1000:>8.1f}" + (f" {peaks[n]:>12.0f}" if n in peaks else "")
         )
+    lines += _loop_lines(runs, ns)
     if 32 in ns and backend != TARGET_BACKEND:
         lines.append(f"targets are judged on the {TARGET_BACKEND} backend, not {backend}")
     elif 32 in ns:
@@ -894,6 +908,28 @@ def _decode_block(
             "first 8 greedy tokens of sequence 0 identical in both engines at N = "
             f"{sorted(set(agree)) or 'none'}"
         )
+    return lines
+
+
+def _loop_lines(runs: list[dict[str, Any]], ns: list[int]) -> list[str]:
+    """The worker's tick through the API, ms per decode step by part (the last repetition
+    of each N; workers/loop_clock.py), beside the in-process step."""
+    lines = []
+    for n in ns:
+        loops = [r["worker_loop"] for r in runs if r["kind"] == "api" and r["n"] == n]
+        loop = next((x for x in reversed(loops) if x and x.get("steps")), None)
+        if loop is None:
+            continue
+        parts = ", ".join(
+            f"{phase} {loop[f'{phase}_ms']:.2f}"
+            for phase in ("step", "writes", "claim", "chores", "ends", "idle")
+        )
+        lines.append(
+            f"  worker loop via API at {n}: ms per step: {parts} "
+            f"({loop['steps']} steps in {loop['seconds']:.1f} s)"
+        )
+    if lines:
+        lines.insert(0, "the worker's loop through the API (its last 5-10 s at each N):")
     return lines
 
 

@@ -88,9 +88,15 @@ class Admin:
             return {}
         return {"chat_template": future.result()}
 
-    def publish(self, state: str, job_ids: list[str], tokens_per_second: float) -> None:
+    def publish(
+        self,
+        state: str,
+        job_ids: list[str],
+        tokens_per_second: float,
+        loop: dict[str, float] | None = None,
+    ) -> None:
         self.learn_models()
-        self.presence.publish(state, job_ids, self.pool.snapshot())
+        self.presence.publish(state, job_ids, self.pool.snapshot(), loop)
         rate = f"{tokens_per_second:.2f}"
         self.connection.hset(keys.METRIC_TOKENS_PER_SECOND, self.worker, rate)
 

@@ -40,11 +40,19 @@ class Presence:
         self.models = models  # model id -> JSON-able description for keys.MODELS
         self.wake_keys = wake_keys or []  # keys.queue_wake of every queue it takes jobs from
 
-    def publish(self, state: str, current_jobs: list[str], pool: dict[str, Any]) -> None:
+    def publish(
+        self,
+        state: str,
+        current_jobs: list[str],
+        pool: dict[str, Any],
+        loop: dict[str, float] | None = None,
+    ) -> None:
         """Rewrite this worker's hash (with its TTL), its name in the set, and the models."""
         self.info.state = state
         self.info.current_jobs = current_jobs
         self.info.pool = pool
+        if loop is not None:
+            self.info.loop = loop
         self.info.heartbeat = time.time()
         key = keys.worker(self.info.name)
         with self.connection.pipeline() as pipe:

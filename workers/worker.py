@@ -58,6 +58,7 @@ from workers.history import HistorySampler
 from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
 from workers.leases import Leases
+from workers.loop_clock import LoopClock
 from workers.pool import EnginePool, load_engine
 from workers.presence import POOL_STATS_SECONDS, Presence
 from workers.progress import read_progress
@@ -182,6 +183,7 @@ class LLMQWorker:
         self._suspended = False
         self._started = False
         self.steps = 0  # decode steps run (tests and logs read it)
+        self.loop_clock = LoopClock()  # where the loop's time goes, published with presence
 
     # ------------------------------------------------------------------ signals
 
@@ -278,9 +280,13 @@ class LLMQWorker:
         )
 
     def _tick(self) -> None:
+        clock = self.loop_clock
+        clock.start_tick()
         if self.writer.has_output(self.running.jobs.values()):
             self._flush()  # events a Redis outage kept from being written go out first
+            clock.lap("writes")
         self._chores()
+        clock.lap("chores")
         if self._drain_deadline is not None:
             if not self._released:
                 self._publish()  # "stopping" first: the API routes nothing more here
@@ -297,25 +303,35 @@ class LLMQWorker:
             not self.running.jobs or self._due_now("claim", CLAIM_WHILE_BUSY_SECONDS)
         ):
             self._claim()
+            clock.lap("claim")
         if self.writer.has_output(self.running.jobs.values()):
             self._flush()
+            clock.lap("writes")
         if self.running.has_work():
             _, broken = self.running.step()
             self.steps += 1
+            clock.lap("step")
+            clock.stepped()
             self._act(self.writer.collect())  # the last step's writes, made beside this step
+            clock.lap("writes")
             for job, exc in broken:
                 if not self._runs(job):
                     continue  # ended by what the last step's writes found
                 if not isinstance(exc, JobFailure):
                     exc = JobFailure(f"the engine failed: {type(exc).__name__}: {exc}")
                 self.ends.fail(job, exc)
+            clock.lap("ends")
             step_sizes = self.running.last_step_sizes
             self.writer.send(self.running.jobs.values(), step_sizes, background=True)
+            clock.lap("writes")
             if self.config.step_delay:
                 time.sleep(self.config.step_delay)
+                clock.lap("idle")
         else:
             self._act(self.writer.collect())
+            clock.lap("writes")
             self._idle()
+            clock.lap("idle")
 
     def _idle(self) -> None:
         """Wait for work: a queued job's wake token or an admin command ends the wait at
@@ -381,7 +397,12 @@ class LLMQWorker:
             state = "stopping"
         else:
             state = "busy" if self.running.jobs else "idle"
-        self.admin.publish(state, list(self.running.jobs), self.writer.tokens_per_second())
+        self.admin.publish(
+            state,
+            list(self.running.jobs),
+            self.writer.tokens_per_second(),
+            self.loop_clock.summary(),
+        )
 
     def _sync_adapters(self) -> None:
         self.admin.sync_adapters()

@@ -113,5 +113,7 @@ def test_ops_and_admin_see_the_worker(server, real_worker) -> None:
     assert httpx.get(f"{server}/ready").json()["models"] == [MODEL]
     models = {m["id"]: m for m in httpx.get(f"{server}/admin/models").json()["data"]}
     assert models[MODEL]["serving"] == [real_worker.name]
-    assert httpx.get(f"{server}/admin/workers").json()["data"][0]["alive"] is True
+    worker = httpx.get(f"{server}/admin/workers").json()["data"][0]
+    assert worker["alive"] is True
+    assert worker["loop"]["seconds"] > 0  # workers/loop_clock.py, with each heartbeat
     assert "llmq_workers_live 1.0" in httpx.get(f"{server}/metrics").text

@@ -289,6 +289,22 @@ def test_worker_publishes_itself_and_obeys_admin_load_and_unload(conn, start_wor
     wait_for(lambda: TINY not in pool_state(), what="model unloaded")
 
 
+def test_a_worker_publishes_where_its_loop_spent_each_decode_step(conn, start_worker):
+    worker = start_worker()
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "hello there", "max_tokens": 12})
+    wait_done(conn, job_id)
+
+    def loop() -> dict:
+        return WorkerInfo.from_hash(conn.hgetall(keys.worker(worker.name))).loop
+
+    # published when the job's end changes the pool's in-flight count (workers/presence.py)
+    out = wait_for(lambda: loop() if loop().get("steps", 0) >= 11 else None, what="loop")
+    assert out["steps"] >= 11  # the first token comes from the prefill step
+    assert out["step_ms"] > 0 and out["writes_ms"] >= 0 and 0 < out["busy"] <= 1
+    per_step = sum(out[f"{p}_ms"] for p in ("chores", "claim", "step", "writes", "ends"))
+    assert per_step * out["steps"] / 1000 <= out["seconds"]
+
+
 def test_a_worker_loads_its_model_as_it_starts_not_on_the_first_job(conn, start_worker):
     """The first job finds the model loaded (it was loaded before the job was queued), and
     `keys.MODELS` says whether chat requests can be rendered, which the dashboard reads."""

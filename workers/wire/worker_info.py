@@ -41,6 +41,9 @@ class WorkerInfo:
     heartbeat: float = field(default_factory=time.time)
     max_sequences: int = 0  # sequences it steps together (0: not published)
     device: str = "cpu"
+    # where its loop's time went over the last few seconds: ms per decode step in each
+    # phase (workers/loop_clock.py); empty in records of workers that predate it
+    loop: dict[str, float] = field(default_factory=dict)
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -65,6 +68,7 @@ class WorkerInfo:
             # "max_batch": the same field as workers before the rename published it
             max_sequences=int(h.get("max_sequences", h.get("max_batch", 0))),
             device=h.get("device") or "cpu",
+            loop=json.loads(h.get("loop", "{}")),
         )
 
     def is_alive(self, now: float | None = None) -> bool:
