@@ -21,8 +21,10 @@ WINDOW_SECONDS = 5.0
 
 
 class LoopClock:
-    """Seconds per phase over the current window of up to `window` seconds and the one
-    before it, so that `summary` always covers the last `window` to 2 x `window` seconds."""
+    """Seconds per phase of the ticks that ran a decode step, over the current window of up
+    to `window` seconds and the one before it, so that `summary` always covers the last
+    `window` to 2 x `window` seconds. A tick that ran no step (waiting for work, loading,
+    the chores of an idle worker) counts whole as idle: the figures are per step."""
 
     def __init__(
         self, window: float = WINDOW_SECONDS, clock: Callable[[], float] = time.perf_counter
@@ -32,9 +34,12 @@ class LoopClock:
         self._mark = clock()
         self._current = _Window(self._mark)
         self._previous: _Window | None = None
+        self._tick = dict.fromkeys(PHASES, 0.0)  # the tick in progress
+        self._stepped = False
 
     def start_tick(self) -> None:
         now = self._clock()
+        self._commit()
         if now - self._current.since >= self.window:
             self._previous, self._current = self._current, _Window(now)
         self._mark = now
@@ -42,19 +47,28 @@ class LoopClock:
     def lap(self, phase: str) -> None:
         """The time since the tick's start or the previous lap was spent in `phase`."""
         now = self._clock()
-        self._current.seconds[phase] += now - self._mark
+        self._tick[phase] += now - self._mark
         self._mark = now
 
     def stepped(self) -> None:
-        self._current.steps += 1
+        self._stepped = True
+
+    def _commit(self) -> None:
+        window, tick = self._current, self._tick
+        if self._stepped:
+            window.steps += 1
+            for phase, seconds in tick.items():
+                window.seconds[phase] += seconds
+        else:
+            window.seconds["idle"] += sum(tick.values())
+        self._tick, self._stepped = dict.fromkeys(PHASES, 0.0), False
 
     def summary(self) -> dict[str, float]:
         """{"seconds": the span covered, "steps": decode steps in it, "<phase>_ms": ms per
         step (the span's totals where no step ran), "busy": share of the span not idle}."""
-        now = self._clock()
-        since = self._current.since if self._previous is None else self._previous.since
+        now = self._clock()  # the ticks done: the publishing one is counted at its end
         windows = [w for w in (self._previous, self._current) if w is not None]
-        span = max(now - since, 1e-9)
+        span = max(now - windows[0].since, 1e-9)
         steps = sum(w.steps for w in windows)
         out: dict[str, float] = {"seconds": round(span, 3), "steps": steps}
         for phase in PHASES:
