@@ -11,10 +11,21 @@ carries it as it is, so the tags of a call never reach the client as content.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from workers.wire.events import StreamToken
 from workers.wire.job import CHAT_COMPLETIONS, JobRecord, response_id
+
+# Where a token's text goes in a prebuilt chunk (`ChunkStream.token_message`): control
+# characters are escaped by json.dumps, so no text's JSON contains this one's
+_TEXT_SLOT = "\x00llmq-token-text\x00"
+_TEXT_SLOT_JSON = json.dumps(_TEXT_SLOT)
+
+
+def sse_data(payload: dict[str, Any]) -> str:
+    """One SSE message carrying `payload` as JSON (which holds no line break)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 class ChunkStream:
@@ -33,6 +44,7 @@ class ChunkStream:
         self.echo = False if self.chat else request.echo
         self.n = request.n
         self.offsets = [0] * self.choices  # text_offset per choice, for completion logprobs
+        self._token_templates: dict[int, tuple[str, str]] = {}  # choice -> around the text
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
@@ -86,6 +98,26 @@ class ChunkStream:
             return None
         logprobs = self._logprobs(event) if self.logprobs else None
         return self._chunk([self._choice(event.choice, text, None, logprobs)])
+
+    def token_message(self, event: StreamToken) -> str | None:
+        """`token`'s chunk as its SSE message. A plain text token (most of a stream) fills
+        its choice's prebuilt message instead of building and encoding the chunk: the
+        relay's cost per token is what bounds the tokens a second one API carries."""
+        if self.logprobs or (self.chat and event.delta is not None):
+            chunk = self.token(event)
+            return None if chunk is None else sse_data(chunk)
+        if not event.text:
+            return None
+        before, after = self._token_template(event.choice)
+        return before + json.dumps(event.text, ensure_ascii=False) + after
+
+    def _token_template(self, index: int) -> tuple[str, str]:
+        template = self._token_templates.get(index)
+        if template is None:
+            message = sse_data(self._chunk([self._choice(index, _TEXT_SLOT, None)]))
+            before, after = message.split(_TEXT_SLOT_JSON)
+            template = self._token_templates[index] = (before, after)
+        return template
 
     def _parsed_token(self, event: StreamToken, delta: dict[str, Any]) -> dict[str, Any] | None:
         """A chat token whose worker split it into content and tool-call deltas."""

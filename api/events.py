@@ -10,6 +10,7 @@ disconnect checks and deadlines).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import sys
@@ -20,7 +21,15 @@ from typing import Any
 from api.errors import InvalidRequest
 from api.stream_hub import Event, StreamHub
 
-__all__ = ["Event", "follow", "parse_event_id", "client_gone", "DisconnectWatch", "sse"]
+__all__ = [
+    "Event",
+    "follow",
+    "follow_batches",
+    "parse_event_id",
+    "client_gone",
+    "DisconnectWatch",
+    "sse",
+]
 
 THREAD_TICK = 0.5  # threads peek at the client's socket this often while idle
 GREEN_TICK = 5.0  # greenlets are woken by the socket itself (DisconnectWatch.attach)
@@ -47,6 +56,34 @@ def parse_event_id(value: str | None, name: str = "Last-Event-ID") -> str:
     return value
 
 
+def follow_batches(
+    hub: StreamHub,
+    job_id: str,
+    after: str = "0",
+    *,
+    tick: float = THREAD_TICK,
+    watch: DisconnectWatch | None = None,
+) -> Iterator[list[Event]]:
+    """`follow`'s events as the hub handed them out together, the last batch ending with
+    the terminal event; an empty list for each idle tick. A stream that fell behind then
+    sends what it owes in one write, not one per token."""
+    follower = hub.follow(job_id, after)
+    if watch is not None:
+        watch.attach(follower.wake)
+    try:
+        while True:
+            events = follower.take(tick)
+            for i, event in enumerate(events):
+                if event.terminal:
+                    yield events[: i + 1]
+                    return
+            yield events
+    finally:
+        if watch is not None:
+            watch.detach()
+        hub.leave(follower)
+
+
 def follow(
     hub: StreamHub,
     job_id: str,
@@ -63,23 +100,11 @@ def follow(
     of leaving the reader waiting forever (docs/faults.md F8). Raises the Redis error that
     stopped the hub's reader.
     """
-    follower = hub.follow(job_id, after)
-    if watch is not None:
-        watch.attach(follower.wake)
-    try:
-        while True:
-            events = follower.take(tick)
-            if not events:
+    with contextlib.closing(follow_batches(hub, job_id, after, tick=tick, watch=watch)) as batches:
+        for batch in batches:
+            if not batch:
                 yield None
-                continue
-            for event in events:
-                yield event
-                if event.terminal:
-                    return
-    finally:
-        if watch is not None:
-            watch.detach()
-        hub.leave(follower)
+            yield from batch
 
 
 def client_gone(environ: dict[str, Any]) -> bool:

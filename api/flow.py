@@ -5,7 +5,6 @@ Shared by the `openai` blueprint (the three POSTs) and the `jobs` blueprint (POS
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -17,10 +16,10 @@ from flask import Response, current_app, jsonify, request
 
 from api import loras, rate_limits, store
 from api.auth import bearer_token, caller_scope
-from api.chunks import ChunkStream
+from api.chunks import ChunkStream, sse_data
 from api.config import redis_conn, replication, stream_hub
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable, pool_exhausted
-from api.events import SSE_HEADERS, DisconnectWatch, follow, idle_tick, sse
+from api.events import SSE_HEADERS, DisconnectWatch, follow, follow_batches, idle_tick
 from api.model_texts import ModelTexts
 from api.responses import JobSummary
 from api.token_budget import embedding_tokens, reserved_tokens
@@ -197,35 +196,35 @@ def stream(record: JobRecord, req: Any) -> Response:
             if not first:  # the server sends the headers at the first write, even an empty
                 yield ""  # one: now, not at the first token (or the first ping)
             for chunk in first:
-                yield _data(chunk)
-            for event in follow(hub, record.id, tick=idle_tick(ping), watch=watch):
+                yield sse_data(chunk)
+            for batch in follow_batches(hub, record.id, tick=idle_tick(ping), watch=watch):
                 if watch.gone():
                     return  # the finally clause cancels the job
-                if event is None:
+                if not batch:
                     if time.monotonic() - last_sent >= ping:
                         last_sent = time.monotonic()
                         yield ": ping\n\n"
                     continue
-                out = _chunks_for(chunks, event.message)
-                finished = event.terminal
-                for item in out:
+                out = [item for event in batch for item in _chunks_for(chunks, event.message)]
+                finished = batch[-1].terminal
+                if out:  # what arrived together goes out in one write
                     last_sent = time.monotonic()
-                    yield item
+                    yield "".join(out)
             finished = True
         except PoolExhausted:  # this process is busy, Redis is not down: say which
             finished = True
-            yield _data(pool_exhausted().body())
+            yield sse_data(pool_exhausted().body())
             yield "data: [DONE]\n\n"
         except redis.RedisError:  # the broker went away mid-stream: report it in-band
             finished = True  # the job may still run; the client cannot be told more
-            yield _data(
+            yield sse_data(
                 ServiceUnavailable("The job broker is unavailable.", code="broker_down").body()
             )
             yield "data: [DONE]\n\n"
         except Exception:
             log.exception("stream for job %s failed", record.id)
             finished = True
-            yield _data(InternalError().body())
+            yield sse_data(InternalError().body())
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # client went away (GeneratorExit or a failed peek)
@@ -236,17 +235,13 @@ def stream(record: JobRecord, req: Any) -> Response:
 
 def _chunks_for(chunks: ChunkStream, event: StreamEvent) -> list[str]:
     if isinstance(event, StreamToken):
-        chunk = chunks.token(event)
-        return [_data(chunk)] if chunk is not None else []
+        message = chunks.token_message(event)
+        return [message] if message is not None else []
     if isinstance(event, StreamDone):
-        return [_data(c) for c in chunks.done(event.result)] + ["data: [DONE]\n\n"]
+        return [sse_data(c) for c in chunks.done(event.result)] + ["data: [DONE]\n\n"]
     if isinstance(event, StreamError):
-        return [_data({"error": event.error}), "data: [DONE]\n\n"]
+        return [sse_data({"error": event.error}), "data: [DONE]\n\n"]
     return []  # kinds this version does not know are not part of the OpenAI stream
-
-
-def _data(payload: dict[str, Any]) -> str:
-    return sse(json.dumps(payload, ensure_ascii=False))
 
 
 def respond(endpoint: str, req: Any) -> Response:

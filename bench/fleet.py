@@ -14,7 +14,9 @@ every 1/`--rate` seconds. `--streams` clients (asyncio over raw sockets,
 bench/sse_client.py, one process) each keep one streamed completion open through a real
 `llmq api` (started here from `--api-checkout` with its default settings but `--api-env`,
 or `--api-url`) for `--seconds`, opening the next when one ends; so the jobs exist as the
-API's records and every token is relayed by the API as it does for users. The client side knows only HTTP and OpenAI's SSE.
+API's records and every token is relayed by the API as it does for users. The client side
+knows only HTTP and OpenAI's SSE. Also printed: the CPU time of the API's processes and of
+the clients' per token relayed (all share the cores).
 
 Each token's text is the worker's clock when its step made it ("@<unix time>|"), so every
 chunk a client reads gives the lag from there (the step's write and the relay included) to
@@ -373,6 +375,19 @@ class Peaks:
         self._thread.join()
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process and its children (the API's gunicorn tree; this
+    process's own, the clients', with `os.getpid()` and no children)."""
+    if pid is None:
+        return 0.0
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+        return sum(p.cpu_times().user + p.cpu_times().system for p in tree)
+    except psutil.Error:
+        return 0.0
+
+
 def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     argv = [shutil.which("redis-server") or "redis-server", "--port", str(port)]
@@ -507,6 +522,15 @@ def report(args: argparse.Namespace, stats: ClientStats, run: dict[str, Any]) ->
             f"the busiest server at 100% of its core would carry "
             f"{written / max(busiest, 1e-9):.0f} tokens a second (its CPU per token)"
         )
+    if stats.tokens and run.get("api_cpu_s"):
+        api = run["api_cpu_s"]
+        print(
+            f"API CPU (all its processes) per token relayed: {api * 1e6 / stats.tokens:.1f} us "
+            f"({api / wall:.2f} cores; one core's worth would relay "
+            f"{stats.tokens / api:.0f} tokens a second at this mix of submissions and "
+            f"streams); the clients' process: {run['clients_cpu_s'] * 1e6 / stats.tokens:.1f} "
+            "us a token"
+        )
     ms = [lag * 1e3 for lag in stats.lags]
     print(
         f"lag send -> client socket: p50 {pct(ms, 0.5):.1f} ms, p99 {pct(ms, 0.99):.1f} ms, "
@@ -619,9 +643,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for server in servers.values():
                 server.config_resetstat()
             cpu0 = {name: redis_cpu(server) for name, server in servers.items()}
+            api_pid = api_proc.pid if api_proc else None
+            api_cpu0, clients_cpu0 = cpu_seconds(api_pid), time.process_time()
             t0 = time.monotonic()
             stats = asyncio.run(run_clients(base, args.streams, args.tokens, args.seconds))
             wall = time.monotonic() - t0
+            api_cpu = cpu_seconds(api_pid) - api_cpu0
+            clients_cpu = time.process_time() - clients_cpu0
             per_server = {name: redis_cpu(s) - cpu0[name] for name, s in servers.items()}
             cpu = sum(per_server.values())
             commandstats = conn.info("commandstats")
@@ -649,6 +677,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "wall_s": wall,
             "stats": commandstats,
             "clients": peaks.clients,
+            "api_cpu_s": api_cpu,
+            "clients_cpu_s": clients_cpu,
             "rss": peaks.rss,
         }
         report(args, stats, run)

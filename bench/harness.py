@@ -327,7 +327,11 @@ class System:
     _logs: Path | None = None
 
     def __enter__(self) -> System:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # a system that never got ready must not outlive the bench
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

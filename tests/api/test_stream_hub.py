@@ -138,21 +138,19 @@ def test_a_broken_connection_reaches_every_follower(redis_url: str) -> None:
     assert hub.open == 0
 
 
-class _Stalling:
+class _Stalling(redis.Redis):
     """A client whose first `stalls` XREADs time out (a reply later than the socket
     timeout), then reads the real Redis."""
 
     def __init__(self, conn: redis.Redis, stalls: int) -> None:
-        self.conn, self.stalls = conn, stalls
+        super().__init__(connection_pool=conn.connection_pool)
+        self.stalls = stalls
 
-    def xread(self, *args, **kwargs):
-        if self.stalls:
+    def execute_command(self, *args, **options):
+        if args[0] == "XREAD" and self.stalls:
             self.stalls -= 1
             raise redis.TimeoutError("Timeout reading from socket")
-        return self.conn.xread(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self.conn, name)
+        return super().execute_command(*args, **options)
 
 
 def test_a_stalled_read_is_read_again_not_reported_as_broker_down(
