@@ -415,7 +415,8 @@ def render(raw: dict[str, Any]) -> str:
     lines.append(
         f"worker: --max-batch {WORKER_MAX_SEQUENCES} "
         f"(no-op jobs: the default {NOOP_MAX_SEQUENCES}); API: "
-        f"`llmq api` (2 gunicorn processes x 32 threads); broker: {raw['meta']['broker']} on "
+        "`llmq api` (2 gunicorn processes, gevent: a stream is a greenlet); broker: "
+        f"{raw['meta']['broker']} on "
         f"loopback, no persistence, hz {raw['meta'].get('redis_hz') or 'default (10)'}"
     )
     for env, per_env in raw["envs"].items():

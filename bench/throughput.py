@@ -126,7 +126,6 @@ OFFLINE_TOKENS = 64
 OFFLINE_REQUESTS = 128
 SEQUENTIAL_SAMPLE = 3
 WORKER_MAX_SEQUENCES = 64
-API_THREADS = 80  # per gunicorn process, so 64 streams never queue behind busy threads
 BACKENDS = ("numpy", "torch")
 DEFAULT_BACKEND = "torch"
 TARGET_BACKEND = "torch"  # the backend the decode targets are judged on
@@ -692,10 +691,10 @@ def _chat_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any
 
 
 def _api_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
-    """The system's environment: API threads (a thread per stream, so none queues), the
-    worker's backend (`LLMQ_BACKEND`) and, on a GPU, its device (`LLMQ_DEVICE`)."""
-    threads = max(API_THREADS, max(args.ns) + 16)  # also in main's meta
-    out = {**env, "LLMQ_API_THREADS": str(threads), "LLMQ_BACKEND": args.backend}
+    """The system's environment: the worker's backend (`LLMQ_BACKEND`) and, on a GPU, its
+    device (`LLMQ_DEVICE`); the API as `llmq api` starts it (gevent: a stream is a greenlet,
+    so none waits for a thread)."""
+    out = {**env, "LLMQ_BACKEND": args.backend}
     if args.device != "cpu":
         out["LLMQ_DEVICE"] = args.device
     return out
@@ -772,8 +771,8 @@ def _setup_line(m: dict[str, Any]) -> str:
         return f"{llama}; no system (--no-api): in-process figures only"
     return (
         f"{llama}; system: one worker --max-batch {m['worker_max_sequences']} "
-        f"(LLMQ_BACKEND={m['backend']}{_device_env(m)}), API 2 gunicorn processes x "
-        f"{m.get('api_threads', API_THREADS)} threads, broker {m['broker']} on loopback"
+        f"(LLMQ_BACKEND={m['backend']}{_device_env(m)}), API 2 gunicorn processes (gevent), "
+        f"broker {m['broker']} on loopback"
     )
 
 
@@ -1115,7 +1114,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "torch_forward": args.tensor_path,
         "worker_max_sequences": _worker_max_sequences(args),
         "no_api": args.no_api,
-        "api_threads": max(API_THREADS, max(args.ns) + 16),
         "broker": broker(),
         "wall_s": time.perf_counter() - started,
     }
