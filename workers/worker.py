@@ -241,7 +241,7 @@ class LLMQWorker:
                     self._tick()
                     backoff = 0
                 except BROKER_LOST as exc:
-                    if self._stop_now:
+                    if self._stop_now or self._grace_over():
                         break
                     delay = BACKOFF_SECONDS[min(backoff, len(BACKOFF_SECONDS) - 1)]
                     backoff += 1
@@ -250,11 +250,21 @@ class LLMQWorker:
                     )
                     time.sleep(delay)
                 except Exception:
+                    if self._stop_now or self._grace_over():
+                        log.exception("worker %s: the loop failed while stopping", self.name)
+                        break
                     log.exception("worker %s: unexpected error in the loop; carrying on", self.name)
                     time.sleep(1)
         finally:
             self._shutdown()
         return self.rq.closed > 0
+
+    def _grace_over(self) -> bool:
+        """Told to stop, and its grace has run out. A loop that fails on every tick (Redis
+        gone, a broken engine) never reaches the drain's own check in `_tick`: it leaves
+        here instead, and its jobs' leases expire for the reaper to requeue them
+        (docs/faults.md F2), as after a kill."""
+        return self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
 
     def _bootstrap(self) -> None:
         rq_key = self.rq_worker.key

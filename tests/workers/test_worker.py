@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,16 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from tests.workers.conftest import TINY, record, stream, submit, tokens, wait_done, wait_for
+from tests.workers.conftest import (
+    TINY,
+    WorkerThread,
+    record,
+    stream,
+    submit,
+    tokens,
+    wait_done,
+    wait_for,
+)
 from workers import keys, scripts
 from workers.wire.commands import encode_command
 from workers.wire.errors import cancelled_error
@@ -303,6 +313,27 @@ def test_a_worker_publishes_where_its_loop_spent_each_decode_step(conn, start_wo
     assert out["step_ms"] > 0 and out["writes_ms"] >= 0 and 0 < out["busy"] <= 1
     per_step = sum(out[f"{p}_ms"] for p in ("chores", "claim", "step", "writes", "ends"))
     assert per_step * out["steps"] / 1000 <= out["seconds"]
+
+
+def test_a_worker_whose_loop_keeps_failing_still_stops_when_its_grace_is_over(
+    conn, tiny_model, redis_url
+):
+    runner = WorkerThread(redis_url, [str(tiny_model)], grace=0.5)
+    worker = runner.__enter__()
+    wait_for(lambda: conn.exists(keys.worker(worker.name)), what="worker registered")
+
+    def broken_tick() -> None:
+        raise RuntimeError("a tick that fails every time")
+
+    worker._tick = broken_tick  # as a broken or half-upgraded worker's loop would
+    time.sleep(1.5)
+    assert runner.thread.is_alive()  # failing and carrying on, as long as nobody stops it
+    started = time.monotonic()
+    worker.request_stop(signal.SIGTERM, None)  # one signal: drain, with 0.5 s of grace
+    runner.thread.join(10)
+    assert not runner.thread.is_alive(), "the worker did not stop"
+    assert time.monotonic() - started < 5  # its grace, and the 1 s pause after a failure
+    worker.connection.close()
 
 
 def test_a_worker_loads_its_model_as_it_starts_not_on_the_first_job(conn, start_worker):
