@@ -333,7 +333,7 @@ class StreamReader:
             with self._lock:
                 followers = list(self._by_key.get(key, ()))
             for raw_id, fields in entries:
-                event = Event(as_str(raw_id), decode(_as_mapping(fields)))
+                event = Event(as_str(raw_id), decode(fields))
                 position = entry_id(event.id)
                 for follower in followers:
                     if position > follower.position and not follower.ended:
@@ -407,13 +407,6 @@ def raw_xread(client: Any) -> Callable[[dict[str, str], int, int], Any]:
         return raw.execute_command(*args, *streams.keys(), *streams.values())
 
     return xread
-
-
-def _as_mapping(fields: Any) -> Any:
-    """An entry's fields as a mapping: a flat [name, value, ...] list as its pairs."""
-    if isinstance(fields, list):
-        return dict(zip(fields[::2], fields[1::2], strict=True))
-    return fields
 
 
 def _earliest(followers: set[Follower]) -> str:

@@ -113,6 +113,7 @@ from bench.harness import (  # noqa: E402
     think,
     verdict,
 )
+from workers.loop_clock import PHASES  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 SEQUENCES = (1, 4, 16, 32, 64)
@@ -921,7 +922,7 @@ def _loop_lines(runs: list[dict[str, Any]], ns: list[int]) -> list[str]:
             continue
         parts = ", ".join(
             f"{phase} {loop[f'{phase}_ms']:.2f}"
-            for phase in ("step", "writes", "claim", "chores", "ends", "idle")
+            for phase in PHASES  # in the tick's order
         )
         lines.append(
             f"  worker loop via API at {n}: ms per step: {parts} "

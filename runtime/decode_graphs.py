@@ -9,7 +9,7 @@ sampler (whose copy of the token ids back is the step's one host sync). On the C
 same static step runs uncaptured: that is how CI checks it against the eager step.
 
 A step takes the static path only when every row decodes one token without LoRA adapters
-(`can_run`): prefill chunks, mixed steps and LoRA rows take the eager forward pass.
+(`bucket_for`): prefill chunks, mixed steps and LoRA rows take the eager forward pass.
 Sampling is outside the graph, so grammar masks, logprobs and penalties work on the
 graph's logits as on the eager step's.
 """
@@ -81,9 +81,6 @@ class DecodeGraphs:
             return None
         bucket = Bucket(rows, decode_widths(self.pool, chunks))
         return bucket if bucket in self.bucket_set else None
-
-    def can_run(self, chunks: Sequence[SequenceChunk]) -> bool:
-        return self.bucket_for(chunks) is not None
 
     def run(
         self,

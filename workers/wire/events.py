@@ -39,11 +39,15 @@ from typing import Any, ClassVar
 from workers import keys
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.job import FINISHED
-from workers.wire.text import text_hash
+from workers.wire.text import as_str, text_hash
 
 EVENT_TOKEN, EVENT_DONE, EVENT_ERROR = "token", "done", "error"
 
 Event = tuple[str, str]  # (kind, JSON data): what XADD and `workers.scripts.append` take
+
+
+# a stream entry's fields: a mapping, or the flat [name, value, ...] list Redis sends
+Fields = Mapping[bytes | str, bytes | str] | list[bytes | str]
 
 
 @dataclass(slots=True)  # not frozen: a frozen one took ~4 us more per token to build here
@@ -161,7 +165,7 @@ def encode(event: StreamEvent) -> Event:
     return event.kind, json.dumps(event.to_data(), ensure_ascii=False)
 
 
-def decode(fields: Mapping[bytes | str, bytes | str]) -> StreamEvent:
+def decode(fields: Fields) -> StreamEvent:
     """The one decoder: a stream entry (XRANGE/XREAD fields) as its typed event."""
     kind, data = decode_event(fields)
     event_type = _TYPES.get(kind)
@@ -183,10 +187,13 @@ def event_fields(event: Event) -> dict[str, str]:
     return {"event": kind, "data": data}
 
 
-def decode_event(fields: Mapping[bytes | str, bytes | str]) -> tuple[str, dict[str, Any]]:
+def decode_event(fields: Fields) -> tuple[str, dict[str, Any]]:
     """A stream entry as (kind, its JSON object), unchecked: what `decode` types, and what
-    tests and tools that look at a stream's raw entries read."""
-    h = text_hash(fields)
+    tests and tools that look at a stream's raw entries read. `fields` as redis-py's
+    callbacks give them (a mapping), or as Redis sent them (a flat [name, value, ...] list:
+    api/stream_hub.py's XREAD)."""
+    pairs = zip(fields[::2], fields[1::2], strict=True) if isinstance(fields, list) else None
+    h = text_hash(fields) if pairs is None else {as_str(k): as_str(v) for k, v in pairs}
     return h["event"], json.loads(h["data"])
 
 
