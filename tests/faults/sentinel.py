@@ -93,6 +93,7 @@ class SentinelCluster:
         conf = self.directory / f"sentinel-{port}.conf"
         conf.write_text(
             f"port {port}\nbind 127.0.0.1\ndir {self.directory}\n"
+            f"logfile {self._sentinel_log(port)}\n"
             f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 2\n"
             f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
@@ -100,6 +101,27 @@ class SentinelCluster:
         )
         server = shutil.which("redis-server") or "redis-server"
         return subprocess.Popen([server, str(conf), "--sentinel"], stdout=subprocess.DEVNULL)
+
+    def _sentinel_log(self, port: int) -> Path:
+        return self.directory / f"sentinel-{port}.log"
+
+    def report(self, log_lines: int = 15) -> str:
+        """Each server's role and link and the tail of each Sentinel's log: what a failed
+        wait on Sentinel's pace prints, so that the cause can be read from CI's output."""
+        lines = []
+        for server in self.servers:
+            try:
+                with server.client() as conn:
+                    info = conn.info("replication")
+                keys = ("role", "master_port", "master_link_status", "connected_slaves")
+                lines.append(f"redis {server.port}: " + str({k: info.get(k) for k in keys}))
+            except redis.RedisError as error:
+                lines.append(f"redis {server.port}: {error!r}")
+        for port in self.sentinel_ports:
+            log = self._sentinel_log(port)
+            tail = log.read_text(errors="replace").splitlines()[-log_lines:] if log.exists() else []
+            lines.append(f"sentinel {port}:\n  " + "\n  ".join(tail))
+        return "\n".join(lines)
 
     def _sentinel_client(self, port: int) -> redis.Redis:
         return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
