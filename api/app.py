@@ -14,13 +14,14 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Flask, Response, g, request
+from flask import Flask, Response, current_app, g, request
 
-from api import admin, batches, files, jobs, metrics, openai_api, openapi, ops, rate_limits, ui
+from api import admin, batches, files, jobs, openai_api, openapi, ops, rate_limits, ui
 from api.config import broker_settings, from_env, make_events, make_redis, redis_conn
 from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
+from api.request_counts import RequestCounts
 from api.stream_hub import MAX_READERS, StreamHub
 from workers.wire.broker import Replication
 
@@ -52,6 +53,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     app.extensions["replication"] = app.config.get("REPLICATION") or Replication.of(broker)
     app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template
     app.extensions["directory"] = DirectoryCache()  # published and served models, <= 1 s old
+    app.extensions["request_counts"] = RequestCounts()  # to Redis once a second
 
     register_error_handlers(app)
     for blueprint in (
@@ -81,5 +83,6 @@ def _finish_request(response: Response) -> Response:
     response.headers["X-Request-Id"] = g.get("request_id", "")
     if not g.get("broker_down"):  # counting would only wait on the dead broker again
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        metrics.record_request(redis_conn(), request.method, rule, response.status_code)
+        counts = current_app.extensions["request_counts"]
+        counts.add(redis_conn(), request.method, rule, response.status_code)
     return response

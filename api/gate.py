@@ -8,13 +8,16 @@ dataclasses whose fields are named in the order the script unpacks them.
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from redis.exceptions import NoScriptError
 
 from workers import keys
 from workers.wire.broker import NotReplicated, Replication
 from workers.wire.defaults import JOB_TTL_SECONDS, WAKE_MAX_TOKENS, WAKE_TTL_SECONDS
 from workers.wire.job import QUEUED
+from workers.wire.loaded_script import LoadedScript
 from workers.wire.wake import WAKE_TOKEN
 
 
@@ -52,6 +55,8 @@ class GateArgs:
     priority: int = 0  # not 0: the job waits on the shared queue's level list
     level_separator: str = keys.LEVEL_SEPARATOR
 
+
+_FIELD_NAMES = {cls: tuple(f.name for f in fields(cls)) for cls in (GateKeys, GateArgs)}
 
 # The depth counts the shared queue, its priority levels and (with `own_prefix`) the own
 # queues. A job with a priority other than 0 waits on its level list (`keys.level_queue_name`,
@@ -117,21 +122,38 @@ return {chosen, depth}
 """
 
 
+GATE = LoadedScript(_GATE)  # by hash: its text is ~2.5 KB, sent with every submission by EVAL
+
+
+def _values(fields_of: Any) -> list[Any]:
+    """A dataclass's values in field order: `astuple` deep-copies, and this runs per submission."""
+    return [getattr(fields_of, name) for name in _FIELD_NAMES[type(fields_of)]]
+
+
 def gate_submission(
     client: Any, gate_keys: GateKeys, args: GateArgs, replication: Replication | None = None
 ) -> tuple[int, int]:
     """Push `args.job_id` unless the queues are full: (0 full | 1 shared | 2 own, depth).
     With `replication` on, `WAIT` follows on the same connection, so the answer also says
     the record and the push are on enough replicas (else `NotReplicated`)."""
-    argv = (len(astuple(gate_keys)), *astuple(gate_keys), *astuple(args))
+    keys_, argv = _values(gate_keys), _values(args)
     replication = replication or Replication()
     if not replication.on:
-        chosen, depth = client.eval(_GATE, *argv)
-    else:
-        with client.pipeline(transaction=False) as pipe:
-            pipe.eval(_GATE, *argv)
-            replication.wait_in(pipe)
-            (chosen, depth), acked = pipe.execute()
+        chosen, depth = GATE(client, keys_, argv)
+    else:  # a NOSCRIPT reply ran nothing: load the script, send both again
+        for attempt in (1, 2):
+            with client.pipeline(transaction=False) as pipe:
+                GATE.queue(pipe, keys_, argv)
+                replication.wait_in(pipe)
+                gated, acked = pipe.execute(raise_on_error=False)
+            if not isinstance(gated, NoScriptError) or attempt == 2:
+                break
+            GATE.load(client)
+        if isinstance(gated, Exception):
+            raise gated
+        if isinstance(acked, Exception):
+            raise acked
+        chosen, depth = gated
         if int(chosen) > 0:
             replication.check(acked)
     if int(chosen) == -1:

@@ -2,16 +2,15 @@
 
 Counters live in Redis hashes (`keys.METRIC_*`) rather than in process memory: gunicorn
 runs several API processes and the workers are other processes (or machines), and each
-scrape must see the sum of all of them. The API increments request counts; workers
-increment token counts and histogram buckets (`wire.histograms.histogram_fields`). A scrape costs
-one pipelined round trip.
+scrape must see the sum of all of them. The API adds request counts (once a second,
+api/request_counts.py); workers increment token counts and histogram buckets
+(`wire.histograms.histogram_fields`). A scrape costs one pipelined round trip.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Iterable, Iterator
 
@@ -34,18 +33,6 @@ from workers.wire.queues import llmq_queue_names, queue_lengths
 from workers.wire.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
-
-_SAFE_ROUTE = re.compile(r"^[A-Za-z0-9_/<>.:-]{1,100}$")
-
-
-def record_request(conn: redis.Redis, method: str, route: str, status: int) -> None:
-    """Count one answered request; never fails the request if Redis is down."""
-    if not _SAFE_ROUTE.match(route):
-        route = "other"
-    try:
-        conn.hincrby(keys.METRIC_REQUESTS, f"{method} {route}|{status}", 1)
-    except redis.RedisError as exc:
-        log.debug("request metric not recorded: %s", exc)
 
 
 def _hash(raw: dict[bytes, bytes]) -> dict[str, str]:

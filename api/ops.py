@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, current_app, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api import metrics, store
@@ -58,4 +58,5 @@ def _in_state(worker: WorkerInfo, state: str) -> list[str]:
 
 @bp.get("/metrics")
 def prometheus() -> Response:
+    current_app.extensions["request_counts"].flush(redis_conn())  # this process's, up to now
     return Response(metrics.render(redis_conn(), stream_hub()), mimetype=CONTENT_TYPE_LATEST)

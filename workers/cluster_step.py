@@ -52,6 +52,7 @@ from workers.wire.events import (
     write_ending,
 )
 from workers.wire.job import CANCELLED, FAILED, FINISHED
+from workers.wire.loaded_script import LoadedScript
 
 # One event bucket's writes of a step (every key in the bucket's slot: `keys.job_events`).
 # KEYS: per job, lease and events stream. ARGV: ttl (s), then per job: expected lease, write
@@ -129,8 +130,8 @@ return table.concat(out)
 # error replies of a cluster whose slots are moving or whose primary is being replaced
 MOVING = (AskError, TryAgainError, ClusterDownError)  # MovedError is an AskError
 
-APPEND_EVENTS = scripts.LoadedScript(_APPEND_EVENTS)
-RECORD_STEP = scripts.LoadedScript(_RECORD_STEP)
+APPEND_EVENTS = LoadedScript(_APPEND_EVENTS)
+RECORD_STEP = LoadedScript(_RECORD_STEP)
 
 Entry = tuple[list[str], list[Any]]  # `scripts.step_entry`: keys and arguments of one job
 
@@ -176,7 +177,7 @@ def append_events(events: Any, entries: Sequence[Entry], ttl: int = JOB_TTL_SECO
 
 
 def per_node(
-    events: Any, script: scripts.LoadedScript, calls: Sequence[tuple[list[str], list[Any]]]
+    events: Any, script: LoadedScript, calls: Sequence[tuple[list[str], list[Any]]]
 ) -> list[Any]:
     """`script` called once per (keys, args) in `calls` (keys of one slot each), each on
     the node that holds its slot: one write and one read per node (redis-py's cluster
@@ -200,7 +201,7 @@ def per_node(
 
 
 def _pipelined(
-    events: Any, script: scripts.LoadedScript, calls: Sequence[tuple[list[str], list[Any]]]
+    events: Any, script: LoadedScript, calls: Sequence[tuple[list[str], list[Any]]]
 ) -> list[Any]:
     """Each call on the node that holds its slot: every node's calls packed into one write
     (`workers.resp`), all nodes written before any is read. An error reply (NOSCRIPT,

@@ -22,16 +22,15 @@ CANCEL_SUFFIX).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError
 from rq.queue import Queue
 
 from workers import keys
 from workers.wire import rate_limit
 from workers.wire.defaults import JOB_TTL_SECONDS
+from workers.wire.loaded_script import LoadedScript
 
 RQ_QUEUE_PREFIX = Queue.redis_queue_namespace_prefix  # an RQ queue's key is this + its name
 RQ_QUEUES_KEY = Queue.redis_queues_keys  # RQ's set of queue keys (`rq info` lists it)
@@ -269,32 +268,6 @@ while redis.call('RPOPLPUSH', source, target) do moved = moved + 1 end
 redis.call('SREM', queues_set, source)
 return moved
 """
-
-
-class LoadedScript:
-    """A script called by its SHA1 (EVALSHA), loaded again when Redis has lost it (NOSCRIPT,
-    after a restart or a failover): what redis-py's `register_script` does for a client, but
-    also usable in a pipeline without its SCRIPT EXISTS round trip before every execute."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.sha = hashlib.sha1(text.encode()).hexdigest()
-
-    def __call__(self, client: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """Call on a client (not a pipeline), loading the script if Redis lacks it."""
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            self.load(client)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-
-    def queue(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
-        """Add the call to a pipeline; its NOSCRIPT reply comes back from
-        `execute(raise_on_error=False)` for the caller to `load` and call again."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
-
-    def load(self, client: Any) -> None:
-        client.script_load(self.text)
 
 
 APPEND = LoadedScript(_APPEND)

@@ -13,6 +13,7 @@ import redis
 from api import store
 from api.errors import QueueFull
 from workers import keys
+from workers.wire.broker import NotReplicated, Replication
 from workers.wire.job import JobRecord
 
 pytestmark = pytest.mark.integration
@@ -21,17 +22,17 @@ MODEL = "tiny"
 
 
 class LostReply:
-    """A client whose every EVAL runs twice on the server and answers with the second run,
-    as when the first reply is lost and the retry sends the script again."""
+    """A client whose every EVALSHA (the gate goes by hash) runs twice on the server and
+    answers with the second run, as when the first reply is lost and the retry sends it again."""
 
     def __init__(self, conn: redis.Redis) -> None:
         self.conn = conn
         self.evals = 0
 
-    def eval(self, *args: Any) -> Any:
-        self.conn.eval(*args)
+    def evalsha(self, *args: Any) -> Any:
+        self.conn.evalsha(*args)
         self.evals += 1
-        return self.conn.eval(*args)
+        return self.conn.evalsha(*args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.conn, name)
@@ -66,3 +67,21 @@ def test_a_second_job_still_sees_the_first_in_the_depth(real_redis) -> None:
         store.enqueue(client, third, max_queue=2)
     assert real_redis.llen(f"rq:queue:{first}") == 2
     assert store.get_record(real_redis, third.id) is None  # refused: nothing of it stays
+
+
+def test_a_redis_that_lost_its_scripts_still_gates_each_job_once(real_redis) -> None:
+    """The gate goes by hash (EVALSHA): after a restart or a failover Redis answers
+    NOSCRIPT, which ran nothing; the script is loaded and the call sent again, with or
+    without the replicas' WAIT behind it in the same pipeline."""
+    plain = _job()
+    real_redis.script_flush()
+    queue = store.enqueue(real_redis, plain, max_queue=10)
+    real_redis.script_flush()
+    waited = _job()
+    with pytest.raises(NotReplicated):  # no replica here confirms: WAIT 1 answers 0
+        store.enqueue(real_redis, waited, max_queue=10, replication=Replication(1, 50))
+    # both pushed once, in order: the NOSCRIPT reply pushed nothing
+    assert real_redis.lrange(f"rq:queue:{queue}", 0, -1) == [
+        plain.id.encode(),
+        waited.id.encode(),
+    ]

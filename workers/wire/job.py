@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from workers.wire.text import optional_float, text_hash
@@ -91,7 +91,8 @@ class JobRecord:
     def to_hash(self) -> dict[str, str]:
         """Every field as a string (JSON for structured values); None fields are omitted."""
         out = {}
-        for name, value in asdict(self).items():
+        for name in _RECORD_FIELDS:  # not `asdict`: it deep-copies the request and spec
+            value = getattr(self, name)
             if value is None:
                 continue
             out[name] = json.dumps(value) if isinstance(value, dict) else str(value)
@@ -127,6 +128,9 @@ class JobRecord:
             ratelimit_tokens=int(h["ratelimit_tokens"]) if "ratelimit_tokens" in h else None,
             ratelimit_token_ms=optional_float(h.get("ratelimit_token_ms")),
         )
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(JobRecord))
 
 
 def response_id(endpoint: str, job_id: str) -> str:

@@ -1,0 +1,50 @@
+"""api/request_counts.py: answered requests reach the shared counter once a second, and a
+scrape of `/metrics` includes what its own process answered up to then."""
+
+from __future__ import annotations
+
+import httpx
+import redis
+
+from api.request_counts import RequestCounts
+from tests.workers.conftest import wait_for
+from workers import keys
+
+
+def _counts(conn: redis.Redis) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in conn.hgetall(keys.METRIC_REQUESTS).items()}
+
+
+def test_counts_wait_for_their_window_then_go_in_one_flush(real_redis) -> None:
+    counts = RequestCounts(flush_seconds=0.3)
+    for _ in range(3):
+        counts.add(real_redis, "POST", "/v1/completions", 202)
+    counts.add(real_redis, "GET", "/v1/jobs/<job_id>", 404)
+    counts.add(real_redis, "GET", "/bad route\r\n", 200)  # never a label it did not choose
+    assert _counts(real_redis) == {}  # nothing sent before the window ends
+    expected = {"POST /v1/completions|202": 3, "GET /v1/jobs/<job_id>|404": 1, "GET other|200": 1}
+    wait_for(lambda: _counts(real_redis) == expected, 5, "the window's flush")
+    counts.add(real_redis, "POST", "/v1/completions", 202)  # a new window
+    counts.flush(real_redis)  # at once, as `/metrics` does for its own process
+    assert _counts(real_redis)["POST /v1/completions|202"] == 4
+
+
+def test_a_flush_to_a_dead_redis_drops_its_counts_and_raises_nothing(real_redis) -> None:
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2)
+    counts = RequestCounts(flush_seconds=60)
+    counts.add(dead, "POST", "/v1/completions", 503)
+    counts.flush(dead)
+    counts.flush(real_redis)  # nothing held any more
+    assert _counts(real_redis) == {}
+
+
+def test_gunicorn_counts_requests_without_a_scrape_and_renders_them(gunicorn, real_redis) -> None:
+    """The real path: gevent's worker runs the timer as a greenlet."""
+    headers = {"Authorization": "Bearer sk-test"}
+    for _ in range(5):
+        assert httpx.get(f"{gunicorn}/v1/models", headers=headers, timeout=10).status_code == 200
+    wait_for(lambda: _counts(real_redis).get("GET /v1/models|200") == 5, 10, "the counts in Redis")
+    scrape = httpx.get(f"{gunicorn}/metrics", headers=headers, timeout=10).text
+    line = 'llmq_http_requests_total{method="GET",route="/v1/models",status="200"} '
+    values = [float(x[len(line) :]) for x in scrape.splitlines() if x.startswith(line)]
+    assert values == [5.0], scrape[:2000]

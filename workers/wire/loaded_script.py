@@ -1,0 +1,37 @@
+"""A Lua script called by its hash, shared by the API's submission gate (api/gate.py) and
+the worker's scripts (workers/scripts.py): their text is kilobytes, which EVAL would send
+and Redis hash again on every call (bench/redis_cost.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+
+class LoadedScript:
+    """A script called by its SHA1 (EVALSHA), loaded again when Redis has lost it (NOSCRIPT,
+    after a restart or a failover): what redis-py's `register_script` does for a client, but
+    also usable in a pipeline without its SCRIPT EXISTS round trip before every execute."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """Call on a client (not a pipeline), loading the script if Redis lacks it."""
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.load(client)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+    def queue(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
+        """Add the call to a pipeline; its NOSCRIPT reply comes back from
+        `execute(raise_on_error=False)` for the caller to `load` and call again."""
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    def load(self, client: Any) -> None:
+        client.script_load(self.text)
