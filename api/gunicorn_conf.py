@@ -55,3 +55,12 @@ def post_worker_init(worker: object) -> None:
         wanted = min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def post_fork(server: object, worker: object) -> None:
+    """Each API process in a session of its own. Where the kernel groups processes by
+    session for CPU shares (Linux's autogroups, on by default on many distributions), a
+    session's processes share one group's share: two API processes beside `llmq serve`'s
+    workers (each in a session of its own, workers/supervisor.py) got as much CPU together
+    as one worker, and on saturated cores every request waited for its turn in them."""
+    os.setsid()

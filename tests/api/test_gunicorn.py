@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from urllib.parse import urlparse
@@ -174,3 +175,34 @@ def test_expect_100_continue_is_answered_at_once(gunicorn) -> None:
     sock.settimeout(0.5)
     assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
     sock.close()
+
+
+def _processes_serving(port: int) -> dict[int, int]:
+    """pid -> parent pid of every process whose command line binds `port`."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if f"127.0.0.1:{port}".encode() in argv and b"gunicorn" in b" ".join(argv):
+            found[int(entry)] = parent
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_each_api_process_leads_a_session_of_its_own(gunicorn) -> None:
+    """api/gunicorn_conf.py post_fork: where CPU shares go by session (Linux autogroups),
+    each API process gets one, as each of `llmq serve`'s workers does."""
+    port = urlparse(gunicorn).port
+    processes = _processes_serving(port)
+    workers = [pid for pid, parent in processes.items() if parent in processes]
+    assert workers, processes
+    master = next(pid for pid in processes if pid not in workers)
+    for pid in workers:
+        assert os.getsid(pid) == pid != os.getsid(master)

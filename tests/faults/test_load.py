@@ -6,7 +6,8 @@ after another (their starts spread over the first third of the run, at most STRE
 seconds), most of them waiting in the queue at any time (LLMQ_MAX_QUEUE is raised so that
 they may).
 
-Pass: every request gets a 2xx, or a 429 with Retry-After; every accepted job finishes; the
+Pass: every request gets a 2xx, or a 429 with Retry-After (which the clients honour, up to 5 s,
+as OpenAI's client libraries do); every accepted job finishes; the
 p99 of async submissions (POST to 202) is under 100 ms; no process of `llmq serve` was
 restarted; every key the run left in Redis carries a TTL (its memory goes back to the
 baseline within the TTLs). The streams phase passes when no stream is lost (each ends with
@@ -73,11 +74,12 @@ class Client:
         while time.monotonic() < self.until:
             i += 1
             try:
-                await self.one(i)
+                await _back_off(await self.one(i))
             except httpx.TransportError as exc:
                 self.tally["problems"].append(f"{self.kind}: {exc!r}")
 
-    async def one(self, i: int) -> None:
+    async def one(self, i: int) -> str | None:
+        """One request; returns a 429's Retry-After."""
         http = self.http
         if self.kind == "async":
             started = time.monotonic()
@@ -88,15 +90,17 @@ class Client:
             self.record(r)
             if r.status_code == 202:
                 self.tally["accepted"].append(r.json()["id"])
-            return
+            return r.headers.get("Retry-After") if r.status_code == 429 else None
         if self.kind == "sync":
-            self.record(await http.post("/v1/completions", json=_body(i)))
-            return
+            r = await http.post("/v1/completions", json=_body(i))
+            self.record(r)
+            return r.headers.get("Retry-After") if r.status_code == 429 else None
         async with http.stream("POST", "/v1/completions", json=_body(i, stream=True)) as r:
             lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
             self.record(r)
             if r.status_code == 200 and lines[-1] != "data: [DONE]":
                 self.tally["problems"].append(f"stream ended without [DONE]: {lines[-1:]}")
+            return r.headers.get("Retry-After") if r.status_code == 429 else None
 
     def record(self, r: httpx.Response) -> None:
         self.tally["status"][r.status_code] += 1
@@ -104,6 +108,13 @@ class Client:
             self.tally["problems"].append("429 without Retry-After")
         elif r.status_code >= 300 and r.status_code != 429:
             self.tally["problems"].append(f"{self.kind}: {r.status_code} {r.text[:200]}")
+
+
+async def _back_off(retry_after: str | bytes | None) -> None:
+    """Wait as a 429's Retry-After asks (at most 5 s), as OpenAI's client libraries do: a
+    client that asks again at once only adds to the load the 429 turned away."""
+    if retry_after:
+        await asyncio.sleep(min(5.0, float(retry_after)))
 
 
 async def _run_clients(base: str, kinds: list[str], until: float, tally: dict) -> None:
@@ -135,11 +146,12 @@ class StreamClient:
         while time.monotonic() < self.until:
             i += 1
             try:
-                await self.one(i)
+                await _back_off(await self.one(i))
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 self.tally["problems"].append(f"stream: {exc!r}")
 
-    async def one(self, i: int) -> None:
+    async def one(self, i: int) -> bytes | None:
+        """One stream; returns a 429's Retry-After."""
         # A token whose text is held back (part of a UTF-8 character: the tiny model's byte
         # tokens often are) sends no text chunk. Every other stream asks for logprobs: a
         # chunk for every token, so its chunks count the token events the API relayed; the
@@ -163,9 +175,11 @@ class StreamClient:
         finally:
             writer.close()
         if status != 200:
-            if status >= 500 or b"retry-after:" not in head.lower():
+            retry_after = re.search(rb"(?im)^retry-after:\s*(\d+)", head)
+            if status >= 500 or retry_after is None:
                 self.tally["problems"].append(f"stream: {status} {raw[:200]!r}")
-            return
+                return None
+            return retry_after.group(1)
         text = _dechunk(raw) if b"chunked" in head.lower() else raw
         lines = [x[6:] for x in text.decode().split("\n") if x.startswith("data: ")]
         if not lines or lines[-1] != "[DONE]":
