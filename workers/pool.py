@@ -22,12 +22,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runtime.errors import LLMQRuntimeError, ModelNotFoundError
 from workers.errors import JobFailure, ModelLoadError, PoolFull, UnknownModelError
+from workers.load_threads import LoadThreads
 from workers.wire.worker_info import FAILED, LOADING, READY
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ class EnginePool:
         self.sources = dict(sources)
         self._loader = loader
         self._entries: dict[str, PoolEntry] = {}
-        self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmq-load")
+        self._threads = LoadThreads()  # each load in a thread of its own (load_threads.py)
 
     # ------------------------------------------------------------------ queries
 
@@ -336,7 +337,7 @@ class EnginePool:
         return True
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown()
 
     # ------------------------------------------------------------------ internals
 
