@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from runtime.engine import Engine, EngineConfig
+from runtime.kernels.cpu_features import cpu_features
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.models.static_decode import BATCH_BUCKETS, width_buckets
 from runtime.sampling import SamplingParams
@@ -70,6 +71,22 @@ def _host(logits: torch.Tensor) -> np.ndarray:
     return logits.float().cpu().numpy()
 
 
+# Below AVX-512 torch's CPU kernels on the tensor path round a batch's tail rows (7 rows run
+# alone, or as 8 with a padding row) differently: on the AVX2 EPYC the last rows of a padded
+# bucket came out up to 2.1e-6 from the eager pass (bench/RESULTS.md, "The suite beside two
+# busy processes, on this machine"). There the two paths must agree to 1e-5 and in every
+# row's greedy token; bitwise on CUDA (what the graphs are for) and on AVX-512 CPUs.
+ROUNDING_BELOW_AVX512 = 1e-5
+
+
+def _assert_same_logits(got: np.ndarray, want: np.ndarray, device: str) -> None:
+    if device.startswith("cuda") or cpu_features().level not in ("avx2", "baseline"):
+        np.testing.assert_array_equal(got, want)
+        return
+    np.testing.assert_allclose(got, want, rtol=0, atol=ROUNDING_BELOW_AVX512)
+    np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
+
+
 def _side_by_side(engine: Engine, prompts: list[list[int]], steps: int) -> int:
     """Decode `steps` tokens of every prompt through both paths; assert equal logits each
     step; the number of rows compared."""
@@ -85,7 +102,7 @@ def _side_by_side(engine: Engine, prompts: list[list[int]], steps: int) -> int:
         assert graphs.bucket_for(rows_s) is not None
         want = _host(model.logits(model.forward(np.asarray(tokens), BatchLayout(rows_e))))
         got = _host(graphs.run(tokens, rows_s))
-        np.testing.assert_array_equal(got, want)
+        _assert_same_logits(got, want, engine.device)
         compared += len(tokens)
         tokens = [int(t) for t in want.argmax(axis=1)]
     for cache in eager + static:
