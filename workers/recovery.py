@@ -115,6 +115,11 @@ class Reaper:
             lease_key = keys.job_lease(job_id)
             if not self.events.set(lease_key, self.lease, nx=True, px=self.lease_ms):
                 continue  # another reaper (or a claim) got there first
+            if not self.connection.sismember(keys.RUNNING, job_id):
+                # another reaper requeued it since this sweep looked: RQ's records are
+                # the next run's now (`scripts.requeue` would refuse it too)
+                scripts.give_up(self.events, job_id, self.lease)
+                continue
             if self._recover(job_id):
                 recovered.append(job_id)
         return recovered

@@ -232,17 +232,20 @@ return 0
 # KEYS: lease, RQ queue, running set, RQ job hash, record, the queue's level set, RQ's set
 # of queue keys. ARGV: expected lease, job id, level separator. Puts the job back at the
 # front of where its priority waits (the record's `priority`: the queue, or its level list,
-# as `keys.level_queue_name`), as queued, and gives up the lease. An empty expected lease:
-# the lease is on the events cluster and was checked there (`recovery.requeue`); then only
-# a job still in the running set is put back, so two requeues of one run push it once.
+# as `keys.level_queue_name`), as queued, and gives up the lease. Only a job still in the
+# running set is put back, so two requeues of one run push it once: two reapers that both
+# saw it without a lease, the second taking its lock after the first had requeued it (its
+# lock is given up then). An empty expected lease: the lease is on the events cluster and
+# was checked there (`recovery.requeue`).
 _REQUEUE = """
 local lease_key, queue, running, rq_job, record, levels, queues_set = unpack(KEYS)
 local lease, job_id, separator = ARGV[1], ARGV[2], ARGV[3]
-if lease == '' then
-  if redis.call('SISMEMBER', running, job_id) == 0 then return 0 end
-elseif redis.call('GET', lease_key) ~= lease then
+local held = lease ~= '' and redis.call('GET', lease_key) == lease
+if redis.call('SISMEMBER', running, job_id) == 0 then
+  if held then redis.call('DEL', lease_key) end
   return 0
 end
+if lease ~= '' and not held then return 0 end
 local priority = tonumber(redis.call('HGET', record, 'priority') or '0') or 0
 if priority ~= 0 then
   queue = queue .. separator .. priority
@@ -404,7 +407,7 @@ def give_up(client: Any, job_id: str, lease: str) -> int:
 def requeue(client: Any, job_id: str, lease: str, queue_key: str, rq_job_key: str) -> Any:
     """Put the job back at the front of `queue_key` (or of its level list, by the record's
     priority), queued, and give up `lease` (`_REQUEUE`); 1 if done, 0 if `lease` was not the
-    job's lease."""
+    job's lease or the job is not running (requeued already)."""
     job_keys = [
         keys.job_lease(job_id),
         queue_key,

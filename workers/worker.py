@@ -82,7 +82,7 @@ log = logging.getLogger("llmq.worker")
 # the claim is a round trip, and a GPU steps hundreds of times a second
 CLAIM_WHILE_BUSY_SECONDS = 0.02
 
-BACKOFF_SECONDS = (0.5, 1, 2, 5, 10)
+BACKOFF_SECONDS = (0.25, 0.5, 1, 2)  # a ping every 2 s at most: back soon after Redis
 PRUNE_SECONDS = 10
 SUSPENSION_CHECK_SECONDS = 1
 LOAD_CHECK_SECONDS = 0.005  # a job waiting for its model starts this soon after the load
@@ -457,6 +457,11 @@ class LLMQWorker:
                 log.exception("job %s: could not be started", claim.job_id)
 
     def _take(self, queue: Queue, job_id: str, attempt: int) -> None:
+        stale = self.running.jobs.get(job_id)
+        if stale is not None:
+            # requeued while it ran here (its lease lapsed while Redis was away): this
+            # claim's lease fences the old run out, and the new one resumes from the stream
+            self.ends.drop(stale)
         rq_job = self.rq.fetch(job_id)
         if attempt == CLAIMED_MISSING:
             self.ends.fail_orphan(rq_job, queue, "its job record is gone (expired or deleted)")

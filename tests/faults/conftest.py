@@ -35,6 +35,24 @@ from tests.workers.conftest import REPO, WorkerProcess, signal_then_kill, wait_f
 from workers.wire.job import TERMINAL_STATUSES
 
 MODEL = "tiny-faults"  # the model id: the tiny GGUF's file stem
+LOG_TAIL_CHARS = 6000  # of each process's log, printed when a fault test fails
+CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """Keeps whether the test body failed, for the fixtures below to print their processes'
+    logs then: a fault seen once on a busy CI machine is read from CI's output."""
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
+def print_log_if_failed(request: pytest.FixtureRequest, name: str, output: str) -> None:
+    if request.node.stash.get(CALL_FAILED, False):
+        print(f"----- {name}: the last {LOG_TAIL_CHARS} characters of its log -----")
+        print(output[-LOG_TAIL_CHARS:])
 
 
 def free_port() -> int:
@@ -146,7 +164,7 @@ class Api:
 
 
 @pytest.fixture
-def start_api() -> Iterator[Callable[..., Api]]:
+def start_api(request: pytest.FixtureRequest) -> Iterator[Callable[..., Api]]:
     apis: list[Api] = []
 
     def start(redis_url: str, processes: int = 1, **extra_env: str) -> Api:
@@ -156,11 +174,14 @@ def start_api() -> Iterator[Callable[..., Api]]:
 
     yield start
     for api in apis:
+        print_log_if_failed(request, f"API on port {api.port}", api.output())
         api.stop()
 
 
 @pytest.fixture
-def start_workers(fault_model: Path) -> Iterator[Callable[..., list[WorkerProcess]]]:
+def start_workers(
+    request: pytest.FixtureRequest, fault_model: Path
+) -> Iterator[Callable[..., list[WorkerProcess]]]:
     started: list[WorkerProcess] = []
 
     def start(
@@ -181,6 +202,7 @@ def start_workers(fault_model: Path) -> Iterator[Callable[..., list[WorkerProces
 
     yield start
     for proc in started:
+        print_log_if_failed(request, f"worker {proc.name}", proc.output())
         proc.stop()
 
 

@@ -14,7 +14,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tests.workers.conftest import TINY, stream, submit
-from workers import keys, resp
+from workers import keys, recovery, resp, scripts
 from workers.claims import CANCELLED, Claim, Claims
 from workers.errors import JobFailure
 from workers.event_writer import EventWriter
@@ -22,6 +22,7 @@ from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.presence import Presence
+from workers.recovery import Reaper
 from workers.rq_registries import RQRegistries, RQWorker
 from workers.running import RunningJobs
 from workers.wire.job import COMPLETIONS, FAILED, JobRecord
@@ -76,6 +77,29 @@ def test_leases_renew_their_own_and_report_the_lost_ones(conn):
     assert conn.pttl(keys.job_lease(kept.id)) > 9_000
     assert conn.get(keys.job_lease(lost.id)) == b"other:2"
     assert leases.renew([]) == []
+
+
+def test_two_reapers_that_both_saw_a_lapsed_lease_requeue_the_job_once(conn, monkeypatch):
+    job = claimed(conn, Leases(conn, "w", ttl_seconds=10))
+    conn.delete(keys.job_lease(job.id))  # its worker went away
+    seen = recovery.each_member(conn, keys.RUNNING, lambda p, j: p.exists(keys.job_lease(j)))
+    assert seen == [(job.id, 0)]
+    assert Reaper(conn, "r1", 10_000).run() == [job.id]
+    # the second reaper looked before the first requeued, and takes its lock after
+    monkeypatch.setattr(recovery, "each_member", lambda *_: seen)
+    assert Reaper(conn, "r2", 10_000).run() == []
+    assert rq_queue(conn).get_job_ids() == [job.id]
+    assert not conn.exists(keys.job_lease(job.id))
+
+
+def test_a_requeue_of_a_job_no_longer_running_pushes_nothing_and_gives_the_lock_up(conn):
+    job = claimed(conn, Leases(conn, "w", ttl_seconds=10))
+    queue_key, rq_key = rq_queue(conn).key, f"rq:job:{job.id}"
+    assert scripts.requeue(conn, job.id, "w:1", queue_key, rq_key) == 1
+    conn.set(keys.job_lease(job.id), "reaper:late")
+    assert scripts.requeue(conn, job.id, "reaper:late", queue_key, rq_key) == 0
+    assert rq_queue(conn).get_job_ids() == [job.id]
+    assert not conn.exists(keys.job_lease(job.id))
 
 
 def test_event_writer_flushes_fenced_events_and_reports_lost_jobs_and_cancel_flags(conn):

@@ -405,6 +405,23 @@ def test_a_worker_that_lost_the_lease_stops_writing(conn, start_worker):
     assert record(conn, job_id).status == "started"  # the new owner decides its end
 
 
+def test_a_job_requeued_while_it_runs_here_is_taken_over_by_the_new_claim(conn, start_worker):
+    """A reaper requeued the job while this worker still ran it (its lease lapsed while Redis
+    was away) and this worker claims it again before its writes hear of it: the new run
+    replaces the old one and resumes from the stream, with nothing lost or repeated."""
+    job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "again", "max_tokens": 200})
+    worker = start_worker(step_delay=0.02, lease_ttl=120, lease_renew=60)
+    wait_for(lambda: len(tokens(conn, job_id)) >= 3, what="a few tokens")
+    conn.set(keys.job_lease(job_id), "reaper:other")
+    rq_key = f"rq:job:{job_id}"
+    assert scripts.requeue(conn, job_id, "reaper:other", rq_queue(conn).key, rq_key) == 1
+    conn.set(keys.job_lease(job_id), f"{worker.name}:1")  # the old run still writes: no lost write
+    done = wait_done(conn, job_id)
+    assert done.status == FINISHED and done.attempts == 2 and done.worker == worker.name
+    indexes = [data["index"] for kind, data in stream(conn, job_id) if kind == "token"]
+    assert indexes == list(range(200))
+
+
 def test_the_reaper_requeues_a_job_whose_worker_vanished(conn, start_worker):
     job_id = submit(conn, COMPLETIONS, {**GREEDY, "prompt": "ghost", "max_tokens": 4})
     queue_key = rq_queue(conn).key
