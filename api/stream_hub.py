@@ -292,7 +292,7 @@ class StreamReader:
                 issued = time.monotonic()
                 reply = self._xread(streams, COUNT, self._block())
                 stalls = 0
-                woken = self._deliver(reply or [])
+                woken = self._deliver(reply or [], streams)
                 # Each call costs Redis and this process O(streams followed): a burst of
                 # joins (or of events) is gathered for a moment instead of one call each
                 pause = (JOIN_PAUSE if woken else EVENT_PAUSE) - (time.monotonic() - issued)
@@ -321,8 +321,11 @@ class StreamReader:
         left = CHECK_SECONDS - (time.monotonic() - self._checked)
         return max(1, min(self.block_ms, int(left * 1000)))
 
-    def _deliver(self, reply: Any) -> bool:
-        """Hand out what one XREAD returned; whether it held a wake (a join)."""
+    def _deliver(self, reply: Any, read_after: dict[str, str]) -> bool:
+        """Hand out what one XREAD (from the ids in `read_after`) returned; whether it held a
+        wake (a join). A follower that joined during the call from an earlier id (a client
+        reconnecting with Last-Event-ID) gets nothing of it: the events between its id and
+        the call's are not in this reply, and the next call starts from its id."""
         woken = False
         for raw_key, entries in reply.items() if isinstance(reply, dict) else reply:
             key = as_str(raw_key)
@@ -330,12 +333,14 @@ class StreamReader:
                 self._wake_last = as_str(entries[-1][0]) if entries else self._wake_last
                 woken = True
                 continue
+            covered = entry_id(read_after[key])
             with self._lock:
                 followers = list(self._by_key.get(key, ()))
+            readers = [f for f in followers if f.position >= covered]
             for raw_id, fields in entries:
                 event = Event(as_str(raw_id), decode(fields))
                 position = entry_id(event.id)
-                for follower in followers:
+                for follower in readers:
                     if position > follower.position and not follower.ended:
                         follower.deliver(event)
             with self._lock:

@@ -4,6 +4,8 @@ without a terminal event only when nothing more is in its stream (docs/faults.md
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
@@ -80,6 +82,34 @@ def test_a_follower_added_while_the_reader_blocks_wakes_it(real_redis: redis.Red
     _finish(real_redis, "late")
     assert [e.kind for e in _drain(newcomer)] == ["token", "done"]
     hub.leave(waiting)
+
+
+def test_a_follower_joining_behind_a_read_in_flight_gets_every_event_once_in_order(
+    real_redis: redis.Redis,
+) -> None:
+    """A client reconnects with Last-Event-ID while the reader's XREAD for the same job, from
+    a later id (another client's), is in flight: the reply must not move the newcomer past
+    the events between the two ids."""
+    ids = [_token(real_redis, "joined", i) for i in range(3)]
+    hub = StreamReader(real_redis, block_ms=200)
+    behind: list[Follower] = []
+    real_xread = hub._xread
+
+    def xread(streams: dict[str, str], count: int, block: int):
+        if not behind:
+            behind.append(hub.follow("joined", ids[0]))
+        return real_xread(streams, count, block)
+
+    hub._xread = xread
+    ahead = hub.follow("joined", ids[1])
+    for _ in range(200):
+        if behind:
+            break
+        time.sleep(0.01)
+    _finish(real_redis, "joined")
+    indexes = [getattr(e.message, "index", None) for e in _drain(behind[0])]
+    assert indexes == [1, 2, None]
+    assert [getattr(e.message, "index", None) for e in _drain(ahead)] == [2, None]
 
 
 def test_an_ended_job_whose_events_are_still_unread_is_not_repaired(
