@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from workers import keys
 from workers.wire.broker import NotReplicated, Replication
 from workers.wire.defaults import JOB_TTL_SECONDS, WAKE_MAX_TOKENS, WAKE_TTL_SECONDS
@@ -140,15 +138,8 @@ def gate_submission(
     replication = replication or Replication()
     if not replication.on:
         chosen, depth = GATE(client, keys_, argv)
-    else:  # a NOSCRIPT reply ran nothing: load the script, send both again
-        for attempt in (1, 2):
-            with client.pipeline(transaction=False) as pipe:
-                GATE.queue(pipe, keys_, argv)
-                replication.wait_in(pipe)
-                gated, acked = pipe.execute(raise_on_error=False)
-            if not isinstance(gated, NoScriptError) or attempt == 2:
-                break
-            GATE.load(client)
+    else:
+        gated, acked = GATE.before(client, keys_, argv, replication.wait_in)
         if isinstance(gated, Exception):
             raise gated
         if isinstance(acked, Exception):

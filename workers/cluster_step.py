@@ -260,15 +260,7 @@ def record_step(
         record_keys.append(job_keys[2])
         step_args += [args[1], mode, args[4], n, *args[8 : 8 + 2 * n]]
     step_keys = [keys.RUNNING, keys.METRIC_JOBS, *cancel_keys, *record_keys]
-    call = ["EVALSHA", RECORD_STEP.sha, len(step_keys), *step_keys, *step_args]
-    commands = [resp.pack(call), *(resp.pack(command) for command in metrics)]
-    results = resp.round_trip(queue, commands, len(commands))
-    reply = results[0]
-    if isinstance(reply, NoScriptError):
-        reply = RECORD_STEP(queue, step_keys, step_args)
-    for result in [reply, *results[1:]]:
-        if isinstance(result, Exception):
-            raise result
+    reply = resp.script_round_trip(queue, RECORD_STEP, step_keys, step_args, metrics)
     flags = reply.decode() if isinstance(reply, bytes) else reply
     checks = [args[5] == "1" for _, args in entries]
     return [flag if check else "0" for flag, check in zip(flags, checks, strict=True)]

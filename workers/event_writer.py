@@ -25,8 +25,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from workers import affinity, cluster_step, metrics, resp, scripts
 from workers.jobs import ActiveJob
 from workers.wire import rate_limit
@@ -256,16 +254,9 @@ class EventWriter:
         metrics, step.metrics = step.metrics, []
         if self.clustered:
             return cluster_step.write_step(self.events, self.connection, step.entries, metrics)
-        call = ["EVALSHA", scripts.WRITE_STEP.sha, len(step.keys), *step.keys, *step.args]
-        commands = [resp.pack(call), *(resp.pack(command) for command in metrics)]
-        results = resp.round_trip(self.connection, commands, len(commands))
-        reply = results[0]
-        if isinstance(reply, NoScriptError):
-            reply = scripts.WRITE_STEP(self.connection, step.keys, step.args)
-        for result in [reply, *results[1:]]:
-            if isinstance(result, Exception):
-                raise result
-        return reply
+        return resp.script_round_trip(
+            self.connection, scripts.WRITE_STEP, step.keys, step.args, metrics
+        )
 
     def _settle(self) -> None:
         """Apply the outcome of the step in flight, once it is back."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
+
+from workers.wire.loaded_script import LoadedScript
 
 Arg = bytes | str | int | float
 
@@ -52,3 +54,24 @@ def round_trip(client: Any, commands: Sequence[bytes], replies: int) -> list[Any
         raise
     finally:
         pool.release(connection)
+
+
+def script_round_trip(
+    client: Any,
+    script: LoadedScript,
+    keys: Sequence[Arg],
+    args: Sequence[Arg],
+    commands: Sequence[Sequence[Arg]] = (),
+) -> Any:
+    """`script` by its hash, then `commands`, in one round trip; the script's reply, any
+    error reply raised. A NOSCRIPT reply (Redis lost its scripts: a restart, a failover) ran
+    nothing, so the script is loaded and called alone again; `commands` ran once already."""
+    call = ["EVALSHA", script.sha, len(keys), *keys, *args]
+    packed = [pack(call), *(pack(command) for command in commands)]
+    replies = round_trip(client, packed, len(packed))
+    if isinstance(replies[0], NoScriptError):
+        replies[0] = script(client, keys, args)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies[0]

@@ -5,7 +5,7 @@ and Redis hash again on every call (bench/redis_cost.py)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import NoScriptError
@@ -32,6 +32,25 @@ class LoadedScript:
         """Add the call to a pipeline; its NOSCRIPT reply comes back from
         `execute(raise_on_error=False)` for the caller to `load` and call again."""
         pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    def before(
+        self, client: Any, keys: Sequence[Any], args: Sequence[Any], then: Callable[[Any], None]
+    ) -> list[Any]:
+        """The call and the commands `then` adds behind it, in one pipeline; their replies,
+        error replies among them, not raised. A NOSCRIPT reply ran nothing: the script is
+        loaded and all sent again, once (what follows it, as a WAIT, belongs to the call)."""
+
+        def send() -> list[Any]:
+            with client.pipeline(transaction=False) as pipe:
+                self.queue(pipe, keys, args)
+                then(pipe)
+                return pipe.execute(raise_on_error=False)
+
+        replies = send()
+        if isinstance(replies[0], NoScriptError):
+            self.load(client)
+            replies = send()
+        return replies
 
     def load(self, client: Any) -> None:
         client.script_load(self.text)
