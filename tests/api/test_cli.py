@@ -49,3 +49,25 @@ def test_gunicorn_config_loads(monkeypatch) -> None:
     assert conf["worker_connections"] >= 5000  # streams per process (bench/streams.py)
     assert conf["bind"].endswith(":8555")
     assert conf["limit_request_line"] <= 8190
+
+
+def test_an_api_process_freezes_what_it_loaded_and_collects_young_objects_less_often() -> None:
+    """api/gunicorn_conf.py post_worker_init, run as gunicorn runs it once the app is loaded
+    (in a process of its own: it changes the interpreter's collector)."""
+    import subprocess
+
+    script = (
+        "import gc, runpy, sys\n"
+        f"conf = runpy.run_path({str(CONF)!r})\n"
+        "from api.app import create_app\n"
+        "create_app()\n"
+        "before = gc.get_threshold()[0]\n"
+        "conf['post_worker_init'](None)\n"
+        "print(before, gc.get_threshold()[0], gc.get_freeze_count(), conf['GC_YOUNG_THRESHOLD'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, after, frozen, wanted = map(int, done.stdout.split())
+    assert before == 700 and after == wanted > before
+    assert frozen > 10_000  # the app's modules and objects, out of every collection
