@@ -400,9 +400,9 @@ def raw_xread(client: Any) -> Callable[[dict[str, str], int, int], Any]:
     reply callback rebuilds every entry's fields into a dict first, which cost the API a
     tenth of its relay CPU at 1,000 streams (bench/fleet.py): a copy of `client` (its
     connection pool and settings) with its own callbacks, XREAD's left out, asks instead.
-    An events cluster's client routes by key and keeps its own XREAD."""
+    An events cluster's client keeps its own XREAD, sent to the node of the call's slot."""
     if is_cluster(client):
-        return lambda streams, count, block: client.xread(streams, count=count, block=block)
+        return _routed_xread(client)
     raw = copy.copy(client)
     raw.response_callbacks = type(client.response_callbacks)(client.response_callbacks)
     raw.response_callbacks.pop("XREAD", None)
@@ -410,6 +410,21 @@ def raw_xread(client: Any) -> Callable[[dict[str, str], int, int], Any]:
     def xread(streams: dict[str, str], count: int, block: int) -> Any:
         args: list[Any] = ["XREAD", "COUNT", count, "BLOCK", block, "STREAMS"]
         return raw.execute_command(*args, *streams.keys(), *streams.values())
+
+    return xread
+
+
+def _routed_xread(cluster: Any) -> Callable[[dict[str, str], int, int], Any]:
+    """XREAD on an events cluster, sent to the node that holds the call's keys (all in its
+    bucket's slot, the reader's wake stream too). redis-py cannot parse XREAD's keys itself
+    (they move with its options) and asks a server, `COMMAND GETKEYS`, twice a call: two
+    round trips more per read, all to one node, which made it the cluster's busiest
+    (bench/fleet.py). A slot that moved is still followed (redis-py's MOVED handling)."""
+
+    def xread(streams: dict[str, str], count: int, block: int) -> Any:
+        node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(next(iter(streams))))
+        args: list[Any] = ["XREAD", "COUNT", count, "BLOCK", block, "STREAMS"]
+        return cluster.execute_command(*args, *streams, *streams.values(), target_nodes=node)
 
     return xread
 

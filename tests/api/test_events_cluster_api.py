@@ -124,3 +124,38 @@ def test_many_streams_sharing_event_buckets_each_get_exactly_their_own_events(
         events = [m for m in parse(text.split("\n")) if m.event]
         assert [m.event for m in events] == ["token"] * 4 + ["done"], job_id
         assert events[-1].json()["id"].endswith(job_id)
+
+
+def test_the_stream_readers_send_each_read_to_its_node_without_asking_for_its_keys(
+    real_redis, settings: EventsSettings
+) -> None:
+    """api/stream_hub.py on the cluster: every bucket's XREAD goes straight to the node of
+    its slot; redis-py alone asks a server for XREAD's keys (COMMAND GETKEYS) twice a read."""
+    from api.stream_hub import StreamHub
+    from workers.wire.events import event_fields, token_event, write_ending
+    from workers.wire.job import FINISHED
+
+    cluster = settings.connect(real_redis)
+    nodes = cluster.get_primaries()
+    for node in nodes:
+        cluster.config_resetstat(target_nodes=node)
+    hub = StreamHub(real_redis, events=cluster)
+    jobs = [f"routed-{i}" for i in range(3 * keys.EVENT_BUCKETS)]  # every bucket, every node
+    followers = [hub.follow(job_id) for job_id in jobs]
+    for job_id in jobs:
+        fields = event_fields(token_event(0, 0, "t ", 0, None, None, 1))
+        cluster.xadd(keys.job_events(job_id), fields)
+        with cluster.pipeline(transaction=False) as pipe:
+            write_ending(pipe, job_id, FINISHED, {"id": job_id, "choices": []})
+            pipe.execute()
+    for follower in followers:
+        got = []
+        while not got or not got[-1].terminal:
+            got.extend(follower.take(10) or pytest.fail(f"{follower.job_id}: no events"))
+        assert [event.kind for event in got] == ["token", "done"]
+        hub.leave(follower)
+    for node in nodes:
+        stats = cluster.info("commandstats", target_nodes=node)
+        assert stats.get("cmdstat_xread", {}).get("calls", 0) > 0, node.name
+        assert "cmdstat_command|getkeys" not in stats, (node.name, stats)
+    cluster.close()
