@@ -219,6 +219,10 @@ class StreamReader:
         self.wake_key = keys.api_wake(ident) if bucket is None else keys.api_wake_in(bucket, ident)
         self._wake_last = "0"
         self._by_key: dict[str, set[Follower]] = {}
+        # where the next XREAD reads each followed stream from: at or before the id of every
+        # follower of it; kept as followers join and events are handed out, not recomputed
+        # over every stream before each call (at 1,000 streams that took 4.5% of the API)
+        self._after: dict[str, str] = {}
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._pid = os.getpid()
@@ -244,6 +248,9 @@ class StreamReader:
         follower = Follower(job_id, after, reader=self)
         with self._lock:
             self._by_key.setdefault(follower.key, set()).add(follower)
+            current = self._after.get(follower.key)
+            if current is None or follower.position < entry_id(current):
+                self._after[follower.key] = after
             self._start_reader()
             wake = self._reading and not self._woken
             self._woken = self._woken or wake
@@ -261,6 +268,7 @@ class StreamReader:
             followers.discard(follower)
             if not followers:
                 del self._by_key[follower.key]
+                self._after.pop(follower.key, None)
 
     def _start_reader(self) -> None:
         if self._pid != os.getpid():  # forked after it started: the thread stayed behind
@@ -285,7 +293,7 @@ class StreamReader:
                 if not self._by_key:
                     self._reader, self._reading = None, False
                     return
-                streams = {key: _earliest(fs) for key, fs in self._by_key.items()}
+                streams = dict(self._after)
                 self._reading, self._woken = True, False
             streams[self.wake_key] = self._wake_last
             try:
@@ -347,12 +355,16 @@ class StreamReader:
                 for follower in followers:
                     if follower.ended:
                         self._drop(follower)  # nothing follows a terminal event
+                left = self._by_key.get(key)
+                if left:  # joins during the call included: they lowered it
+                    self._after[key] = _earliest(left)
         return woken
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             followers = [f for fs in self._by_key.values() for f in fs]
             self._by_key.clear()
+            self._after.clear()
         for follower in followers:
             follower.fail(error)
 
