@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from workers import keys
 from workers.wire.broker import is_cluster
@@ -431,10 +432,16 @@ def _routed_xread(cluster: Any) -> Callable[[dict[str, str], int, int], Any]:
     bucket's slot, the reader's wake stream too). redis-py cannot parse XREAD's keys itself
     (they move with its options) and asks a server, `COMMAND GETKEYS`, twice a call: two
     round trips more per read, all to one node, which made it the cluster's busiest
-    (bench/fleet.py). A slot that moved is still followed (redis-py's MOVED handling)."""
+    (bench/fleet.py). A slot that moved is still followed (redis-py's MOVED handling); one
+    its table does not cover (a failover under way) is read as redis-py routes it, with its
+    retries and a fresh table."""
 
     def xread(streams: dict[str, str], count: int, block: int) -> Any:
-        node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(next(iter(streams))))
+        try:
+            slot = cluster.keyslot(next(iter(streams)))
+            node = cluster.nodes_manager.get_node_from_slot(slot)
+        except RedisClusterException:
+            return cluster.xread(streams, count=count, block=block)
         args: list[Any] = ["XREAD", "COUNT", count, "BLOCK", block, "STREAMS"]
         return cluster.execute_command(*args, *streams, *streams.values(), target_nodes=node)
 

@@ -159,3 +159,33 @@ def test_the_stream_readers_send_each_read_to_its_node_without_asking_for_its_ke
         assert stats.get("cmdstat_xread", {}).get("calls", 0) > 0, node.name
         assert "cmdstat_command|getkeys" not in stats, (node.name, stats)
     cluster.close()
+
+
+def test_a_slot_missing_from_the_table_is_read_as_redis_py_routes_it(
+    real_redis, settings: EventsSettings, monkeypatch
+) -> None:
+    """A failover under way: the reader's own lookup of the slot's node fails, and the call
+    goes through redis-py's routing (its retries, a fresh slot table) instead of failing."""
+    from redis.exceptions import SlotNotCoveredError
+
+    from api.stream_hub import raw_xread
+    from workers.wire.events import event_fields, token_event
+
+    cluster = settings.connect(real_redis)
+    key = keys.job_events("uncovered")
+    entry = cluster.xadd(key, event_fields(token_event(0, 0, "t ", 0, None, None, 1)))
+
+    def uncovered(*_args, **_kwargs):
+        raise SlotNotCoveredError("slot not covered")
+
+    monkeypatch.setattr(cluster.nodes_manager, "get_node_from_slot", uncovered)
+    monkeypatch.setattr(cluster, "xread", lambda *a, **kw: ("routed", a, kw))
+    assert raw_xread(cluster)({key: "0"}, 5, 10) == (
+        "routed",
+        ({key: "0"},),
+        {"count": 5, "block": 10},
+    )
+    monkeypatch.undo()
+    [[read_key, entries]] = raw_xread(cluster)({key: "0"}, 5, 10)
+    assert read_key == key.encode() and entries[0][0] == entry
+    cluster.close()
