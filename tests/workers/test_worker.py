@@ -414,8 +414,10 @@ def test_a_job_requeued_while_it_runs_here_is_taken_over_by_the_new_claim(conn, 
     wait_for(lambda: len(tokens(conn, job_id)) >= 3, what="a few tokens")
     conn.set(keys.job_lease(job_id), "reaper:other")
     rq_key = f"rq:job:{job_id}"
-    assert scripts.requeue(conn, job_id, "reaper:other", rq_queue(conn).key, rq_key) == 1
-    conn.set(keys.job_lease(job_id), f"{worker.name}:1")  # the old run still writes: no lost write
+    with conn.pipeline(transaction=True) as pipe:  # no claim in between
+        scripts.requeue(pipe, job_id, "reaper:other", rq_queue(conn).key, rq_key)
+        pipe.set(keys.job_lease(job_id), f"{worker.name}:1")  # the old run still writes
+        assert pipe.execute()[0] == 1
     done = wait_done(conn, job_id)
     assert done.status == FINISHED and done.attempts == 2 and done.worker == worker.name
     indexes = [data["index"] for kind, data in stream(conn, job_id) if kind == "token"]
