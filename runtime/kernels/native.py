@@ -54,6 +54,19 @@ DISABLE_ENV = "LLMQ_NUMPY_ATTENTION"  # "1": keep the numpy path (benches compar
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
+_c_char = ctypes.c_char
+_addressof = ctypes.addressof
+
+
+def address(a: np.ndarray) -> int:
+    """Where a C-contiguous array's data starts. `a.ctypes.data` builds numpy's ctypes
+    helper object every time (~2 us on the 2-core AVX2 EPYC); a decode step of SmolLM2 took
+    ~700 of them, 1.4 ms of a 13 ms step. A writable array's buffer gives it in ~0.7 us;
+    read-only memory (a mapped file) takes numpy's way."""
+    try:
+        return _addressof(_c_char.from_buffer(a))
+    except (TypeError, ValueError):  # read-only, or empty
+        return a.ctypes.data
 
 
 # the pool's element type -> the build's extra flags (paged_attention.c's KV_HALF)
@@ -125,6 +138,11 @@ class RowKeys:
         max_slot = int(slots.max()) if len(slots) else -1
         return cls(slots, offset, count, int(count.max()) if rows else 0, max_slot)
 
+    @functools.cached_property
+    def addresses(self) -> tuple[int, int, int]:
+        """(slots, offset, count) as the kernel takes them; every layer of a pass reuses them."""
+        return address(self.slots), address(self.offset), address(self.count)
+
 
 class PagedAttention:
     """`__call__` runs the kernel over numpy arrays, checking what it must not get wrong;
@@ -155,21 +173,19 @@ class PagedAttention:
             raise ValueError("the row keys do not fit these queries and this pool")
         out = np.empty((n_rows, heads * head_dim), np.float32)
         failed = self._fn(
-            q.ctypes.data,
+            address(q),
             q.strides[0] // 4,
-            keys.ctypes.data,
-            values.ctypes.data,
+            address(keys),
+            address(values),
             pool_slots,
-            rows.slots.ctypes.data,
-            rows.offset.ctypes.data,
-            rows.count.ctypes.data,
+            *rows.addresses,
             n_rows,
             heads,
             kv_heads,
             head_dim,
             rows.max_count,
             threads(),
-            out.ctypes.data,
+            address(out),
         )
         if failed:
             raise MemoryError("paged attention could not allocate its score buffer")
@@ -219,15 +235,15 @@ class Int8Rows:
         work = np.empty(rows * (2 * k + 4 * (k // INT8_BLOCK)), np.uint8)  # the rounded rows
         out = np.empty((rows, n), np.float32)
         self._fn(
-            x.ctypes.data,
+            address(x),
             rows,
             k,
-            codes.ctypes.data,
-            scales.ctypes.data,
+            address(codes),
+            address(scales),
             n,
             threads(),
-            work.ctypes.data,
-            out.ctypes.data,
+            address(work),
+            address(out),
         )
         return out
 
@@ -255,6 +271,13 @@ def lowbit_shape(n: int, k: int, bits: int) -> tuple[int, ...]:
     if bits == 8:
         return (groups, blocks * LOWBIT_GROUP_BYTES[8] + 4 * LOWBIT_GROUP)
     return (groups, blocks, LOWBIT_GROUP_BYTES[bits])
+
+
+def _packed_k(shape: tuple[int, ...], bits: int) -> int:
+    """The K of a packed weight's shape (`lowbit_shape`'s inverse in K)."""
+    if bits == 8:
+        return (shape[1] - 4 * LOWBIT_GROUP) // LOWBIT_GROUP_BYTES[8] * INT8_BLOCK
+    return shape[1] * INT8_BLOCK
 
 
 def _whole_groups(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -303,7 +326,8 @@ def pack_lowbit(q: GroupQuantized, bits: int) -> np.ndarray:
 
 
 class LowBitRows:
-    """`__call__` multiplies float32 rows by `bits`-bit weights packed by `pack_lowbit`."""
+    """`__call__` multiplies float32 rows by `bits`-bit weights packed by `pack_lowbit`;
+    `bind` checks a weight once and gives its product (what the forward pass calls)."""
 
     def __init__(self, lib: ctypes.CDLL, bits: int) -> None:
         self.bits = bits
@@ -311,31 +335,51 @@ class LowBitRows:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int, _ptr]
 
+    def bind(
+        self, packed: np.ndarray, n: int, input_scale: np.ndarray | None = None
+    ) -> LowBitProduct:
+        """The product with one packed weight `[n, K]` (times `input_scale` `[K]` first)."""
+        return LowBitProduct(self, packed, n, input_scale)
+
     def __call__(
         self, x: np.ndarray, packed: np.ndarray, n: int, input_scale: np.ndarray | None = None
     ) -> np.ndarray:
         """x `[T, K]` float32 (times `input_scale` `[K]` first) -> `[T, n]`."""
+        return self.bind(packed, n, input_scale)(x)
+
+
+class LowBitProduct:
+    """One packed weight bound to the kernel: checked, and its addresses taken, once. A
+    decode step makes 120 of these products for SmolLM2; per call only the rows are
+    checked (tens of microseconds of checks and addresses were most of a small one)."""
+
+    def __init__(
+        self, kernel: LowBitRows, packed: np.ndarray, n: int, input_scale: np.ndarray | None
+    ) -> None:
+        if packed.dtype != np.uint8 or packed.ndim < 2 or not packed.flags.c_contiguous:
+            raise ValueError("packed must be C-contiguous uint8 (`lowbit_shape`)")
+        k = _packed_k(packed.shape, kernel.bits)
+        shape = lowbit_shape(n, k, kernel.bits)
+        if packed.shape != shape:
+            raise ValueError(f"packed must be C-contiguous uint8 {shape}")
+        if input_scale is not None:
+            if input_scale.dtype != np.float32 or input_scale.shape != (k,):
+                raise ValueError(f"input_scale must be float32 [{k}]")
+            input_scale = np.ascontiguousarray(input_scale)
+        self._fn, self.n, self.k = kernel._fn, n, k
+        self._arrays = (packed, input_scale)  # kept alive while their addresses are used
+        self._packed = address(packed)
+        self._scale = None if input_scale is None else address(input_scale)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x `[T, K]` float32 -> `[T, n]`."""
         x = np.ascontiguousarray(x, np.float32)
         rows, k = x.shape
-        shape = lowbit_shape(n, k, self.bits)
-        if packed.dtype != np.uint8 or packed.shape != shape or not packed.flags.c_contiguous:
-            raise ValueError(f"packed must be C-contiguous uint8 {shape}")
-        if k % INT8_BLOCK:
-            raise ValueError(f"K = {k} is not a multiple of {INT8_BLOCK}")
-        if input_scale is not None and (
-            input_scale.dtype != np.float32 or input_scale.shape != (k,)
-        ):
-            raise ValueError(f"input_scale must be float32 [{k}]")
-        out = np.empty((rows, n), np.float32)
+        if k != self.k:
+            raise ValueError(f"packed must be C-contiguous uint8 for K = {k}, it holds {self.k}")
+        out = np.empty((rows, self.n), np.float32)
         failed = self._fn(
-            x.ctypes.data,
-            rows,
-            k,
-            None if input_scale is None else np.ascontiguousarray(input_scale).ctypes.data,
-            packed.ctypes.data,
-            n,
-            threads(),
-            out.ctypes.data,
+            address(x), rows, k, self._scale, self._packed, self.n, threads(), address(out)
         )
         if failed:
             raise MemoryError("the low-bit product could not allocate its quantized rows")

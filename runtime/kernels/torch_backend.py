@@ -41,6 +41,7 @@ from runtime.kernels.gguf_blocks import (
 from runtime.kernels.native import (
     LOWBIT_GROUP,
     LOWBIT_GROUP_BYTES,
+    LowBitProduct,
     int8_rows,
     lowbit_builds,
     lowbit_rows,
@@ -179,14 +180,13 @@ class LowBitWeight(_Product):
         return weight
 
     @functools.cached_property
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+    def _bound(self) -> LowBitProduct:
         scale = None if self.input_scale is None else self.input_scale.numpy()
-        return self.packed.numpy(), scale
+        return lowbit_rows(self.bits).bind(self.packed.numpy(), self.shape[0], scale)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """The host forward pass's call: numpy in, numpy out, no tensor in between."""
-        packed, scale = self._arrays
-        return lowbit_rows(self.bits)(x, packed, self.shape[0], scale)
+        return self._bound(x)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self(x.numpy()))
@@ -300,11 +300,11 @@ class Int8GroupWeight(_RowStore):
         self.packed[first : first + len(packed)] = torch.from_numpy(packed)
 
     @functools.cached_property
-    def _array(self) -> np.ndarray:
-        return self.packed.numpy()
+    def _bound(self) -> LowBitProduct:
+        return lowbit_rows(8).bind(self.packed.numpy(), self.shape[0])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return lowbit_rows(8)(x, self._array, self.shape[0])
+        return self._bound(x)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self(x.numpy()))

@@ -84,6 +84,27 @@ def test_the_avx2_build_gives_the_vnni_builds_numbers(bits):
     assert np.array_equal(LowBitRows(avx2, bits)(x, packed, n), lowbit_rows(bits)(x, packed, n))
 
 
+def test_a_bound_weight_gives_the_unbound_products_on_read_only_and_strided_inputs():
+    """`LowBitRows.bind` takes a weight's addresses once (`native.address`: from the buffer
+    where it is writable, numpy's way where it is not, as for a mapped file's weights); the
+    rows it is then given may be views of a larger array."""
+    rng = np.random.default_rng(5)
+    n, k = 40, 128
+    packed = pack_lowbit(_weights(rng, n, k, 4), 4)
+    read_only = packed.copy()
+    read_only.flags.writeable = False
+    assert native.address(read_only) == read_only.ctypes.data
+    assert native.address(packed) == packed.ctypes.data
+    wide = rng.standard_normal((6, 2 * k)).astype(np.float32)
+    x = wide[:, :k]  # not contiguous
+    expected = lowbit_rows(4)(np.ascontiguousarray(x), packed, n)
+    bound = lowbit_rows(4).bind(read_only, n)
+    assert np.array_equal(bound(x), expected)
+    assert np.array_equal(bound(x[:1]), expected[:1])
+    with pytest.raises(ValueError, match="K = 96"):
+        bound(np.zeros((1, 96), np.float32))
+
+
 def test_bad_arguments_are_refused_before_the_kernel_runs():
     kernel = lowbit_rows(4)
     packed = pack_lowbit(_weights(np.random.default_rng(1), 16, 64, 4), 4)
