@@ -37,12 +37,17 @@
  * (runtime/kernels/int8_rows.c and paged_attention.c hold to the same rule).
  *
  * x            [rows, k] float32, C-contiguous, k a multiple of 32
- * input_scale  [k] float32 multiplied into x first (a preceding RMSNorm's weight), or NULL
+ * norm_eps     >= 0: each row of x is first RMS-normalized, x * (1 / sqrt(mean(x^2) + eps)),
+ *              its sum of squares in one fixed order (8 lanes over k, then a fixed tree);
+ *              < 0: x as given
+ * input_scale  [k] float32 multiplied into x (after the norm) first (a preceding RMSNorm's
+ *              weight), or NULL
  * packed       [n_pad / 16, k / 32, GROUP_BYTES] uint8, n_pad = n rounded up to 16 (with
  *              -DCODE_BITS=8, [n_pad / 16, k / 32 * 512 + 64])
  * out          [rows, n] float32
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -167,12 +172,12 @@ typedef struct {
     int64_t k;
 } quantized_rows;
 
-/* one block of x (times input_scale) -> 32 int8 codes, their scale and their sum */
-static inline void quantize_block(const float *x, const float *input_scale, int8_t *q, float *d, float *s,
-                                  int32_t *sum) {
+/* one block of x (times norm, then input_scale) -> 32 int8 codes, their scale and their sum */
+static inline void quantize_block(const float *x, float norm, const float *input_scale, int8_t *q, float *d,
+                                  float *s, int32_t *sum) {
     __m256 v[4];
     for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_loadu_ps(x + 8 * i);
+        v[i] = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(norm)); /* exact where norm is 1 */
         if (input_scale) v[i] = _mm256_mul_ps(v[i], _mm256_loadu_ps(input_scale + 8 * i));
     }
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -196,6 +201,21 @@ static inline void quantize_block(const float *x, const float *input_scale, int8
     *d = scale;
     *sum = _mm_cvtsi128_si32(t4);
     *s = scale * (float)*sum;
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of one row of k (a multiple of 32) values, as
+ * runtime/models/base.py `rms_normalize` computes it, the squares summed in 8 lanes over k
+ * and the lanes in one fixed tree: the same for a row whatever else is in the call */
+static inline float rms_inverse(const float *x, int64_t k, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, acc);
+    const float total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    return 1.0f / sqrtf(total / (float)k + eps);
 }
 
 static inline ivec quad(const int8_t *a, int t) { /* activations 4t..4t+3, in every lane */
@@ -302,8 +322,8 @@ static void group_rows(quantized_rows x, int64_t rows, const uint8_t *group, flo
 }
 
 /* 0 on success, 1 where k is not a multiple of BLOCK, 2 where the scratch could not be had */
-int llmq_lowbit_rows(const float *x, int64_t rows, int64_t k, const float *input_scale, const uint8_t *packed,
-                     int64_t n, int threads, float *out) {
+int llmq_lowbit_rows(const float *x, int64_t rows, int64_t k, float norm_eps, const float *input_scale,
+                     const uint8_t *packed, int64_t n, int threads, float *out) {
     if (k % BLOCK != 0) return 1;
     const int64_t blocks = k / BLOCK;
     int8_t *q = malloc((size_t)(rows * k) + 3 * sizeof(float) * (size_t)(rows * blocks));
@@ -311,11 +331,13 @@ int llmq_lowbit_rows(const float *x, int64_t rows, int64_t k, const float *input
     float *d = (float *)(q + rows * k), *s = d + rows * blocks;
     int32_t *sum = (int32_t *)(s + rows * blocks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= QUANTIZE_ROWS)
-    for (int64_t m = 0; m < rows; m++)
+    for (int64_t m = 0; m < rows; m++) {
+        const float norm = norm_eps >= 0.0f ? rms_inverse(x + m * k, k, norm_eps) : 1.0f;
         for (int64_t b = 0; b < blocks; b++)
-            quantize_block(x + m * k + b * BLOCK, input_scale ? input_scale + b * BLOCK : NULL,
+            quantize_block(x + m * k + b * BLOCK, norm, input_scale ? input_scale + b * BLOCK : NULL,
                            q + m * k + b * BLOCK, d + m * blocks + b, s + m * blocks + b,
                            sum + m * blocks + b);
+    }
     const quantized_rows quantized = {q, d, s, sum, k};
     const int64_t groups = (n + GROUP - 1) / GROUP;
     const int64_t chunks = (groups + GROUP_CHUNK - 1) / GROUP_CHUNK;

@@ -333,7 +333,7 @@ class LowBitRows:
         self.bits = bits
         self._fn = lib.llmq_lowbit_rows
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int, _ptr]
+        self._fn.argtypes = [_ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _i64, ctypes.c_int, _ptr]
 
     def bind(
         self, packed: np.ndarray, n: int, input_scale: np.ndarray | None = None
@@ -371,15 +371,20 @@ class LowBitProduct:
         self._packed = address(packed)
         self._scale = None if input_scale is None else address(input_scale)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x `[T, K]` float32 -> `[T, n]`."""
+    def __call__(self, x: np.ndarray, norm_eps: float | None = None) -> np.ndarray:
+        """x `[T, K]` float32 -> `[T, n]`; with `norm_eps`, each row RMS-normalized first
+        (runtime/models/base.py `rms_normalize`, done here as the rows are rounded to int8:
+        no normalized copy, and 2 of a layer's 4 products need one)."""
         x = np.ascontiguousarray(x, np.float32)
         rows, k = x.shape
         if k != self.k:
             raise ValueError(f"packed must be C-contiguous uint8 for K = {k}, it holds {self.k}")
+        if norm_eps is not None and not norm_eps >= 0.0:
+            raise ValueError(f"norm_eps must be >= 0, got {norm_eps}")
+        eps = -1.0 if norm_eps is None else norm_eps
         out = np.empty((rows, self.n), np.float32)
         failed = self._fn(
-            address(x), rows, k, self._scale, self._packed, self.n, threads(), address(out)
+            address(x), rows, k, eps, self._scale, self._packed, self.n, threads(), address(out)
         )
         if failed:
             raise MemoryError("the low-bit product could not allocate its quantized rows")

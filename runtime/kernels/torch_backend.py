@@ -188,6 +188,11 @@ class LowBitWeight(_Product):
         """The host forward pass's call: numpy in, numpy out, no tensor in between."""
         return self._bound(x)
 
+    def normed(self, x: np.ndarray, eps: float) -> np.ndarray:
+        """`self(rms_normalize(x, eps))` with the norm done by the kernel as it reads the rows
+        (runtime/models/base.py `normed_linear`)."""
+        return self._bound(x, eps)
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self(x.numpy()))
 

@@ -19,6 +19,7 @@ from runtime.models.base import (
     block_linears,
     gated_mlp,
     linear,
+    normed_linear,
     rope_inv_freq,
 )
 from runtime.models.ops import array_ops
@@ -80,16 +81,16 @@ class Gemma3Layer:
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, ropes: dict[bool, tuple]) -> np.ndarray:
         eps, ops = self.args.norm_eps, self.ops
-        attn = self.attention(ops.rms_normalize(x, eps), layout, ropes[self.sliding])
+        attn = self.attention(x, layout, ropes[self.sliding])
         h = x + ops.rms_norm(attn, self.post_attn_norm, eps)
-        return h + ops.rms_norm(
-            self.mlp(ops.rms_normalize(h, eps), layout), self.post_ffn_norm, eps
-        )
+        return h + ops.rms_norm(self.mlp(h, layout), self.post_ffn_norm, eps)
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
+        """Attention over the RMS-normalized `x` (the norm is the product's: normed_linear)."""
         a, t, eps = self.args, x.shape[0], self.args.norm_eps
         q_end, k_end = a.n_heads * a.head_dim, (a.n_heads + a.n_kv_heads) * a.head_dim
-        qkv = linear(x, self.wqkv, layout)  # [T, D] -> [T, (H+2Hkv)*Dh]
+        # [T, D] -> [T, (H+2Hkv)*Dh]
+        qkv = normed_linear(x, eps, self.wqkv, layout, self.ops.rms_normalize)
         q = qkv[:, :q_end].reshape(t, a.n_heads, a.head_dim)
         k = qkv[:, q_end:k_end].reshape(t, a.n_kv_heads, a.head_dim)
         v = qkv[:, k_end:].reshape(t, a.n_kv_heads, a.head_dim)
@@ -100,7 +101,10 @@ class Gemma3Layer:
         return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray, layout: BatchLayout) -> np.ndarray:
-        return gated_mlp(x, self.w_gate_up, self.w_down, self.ops.gelu_tanh_mul, layout)
+        """The MLP over the RMS-normalized `x` (the norm is the product's: normed_linear)."""
+        eps, ops = self.args.norm_eps, self.ops
+        gate_up = normed_linear(x, eps, self.w_gate_up, layout, ops.rms_normalize)  # [T, 2F]
+        return gated_mlp(gate_up, self.w_down, ops.gelu_tanh_mul, layout)
 
 
 class Gemma3Model(DecoderModel):

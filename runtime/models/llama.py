@@ -18,6 +18,7 @@ from runtime.models.base import (
     block_linears,
     gated_mlp,
     linear,
+    normed_linear,
     rope_inv_freq,
 )
 from runtime.models.ops import array_ops
@@ -87,15 +88,16 @@ class LlamaLayer:
         self.wqkv, self.wo, self.w_gate_up, self.w_down = block_linears(f, p, backend, qkv)
 
     def __call__(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
-        eps, ops = self.args.norm_eps, self.ops
-        h = x + self.attention(ops.rms_normalize(x, eps), layout, rope)
-        h += self.mlp(ops.rms_normalize(h, eps), layout)  # in place: h is this layer's own buffer
+        h = x + self.attention(x, layout, rope)
+        h += self.mlp(h, layout)  # in place: h is this layer's own buffer
         return h
 
     def attention(self, x: np.ndarray, layout: BatchLayout, rope: tuple) -> np.ndarray:
-        a, t = self.args, x.shape[0]
+        """Attention over the RMS-normalized `x` (the norm is the product's: normed_linear)."""
+        a, t, ops = self.args, x.shape[0], self.ops
         n_qk = a.n_heads + a.n_kv_heads
-        qkv = linear(x, self.wqkv, layout)  # [T, D] -> [T, (H+2Hkv)*Dh]
+        # [T, D] -> [T, (H+2Hkv)*Dh]
+        qkv = normed_linear(x, a.norm_eps, self.wqkv, layout, ops.rms_normalize)
         qk = self.ops.apply_rope(qkv[:, : n_qk * a.head_dim].reshape(t, n_qk, a.head_dim), *rope)
         q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]  # [T, H, Dh], [T, Hkv, Dh]
         v = qkv[:, n_qk * a.head_dim :].reshape(t, a.n_kv_heads, a.head_dim)
@@ -103,7 +105,10 @@ class LlamaLayer:
         return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
     def mlp(self, x: np.ndarray, layout: BatchLayout) -> np.ndarray:
-        return gated_mlp(x, self.w_gate_up, self.w_down, self.ops.silu_mul, layout)
+        """The MLP over the RMS-normalized `x` (the norm is the product's: normed_linear)."""
+        eps, ops = self.args.norm_eps, self.ops
+        gate_up = normed_linear(x, eps, self.w_gate_up, layout, ops.rms_normalize)  # [T, 2F]
+        return gated_mlp(gate_up, self.w_down, ops.silu_mul, layout)
 
 
 class LlamaModel(DecoderModel):

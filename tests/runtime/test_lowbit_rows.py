@@ -105,6 +105,29 @@ def test_a_bound_weight_gives_the_unbound_products_on_read_only_and_strided_inpu
         bound(np.zeros((1, 96), np.float32))
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_rows_normalized_by_the_kernel_are_rms_normalize_then_the_product(bits):
+    """With `norm_eps` the kernel RMS-normalizes each row as it rounds it to int8
+    (runtime/models/base.py `normed_linear`): the products of `rms_normalize`'s rows, up to
+    the last bit of the norm (which may move a code at a rounding tie), and each row's
+    result the same alone as in any batch."""
+    from runtime.models.base import rms_normalize
+
+    rng = np.random.default_rng(8)
+    n, k, eps = 70, 576, 1e-5
+    bound = lowbit_rows(bits).bind(pack_lowbit(_weights(rng, n, k, bits), bits), n)
+    x = rng.standard_normal((11, k)).astype(np.float32) * rng.uniform(0.01, 50, (11, 1))
+    x = x.astype(np.float32)
+    fused, separate = bound(x, eps), bound(rms_normalize(x, eps))
+    np.testing.assert_allclose(fused, separate, rtol=1e-3, atol=1e-3 * np.abs(separate).max())
+    alone = np.concatenate([bound(x[i : i + 1], eps) for i in range(len(x))])
+    assert np.array_equal(fused, alone)
+    for rows in (2, 8, 9):
+        assert np.array_equal(bound(x[:rows], eps), alone[:rows])
+    with pytest.raises(ValueError, match="norm_eps"):
+        bound(x, -1.0)
+
+
 def test_bad_arguments_are_refused_before_the_kernel_runs():
     kernel = lowbit_rows(4)
     packed = pack_lowbit(_weights(np.random.default_rng(1), 16, 64, 4), 4)
