@@ -35,15 +35,25 @@ class KernelPlan:
     # teacher-forced top-1 against float32 fell from >= 97% to 96.5%, below the bar
     # tests/runtime/test_golden.py holds the default to
     kv: str = "float32"
+    # the kind of a head of more than LARGE_HEAD_ROWS rows, where it is not `head`'s ("":
+    # the same rules as any head): on AVX2 "int4+rescore", since fp16 read all of Gemma 3's
+    # 262k-row head, 335 MB, at every decode step (bench/RESULTS.md)
+    large_head: str = ""
 
     def describe(self) -> dict[str, str]:
-        return {
+        described = {
             "4-bit weights": self.four_bit,
             "other weights": self.other,
             "lm head": f"{self.head} (else {self.head_fallback})",
             "kv cache": self.kv,
             "threads": str(self.threads),
         }
+        if self.large_head:
+            described["lm head"] += f"; over {LARGE_HEAD_ROWS:,} rows {self.large_head}"
+        return described
+
+
+LARGE_HEAD_ROWS = 100_000  # SmolLM2's head has 49,152 rows, Gemma 3's 262,144
 
 
 def plan_for(features: CpuFeatures) -> KernelPlan:
@@ -66,11 +76,16 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
       else the plan's dense kind: int8 per row cost Gemma 3 (rows with outliers) 1-2 points
       of teacher-forced top-1. On AVX2 fp16 instead: torch's int8 kernel took 4.5 / 44.5 ms
       for SmolLM2's head at 1 / 32 rows, where fbgemm's fp16 reads twice the bytes faster.
+      A head of more than LARGE_HEAD_ROWS rows ranks with lowbit_rows.c's int4 and rescores
+      its best rows from the file (torch_backend.RescoredHead): on the AVX2 EPYC SmolLM2's
+      head ranked in 0.55 ms at 1 row where fp16 took 2.2, but its rescoring costs ~0.7 ms
+      a query row, so at 32 rows it took 37 ms to fp16's 19; a head five times larger
+      gains the ranking's saving five times over.
     """
     if features.level in ("amx", "avx512_bf16", "avx512"):
         return row_invariant_plan(features)
     if lowbit_builds():
-        return replace(fp16_plan(features.cores), four_bit="int4")
+        return replace(fp16_plan(features.cores), four_bit="int4", large_head="int4+rescore")
     return fp16_plan(features.cores)
 
 

@@ -28,7 +28,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.kernels import pages
 from runtime.kernels.base import TensorPart
 from runtime.kernels.core_share import share_cores
-from runtime.kernels.cpu import KernelPlan, cpu_features, default_plan
+from runtime.kernels.cpu import LARGE_HEAD_ROWS, KernelPlan, cpu_features, default_plan
 from runtime.kernels.gguf_blocks import (
     FIVE_BIT_TYPES,
     FOUR_BIT_TYPES,
@@ -618,7 +618,10 @@ class TorchBackend:
         return 2 * n
 
     def _head_kind(self, f: GGUFFile, name: str) -> str:
-        """The plan's head kind; for int8, only if the head's first rows allow it."""
+        """The plan's head kind (its `large_head` for a head of over LARGE_HEAD_ROWS rows);
+        for int8, only if the head's first rows allow it."""
+        if self.plan.large_head and f.blocks(name)[2][0] > LARGE_HEAD_ROWS:
+            return self.plan.large_head
         if self.plan.head != "int8":
             return self.plan.head
         if int8_row_error(f.rows(name, slice(0, HEAD_CHUNK_ROWS))) <= MAX_INT8_ROW_ERROR:

@@ -320,3 +320,33 @@ def test_an_avx2_cpu_gets_integer_dots_for_low_bit_weights_where_they_build():
     plan = plan_for(CpuFeatures(frozenset({"avx2", "fma", "f16c"}), 2))
     assert plan.four_bit == ("int4" if NATIVE else "fp16")
     assert (plan.other, plan.head) == ("fp16", "fp16")
+    assert plan.large_head == ("int4+rescore" if NATIVE else "")
+
+
+def test_a_head_over_the_large_head_rows_takes_the_plans_large_head_kind(tmp_path, monkeypatch):
+    """The AVX2 plan's `large_head`: a head of more than LARGE_HEAD_ROWS rows (Gemma 3's
+    262k) ranks by int4 and rescores its best rows, a smaller one (SmolLM2's 49k) stays
+    fp16; the limit is lowered here so that tiny heads stand for both."""
+    from runtime.kernels import torch_backend
+    from runtime.kernels.torch_backend import RescoredHead, TorchBackend
+
+    rng = np.random.default_rng(12)
+    path = tmp_path / "heads.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("small", rng.standard_normal((96, COLS)).astype(np.float32))
+    writer.add_tensor("large", rng.standard_normal((160, COLS)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setattr(torch_backend, "LARGE_HEAD_ROWS", 128)
+    plan = KernelPlan("int4", "fp16", "fp16", 2, head_fallback="fp16", large_head="int4+rescore")
+    f, backend = GGUFFile(path), TorchBackend(plan)
+    assert backend.head(f, "small").kind == "fp16"
+    large = backend.head(f, "large")
+    assert isinstance(large, RescoredHead)
+    assert backend.stored_bytes(f, "large", "head") == large.nbytes
+    x = rng.standard_normal((3, COLS)).astype(np.float32)
+    exact = x.astype(np.float64) @ f.tensor("large").astype(np.float64).T
+    assert np.array_equal(large(x).argmax(1), exact.argmax(1))
+    assert "over 100,000 rows int4+rescore" in plan.describe()["lm head"]
