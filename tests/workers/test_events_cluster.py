@@ -186,10 +186,10 @@ def test_cancel_and_a_lost_lease_act_on_a_job_whose_stream_is_on_the_cluster(
     wait_for(lambda: _tokens(events, cancelled) >= 3 and _tokens(events, fenced) >= 3)
     conn.set(keys.job_cancel(cancelled), "1")  # the API's cancel: on the queue Redis
     events.set(keys.job_lease(fenced), "someone-else:9")  # another worker took it over
-    ended = wait_done(conn, cancelled, timeout=5)
+    ended = wait_done(conn, cancelled)
     assert ended.status == "cancelled" and ended.error == cancelled_error()
     assert _stream(events, cancelled)[-1] == "error"
-    wait_for(lambda: not worker.running.jobs, timeout=5, what="the fenced job to be dropped")
+    wait_for(lambda: not worker.running.jobs, what="the fenced job to be dropped")
     frozen = len(_stream(events, fenced))
     assert "done" not in _stream(events, fenced) and record(conn, fenced).status == "started"
     time.sleep(0.2)
@@ -204,7 +204,7 @@ def test_the_reaper_resumes_a_vanished_workers_job_or_finishes_one_that_had_ende
     assert cluster_step.append_events(events, [_final(ended)]) == [True]  # died after this
     events.pexpire(keys.job_lease(resumed), 100)
     reaper = Reaper(conn, "reaper-test", 5_000, events)
-    wait_for(lambda: resumed in reaper.run(), timeout=5, what="the job to be requeued")
+    wait_for(lambda: resumed in reaper.run(), what="the job to be requeued")
     assert record(conn, ended).status == "finished"  # from its stream, not run again
     assert conn.hget(keys.METRIC_JOBS, "finished") == b"1"
     assert not events.exists(keys.job_lease(ended))
