@@ -1,11 +1,31 @@
-"""Session fixtures for the real model files shipped as PyPI packages (never committed)."""
+"""Session fixtures for the real model files shipped as PyPI packages (never committed), and
+the session's Redis where the machine runs none (tests/redis_db.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.redis_db import start_session_redis
+from workers.redis_server import RedisServerProcess
+
+_session_redis: list[RedisServerProcess] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test module is imported (some read their Redis URL at import): a Redis
+    for the session when nothing answers on 6379."""
+    server = start_session_redis(Path(tempfile.mkdtemp(prefix="llmq-test-redis-")))
+    if server is not None:
+        _session_redis.append(server)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for server in _session_redis:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

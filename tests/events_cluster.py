@@ -7,7 +7,6 @@ $LLMQ_TEST_CLUSTER_PORT (default 7401)."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from tests.redis_db import redis_binary, redis_cli
 
 BASE_PORT_ENV = "LLMQ_TEST_CLUSTER_PORT"
 DEFAULT_BASE_PORT = 7401
@@ -58,19 +59,17 @@ def _cluster_ok(port: int) -> bool:
 @contextmanager
 def local_cluster(folder: Path, nodes: int = NODES) -> Iterator[list[int]]:
     """The ports of a running `nodes`-shard cluster; everything stopped at the end."""
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.fail("the events cluster tests need redis-server and redis-cli on PATH")
     ports = free_ports(nodes, int(os.environ.get(BASE_PORT_ENV, DEFAULT_BASE_PORT)))
     servers = []
     try:
         for port in ports:
-            argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
+            argv = [str(redis_binary().server), "--port", str(port), "--bind", "127.0.0.1"]
             argv += ["--cluster-enabled", "yes", "--save", "", "--appendonly", "no"]
             argv += ["--cluster-config-file", str(folder / f"nodes-{port}.conf")]
             argv += ["--dir", str(folder)]
             servers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
         _wait(lambda: all(_pings(p) for p in ports), "the cluster's nodes to start")
-        create = ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
+        create = [redis_cli(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
         create += ["--cluster-replicas", "0", "--cluster-yes"]
         subprocess.run(create, check=True, stdout=subprocess.DEVNULL, timeout=READY_SECONDS)
         _wait(lambda: all(_cluster_ok(p) for p in ports), "cluster_state:ok on every node")

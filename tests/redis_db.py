@@ -1,13 +1,26 @@
-"""One Redis database a test owns: reachable or the test fails (CI never skips the real
-path), empty when the test starts and emptied when it ends."""
+"""The tests' real Redis: one database a test owns (reachable or the test fails: CI never
+skips the real path; empty when the test starts and emptied when it ends), the redis-server
+binary every test that starts its own uses, and the session's server where 6379 has none."""
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import redis
+
+from workers.redis_server import (
+    RedisBinary,
+    RedisServerMissing,
+    RedisServerProcess,
+    find_redis_server,
+    pings,
+)
 
 
 @contextmanager
@@ -23,3 +36,48 @@ def clean_redis_db(url: str) -> Iterator[redis.Redis]:
     finally:
         client.flushdb()
         client.close()
+
+
+@functools.cache
+def redis_binary() -> RedisBinary:
+    """The redis-server (and redis-cli) the tests start: the one on PATH, else the one
+    installed with llmq (workers/redis_server.py), as `llmq serve` picks it. A machine with
+    no Redis service or package runs the whole suite all the same."""
+    try:
+        return find_redis_server()
+    except RedisServerMissing as exc:
+        pytest.fail(str(exc))
+
+
+def redis_cli() -> str:
+    cli = redis_binary().cli
+    if cli is None:
+        pytest.fail(f"no redis-cli beside {redis_binary().server} or on PATH")
+    return str(cli)
+
+
+# The databases the test packages use on the session's Redis, by the variable that names
+# each (tests/api/conftest.py, tests/workers/conftest.py, tests/api/test_batches_end_to_end.py).
+SESSION_DATABASES = {
+    "LLMQ_TEST_REDIS_URL": 13,
+    "LLMQ_SMOLLM2_TEST_REDIS_URL": 10,
+    "LLMQ_WORKERS_TEST_REDIS_URL": 14,
+    "LLMQ_BATCH_TEST_REDIS_URL": 11,
+}
+SERVICE_URL = "redis://127.0.0.1:6379/0"
+
+
+def start_session_redis(data_dir: Path) -> RedisServerProcess | None:
+    """With no Redis answering on 6379 (a machine without the service), start one for the
+    test session on a free port and point every test package's variable at it, unless the
+    variable is set. Returns the server to stop at the end, or None when 6379 answers."""
+    if pings(SERVICE_URL):
+        return None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = RedisServerProcess(redis_binary(), port, extra_args=("--dir", str(data_dir)))
+    server.start()
+    for variable, db in SESSION_DATABASES.items():
+        os.environ.setdefault(variable, f"redis://127.0.0.1:{port}/{db}")
+    return server

@@ -1,11 +1,13 @@
 """`llmq serve`: the whole system in one command: a broker, the API and N workers.
 
-The broker is the master `REDIS_SENTINELS` name, or `REDIS_URL`; else a `redis-server` found
-on PATH, started on a free loopback port; else an embedded fakeredis server in this process
-(not durable, and said so). The API and the workers run as child processes (`llmq api`,
-`llmq worker`), restarted if they die (docs/faults.md L6: workers must run under a
-supervisor). Ctrl-C or SIGTERM stops every process this command started: children get
-SIGTERM (workers drain), then SIGKILL after a grace period.
+The broker is the master `REDIS_SENTINELS` name, or `REDIS_URL`; else a real redis-server
+(the one on PATH, else the one installed with llmq: workers/redis_server.py) started on a free
+loopback port, keeping its data under `LLMQ_CACHE_DIR`, so that queued and running jobs,
+batches and their files survive a stop and a restart of `llmq serve`. The API and the
+workers run as child processes (`llmq api`, `llmq worker`), restarted if they die
+(docs/faults.md L6: workers must run under a supervisor). Ctrl-C or SIGTERM stops every
+process this command started: children get SIGTERM (workers drain), then SIGKILL after a
+grace period.
 
 What a user sees must be true: a port already taken is refused before anything starts
 (as vLLM and llama.cpp do); "serving" is printed once `/ready` answers, with the models
@@ -17,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import fcntl
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,8 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from runtime.cache_dir import CACHE_ENV, cache_dir
 from runtime.cli_options import add_command, add_listen_options
 from workers.errors import ServeError
+from workers.redis_server import RedisServerMissing, RedisServerProcess, find_redis_server
 
 log = logging.getLogger("llmq.serve")
 
@@ -45,6 +49,7 @@ FAST_EXIT_SECONDS = 30.0  # a child that exits sooner than this after its start 
 GIVE_UP_AFTER = 3  # consecutive fast exits of one child after which serve stops everything
 STDERR_TAIL_LINES = 15  # a child's last stderr lines kept, to say why it gave up
 READY_POLL_SECONDS = 0.5
+BROKER_DIR_ENV = "LLMQ_BROKER_DIR"  # where the embedded broker keeps its data (broker_dir)
 
 
 @dataclass
@@ -56,6 +61,17 @@ class ServeConfig:
     max_sequences: int | None = None
     redis_url: str | None = None
     device: str | None = None  # every worker's --device; None: $LLMQ_DEVICE, else per model
+    durable: bool = True  # the embedded broker keeps its data (--no-persist: it does not)
+
+    def broker_dir(self) -> Path | None:
+        """Where the embedded broker keeps its append-only file: `LLMQ_BROKER_DIR`, else one
+        directory per API port under `LLMQ_CACHE_DIR`, so that the llmq serve on a port finds
+        its own queued jobs again after a restart."""
+        if not self.durable:
+            return None
+        if os.environ.get(BROKER_DIR_ENV):
+            return Path(os.environ[BROKER_DIR_ENV])
+        return cache_dir() / "broker" / f"serve-{self.port}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,13 +81,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Broker:
-    """The Redis this system talks to, started here when the user gave none."""
+    """The Redis this system talks to: the user's (`REDIS_URL`, Sentinel), else a real
+    redis-server started here (workers/redis_server.py), durable under `data_dir`."""
 
-    def __init__(self, url: str | None, sentinel: str | None = None) -> None:
+    def __init__(
+        self, url: str | None, sentinel: str | None = None, data_dir: Path | None = None
+    ) -> None:
         self.url = url
         self.sentinel = sentinel  # where the Sentinels are, when they name the master
-        self.process: subprocess.Popen | None = None
-        self._fake_server = None
+        self.data_dir = data_dir  # the embedded broker's append-only file; None: not saved
+        self.server: RedisServerProcess | None = None
+        self._lock: IO[str] | None = None
         self.kind = "external"
 
     def start(self) -> str | None:
@@ -86,53 +106,49 @@ class Broker:
 
             log.info("broker: REDIS_URL (%s)", redact(self.url))
             return self.url
-        port = free_port()
-        server = shutil.which("redis-server")
-        if server:
-            self.process = subprocess.Popen(
-                [
-                    server,
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--protected-mode",
-                    "yes",
-                ],
-                stdout=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            self.kind = "redis-server"
-            log.info("broker: redis-server on 127.0.0.1:%d (no persistence)", port)
+        try:
+            binary = find_redis_server()
+        except RedisServerMissing as exc:
+            raise ServeError(str(exc)) from None
+        data_dir = None
+        if self.data_dir is not None:
+            # a directory per major version: Redis 7's append-only files are not Redis 6's
+            data_dir = self.data_dir / f"redis{binary.version[0]}"
+            self._lock = hold_lock(data_dir)
+        self.server = RedisServerProcess(binary, free_port(), data_dir)
+        try:
+            self.url = self.server.start()
+        except RedisServerMissing as exc:
+            raise ServeError(str(exc)) from None
+        self.kind = binary.describe()
+        if data_dir is None:
+            log.info("broker: %s on %s (nothing saved)", self.kind, self.url)
         else:
-            from fakeredis import TcpFakeServer
-
-            self._fake_server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
-            threading.Thread(target=self._fake_server.serve_forever, daemon=True).start()
-            self.kind = "fakeredis"
-            log.warning(
-                "broker: embedded fakeredis on 127.0.0.1:%d - NOT DURABLE, jobs are lost when "
-                "this process stops; set REDIS_URL or install redis-server for real use",
-                port,
-            )
-        self.url = f"redis://127.0.0.1:{port}/0"
-        wait_for_port(port)
+            log.info("broker: %s on %s, jobs kept in %s", self.kind, self.url, data_dir)
         return self.url
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        if self._fake_server is not None:
-            self._fake_server.shutdown()
-            self._fake_server.server_close()  # the listening socket, which shutdown() keeps
+        if self.server is not None:
+            self.server.stop()
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases its lock
+
+
+def hold_lock(directory: Path) -> IO[str]:
+    """Lock `directory` for this process (two servers must never write one append-only
+    file); raises ServeError when another llmq serve holds it. The lock lasts as long as
+    the returned file stays open, and ends with the process however it ends."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = (directory / "llmq-serve.lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ServeError(
+            f"another llmq serve keeps its broker's data in {directory}: stop it, or give "
+            f"this one another {CACHE_ENV} or REDIS_URL"
+        ) from None
+    return lock
 
 
 @dataclass
@@ -331,7 +347,7 @@ def serve(config: ServeConfig) -> int:
     if settings.uses_sentinel:
         broker = Broker(None, sentinel=settings.describe())
     else:
-        broker = Broker(config.redis_url or os.environ.get(URL_ENV))
+        broker = Broker(config.redis_url or os.environ.get(URL_ENV), data_dir=config.broker_dir())
     url = broker.start()
     env = {**os.environ, "HOST": config.host, "PORT": str(config.port)}
     if url is not None:
@@ -401,8 +417,9 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
 SERVE_HELP = """run everything: broker, API and workers (what `make serve` runs)
 
 Run the whole system: the API on http://HOST:PORT and N workers, against REDIS_URL if set
-(or the master REDIS_SENTINELS name), else a redis-server started on a free port, else an
-embedded fakeredis server (not durable). Ctrl-C stops every process it started.
+(or the master REDIS_SENTINELS name), else a redis-server started on a free port (the one on
+PATH, else the one installed with llmq) that keeps its jobs in $LLMQ_CACHE_DIR/broker, so
+they survive a restart. Ctrl-C stops every process it started.
 """
 
 
@@ -429,6 +446,13 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         "if this machine cannot (default: $LLMQ_DEVICE, else each model's registry `device`, "
         "else cpu)",
     )
+    serve_parser.add_argument(
+        "--no-persist",
+        dest="durable",
+        action="store_false",
+        help="the embedded broker saves nothing: jobs still queued or running are lost when "
+        "serve stops (default: kept in $LLMQ_BROKER_DIR, else $LLMQ_CACHE_DIR/broker/serve-PORT)",
+    )
     serve_parser.set_defaults(handler=run_serve)
 
 
@@ -444,5 +468,6 @@ def run_serve(args: argparse.Namespace) -> int:
         models=[m.strip() for m in args.models.split(",") if m.strip()],
         max_sequences=args.max_batch,  # the published flag's name for the step's sequences
         device=args.device,
+        durable=args.durable,
     )
     return serve(config)

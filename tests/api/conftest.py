@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -108,34 +107,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """Real Redis: LLMQ_TEST_REDIS_URL (default 127.0.0.1:6379 db 13), else a throwaway
-    redis-server on a free port, else fail (as tests/workers does: CI must never skip it)."""
-    try:
-        redis.Redis.from_url(TEST_REDIS_URL, socket_connect_timeout=1).ping()
-        yield TEST_REDIS_URL
-        return
-    except redis.RedisError:
-        pass
-    server = shutil.which("redis-server")
-    if server is None:
-        # one policy with tests/workers: the real path fails loudly, never skips silently
-        pytest.fail(f"no Redis at {TEST_REDIS_URL} and no redis-server on PATH")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/13"
-    for _ in range(100):
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+def redis_url() -> str:
+    """Real Redis: LLMQ_TEST_REDIS_URL (default 127.0.0.1:6379 db 13; tests/conftest.py starts
+    a server for the session, and sets the variable, where 6379 has none)."""
+    return TEST_REDIS_URL
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +29,7 @@ import redis
 
 from api.cli import CONF
 from tests.api.sse import Message, parse
+from tests.redis_db import redis_binary
 from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import REPO, WorkerProcess, signal_then_kill, wait_for
 from workers.wire.job import TERMINAL_STATUSES
@@ -68,7 +68,7 @@ class RedisServer:
     def __init__(self, directory: Path, persistent: bool) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.argv = [shutil.which("redis-server") or "redis-server", "--port", str(self.port)]
+        self.argv = [str(redis_binary().server), "--port", str(self.port)]
         self.argv += ["--bind", "127.0.0.1", "--dir", str(directory), "--save", ""]
         if persistent:
             self.argv += ["--appendonly", "yes", "--appendfsync", "everysec"]
@@ -108,8 +108,6 @@ def fault_redis(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     servers: list[RedisServer] = []
 
     def start(persistent: bool = True) -> RedisServer:
-        if shutil.which("redis-server") is None:
-            pytest.fail("the fault tests need redis-server on PATH")
         server = RedisServer(tmp_path, persistent)
         server.start()
         servers.append(server)

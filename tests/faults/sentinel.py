@@ -6,7 +6,6 @@ master is down after 1 s without an answer, so a failover takes a few seconds.
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import redis
 
 from tests.faults.conftest import free_port
+from tests.redis_db import redis_binary
 from tests.workers.conftest import wait_for
 
 MASTER_NAME = "llmq-f20"
@@ -32,7 +32,7 @@ class Server:
         self.process = self._start(replica_of)
 
     def _start(self, replica_of: int | None) -> subprocess.Popen[bytes]:
-        argv = [shutil.which("redis-server") or "redis-server", "--port", str(self.port)]
+        argv = [str(redis_binary().server), "--port", str(self.port)]
         argv += ["--bind", "127.0.0.1", "--dir", str(self.directory), "--save", ""]
         argv += ["--appendonly", "no", "--repl-diskless-sync-delay", "0"]
         if replica_of is not None:
@@ -99,7 +99,7 @@ class SentinelCluster:
             f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
             f"sentinel parallel-syncs {MASTER_NAME} 2\n"
         )
-        server = shutil.which("redis-server") or "redis-server"
+        server = str(redis_binary().server)  # redis-sentinel is redis-server --sentinel
         return subprocess.Popen([server, str(conf), "--sentinel"], stdout=subprocess.DEVNULL)
 
     def _sentinel_log(self, port: int) -> Path:

@@ -5,9 +5,7 @@ GGUF models, jobs submitted as the API submits them, and workers run in a thread
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,24 +42,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """$LLMQ_WORKERS_TEST_REDIS_URL, else db 14 of the Redis on 6379, else a redis-server
-    started here for the session (a machine without a Redis service still runs the tests)."""
-    url = os.environ.get("LLMQ_WORKERS_TEST_REDIS_URL", DEFAULT_REDIS_URL)
-    if _pings(url) or shutil.which("redis-server") is None:
-        yield url
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    argv += ["--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))]
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/14"
-    wait_for(lambda: _pings(url), what="a redis-server for the tests")
-    yield url
-    server.terminate()
-    server.wait(10)
+def redis_url() -> str:
+    """$LLMQ_WORKERS_TEST_REDIS_URL, else db 14 of the Redis on 6379 (tests/conftest.py starts
+    one for the session, and sets the variable, on a machine without a Redis service)."""
+    return os.environ.get("LLMQ_WORKERS_TEST_REDIS_URL", DEFAULT_REDIS_URL)
 
 
 def _pings(url: str) -> bool:
@@ -76,7 +60,7 @@ def _pings(url: str) -> bool:
 def conn(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     if not _pings(redis_url):
-        pytest.fail(f"these tests need Redis at {redis_url} (or redis-server on PATH)")
+        pytest.fail(f"these tests need Redis at {redis_url}")
     client.flushdb()
     yield client
     client.flushdb()

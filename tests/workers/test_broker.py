@@ -166,4 +166,4 @@ def test_replication_state_names_the_server_and_its_replicas(redis_url: str) -> 
 def test_llmq_serve_starts_no_redis_when_sentinels_name_the_master() -> None:
     broker = Broker(None, sentinel="sentinel mymaster via 127.0.0.1:2")
     assert broker.start() is None  # the children read REDIS_SENTINELS themselves
-    assert (broker.kind, broker.process) == ("sentinel", None)
+    assert (broker.kind, broker.server) == ("sentinel", None)

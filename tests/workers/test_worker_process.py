@@ -3,7 +3,6 @@ no job and no token, SIGTERM drains, and RQ's own tools see the worker (docs/fau
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +16,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from api import store
+from tests.redis_db import redis_binary
 from tests.workers.conftest import (
     TINY,
     _pings,
@@ -144,7 +144,7 @@ def private_redis(tmp_path) -> Iterator[tuple[str, Callable[[], None]]]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"redis://127.0.0.1:{port}/0"
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv = [str(redis_binary().server), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     argv += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(tmp_path)]
     servers = [subprocess.Popen(argv, stdout=subprocess.DEVNULL)]
     wait_for(lambda: _pings(url), what="redis-server to start")
@@ -163,7 +163,6 @@ def private_redis(tmp_path) -> Iterator[tuple[str, Callable[[], None]]]:
             server.wait(10)
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
 def test_a_redis_restart_mid_job_loses_nothing_and_the_worker_carries_on(
     spawn_worker, private_redis
 ):
