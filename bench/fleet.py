@@ -20,13 +20,14 @@ the clients' per token relayed (all share the cores).
 
 Each token's text is the worker's clock when its step made it ("@<unix time>|"), so every
 chunk a client reads gives the lag from there (the step's write and the relay included) to
-the bytes on the client's socket; all processes share this machine's clock. Redis runs as a
-child on a free port unless `--redis-url` names one (its db is flushed). Printed: Redis CPU
-per token (`used_cpu_sys` + `used_cpu_user` over the run, after CONFIG RESETSTAT, and INFO
-commandstats' busiest commands), tokens a second written and delivered, lag p50/p99/max,
-the time to each stream's response headers, Redis's connected clients and the API's RSS at
-their peak, and every failure by kind (HTTP status, in-band error code such as
-`broker_down`, transport errors, streams cut before `[DONE]`).
+the bytes on the client's socket; all processes share this machine's clock. Redis is a real
+redis-server (workers/redis_server.py: PATH's, else the one installed with llmq) started on
+a free port, unless `--redis-url` names one (its db is flushed); the first lines name it.
+Printed: Redis CPU per token (`used_cpu_sys` + `used_cpu_user` over the run, after CONFIG
+RESETSTAT, and INFO commandstats' busiest commands), tokens a second written and delivered,
+lag p50/p99/max, the time to each stream's response headers, Redis's connected clients and
+the API's RSS at their peak, and every failure by kind (HTTP status, in-band error code such
+as `broker_down`, transport errors, streams cut before `[DONE]`).
 
 `--events-cluster` puts the token events and their leases on a Redis Cluster
 (`LLMQ_EVENTS_CLUSTER`, for the simulated workers and the API alike; `local` starts a
@@ -39,11 +40,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -64,24 +65,34 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
+from bench.harness import cpu_name  # noqa: E402
 from bench.sse_client import HTTPStreamError, StreamedResponse  # noqa: E402
-from bench.wire_codec import cpu_name  # noqa: E402
+from bench.token_path import (  # noqa: E402
+    SimJob,
+    add_cluster_stats,
+    command_stats,
+    redis_cpu,
+    result_body,
+)
 from runtime.request import GenerationSpec  # noqa: E402
 from workers import keys  # noqa: E402
 from workers.claims import Claims  # noqa: E402
 from workers.event_writer import EventWriter  # noqa: E402
-from workers.jobs import ActiveJob  # noqa: E402
 from workers.leases import Leases  # noqa: E402
-from workers.supervisor import free_port, wait_for_port  # noqa: E402
-from workers.wire.broker import EVENTS_CLUSTER_ENV, EventsSettings  # noqa: E402
+from workers.redis_server import (  # noqa: E402
+    RedisBinary,
+    RedisServerMissing,
+    RedisServerProcess,
+    find_redis_server,
+)
+from workers.supervisor import free_port  # noqa: E402
+from workers.wire.broker import EVENTS_CLUSTER_ENV, EventsSettings, redact  # noqa: E402
 from workers.wire.errors import cancelled_error  # noqa: E402
 from workers.wire.events import token_event  # noqa: E402
 from workers.wire.job import (  # noqa: E402
     CANCELLED,
-    COMPLETIONS,
     STARTED,
     JobRecord,
-    response_id,
 )
 from workers.wire.worker_info import READY, WorkerInfo  # noqa: E402
 from workers.worker import connect  # noqa: E402
@@ -95,31 +106,6 @@ STAMPS = re.compile(rb"@(\d+\.\d+)\|")
 
 
 # ----------------------------------------------------------------------------- workers
-
-
-@dataclass(eq=False)
-class SimJob(ActiveJob):
-    """An `ActiveJob` without an engine: its tokens are counted here."""
-
-    tokens: int = 0
-    max_tokens: int = 16
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.tokens
-
-
-def result_body(job: SimJob, text: str) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-    usage = {"prompt_tokens": 1, "completion_tokens": job.tokens, "total_tokens": job.tokens + 1}
-    return {
-        "id": response_id(COMPLETIONS, job.id),
-        "object": "text_completion",
-        "created": int(job.record.created_at),
-        "model": job.record.responds_as,
-        "choices": [choice],
-        "usage": usage,
-    }
 
 
 class SimWorker:
@@ -388,13 +374,19 @@ def cpu_seconds(pid: int | None) -> float:
         return 0.0
 
 
-def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    argv = [shutil.which("redis-server") or "redis-server", "--port", str(port)]
-    argv += ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    wait_for_port(port, 10)
-    return proc, f"redis://127.0.0.1:{port}/0"
+@functools.cache
+def redis_binary() -> RedisBinary:
+    """The real redis-server the simulation starts (workers/redis_server.py), found once."""
+    try:
+        return find_redis_server()
+    except RedisServerMissing as exc:
+        raise SystemExit(f"fleet: {exc}") from None
+
+
+def start_redis(binary: RedisBinary, tmp: Path) -> RedisServerProcess:
+    server = RedisServerProcess(binary, free_port(), extra_args=("--dir", str(tmp)))
+    server.start()
+    return server
 
 
 def start_api(
@@ -435,28 +427,25 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait(10)
 
 
-def redis_cpu(conn: redis.Redis) -> float:
-    cpu = conn.info("cpu")
-    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
-
-
-def start_cluster(tmp: Path, shards: int = 3) -> tuple[list[subprocess.Popen[bytes]], str]:
+def start_cluster(
+    binary: RedisBinary, tmp: Path, shards: int = 3
+) -> tuple[list[RedisServerProcess], str]:
     """A local Redis Cluster of `shards` primaries (no replicas, nothing saved): its
-    processes and `LLMQ_EVENTS_CLUSTER`'s value."""
+    servers and `LLMQ_EVENTS_CLUSTER`'s value."""
+    if binary.cli is None:
+        raise SystemExit(f"fleet: no redis-cli beside {binary.server} or on PATH")
     ports: list[int] = []
     while len(ports) < shards:
         port = free_port()
         if port + 10000 < 65536 and port not in ports and _free(port + 10000):
             ports.append(port)
-    procs = []
+    servers = []
     for port in ports:
-        argv = [shutil.which("redis-server") or "redis-server", "--port", str(port)]
-        argv += ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)]
-        argv += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
-    for port in ports:
-        wait_for_port(port, 10)
-    create = [shutil.which("redis-cli") or "redis-cli", "--cluster", "create"]
+        args = ("--dir", str(tmp), "--cluster-enabled", "yes")
+        args += ("--cluster-config-file", f"nodes-{port}.conf")
+        servers.append(RedisServerProcess(binary, port, extra_args=args))
+        servers[-1].start()
+    create = [str(binary.cli), "--cluster", "create"]
     create += [f"127.0.0.1:{port}" for port in ports]
     create += ["--cluster-replicas", "0", "--cluster-yes"]
     subprocess.run(create, check=True, stdout=subprocess.DEVNULL, timeout=30)
@@ -466,7 +455,7 @@ def start_cluster(tmp: Path, shards: int = 3) -> tuple[list[subprocess.Popen[byt
         if all(info.get("cluster_state") == "ok" for info in infos):
             break
         time.sleep(0.1)
-    return procs, ",".join(f"127.0.0.1:{port}" for port in ports)
+    return servers, ",".join(f"127.0.0.1:{port}" for port in ports)
 
 
 def _free(port: int) -> bool:
@@ -550,10 +539,7 @@ def report(args: argparse.Namespace, stats: ClientStats, run: dict[str, Any]) ->
     top = sorted(run["stats"].items(), key=lambda kv: -float(kv[1]["usec"]))[:10]
     for name, s in top:
         per_token = float(s["usec"]) / max(written, 1)
-        print(
-            f"  {name.removeprefix('cmdstat_'):24} {float(s['usec_per_call']):8.2f} "
-            f"{int(s['calls']):9d} {per_token:9.2f}"
-        )
+        print(f"  {name:24} {float(s['usec_per_call']):8.2f} {int(s['calls']):9d} {per_token:9.2f}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -595,8 +581,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(the simulator, the API, Redis and the clients share them)"
     )
     tmp = Path(tempfile.mkdtemp(prefix="llmq-fleet-"))
-    redis_proc = api_proc = None
-    cluster_procs: list[subprocess.Popen[bytes]] = []
+    api_proc = None
+    servers_here: list[RedisServerProcess] = []  # what this run started, stopped at its end
     ctx = multiprocessing.get_context("spawn")
     stop_event, out = ctx.Event(), ctx.Queue()
     workers: list[Any] = []
@@ -605,19 +591,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.redis_url:
             url = args.redis_url
         else:
-            redis_proc, url = start_redis(tmp)
+            servers_here.append(start_redis(redis_binary(), tmp))
+            url = servers_here[0].url
         conn = redis.Redis.from_url(url)
         conn.flushdb()
+        version = conn.info("server")["redis_version"]
+        broker = f"Redis {version} (--redis-url)" if args.redis_url else redis_binary().describe()
         nodes = args.events_cluster
         if nodes == "local":
-            cluster_procs, nodes = start_cluster(tmp)
+            cluster, nodes = start_cluster(redis_binary(), tmp)
+            servers_here += cluster
         shards = cluster_primaries(nodes) if nodes else []
         for shard in shards:
             shard.flushall()
         if nodes:
             print(f"token events on a Redis Cluster of {len(shards)} primaries: {nodes}")
         print(
-            f"Redis {conn.info('server')['redis_version']} at {url}; API from "
+            f"broker: {broker} at {redact(url)}; API from "
             f"{args.api_url or args.api_checkout} {' '.join(args.api_env)}"
         )
         with open(tmp / "api.log", "wb") as log:
@@ -652,14 +642,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             clients_cpu = time.process_time() - clients_cpu0
             per_server = {name: redis_cpu(s) - cpu0[name] for name, s in servers.items()}
             cpu = sum(per_server.values())
-            commandstats = conn.info("commandstats")
+            commandstats = command_stats(conn)
             for shard in shards:
-                for name, s in shard.info("commandstats").items():
-                    label = f"cluster:{name.removeprefix('cmdstat_')}"
-                    mine = commandstats.setdefault(label, {"calls": 0, "usec": 0.0})
-                    mine["calls"] = int(mine["calls"]) + int(s["calls"])
-                    mine["usec"] = float(mine["usec"]) + float(s["usec"])
-                    mine["usec_per_call"] = float(mine["usec"]) / max(1, int(mine["calls"]))
+                add_cluster_stats(commandstats, shard)
             peaks.stop()
             stop_event.set()
             written, worker_errors = 0, Counter[str]()
@@ -690,9 +675,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if process.is_alive():
                 process.terminate()
         stop(api_proc)
-        stop(redis_proc)
-        for proc in cluster_procs:
-            stop(proc)
+        for server in servers_here:
+            server.stop()
 
 
 if __name__ == "__main__":

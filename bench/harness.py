@@ -1,5 +1,6 @@
-"""What the system benches share: a running llmq (redis-server + API + workers), a streaming
-HTTP client that timestamps every chunk, child processes per measurement, and run metadata.
+"""What the system benches share: a running llmq (a broker, bench/broker.py, + API + workers),
+a streaming HTTP client that timestamps every chunk, child processes per measurement, run
+metadata, and a script's options and report (`bench_parser`, `run_script`).
 
 `bench/system.py` and `bench/throughput.py` import this as `bench.harness` (the repo root is
 put on `sys.path` first, as `bench/engine.py` does for `runtime`).
@@ -16,6 +17,7 @@ import platform
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.supervisor import free_port, wait_for_port
+from bench.broker import Broker, Running, add_broker_args, broker_from_args, mark_tables
+from workers.supervisor import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
@@ -73,6 +76,17 @@ def openblas_info() -> dict[str, Any]:
     return {}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (`/proc/cpuinfo`), for a report's first line."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def commit() -> str:
     try:
         out = subprocess.run(
@@ -94,6 +108,7 @@ def meta(argv: Sequence[str]) -> dict[str, Any]:
         "commit": commit(),
         "command": " ".join([Path(sys.executable).name, *argv]),
         "cpus": os.cpu_count(),
+        "cpu": cpu_name(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "load_average": os.getloadavg(),
@@ -102,8 +117,9 @@ def meta(argv: Sequence[str]) -> dict[str, Any]:
 
 def header(title: str, info: dict[str, Any]) -> list[str]:
     load = " ".join(f"{x:.2f}" for x in info["load_average"])
+    cpu = f"{info['cpu']}, " if info.get("cpu") else ""
     return [
-        f"{title} | {info['cpus']} CPUs | commit {info['commit']} | {info['date']}",
+        f"{title} | {cpu}{info['cpus']} CPUs | commit {info['commit']} | {info['date']}",
         f"load average at the end: {load} | {openblas_note()}",
     ]
 
@@ -282,40 +298,25 @@ def prompt_of_tokens(encode: Callable[[str], list[int]], n_tokens: int, tag: str
 # ----------------------------------------------------------------------------- the system
 
 
-FAKEREDIS_SERVER = """
-import sys
-from fakeredis import TcpFakeServer
-TcpFakeServer(("127.0.0.1", int(sys.argv[1])), server_type="redis").serve_forever()
-"""
-
-
-def broker() -> str:
-    """What `System` uses as its broker: redis-server if on PATH (as `llmq serve`), else an
-    embedded fakeredis server, whose figures say little about a real deployment."""
-    server = shutil.which("redis-server")
-    if server is None:
-        return "fakeredis (no redis-server on PATH: figures not representative)"
-    try:
-        out = subprocess.run([server, "--version"], capture_output=True, text=True).stdout
-        return f"redis-server {out.split('v=')[1].split()[0]}"
-    except (OSError, IndexError):
-        return "redis-server"
-
-
-def broker_argv(port: int, redis_args: Sequence[str]) -> list[str]:
-    server = shutil.which("redis-server")
-    if server is None:
-        return [sys.executable, "-c", FAKEREDIS_SERVER, str(port)]
-    argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    return [*argv, "--appendonly", "no", *redis_args]
+def wait_for_port(port: int, timeout: float = 10.0) -> None:
+    """Block until something accepts connections on 127.0.0.1:`port`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout:g}s")
 
 
 @dataclass
 class System:
-    """redis-server + `llmq api` + N `llmq worker`s, each its own process (as `llmq serve`
-    runs them), on free ports; their logs go to a temporary directory."""
+    """A broker (`broker`, chosen by the script: bench/broker.py) + `llmq api` + N
+    `llmq worker`s, each its own process (as `llmq serve` runs them), on free ports; their
+    logs go to a temporary directory."""
 
     models: list[str]
+    broker: Broker
     workers: int = 1
     max_sequences: int = 64
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
@@ -323,6 +324,7 @@ class System:
     redis_args: list[str] = field(default_factory=list)  # e.g. ["--hz", "100"]
     base_url: str = ""
     redis_url: str = ""
+    _redis: Running | None = None
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     _logs: Path | None = None
 
@@ -340,10 +342,9 @@ class System:
     def start(self) -> None:
         self._logs = Path(tempfile.mkdtemp(prefix="llmq-bench-"))
         redis_port, api_port = free_port(), free_port()
-        self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        self._redis = self.broker.start(redis_port, tuple(self.redis_args))
+        self.redis_url = self._redis.url
         self.base_url = f"http://127.0.0.1:{api_port}"
-        self._spawn("redis", broker_argv(redis_port, self.redis_args))
-        wait_for_port(redis_port, timeout=15)
         env = {**self.env, "REDIS_URL": self.redis_url}
         llmq = [sys.executable, "-m", "llmq"]
         worker = [*llmq, "worker", "--models", ",".join(self.models)]
@@ -387,20 +388,20 @@ class System:
                 )
 
     def stop(self) -> None:
-        """API and workers first (workers unregister through Redis), then redis-server."""
-        clients = [proc for name, proc in self._procs if name != "redis"]
-        broker = [proc for name, proc in self._procs if name == "redis"]
-        for group in (clients, broker):
-            for proc in group:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-            for proc in group:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        """API and workers first (workers unregister through Redis), then the broker."""
+        for _, proc in self._procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc in self._procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         self._procs.clear()
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
         if self._logs is not None:
             shutil.rmtree(self._logs, ignore_errors=True)
 
@@ -542,13 +543,44 @@ def verdict(ok: bool) -> str:
 # ----------------------------------------------------------------------------- scripts
 
 Children = dict[str, Callable[[dict[str, Any]], dict[str, Any]]]
+Part = Callable[[argparse.Namespace, str, dict[str, str]], Any]
 
 
-def add_output_args(p: argparse.ArgumentParser, children: Children) -> None:
-    """`--json FILE` for the raw figures, and the hidden `--child KIND` that `run_child`
-    starts a script with: the last options of bench/system.py and bench/throughput.py."""
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A bench script's parser: its module docstring, as written, is its `--help`."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+
+
+def add_system_args(p: argparse.ArgumentParser, children: Children) -> None:
+    """The last options of a script that starts a system (bench/system.py,
+    bench/throughput.py): its broker (bench/broker.py), `--json FILE` for the raw figures,
+    and the hidden `--child KIND` that `run_child` starts the script with."""
+    add_broker_args(p)
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     p.add_argument("--child", choices=sorted(children), help=argparse.SUPPRESS)
+
+
+def choose_broker(p: argparse.ArgumentParser, args: argparse.Namespace, needed: bool) -> None:
+    """`args.broker`: the broker the options name, chosen once; None where no system starts
+    (`needed` false) or in a `--child`."""
+    args.broker = broker_from_args(p, args) if needed and not args.child else None
+
+
+def measure_per_env(
+    args: argparse.Namespace, parts: dict[str, Part], wanted: set[str]
+) -> dict[str, dict[str, Any]]:
+    """`{env: {part: run(args, env name, env)}}` for the parts `wanted`, in `parts`' order,
+    under each of `env_variants()`."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, env in env_variants():
+        per_env: dict[str, Any] = {}
+        for part, run in parts.items():
+            if part in wanted:
+                started = time.perf_counter()
+                per_env[part] = run(args, name, env)
+                log(f"  {part} ({name}) took {time.perf_counter() - started:.0f} s")
+        out[name] = per_env
+    return out
 
 
 def run_script(
@@ -558,13 +590,25 @@ def run_script(
     render: Callable[[dict[str, Any]], str],
 ) -> int:
     """A bench script's main once its options are parsed: as a `--child`, that child's job;
-    else print `render(measure(args))` and write the raw figures to `--json`. A SIGTERM
-    stops the systems it started (`stop_cleanly_on_sigterm`)."""
+    else print `render(measure(args))` and write the raw figures to `--json`. `raw["meta"]`
+    gets the run's metadata, its broker's name and its wall time; on a fake broker every
+    table printed says so (bench/broker.py `mark_tables`). A SIGTERM stops the systems it
+    started (`stop_cleanly_on_sigterm`)."""
     stop_cleanly_on_sigterm()
     if args.child:
         return child_main(children, args.child)
+    started = time.perf_counter()
     raw = measure(args)
-    print(render(raw))
+    broker = args.broker
+    raw["meta"] = {
+        **meta(sys.argv),
+        **raw.get("meta", {}),
+        "broker": broker.describe() if broker else None,
+        "fake_broker": bool(broker and broker.fake),
+        "wall_s": time.perf_counter() - started,
+    }
+    text = render(raw)
+    print(mark_tables(text) if raw["meta"]["fake_broker"] else text)
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1) + "\n")
     return 0

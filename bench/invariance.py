@@ -17,7 +17,6 @@ which kernels stand in the way.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +27,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.harness import bench_parser, header, meta  # noqa: E402
 
 ROW_COUNTS = (1, 2, 3, 5, 8, 16, 32, 64)
 PROMPTS = [
@@ -198,7 +199,7 @@ def engine_table(model: str, n_prompts: int, tokens: int, plan: str) -> list[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--prompts", type=int, default=8, help=f"at most {len(PROMPTS)}")
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens per request")
@@ -214,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.kernels.torch_backend import TorchBackend
 
     TorchBackend()  # torch's threads as the engine sets them
+    print("\n".join(header("llmq: same request, same answer", meta(sys.argv))))
     print(f"cpu: {cpu_features().level}, {cpu_features().cores} cores\n")
     print("\n".join(kernel_table([(576, 960), (1536, 576), (2048, 640)])))
     if args.engine:

@@ -27,7 +27,6 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,31 +36,26 @@ if str(REPO) not in sys.path:
 
 import redis  # noqa: E402
 
-from bench.wire_codec import cpu_name  # noqa: E402
+from bench.harness import cpu_name  # noqa: E402
+from bench.token_path import (  # noqa: E402
+    SimJob,
+    add_cluster_stats,
+    command_stats,
+    redis_cpu,
+    result_body,
+)
 from workers import keys  # noqa: E402
 from workers.claims import Claims  # noqa: E402
 from workers.event_writer import EventWriter  # noqa: E402
-from workers.jobs import ActiveJob  # noqa: E402
 from workers.leases import Leases  # noqa: E402
-from workers.wire.broker import EVENTS_CLUSTER_ENV, EventsSettings  # noqa: E402
+from workers.wire.broker import EVENTS_CLUSTER_ENV, EventsSettings, redact  # noqa: E402
 from workers.wire.events import token_event  # noqa: E402
-from workers.wire.job import COMPLETIONS, JobRecord, response_id  # noqa: E402
+from workers.wire.job import COMPLETIONS, JobRecord  # noqa: E402
 
 MODEL = "sim-model"
 # Redis 7 counts a script's commands under their own names too, and inside the script's time
 SCRIPT_COMMANDS = ("eval", "evalsha", "fcall")
 WORKER = "sim-worker"
-
-
-@dataclass(eq=False)
-class SimJob(ActiveJob):
-    """An `ActiveJob` without an engine: its completion tokens are counted here."""
-
-    tokens: int = 0
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.tokens
 
 
 def claim_jobs(
@@ -93,32 +87,7 @@ def add_token(job: SimJob, final: bool) -> None:
     job.pending.append(token_event(0, index, text, 1000 + index, None, finish, job.attempt))
     job.tokens += 1
     if final:
-        job.result = result_body(job)
-
-
-def result_body(job: SimJob) -> dict[str, Any]:
-    text = "".join(f" tok{i}" for i in range(job.tokens))
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-    usage = {"prompt_tokens": 1, "completion_tokens": job.tokens, "total_tokens": job.tokens + 1}
-    return {
-        "id": response_id(COMPLETIONS, job.id),
-        "object": "text_completion",
-        "created": int(job.record.created_at),
-        "model": MODEL,
-        "choices": [choice],
-        "usage": usage,
-    }
-
-
-def redis_cpu(conn: redis.Redis) -> float:
-    cpu = conn.info("cpu")
-    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
-
-
-def command_stats(conn: redis.Redis) -> dict[str, dict[str, float]]:
-    return {
-        name.removeprefix("cmdstat_"): stats for name, stats in conn.info("commandstats").items()
-    }
+        job.result = result_body(job, "".join(f" tok{i}" for i in range(job.tokens)))
 
 
 def primaries(events: Any) -> list[redis.Redis]:
@@ -147,11 +116,7 @@ def run(conn: redis.Redis, jobs: int, steps: int, events: Any = None) -> dict[st
     if nodes:
         cluster_cpu = sum(redis_cpu(node) for node in nodes) - cluster0
         for node in nodes:
-            for name, s in command_stats(node).items():
-                mine = stats.setdefault(f"cluster:{name}", {"calls": 0, "usec": 0.0})
-                mine["calls"] = int(mine["calls"]) + int(s["calls"])
-                mine["usec"] = float(mine["usec"]) + float(s["usec"])
-                mine["usec_per_call"] = float(mine["usec"]) / max(1, int(mine["calls"]))
+            add_cluster_stats(stats, node)
         print(
             f"cluster primaries ({len(nodes)}): used_cpu us per token written "
             f"{cluster_cpu * 1e6 / (jobs * steps):.2f}; queue Redis below"
@@ -200,7 +165,8 @@ def main() -> None:
     version = conn.info("server")["redis_version"]
     print(
         f"redis_cost: {args.jobs} jobs x {args.steps} steps through workers.event_writer "
-        f"({REPO}); Redis {version}; {cpu_name()}, "
+        f"({REPO}); broker: Redis {version} at {redact(args.redis_url)} (--redis-url); "
+        f"{cpu_name()}, "
         f"{os.cpu_count()} CPUs (shared with other work: figures are indicative)"
     )
     conn.flushdb()

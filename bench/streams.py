@@ -13,8 +13,9 @@ clients hang up their K jobs are cancelled (docs/faults.md F4, with N streams op
     .venv/bin/python bench/streams.py [--streams 1000,5000] [--rate 1000] [--redis-port 7201]
 
 Clients are raw asyncio sockets in this one process (an HTTP client library per stream would
-cost this machine's cores more than the API does). It starts its own redis-server on
-`--redis-port` and stops everything it started.
+cost this machine's cores more than the API does). It starts its own real redis-server
+(workers/redis_server.py: PATH's, else the one installed with llmq) on `--redis-port`, names
+it in its first line, and stops everything it started.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import asyncio
 import json
 import os
 import resource
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,18 +39,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from api.cli import CONF  # noqa: E402
-from bench.wire_codec import cpu_name  # noqa: E402
+from bench.harness import cpu_name  # noqa: E402
 from tests.api.fake_worker import FakeWorker  # noqa: E402
 from workers import keys  # noqa: E402
+from workers.redis_server import (  # noqa: E402
+    RedisServerMissing,
+    RedisServerProcess,
+    find_redis_server,
+)
+from workers.supervisor import free_port  # noqa: E402
 
 MODEL = "tiny"
 HANG_UPS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def raise_open_files() -> int:
@@ -236,20 +235,13 @@ def main() -> None:
     parser.add_argument("--redis-port", type=int, default=7201)
     args = parser.parse_args()
     limit = raise_open_files()
-    server = shutil.which("redis-server") or "redis-server"
-    redis_proc = subprocess.Popen(
-        [server, "--port", str(args.redis_port), "--bind", "127.0.0.1", "--save", ""]
-        + ["--appendonly", "no", "--maxclients", "20000"],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{args.redis_port}/0"
+    try:
+        binary = find_redis_server()
+    except RedisServerMissing as exc:
+        raise SystemExit(f"streams: {exc}") from None
+    redis_server = RedisServerProcess(binary, args.redis_port, extra_args=("--maxclients", "20000"))
+    url = redis_server.start()
     conn = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            conn.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
     stop = threading.Event()
     api = None
     try:
@@ -264,6 +256,7 @@ def main() -> None:
         print(
             f"# bench/streams.py: {cpu_name()}, "
             f"{os.cpu_count()} cores (shared with other work), open-files limit {limit}; "
+            f"broker: {binary.describe()}, nothing saved; "
             f"`llmq api` defaults (2 gunicorn processes, gevent), LLMQ_MAX_QUEUE raised; "
             f"streams opened at {args.rate:.0f}/s; their jobs wait in the queue (no worker runs)"
         )
@@ -281,8 +274,7 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 api.kill()
         conn.close()
-        redis_proc.terminate()
-        redis_proc.wait(10)
+        redis_server.stop()
 
 
 if __name__ == "__main__":

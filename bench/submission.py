@@ -28,6 +28,7 @@ import redis
 
 from api.app import create_app
 from workers import keys
+from workers.wire.broker import redact
 from workers.wire.worker_info import READY, WorkerInfo
 
 MODEL = "bench-model"
@@ -98,7 +99,11 @@ def main() -> None:
                 _drain(conn)
     finally:
         conn.flushdb()
-    print(f"# {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+    version = conn.info("server")["redis_version"]
+    print(
+        f"# {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
+        f"broker: Redis {version} at {redact(args.redis)} (--redis)"
+    )
     print(f"{'variant':<16} {'n':>6} {'p50 ms':>8} {'p99 ms':>8} {'p50 vs plain':>13}")
     base = statistics.median(times["plain"])
     for name, values in times.items():

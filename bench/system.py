@@ -2,9 +2,10 @@
 
     python bench/system.py [--quick] [--rounds 3] [--jobs 300] [--json FILE]
 
-It starts its own system (redis-server on a free port, or an embedded fakeredis server
-when there is none, which the table says; `llmq worker` processes and `llmq api`, as
-`llmq serve` runs them) and prints three tables:
+It starts its own system (a real redis-server on a free port: the one on PATH, else the one
+installed with llmq; `--redis-url` names another Redis, `--fake-broker` fakeredis's Python
+server, and then every table says so; `llmq worker` processes and `llmq api`, as `llmq serve`
+runs them), names its broker in the setup line, and prints three tables:
 
 1. One client, SmolLM2: time to first token and decode tokens/s of a streaming
    `/v1/completions` request (`ignore_eos`, greedy, `cache_prompt: false`) against the engine
@@ -57,16 +58,16 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: `bench`, `runtim
 from bench.harness import (  # noqa: E402
     MODEL,
     System,
-    add_output_args,
+    add_system_args,
+    bench_parser,
     best,
-    broker,
+    choose_broker,
     concurrent_streams,
-    env_variants,
     header,
     http_client,
     log,
+    measure_per_env,
     median,
-    meta,
     openblas_info,
     prompt_of_tokens,
     run_child,
@@ -149,7 +150,11 @@ def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
     api: list[dict[str, Any]] = []
     prompt_tokens = 0
     system = System(
-        [MODEL], max_sequences=WORKER_MAX_SEQUENCES, env=env, redis_args=args.redis_args
+        [MODEL],
+        args.broker,
+        max_sequences=WORKER_MAX_SEQUENCES,
+        env=env,
+        redis_args=args.redis_args,
     )
     with system:
         with http_client(system.base_url) as client:
@@ -184,7 +189,11 @@ def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
 def aggregate_clients(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     encode = _encoder()
     system = System(
-        [MODEL], max_sequences=WORKER_MAX_SEQUENCES, env=env, redis_args=args.redis_args
+        [MODEL],
+        args.broker,
+        max_sequences=WORKER_MAX_SEQUENCES,
+        env=env,
+        redis_args=args.redis_args,
     )
     with system:
         return _clients(system.base_url, args, encode, MODEL)
@@ -285,6 +294,7 @@ def jobs_per_second(args: argparse.Namespace) -> dict[str, Any]:
         for workers in args.worker_counts:
             system = System(
                 [str(model)],
+                args.broker,
                 workers=workers,
                 max_sequences=NOOP_MAX_SEQUENCES,
                 redis_args=args.redis_args,
@@ -416,8 +426,8 @@ def render(raw: dict[str, Any]) -> str:
         f"worker: --max-batch {WORKER_MAX_SEQUENCES} "
         f"(no-op jobs: the default {NOOP_MAX_SEQUENCES}); API: "
         "`llmq api` (2 gunicorn processes, gevent: a stream is a greenlet); broker: "
-        f"{raw['meta']['broker']} on "
-        f"loopback, no persistence, hz {raw['meta'].get('redis_hz') or 'default (10)'}"
+        f"{raw['meta']['broker']}, nothing saved"
+        + (f", --hz {raw['meta']['redis_hz']}" if raw["meta"].get("redis_hz") else "")
     )
     for env, per_env in raw["envs"].items():
         lines += ["", f"== env {env} =="]
@@ -555,7 +565,7 @@ def _jobs_block(raw: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="fewer rounds, jobs and tokens")
     p.add_argument("--rounds", type=int, help="single-client rounds (default 3, quick 1)")
     p.add_argument("--jobs", type=int, help="no-op jobs per run (default 300, quick 100)")
@@ -570,8 +580,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="start redis-server with --hz N (default: its own, 10: blocking-call timeouts "
         "fire on its 100 ms cron, which sets how often an idle worker looks at its queues)",
     )
-    add_output_args(p, CHILDREN)
+    add_system_args(p, CHILDREN)
     args = p.parse_args(argv)
+    if args.redis_hz and (args.fake_broker or args.redis_url):
+        p.error("--redis-hz sets the redis-server this bench starts; there is none here")
+    choose_broker(p, args, needed=True)
     args.redis_args = ["--hz", str(args.redis_hz)] if args.redis_hz else []
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.reps = 3 if args.quick else REPS_PER_ROUND
@@ -591,28 +604,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    started = time.perf_counter()
-    raw: dict[str, Any] = {"envs": {}}
-    for name, env in env_variants():
-        per_env: dict[str, Any] = {}
-        if "single" not in args.skip:
-            per_env["single"] = single_client(args, env)
-        if "clients" not in args.skip:
-            per_env["clients"] = aggregate_clients(args, env)
-        raw["envs"][name] = per_env
+    parts = {
+        "single": lambda a, _name, env: single_client(a, env),
+        "clients": lambda a, _name, env: aggregate_clients(a, env),
+    }
+    raw: dict[str, Any] = {"envs": measure_per_env(args, parts, set(parts) - args.skip)}
     if "llama-server" not in args.skip:
         binary = llama_server_binary()
         raw["llama_server"] = llama_server_clients(args, binary) if binary else None
     if "jobs" not in args.skip:
         raw["jobs"] = jobs_per_second(args)
     raw["meta"] = {
-        **meta(sys.argv),
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "jobs": args.jobs,
-        "broker": broker(),
         "redis_hz": args.redis_hz,
-        "wall_s": time.perf_counter() - started,
     }
     return raw
 

@@ -88,21 +88,21 @@ from bench.harness import (  # noqa: E402
     MODEL,
     System,
     add_device_args,
-    add_output_args,
+    add_system_args,
+    bench_parser,
     best,
-    broker,
     check_device_args,
     check_tensor_backends,
+    choose_broker,
     concurrent_streams,
     device_figures,
     engine_config_args,
-    env_variants,
     header,
     http_client,
     llama_cpp_version,
     log,
+    measure_per_env,
     median,
-    meta,
     openblas_info,
     prompt_of_tokens,
     rss_mib,
@@ -606,7 +606,10 @@ def _offline_api(
         for i, m in enumerate(messages)
     ]
     with System(
-        [MODEL], max_sequences=_worker_max_sequences(args), env=_api_env(args, env)
+        [MODEL],
+        args.broker,
+        max_sequences=_worker_max_sequences(args),
+        env=_api_env(args, env),
     ) as system:
         with http_client(system.base_url) as client:
             client.post("/v1/chat/completions", json=_chat_body(messages[0], 2))  # warm
@@ -713,7 +716,10 @@ def _system(args: argparse.Namespace, env: dict[str, str]) -> Iterator[System | 
         yield None
         return
     with System(
-        [MODEL], max_sequences=_worker_max_sequences(args), env=_api_env(args, env)
+        [MODEL],
+        args.broker,
+        max_sequences=_worker_max_sequences(args),
+        env=_api_env(args, env),
     ) as system:
         yield system
 
@@ -773,7 +779,7 @@ def _setup_line(m: dict[str, Any]) -> str:
     return (
         f"{llama}; system: one worker --max-batch {m['worker_max_sequences']} "
         f"(LLMQ_BACKEND={m['backend']}{_device_env(m)}), API 2 gunicorn processes (gevent), "
-        f"broker {m['broker']} on loopback"
+        f"broker {m['broker']}, nothing saved"
     )
 
 
@@ -1025,7 +1031,7 @@ def _offline_block(offline: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="1 repetition, fewer steps and requests")
     p.add_argument("--repeat", type=int, help="decode repetitions (default 2, quick 1)")
     p.add_argument("--steps", type=int, help=f"timed decode steps (default {DECODE_STEPS})")
@@ -1056,8 +1062,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-api", action="store_true", help="in-process only: no system is started")
     p.add_argument("--offline-requests", type=int, help=f"default {OFFLINE_REQUESTS}")
-    add_output_args(p, CHILDREN)
+    add_system_args(p, CHILDREN)
     args = p.parse_args(argv)
+    choose_broker(p, args, needed=not args.no_api)
     if args.child:
         return args
     check_device_args(p, args)
@@ -1087,8 +1094,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    started = time.perf_counter()
-    raw: dict[str, Any] = {"envs": {}}
     parts = {
         "decode": decode_runs,
         "mixed": mixed_runs,
@@ -1096,16 +1101,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "shared": shared_runs,
         "offline": offline_runs,
     }
-    for name, env in env_variants():
-        per_env: dict[str, Any] = {}
-        for part, run in parts.items():
-            if part in args.only:
-                part_started = time.perf_counter()
-                per_env[part] = run(args, name, env)
-                log(f"  {part} ({name}) took {time.perf_counter() - part_started:.0f} s")
-        raw["envs"][name] = per_env
+    raw: dict[str, Any] = {"envs": measure_per_env(args, parts, args.only)}
     raw["meta"] = {
-        **meta(sys.argv),
         "repeat": args.repeat,
         "steps": args.steps,
         "backend": args.backend,
@@ -1115,8 +1112,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "torch_forward": args.tensor_path,
         "worker_max_sequences": _worker_max_sequences(args),
         "no_api": args.no_api,
-        "broker": broker(),
-        "wall_s": time.perf_counter() - started,
     }
     return raw
 

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.harness import commit  # noqa: E402
+from bench.harness import commit, cpu_name  # noqa: E402
 from workers.wire.events import EVENT_TOKEN, StreamToken, decode, token_event  # noqa: E402
 
 STEP_MS = (10.0, 40.0)  # a decode step's time per token, small model to large
@@ -140,16 +140,6 @@ def measure(codec: Codec, number: int, repeat: int) -> dict[str, Any]:
         "bytes": len(wire),
         "object": json.loads(wire),
     }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def render(rows: list[tuple[str, str, dict[str, Any]]], header: str) -> str:
