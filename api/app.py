@@ -22,6 +22,7 @@ from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
 from api.request_counts import RequestCounts
+from api.slot_routing import BucketReaders
 from api.stream_hub import MAX_READERS, StreamHub
 from workers.wire.broker import Replication
 
@@ -43,12 +44,15 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     # the readers of every waiting client's job stream, on connections of their own (each
     # holds one while it blocks): LLMQ_API_REDIS_CONNECTIONS stays the requests' bound
     streams = app.config.get("REDIS_CLIENT") or make_redis(broker, MAX_READERS + 4)
-    events = None
+    # where the job streams are is chosen here, once: on one Redis (`SharedReaders`, the
+    # default), or on the events cluster, a reader per event bucket (`BucketReaders`)
+    placement = None
     settings = app.config.get("EVENTS")
-    if settings is not None and settings.clustered:  # the streams on a Redis Cluster
+    if settings is not None and settings.clustered:
         events = app.config.get("EVENTS_CLIENT") or make_events(settings, streams)
         app.extensions["events"] = events
-    app.extensions["streams"] = StreamHub(streams, events=events)
+        placement = BucketReaders(events)
+    app.extensions["streams"] = StreamHub(streams, placement=placement)
     # with Sentinels, a 202 waits for the job to reach the replicas (`wire.broker`)
     app.extensions["replication"] = app.config.get("REPLICATION") or Replication.of(broker)
     app.extensions["model_texts"] = ModelTexts()  # requests checked with tokenizer + template

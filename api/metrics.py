@@ -238,11 +238,9 @@ class ProcessCollector(Collector):
             yield family
 
     def _events_open(self) -> int | None:
-        if self.streams is None or not self.streams.by_bucket:
+        if self.streams is None:
             return None
-        pools = [n.redis_connection.connection_pool for n in self.streams.events.get_nodes()
-                 if n.redis_connection is not None]  # fmt: skip
-        return sum(getattr(p, "_created_connections", 0) for p in pools)
+        return self.streams.placement.cluster_connections()
 
 
 def render(conn: redis.Redis, streams: StreamHub | None = None) -> bytes:

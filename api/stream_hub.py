@@ -12,13 +12,16 @@ by the block.
 
 The stream stays the only source of truth (docs/faults.md L7): a follower starts from the
 id its client gave, and a job whose record vanished, or ended without a terminal event,
-gets a synthesized one from the reader's periodic check of idle followers (F8).
+gets a synthesized one from the reader's periodic check of idle followers (api/lost_jobs.py).
+
+Which reader reads which stream, and how its XREAD reaches Redis, is the reader placement's
+that api/app.py hands the hub when the app starts: `SharedReaders` on one Redis (any streams
+share a call; the reply read raw, api/xread_replies.py), `slot_routing.BucketReaders` on an
+events cluster (a reader per event bucket, its XREAD sent to the bucket's node).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import os
 import threading
@@ -27,16 +30,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import redis
-from redis.exceptions import RedisClusterException
 
+from api.lost_jobs import find_lost
+from api.xread_replies import XRead, raw_xread
 from workers import keys
-from workers.wire.broker import is_cluster
-from workers.wire.errors import cancelled_error, error_body
-from workers.wire.events import StreamDone, StreamError, StreamEvent, decode, is_terminal
-from workers.wire.job import FAILED, FINISHED, TERMINAL_STATUSES
+from workers.wire.events import StreamEvent, decode, is_terminal
 from workers.wire.text import as_str
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,6 @@ COUNT = 256  # entries per stream and call; a longer backlog takes several calls
 CHECK_SECONDS = 1.0  # how often the reader looks for idle followers
 IDLE_SECONDS = 0.5  # a follower with no event for this long has its record checked ...
 RECHECK_SECONDS = 2.0  # ... and again this long after (thousands of queued jobs wait)
-LOST_GRACE_SECONDS = 5.0  # a terminal record without a terminal event after this is repaired
 RETRY_SECONDS = 0.2  # after a failed XREAD (its followers were told), before the next
 # A reply later than the socket timeout (a busy process or Redis) is read again from the same
 # ids this many times before the followers are told the broker is down: one stall must not
@@ -61,7 +61,6 @@ MAX_READERS = 16  # ... and readers per process: connections held blocking
 PAUSE_ABOVE = 64
 JOIN_PAUSE = 0.05
 EVENT_PAUSE = 0.002
-CHECK_BATCH = 500  # job records read per pipeline in a check
 
 
 @dataclass
@@ -132,14 +131,30 @@ class Follower:
         self.wake.set()
 
 
+class ReaderPlacement(Protocol):
+    """Which reader reads a job's stream, and how readers reach Redis: one object per broker
+    mode, chosen when the app starts (`SharedReaders`, `slot_routing.BucketReaders`)."""
+
+    events: Any  # the client the streams are on
+    xread: XRead  # a reader's one XREAD over its streams
+
+    def reader_for(self, job_id: str, new: Callable[[str], StreamReader]) -> StreamReader:
+        """The reader for `job_id`'s stream; `new(wake_key)` makes one (and the hub keeps
+        it)."""
+        ...
+
+    def cluster_connections(self) -> int | None:
+        """Connections open to an events cluster's nodes (`llmq_api_events_connections_open`);
+        None without one."""
+        ...
+
+
 class StreamHub:
     """The readers of one API process (`follow`, `leave`); `app.extensions["streams"]`.
 
-    An XREAD costs Redis and this process in proportion to the streams it names (26 ms for
-    5,000 on this 2-core EPYC), and it is re-issued at every join and after every event, so
-    the followed streams are split between up to `max_readers` readers of `group_size`
-    streams each (more each once all readers are full): a join or an event re-issues one
-    group's call. Each reader holds one connection while it blocks."""
+    `conn` holds the job records; `placement` says where the streams are and which reader
+    reads each (`SharedReaders` over `conn` by default). Each reader holds one connection
+    while it blocks."""
 
     def __init__(
         self,
@@ -147,19 +162,12 @@ class StreamHub:
         block_ms: int = BLOCK_MS,
         group_size: int = GROUP_SIZE,
         max_readers: int = MAX_READERS,
-        events: Any = None,
+        placement: ReaderPlacement | None = None,
     ) -> None:
         self.conn = conn  # the job records (the queue Redis)
-        # the streams: `conn`, or the events cluster (`LLMQ_EVENTS_CLUSTER`), where a
-        # command's keys must share a slot: there each reader reads one event bucket's
-        # streams (`keys.event_bucket`; at most `keys.EVENT_BUCKETS` readers)
-        self.events = conn if events is None else events
-        self.by_bucket = is_cluster(self.events)
+        self.placement = placement or SharedReaders(conn, group_size, max_readers)
         self.block_ms = block_ms
-        self.group_size = group_size
-        self.max_readers = max_readers
         self.readers: list[StreamReader] = []
-        self._buckets: dict[int, StreamReader] = {}
         self._lock = threading.Lock()
 
     @property
@@ -168,37 +176,55 @@ class StreamHub:
         return sum(reader.open for reader in list(self.readers))
 
     def follow(self, job_id: str, after: str = "0") -> Follower:
-        key = keys.job_events(job_id)
         with self._lock:
-            if self.by_bucket:
-                reader = self._bucket_reader(keys.event_bucket(job_id))
-            else:
-                reader = self._reader_for(key)
+            reader = self.placement.reader_for(job_id, self._new_reader)
         return reader.follow(job_id, after)
 
     def leave(self, follower: Follower) -> None:
         if follower.reader is not None:
             follower.reader.leave(follower)
 
-    def _bucket_reader(self, bucket: int) -> StreamReader:
-        reader = self._buckets.get(bucket)
-        if reader is None:
-            reader = StreamReader(self.conn, self.block_ms, self.events, bucket)
-            self._buckets[bucket] = reader
-            self.readers.append(reader)
+    def _new_reader(self, wake_key: str) -> StreamReader:
+        placement = self.placement
+        reader = StreamReader(self.conn, self.block_ms, placement.events, placement.xread, wake_key)
+        self.readers.append(reader)
         return reader
 
-    def _reader_for(self, key: str) -> StreamReader:
-        for reader in self.readers:
+
+class SharedReaders:
+    """The streams on one Redis (the queue Redis, or a Sentinel's master): any streams may
+    share a reader's XREAD, read raw (api/xread_replies.py).
+
+    An XREAD costs Redis and this process in proportion to the streams it names (26 ms for
+    5,000 on this 2-core EPYC), and it is re-issued at every join and after every event, so
+    the followed streams are split between up to `max_readers` readers of `group_size`
+    streams each (more each once all readers are full): a join or an event re-issues one
+    group's call."""
+
+    def __init__(
+        self, events: redis.Redis, group_size: int = GROUP_SIZE, max_readers: int = MAX_READERS
+    ) -> None:
+        self.events = events
+        self.xread = raw_xread(events)
+        self.group_size = group_size
+        self.max_readers = max_readers
+        self._readers: list[StreamReader] = []
+
+    def reader_for(self, job_id: str, new: Callable[[str], StreamReader]) -> StreamReader:
+        key = keys.job_events(job_id)
+        for reader in self._readers:
             if reader.reads(key):
                 return reader  # one job's followers share its reader's one read
-        for reader in self.readers:
+        for reader in self._readers:
             if reader.size < self.group_size:
                 return reader
-        if len(self.readers) < self.max_readers:
-            self.readers.append(StreamReader(self.conn, self.block_ms))
-            return self.readers[-1]
-        return min(self.readers, key=lambda r: r.size)
+        if len(self._readers) < self.max_readers:
+            self._readers.append(new(keys.api_wake(uuid.uuid4().hex)))
+            return self._readers[-1]
+        return min(self._readers, key=lambda r: r.size)
+
+    def cluster_connections(self) -> None:
+        return None  # the readers' connections are the queue Redis's, counted with its pool
 
 
 class StreamReader:
@@ -209,15 +235,17 @@ class StreamReader:
         conn: redis.Redis,
         block_ms: int = BLOCK_MS,
         events: Any = None,
-        bucket: int | None = None,
+        xread: XRead | None = None,
+        wake_key: str | None = None,
     ) -> None:
-        self.conn = conn  # the job records
-        self.events = conn if events is None else events  # the streams (`StreamHub`)
-        self._xread = raw_xread(self.events)
+        """`conn` holds the job records, `events` (`conn` by default) the streams, read by
+        `xread` (`conn`'s raw XREAD by default); `wake_key` names the reader's own wake
+        stream, which its XREAD reads with the followed ones (the same slot on a cluster)."""
+        self.conn = conn
+        self.events = conn if events is None else events
+        self._xread = xread or raw_xread(self.events)
         self.block_ms = block_ms
-        ident = uuid.uuid4().hex
-        # on an events cluster, in the slot of the one bucket this reader reads
-        self.wake_key = keys.api_wake(ident) if bucket is None else keys.api_wake_in(bucket, ident)
+        self.wake_key = wake_key or keys.api_wake(uuid.uuid4().hex)
         self._wake_last = "0"
         self._by_key: dict[str, set[Follower]] = {}
         # where the next XREAD reads each followed stream from: at or before the id of every
@@ -370,8 +398,8 @@ class StreamReader:
             follower.fail(error)
 
     def _check_idle(self) -> None:
-        """A terminal event for each idle follower whose job record is gone, or terminal
-        for LOST_GRACE_SECONDS without one in the stream (docs/faults.md F8)."""
+        """A terminal event for each idle follower whose job will send none
+        (`lost_jobs.find_lost`); its follower then leaves."""
         self._checked = now = time.monotonic()
         with self._lock:
             idle = [
@@ -382,91 +410,11 @@ class StreamReader:
             ]
         for follower in idle:
             follower.checked_at = now
-        for start in range(0, len(idle), CHECK_BATCH):
-            batch = idle[start : start + CHECK_BATCH]
-            with self.conn.pipeline(transaction=False) as pipe:
-                for follower in batch:
-                    pipe.hmget(keys.job(follower.job_id), ["status", "result", "error"])
-                records = pipe.execute()
-            repairs = []
-            for follower, raw in zip(batch, records, strict=True):
-                event = repair(follower.job_id, follower.last, raw, now - follower.active_at)
-                if event is not None:
-                    repairs.append((follower, event))
-            if not repairs:
-                continue
-            # a job may have ended after the last XREAD: its events are then in the stream,
-            # and the next XREAD hands them out; only a stream with nothing more is repaired
-            with self.events.pipeline(transaction=False) as pipe:
-                for follower, _ in repairs:
-                    pipe.xrange(follower.key, min=f"({follower.last}", count=1)
-                pending = pipe.execute()
-            for (follower, event), more in zip(repairs, pending, strict=True):
-                if not more:
-                    follower.deliver(event)
-                    self.leave(follower)
-
-
-def raw_xread(client: Any) -> Callable[[dict[str, str], int, int], Any]:
-    """`XREAD COUNT n BLOCK ms STREAMS ...` answered as Redis sent it (RESP3: a map of key
-    to entries; RESP2: a list of [key, entries]; an entry's fields a flat list). redis-py's
-    reply callback rebuilds every entry's fields into a dict first, which cost the API a
-    tenth of its relay CPU at 1,000 streams (bench/fleet.py): a copy of `client` (its
-    connection pool and settings) with its own callbacks, XREAD's left out, asks instead.
-    An events cluster's client keeps its own XREAD, sent to the node of the call's slot."""
-    if is_cluster(client):
-        return _routed_xread(client)
-    raw = copy.copy(client)
-    raw.response_callbacks = type(client.response_callbacks)(client.response_callbacks)
-    raw.response_callbacks.pop("XREAD", None)
-
-    def xread(streams: dict[str, str], count: int, block: int) -> Any:
-        args: list[Any] = ["XREAD", "COUNT", count, "BLOCK", block, "STREAMS"]
-        return raw.execute_command(*args, *streams.keys(), *streams.values())
-
-    return xread
-
-
-def _routed_xread(cluster: Any) -> Callable[[dict[str, str], int, int], Any]:
-    """XREAD on an events cluster, sent to the node that holds the call's keys (all in its
-    bucket's slot, the reader's wake stream too). redis-py cannot parse XREAD's keys itself
-    (they move with its options) and asks a server, `COMMAND GETKEYS`, twice a call: two
-    round trips more per read, all to one node, which made it the cluster's busiest
-    (bench/fleet.py). A slot that moved is still followed (redis-py's MOVED handling); one
-    its table does not cover (a failover under way) is read as redis-py routes it, with its
-    retries and a fresh table."""
-
-    def xread(streams: dict[str, str], count: int, block: int) -> Any:
-        try:
-            slot = cluster.keyslot(next(iter(streams)))
-            node = cluster.nodes_manager.get_node_from_slot(slot)
-        except RedisClusterException:
-            return cluster.xread(streams, count=count, block=block)
-        args: list[Any] = ["XREAD", "COUNT", count, "BLOCK", block, "STREAMS"]
-        return cluster.execute_command(*args, *streams, *streams.values(), target_nodes=node)
-
-    return xread
+        waited = [(follower, now - follower.active_at) for follower in idle]
+        for follower, message in find_lost(self.conn, self.events, waited):
+            follower.deliver(Event(follower.last, message))
+            self.leave(follower)
 
 
 def _earliest(followers: set[Follower]) -> str:
     return min(followers, key=lambda f: f.position).last
-
-
-def repair(job_id: str, last: str, raw: list[Any], idle: float) -> Event | None:
-    """The terminal event a follower idle for `idle` seconds should get, given its job
-    record's `status`, `result` and `error` fields (`raw`); None while it should wait."""
-    status = as_str(raw[0]) if raw[0] is not None else None
-    if status is None:
-        error = error_body(
-            f"Job {job_id} no longer exists (expired or lost).",
-            code="job_lost",
-            status=404,
-        )
-        return Event(last, StreamError.from_data(error))
-    if status in TERMINAL_STATUSES and idle >= LOST_GRACE_SECONDS:
-        if status == FINISHED and raw[1] is not None:
-            return Event(last, StreamDone.from_data(json.loads(raw[1])))
-        if status == FAILED and raw[2] is not None:
-            return Event(last, StreamError.from_data(json.loads(raw[2])))
-        return Event(last, StreamError.from_data(cancelled_error()))
-    return None

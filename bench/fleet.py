@@ -65,15 +65,10 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
+from bench import token_path  # noqa: E402
 from bench.harness import cpu_name  # noqa: E402
 from bench.sse_client import HTTPStreamError, StreamedResponse  # noqa: E402
-from bench.token_path import (  # noqa: E402
-    SimJob,
-    add_cluster_stats,
-    command_stats,
-    redis_cpu,
-    result_body,
-)
+from bench.token_path import SimJob, result_body  # noqa: E402
 from runtime.request import GenerationSpec  # noqa: E402
 from workers import keys  # noqa: E402
 from workers.claims import Claims  # noqa: E402
@@ -632,7 +627,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             servers.update({f"cluster {s.get_connection_kwargs()['port']}": s for s in shards})
             for server in servers.values():
                 server.config_resetstat()
-            cpu0 = {name: redis_cpu(server) for name, server in servers.items()}
+            cpu0 = {name: token_path.redis_cpu(server) for name, server in servers.items()}
             api_pid = api_proc.pid if api_proc else None
             api_cpu0, clients_cpu0 = cpu_seconds(api_pid), time.process_time()
             t0 = time.monotonic()
@@ -640,11 +635,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             wall = time.monotonic() - t0
             api_cpu = cpu_seconds(api_pid) - api_cpu0
             clients_cpu = time.process_time() - clients_cpu0
-            per_server = {name: redis_cpu(s) - cpu0[name] for name, s in servers.items()}
+            per_server = {name: token_path.redis_cpu(s) - cpu0[name] for name, s in servers.items()}
             cpu = sum(per_server.values())
-            commandstats = command_stats(conn)
+            commandstats = token_path.command_stats(conn)
             for shard in shards:
-                add_cluster_stats(commandstats, shard)
+                token_path.add_cluster_stats(commandstats, shard)
             peaks.stop()
             stop_event.set()
             written, worker_errors = 0, Counter[str]()

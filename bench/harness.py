@@ -546,9 +546,13 @@ Children = dict[str, Callable[[dict[str, Any]], dict[str, Any]]]
 Part = Callable[[argparse.Namespace, str, dict[str, str]], Any]
 
 
-def bench_parser(doc: str | None) -> argparse.ArgumentParser:
-    """A bench script's parser: its module docstring, as written, is its `--help`."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+def bench_parser(doc: str | None, quick: str = "") -> argparse.ArgumentParser:
+    """A bench script's parser: its module docstring, as written, is its `--help`; with
+    `quick`, a `--quick` option that does what it says."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    if quick:
+        p.add_argument("--quick", action="store_true", help=quick)
+    return p
 
 
 def add_system_args(p: argparse.ArgumentParser, children: Children) -> None:
@@ -581,6 +585,20 @@ def measure_per_env(
                 log(f"  {part} ({name}) took {time.perf_counter() - started:.0f} s")
         out[name] = per_env
     return out
+
+
+def script_main(
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+    children: Children,
+    measure: Callable[[argparse.Namespace], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+) -> Callable[[Sequence[str] | None], int]:
+    """A bench script's `main(argv)`: parse, then `run_script`."""
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return run_script(parse_args(argv), children, measure, render)
+
+    return main
 
 
 def run_script(

@@ -36,14 +36,9 @@ if str(REPO) not in sys.path:
 
 import redis  # noqa: E402
 
+from bench import token_path  # noqa: E402
 from bench.harness import cpu_name  # noqa: E402
-from bench.token_path import (  # noqa: E402
-    SimJob,
-    add_cluster_stats,
-    command_stats,
-    redis_cpu,
-    result_body,
-)
+from bench.token_path import SimJob, result_body  # noqa: E402
 from workers import keys  # noqa: E402
 from workers.claims import Claims  # noqa: E402
 from workers.event_writer import EventWriter  # noqa: E402
@@ -101,8 +96,8 @@ def run(conn: redis.Redis, jobs: int, steps: int, events: Any = None) -> dict[st
     nodes = primaries(events) if events is not None else []
     for node in [conn, *nodes]:
         node.config_resetstat()
-    cpu0 = redis_cpu(conn)
-    cluster0 = sum(redis_cpu(node) for node in nodes)
+    cpu0 = token_path.redis_cpu(conn)
+    cluster0 = sum(token_path.redis_cpu(node) for node in nodes)
     walls = []
     for step in range(steps):
         for job in sim:
@@ -111,12 +106,12 @@ def run(conn: redis.Redis, jobs: int, steps: int, events: Any = None) -> dict[st
         flushed = writer.flush(sim, {MODEL: len(sim)})
         walls.append(time.perf_counter() - started)
         assert not flushed.lost, "a lease was lost"
-    cpu = redis_cpu(conn) - cpu0
-    stats = command_stats(conn)
+    cpu = token_path.redis_cpu(conn) - cpu0
+    stats = token_path.command_stats(conn)
     if nodes:
-        cluster_cpu = sum(redis_cpu(node) for node in nodes) - cluster0
+        cluster_cpu = sum(token_path.redis_cpu(node) for node in nodes) - cluster0
         for node in nodes:
-            add_cluster_stats(stats, node)
+            token_path.add_cluster_stats(stats, node)
         print(
             f"cluster primaries ({len(nodes)}): used_cpu us per token written "
             f"{cluster_cpu * 1e6 / (jobs * steps):.2f}; queue Redis below"

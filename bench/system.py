@@ -71,7 +71,7 @@ from bench.harness import (  # noqa: E402
     openblas_info,
     prompt_of_tokens,
     run_child,
-    run_script,
+    script_main,
     steady_rate,
     stream,
     think,
@@ -149,13 +149,7 @@ def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
     ours: list[dict[str, Any]] = []
     api: list[dict[str, Any]] = []
     prompt_tokens = 0
-    system = System(
-        [MODEL],
-        args.broker,
-        max_sequences=WORKER_MAX_SEQUENCES,
-        env=env,
-        redis_args=args.redis_args,
-    )
+    system = _model_system(args, env)
     with system:
         with http_client(system.base_url) as client:
             for _ in range(2):  # loads the model in the worker, warms both paths
@@ -186,15 +180,20 @@ def single_client(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
     return {"prompt_tokens": prompt_tokens, "ours": ours, "api": api}
 
 
-def aggregate_clients(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    encode = _encoder()
-    system = System(
+def _model_system(args: argparse.Namespace, env: dict[str, str]) -> System:
+    """The system the model's figures come from: one worker, `--max-batch 64`."""
+    return System(
         [MODEL],
         args.broker,
         max_sequences=WORKER_MAX_SEQUENCES,
         env=env,
         redis_args=args.redis_args,
     )
+
+
+def aggregate_clients(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    encode = _encoder()
+    system = _model_system(args, env)
     with system:
         return _clients(system.base_url, args, encode, MODEL)
 
@@ -565,8 +564,7 @@ def _jobs_block(raw: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = bench_parser(__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer rounds, jobs and tokens")
+    p = bench_parser(__doc__, quick="fewer rounds, jobs and tokens")
     p.add_argument("--rounds", type=int, help="single-client rounds (default 3, quick 1)")
     p.add_argument("--jobs", type=int, help="no-op jobs per run (default 300, quick 100)")
     p.add_argument(
@@ -599,10 +597,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_script(parse_args(argv), CHILDREN, measure, render)
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     parts = {
         "single": lambda a, _name, env: single_client(a, env),
@@ -622,6 +616,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     return raw
 
+
+main = script_main(parse_args, CHILDREN, measure, render)
 
 if __name__ == "__main__":
     sys.exit(main())

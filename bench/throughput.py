@@ -107,7 +107,7 @@ from bench.harness import (  # noqa: E402
     prompt_of_tokens,
     rss_mib,
     run_child,
-    run_script,
+    script_main,
     steady_rate,
     stream,
     think,
@@ -605,12 +605,7 @@ def _offline_api(
         )
         for i, m in enumerate(messages)
     ]
-    with System(
-        [MODEL],
-        args.broker,
-        max_sequences=_worker_max_sequences(args),
-        env=_api_env(args, env),
-    ) as system:
+    with _api_system(args, env) as system:
         with http_client(system.base_url) as client:
             client.post("/v1/chat/completions", json=_chat_body(messages[0], 2))  # warm
             files = {"file": ("offline.jsonl", ("\n".join(lines) + "\n").encode())}
@@ -715,13 +710,15 @@ def _system(args: argparse.Namespace, env: dict[str, str]) -> Iterator[System | 
     if args.no_api:
         yield None
         return
-    with System(
-        [MODEL],
-        args.broker,
-        max_sequences=_worker_max_sequences(args),
-        env=_api_env(args, env),
-    ) as system:
+    with _api_system(args, env) as system:
         yield system
+
+
+def _api_system(args: argparse.Namespace, env: dict[str, str]) -> System:
+    """One worker on `--backend` (and `--device`), with room for the largest N."""
+    return System(
+        [MODEL], args.broker, max_sequences=_worker_max_sequences(args), env=_api_env(args, env)
+    )
 
 
 def _model_path() -> Path:
@@ -1031,8 +1028,7 @@ def _offline_block(offline: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = bench_parser(__doc__)
-    p.add_argument("--quick", action="store_true", help="1 repetition, fewer steps and requests")
+    p = bench_parser(__doc__, quick="1 repetition, fewer steps and requests")
     p.add_argument("--repeat", type=int, help="decode repetitions (default 2, quick 1)")
     p.add_argument("--steps", type=int, help=f"timed decode steps (default {DECODE_STEPS})")
     p.add_argument("--only", default="decode,mixed,prefix,shared,offline", help="parts to run")
@@ -1089,10 +1085,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_script(parse_args(argv), CHILDREN, measure, render)
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     parts = {
         "decode": decode_runs,
@@ -1115,6 +1107,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     return raw
 
+
+main = script_main(parse_args, CHILDREN, measure, render)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,8 +9,8 @@ import time
 import pytest
 import redis
 
+from api.lost_jobs import LOST_GRACE_SECONDS
 from api.stream_hub import (
-    LOST_GRACE_SECONDS,
     RECHECK_SECONDS,
     STALLS_TOLERATED,
     Follower,
