@@ -81,3 +81,9 @@ def start_session_redis(data_dir: Path) -> RedisServerProcess | None:
     for variable, db in SESSION_DATABASES.items():
         os.environ.setdefault(variable, f"redis://127.0.0.1:{port}/{db}")
     return server
+
+
+def path_without_redis_server() -> str:
+    """$PATH less every folder with a redis-server: a machine without the Redis package."""
+    folders = os.environ["PATH"].split(os.pathsep)
+    return os.pathsep.join(d for d in folders if not Path(d, "redis-server").exists())

@@ -3,7 +3,6 @@ durable one keeps what it acknowledged across a stop, a kill -9 and a restart.""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.redis_db import path_without_redis_server
 from workers.errors import ServeError
 from workers.redis_server import (
     MIN_VERSION,
@@ -31,12 +31,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def path_without_redis() -> str:
-    return os.pathsep.join(
-        d for d in os.environ["PATH"].split(os.pathsep) if not Path(d, "redis-server").exists()
-    )
-
-
 def fake_redis_server(folder: Path, version: str) -> str:
     """A PATH folder whose redis-server only prints `version` (too old a server)."""
     folder.mkdir()
@@ -47,7 +41,7 @@ def fake_redis_server(folder: Path, version: str) -> str:
 
 
 def test_without_one_on_path_the_packaged_server_is_chosen_and_is_new_enough() -> None:
-    binary = find_redis_server(path_without_redis())
+    binary = find_redis_server(path_without_redis_server())
     assert binary.server == packaged_redis_server()
     assert binary.origin == PACKAGE and binary.version >= MIN_VERSION
     assert binary.describe() == f"redis-server {binary.version_text} ({PACKAGE})"
@@ -75,7 +69,7 @@ def test_a_durable_server_keeps_what_it_acknowledged_across_a_restart(
     """Acknowledged writes are in the append-only file before the reply is sent (Redis
     writes it before answering), so even a kill -9 of the server loses none of them; only
     the machine's own crash may lose the last second (appendfsync everysec)."""
-    binary = find_redis_server(path_without_redis())
+    binary = find_redis_server(path_without_redis_server())
     server = RedisServerProcess(binary, free_port(), tmp_path / "data")
     with redis.Redis.from_url(server.start()) as conn:
         conn.rpush("queue", *[f"job-{i}" for i in range(100)])

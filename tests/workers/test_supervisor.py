@@ -1,10 +1,5 @@
-"""`llmq serve` as a user runs it: a real API, worker and broker as child processes.
-
-A test tells that none of them outlived it two ways: each run carries a marker in its
-environment, which every process it starts inherits, and its process tree is recorded while
-it runs (redis-server rewrites its environment to set its process title; the children run
-in sessions of their own, so once serve is gone they are no longer its descendants).
-"""
+"""`llmq serve` as a user runs it: a real API, worker and broker as child processes, watched
+by tests/workers/serve_run.py."""
 
 from __future__ import annotations
 
@@ -13,103 +8,17 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from tests.workers.conftest import REPO, llmq_process, signal_then_kill, wait_for
+from tests.workers.conftest import REPO, wait_for
+from tests.workers.serve_run import Serve, free_port
 
 pytestmark = pytest.mark.integration
-
-MARKER = "LLMQ_TEST_SERVE_RUN"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def alive(proc: psutil.Process) -> bool:
-    """Running, and still the process seen before (psutil checks the pid's start time)."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-class Serve:
-    """`python -m llmq serve ARGS` with its output read as it comes, line by line."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.run = uuid.uuid4().hex
-        env = {**(env or os.environ), MARKER: self.run, "PYTHONUNBUFFERED": "1"}
-        env.pop("REDIS_URL", None)  # a broker of its own, as on a fresh machine
-        self.process = llmq_process(
-            "serve", *args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self._readers = [
-            threading.Thread(target=self._read, args=(pipe, lines), daemon=True)
-            for pipe, lines in (
-                (self.process.stdout, self.stdout),
-                (self.process.stderr, self.stderr),
-            )
-        ]
-        for reader in self._readers:
-            reader.start()
-        self.tree: dict[int, psutil.Process] = {}
-        self._watcher = threading.Thread(target=self._watch, daemon=True)
-        self._watcher.start()
-
-    def _watch(self) -> None:
-        """Record every process below serve while it runs."""
-        try:
-            root = psutil.Process(self.process.pid)
-            while self.process.poll() is None:
-                for child in root.children(recursive=True):
-                    self.tree.setdefault(child.pid, child)
-                time.sleep(0.05)
-        except psutil.NoSuchProcess:
-            pass
-
-    def leftovers(self) -> list[psutil.Process]:
-        """Processes this run started that are still alive."""
-        found = {p.pid: p for p in self.tree.values() if alive(p)}
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get(MARKER) == self.run and alive(proc):
-                    found[proc.pid] = proc
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return list(found.values())
-
-    @staticmethod
-    def _read(pipe, lines: list[str]) -> None:
-        with pipe:
-            lines.extend(line.rstrip("\n") for line in pipe)
-
-    def wait(self, timeout: float) -> int:
-        code = self.process.wait(timeout)
-        for reader in self._readers:
-            reader.join(5)
-        return code
-
-    def output(self) -> str:
-        return "\n".join(self.stdout + self.stderr)
-
-    def stop(self) -> None:
-        """After a failed test: Ctrl-C first (serve stops its children), then kill -9."""
-        signal_then_kill(self.process, signal.SIGINT, 40, group=True)
-        for proc in self.leftovers():
-            proc.kill()
 
 
 @pytest.fixture

