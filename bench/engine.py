@@ -21,12 +21,12 @@ there; numpy exits 2). A device this machine cannot use exits 2 at once with one
 llama.cpp stays a CPU run on the CPU (the installed build is a CPU build), labelled so. On
 CUDA each child also reports its peak device memory (`torch.cuda.max_memory_allocated`),
 printed under peak RSS, and the device (`runtime.devices.describe_device`). The GPU
-targets are not judged here: see bench/RESULTS.md "GPU workers" for them and for
+targets are not judged here: see bench/RESULTS.md "GPU" for them and for
 the comparison with the CPU worker (the same script with `--device cpu --backends torch`).
 `--no-llama` skips llama.cpp (where llama-cpp-python is not installed); without it the
 ratios and the kernel layer's targets are not computed.
 
-Targets (bench/RESULTS.md "Kernel layer"), judged on the torch backend's best figures:
+Targets (bench/RESULTS.md "Engine vs llama.cpp"), judged on the torch backend's best figures:
 - SmolLM2-135M: decode >= 1.0x llama.cpp (moonshot 1.5x), prefill >= 3x llama.cpp,
   load <= 0.5 s, peak RSS <= 2x llama.cpp's;
 - Gemma 3 270M: decode >= 0.8x llama.cpp, prefill >= 1.5x llama.cpp.

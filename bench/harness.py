@@ -236,7 +236,8 @@ def run_child(
         if kind == "llama" and proc.returncode == -signal.SIGSEGV:
             hint = (
                 "\nA llama-cpp-python built with GGML_NATIVE=ON enables AMX, which crashes in "
-                "some VMs; rebuild with -DGGML_NATIVE=OFF and AMX off (see bench/RESULTS.md)."
+                "some VMs; rebuild with -DGGML_NATIVE=OFF and AMX off "
+                "(bench/llama_cmake_args.py; bench/log/2026-11-22-numpy-engine.md)."
             )
         raise RuntimeError(
             f"{kind} child exited with {proc.returncode}:\n{proc.stderr[-3000:]}{hint}"

@@ -22,7 +22,7 @@ constrained sequences with N unconstrained ones, two generators stepped in turn.
 `--loras K`: K random rank-8 LoRA adapters (attn_q, attn_v, ffn_up, as the tests write them)
 are loaded, and the last lines compare a decode step of N sequences spread over the K
 adapters (sequence i uses adapter i mod K) with the same N sequences without adapters,
-two generators stepped in turn (bench/RESULTS.md's LoRA target: at most 1.25x at N=32, K=4).
+two generators stepped in turn (bench/RESULTS.md "Engine vs llama.cpp": at most 1.25x at N=32, K=4).
 """
 
 from __future__ import annotations

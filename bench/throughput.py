@@ -17,7 +17,7 @@ worker `LLMQ_DEVICE`; `--torch-forward` runs the in-process engines' tensor path
 (the worker keeps its host path: a worker takes no such flag). The tensor path has one
 backend, torch: numpy there exits 2, as does a device this machine cannot use (one line).
 llama.cpp stays a CPU run on the CPU (a CPU build), labelled so. On CUDA the sequence counts
-default to 1, 32, 64 and 256 (bench/RESULTS.md "GPU workers"), each in-process child reports
+default to 1, 32, 64 and 256 (bench/RESULTS.md "GPU"), each in-process child reports
 its peak device memory (`torch.cuda.max_memory_allocated`) and the decode table shows it.
 
 1. Aggregate decode tokens/s with 1, 4, 16, 32 and 64 concurrent sequences (`--sequences`;
@@ -35,8 +35,8 @@ its peak device memory (`torch.cuda.max_memory_allocated`) and the decode table 
      system (one worker, `--max-batch` 64 or the largest N): chunks that arrive while every
      stream is decoding, over that window (see bench/harness.py `steady_rate`). `--no-api`
      leaves every API figure out (this column, table 2's and table 4's): no system starts.
-   Targets (bench/RESULTS.md "Kernel layer"), judged on the torch backend: ours at 32
-   sequences >= 8x ours at 1, and >= 2.0x llama.cpp at 32. On CUDA ("GPU workers"): ours
+   Targets (bench/RESULTS.md "Engine vs llama.cpp"), judged on the torch backend: ours at
+   32 sequences >= 8x ours at 1, and >= 2.0x llama.cpp at 32. On CUDA ("GPU"): ours
    at 256 >= 20x ours at 1.
 2. Time to first token of a chat whose ~1,000-token system prompt is in the prefix cache
    (a second question after a first request filled it) vs cold (cache cleared), in-process
@@ -117,7 +117,7 @@ from workers.loop_clock import PHASES  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 SEQUENCES = (1, 4, 16, 32, 64)
-CUDA_SEQUENCES = (1, 32, 64, 256)  # the figures bench/RESULTS.md "GPU workers" asks of a GPU
+CUDA_SEQUENCES = (1, 32, 64, 256)  # the figures bench/RESULTS.md "GPU" asks of a GPU
 PROMPT_TOKENS = 32
 DECODE_STEPS = 32
 SYSTEM_PROMPT_TOKENS = 1000
@@ -131,7 +131,7 @@ BACKENDS = ("numpy", "torch")
 DEFAULT_BACKEND = "torch"
 TARGET_BACKEND = "torch"  # the backend the decode targets are judged on
 TARGET_VS_SINGLE, TARGET_VS_LLAMA, TARGET_PREFIX = 8.0, 2.0, 20.0
-# bench/RESULTS.md "GPU workers": a GPU worker's batching
+# bench/RESULTS.md "GPU": a GPU worker's batching
 CUDA_TARGET_N, CUDA_TARGET_VS_SINGLE = 256, 20.0
 
 
