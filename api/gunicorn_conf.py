@@ -64,7 +64,8 @@ def post_worker_init(worker: object) -> None:
 # process (the app, its modules) are frozen out of every collection once loaded, and the
 # young generation is collected after 10,000 allocations instead of 700, so full ones come
 # ~14x less often (a request's garbage is freed by reference counting either way): none
-# in the 60 s of load after it, and the API's p99 265 ms (bench/RESULTS.md).
+# in the 60 s of load after it, and the API's p99 265 ms
+# (bench/log/2026-11-27-seventh-session-zen4-epyc.md).
 GC_YOUNG_THRESHOLD = 10_000
 
 

@@ -28,8 +28,8 @@ DEVICE_ENV = "LLMQ_DEVICE"
 # and leave its heartbeat (every 5 s, TTL 15 s) on time.
 MAX_POLL_INTERVAL = 4.0
 # sequences stepped together, across models: a CPU decode step's weight products cost about
-# the same for 1 and 32 rows, so 32 gives ~5x one stream's tokens/s (bench/RESULTS.md); a
-# GPU's step costs about the same for 1 and 256 rows
+# the same for 1 and 32 rows, so 32 gives ~5x one stream's tokens/s (bench/RESULTS.md
+# "Engine vs llama.cpp"); a GPU's step costs about the same for 1 and 256 rows
 MAX_SEQUENCES_CPU, MAX_SEQUENCES_GPU = 32, 256
 
 

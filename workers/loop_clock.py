@@ -1,8 +1,9 @@
 """Where a worker's loop spends its time, per decode step, published with its heartbeat.
 
 Through the API a GPU worker made 26-33 tokens a second per stream at 1 and at 32 streams
-while the same engine in-process made 435 at one (bench/RESULTS.md, "Through the API"): a
-fixed cost per loop tick that the engine's own benches cannot see. The worker therefore
+while the same engine in-process made 435 at one (bench/RESULTS.md "GPU"; the run:
+bench/log/2026-11-27-gpu-h200-decode-graphs.md): a fixed cost per loop tick that the
+engine's own benches cannot see. The worker therefore
 times each part of its tick (`LoopClock.lap`) and publishes the averages per step over the
 last full window in `WorkerInfo.loop` (/admin/workers), so a run through the API shows
 which part it is. A lap costs one `perf_counter` call.

@@ -139,7 +139,8 @@ def wake(connection: Any, queue: str) -> None:
 
 # A model entry's figures that change as sequences decode (KV memory in use, the prefix
 # cache's counters). Publishing each change cost a 3 ms write ~6 times a second at one stream
-# and every step at 32 (bench/RESULTS.md); they go out at most every POOL_STATS_SECONDS.
+# and every step at 32 (bench/log/2026-11-24-third-session-avx512-epyc.md); they go out at
+# most every POOL_STATS_SECONDS.
 STEP_STATS = ("kv_in_use_mb", "prefix_cache")
 POOL_STATS_SECONDS = 1.0
 

@@ -3,8 +3,9 @@
 torch's OpenMP threads meet at a barrier after every kernel, and a thread waiting there
 spins. With as many threads as cores and one other busy process (the API, Redis, a
 second worker, anyone's busy loop), one of our threads is always descheduled while its
-partner spins for it: a decode step went from ~30 ms to ~1 s (bench/RESULTS.md, "Sharing
-the cores"). One thread fewer than the busy cores leaves nothing to wait for. Spinning
+partner spins for it: a decode step went from ~30 ms to ~1 s ("Threads" in
+bench/log/2026-11-23-kernel-layer-avx2-epyc.md). One thread fewer than the busy cores leaves
+nothing to wait for. Spinning
 is what makes a quiet machine fast, so the wait policy stays; the thread count follows
 the load instead.
 
@@ -13,9 +14,9 @@ busy time in /proc/stat less this process's own (`time.process_time`), in cores.
 of runnable tasks at the moment of sampling misled it: the worker samples just after it
 writes a step's tokens, which is when the API's threads, Redis and the clients wake to
 relay them, so at 32 streams it saw 7-36 tasks "elsewhere" on most samples and ran on one
-thread while they used 0.1 of a core (bench/RESULTS.md). A sample costs ~0.05 ms and is
-taken at most every `SAMPLE_SECONDS`; the count changes only when a whole window of
-samples agrees.
+thread while they used 0.1 of a core (bench/log/2026-11-24-third-session-avx512-epyc.md).
+A sample costs ~0.05 ms and is taken at most every `SAMPLE_SECONDS`; the count changes only
+when a whole window of samples agrees.
 """
 
 from __future__ import annotations

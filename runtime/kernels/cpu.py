@@ -31,13 +31,13 @@ class KernelPlan:
     head_fallback: str = "bf16"
     # the host path's KV pool: "float32", or "float16" (`LLMQ_KV_CACHE`; llama.cpp's cache
     # type): half the memory per token and half the bytes decode attention reads (5% of a
-    # 32-sequence step at 500 tokens of context, bench/RESULTS.md), but SmolLM2's
-    # teacher-forced top-1 against float32 fell from >= 97% to 96.5%, below the bar
-    # tests/runtime/test_golden.py holds the default to
+    # 32-sequence step at 500 tokens of context, bench/log/2026-11-24-avx512-bf16-epyc.md),
+    # but SmolLM2's teacher-forced top-1 against float32 fell from >= 97% to 96.5%, below
+    # the bar tests/runtime/test_golden.py holds the default to
     kv: str = "float32"
     # the kind of a head of more than LARGE_HEAD_ROWS rows, where it is not `head`'s ("":
     # the same rules as any head): on AVX2 "int4+rescore", since fp16 read all of Gemma 3's
-    # 262k-row head, 335 MB, at every decode step (bench/RESULTS.md)
+    # 262k-row head, 335 MB, at every decode step (bench/log/2026-11-24-avx2-epyc.md)
     large_head: str = ""
 
     def describe(self) -> dict[str, str]:

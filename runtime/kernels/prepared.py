@@ -1,8 +1,9 @@
 """Weights the torch backend prepared, kept on disk so that the next load maps them.
 
 Dequantizing GGUF blocks, packing 4-bit layouts and requantizing the LM head took most of a
-load (bench/RESULTS.md "Load"). What they produce depends only on the file's bytes, the
-kernels the backend chose, torch's version and the CPU, so it is saved once per such key
+load (bench/log/2026-11-23-kernel-layer-avx2-epyc.md "Load and memory"). What they produce
+depends only on the file's bytes, the kernels the backend chose, torch's version and the
+CPU, so it is saved once per such key
 under `LLMQ_CACHE_DIR/weights/` and read back with `torch.load(mmap=True)`: a later load, or a
 second worker process, maps the same file pages instead of building its own copy
 (copy-on-write, so nothing written to a tensor reaches the file). The tensors are the very

@@ -95,7 +95,8 @@ def decode_attention(
     as that head's G queries)."""
     if q.device.type == "cuda":
         # heads as heads (enable_gqa), not a KV head's G queries: on an H200 the grouped
-        # form measured 2.51 ms a SmolLM2 step at one row against 2.09 (bench/RESULTS.md)
+        # form measured 2.51 ms a SmolLM2 step at one row against 2.09
+        # (bench/log/2026-11-27-gpu-h200-decode-graphs.md)
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=1.0, enable_gqa=True
         )

@@ -73,8 +73,9 @@ def _host(logits: torch.Tensor) -> np.ndarray:
 
 # Below AVX-512 torch's CPU kernels on the tensor path round a batch's tail rows (7 rows run
 # alone, or as 8 with a padding row) differently: on the AVX2 EPYC the last rows of a padded
-# bucket came out up to 2.1e-6 from the eager pass (bench/RESULTS.md, "The suite beside two
-# busy processes, on this machine"). There the two paths must agree to 1e-5 and in every
+# bucket came out up to 2.1e-6 from the eager pass ("The suite beside two busy processes" in
+# bench/log/2026-11-27-sixth-session-avx2-epyc.md). There the two paths must agree to 1e-5
+# and in every
 # row's greedy token; bitwise on CUDA (what the graphs are for) and on AVX-512 CPUs.
 ROUNDING_BELOW_AVX512 = 1e-5
 

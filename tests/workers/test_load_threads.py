@@ -1,6 +1,7 @@
 """workers/load_threads.py: loads run one after another, each in a thread that is gone
 once its load is (a live thread that ran OpenMP work made the worker's decode 2-3x slower;
-bench/RESULTS.md has the figures), and the pool's loads go through it."""
+bench/log/2026-11-27-sixth-session-avx2-epyc.md has the figures), and the pool's loads go
+through it."""
 
 from __future__ import annotations
 
