@@ -26,6 +26,8 @@ REDIS_SOCKET_TIMEOUT = 2.0  # a stalled Redis turns into a 503 within ~2 s (docs
 # serve submissions and reads; a request waits up to REDIS_POOL_TIMEOUT for one.
 DEFAULT_REDIS_CONNECTIONS = 32
 REDIS_POOL_TIMEOUT = 10.0
+PING_ENV = "LLMQ_SSE_PING_SECONDS"
+DEFAULT_PING_SECONDS = 15.0
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -47,11 +49,24 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             DEFAULT_REDIS_CONNECTIONS,
         ),
         "MAX_CONTENT_LENGTH": MAX_CONTENT_LENGTH,
-        "PING_SECONDS": 15.0,  # SSE `: ping` comment after this long without an event
+        # SSE `: ping` comment after this long without an event (docs/faults.md: <= 15 s)
+        "PING_SECONDS": _seconds(PING_ENV, env.get(PING_ENV), DEFAULT_PING_SECONDS),
         "SSE_RETRY_MS": 2000,
         "SYNC_TIMEOUT_SECONDS": 3600.0,  # a synchronous request waits at most this long
         "LORA_WAIT_SECONDS": 10.0,  # POST /admin/loras waits this long for a worker's load
     }
+
+
+def _seconds(name: str, value: str | None, default: float) -> float:
+    if value is None or not value.strip():
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{name} must be a number of seconds above 0, got {value!r}")
+    return seconds
 
 
 def _csv(value: str) -> tuple[str, ...]:

@@ -18,22 +18,38 @@ def _counts(conn: redis.Redis) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in conn.hgetall(keys.METRIC_REQUESTS).items()}
 
 
-def test_counts_wait_for_their_window_then_go_in_one_flush(real_redis) -> None:
-    counts = RequestCounts(flush_seconds=0.3)
+def _add_some(counts: RequestCounts, conn: redis.Redis, route: str) -> dict[str, int]:
+    """Counts three answers on `route` (one label never chosen by the caller); returns the
+    fields they become."""
     for _ in range(3):
-        counts.add(real_redis, "POST", "/counted/a", 202)
-    counts.add(real_redis, "GET", "/counted/b/<job_id>", 404)
-    counts.add(real_redis, "GET", "/counted c\r\n", 200)  # never a label it did not choose
-    expected = {"POST /counted/a|202": 3, "GET /counted/b/<job_id>|404": 1, "GET other|200": 1}
+        counts.add(conn, "POST", f"/counted/{route}", 202)
+    counts.add(conn, "GET", f"/counted/{route}/<job_id>", 404)
+    counts.add(conn, "GET", f"/counted {route}\r\n", 200)  # never a label it did not choose
+    return {f"POST /counted/{route}|202": 3, f"GET /counted/{route}/<job_id>|404": 1}
+
+
+def test_counts_wait_in_memory_until_their_window_ends(real_redis) -> None:
+    counts = RequestCounts(flush_seconds=3600)  # a window no test outlives
+    expected = _add_some(counts, real_redis, "held")
+    before = _counts(real_redis)
+    assert not set(before) & set(expected)  # nothing sent inside the window
+    counts.flush(real_redis)  # at once, as `/metrics` does for its own process
+    after = _counts(real_redis)
+    assert {k: v for k, v in after.items() if k in expected} == expected
+    assert after["GET other|200"] > before.get("GET other|200", 0)  # the unsafe label's
+    assert not any("\r" in field or "held\n" in field for field in after)
+
+
+def test_the_window_s_timer_sends_them_in_one_flush(real_redis) -> None:
+    counts = RequestCounts(flush_seconds=0.3)
+    expected = _add_some(counts, real_redis, "timed")
 
     def ours() -> dict[str, int]:
         return {k: v for k, v in _counts(real_redis).items() if k in expected}
 
-    assert ours() == {}  # nothing sent before the window ends
-    wait_for(lambda: ours() == expected, 5, "the window's flush")
-    counts.add(real_redis, "POST", "/counted/a", 202)  # a new window
-    counts.flush(real_redis)  # at once, as `/metrics` does for its own process
-    assert _counts(real_redis)["POST /counted/a|202"] == 4
+    wait_for(lambda: ours() == expected, 30, "the window's own flush")
+    counts.add(real_redis, "POST", "/counted/timed", 202)  # a new window, a new timer
+    wait_for(lambda: ours()["POST /counted/timed|202"] == 4, 30, "the next window's flush")
 
 
 def test_a_flush_to_a_dead_redis_drops_its_counts_and_raises_nothing(real_redis) -> None:

@@ -598,24 +598,22 @@ def test_prefix_cache_hits_are_counted(conn, start_worker):
 
 
 def test_a_steps_writes_go_out_beside_the_next_step_and_keep_every_event_in_order(
-    conn, start_worker, monkeypatch
+    conn, start_worker
 ):
     """Each step's write is held until the loop has started the next step (or waits for the
-    write, or has no step left to run): a write counts as beside the next step when that
-    step started first. No lease renewal falls in the test (a renewal waits for the write).
-    The loop claims at every tick here: the claim's round trip is what lets the writer
-    thread take the step before the tiny model's next step holds the GIL, which this test's
-    way of telling "beside" needs (a real step releases the GIL in its kernels)."""
-    from workers import worker as worker_module
-
-    monkeypatch.setattr(worker_module, "CLAIM_WHILE_BUSY_SECONDS", 0.0)
+    write, or has no step left to run): a write counts as beside the next step when a step
+    started after the loop handed the write over. The count of steps at the hand-over is
+    taken in the loop's own thread, so how soon the writer thread runs changes nothing. No
+    lease renewal falls in the test (a renewal waits for the write); the writes the loop
+    waits for are those after a job's end and the last one."""
     worker = start_worker(max_sequences=4, lease_ttl=60, lease_renew=30)
     wait_for(lambda: conn.hexists(keys.MODELS, TINY), what="the model published")
     entered: list[int] = []
+    handed_over = [0]  # steps entered when the loop handed the write in flight over
     collecting = threading.Event()
     beside: list[bool] = []
     real_step, real_execute = worker.running.step, worker.writer._execute
-    real_collect = worker.writer.collect
+    real_collect, real_send = worker.writer.collect, worker.writer.send
 
     def step():
         entered.append(1)
@@ -628,17 +626,22 @@ def test_a_steps_writes_go_out_beside_the_next_step_and_keep_every_event_in_orde
         finally:
             collecting.clear()
 
+    def send(jobs, step_sizes, background=False):
+        if background:
+            handed_over[0] = len(entered)
+        return real_send(jobs, step_sizes, background=background)
+
     def execute(sent):
         if not threading.current_thread().name.startswith("llmq-writer"):
             return real_execute(sent)  # a write the loop waits for
-        seen = len(entered)
+        seen = handed_over[0]
         while len(entered) == seen and worker.running.has_work() and not collecting.is_set():
             time.sleep(0.001)
         beside.append(len(entered) > seen)
         return real_execute(sent)
 
     worker.running.step, worker.writer._execute = step, execute
-    worker.writer.collect = collect
+    worker.writer.collect, worker.writer.send = collect, send
     ids = [
         submit(conn, COMPLETIONS, {**GREEDY, "prompt": f"side {i}", "max_tokens": 16})
         for i in range(3)
