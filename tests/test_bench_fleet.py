@@ -1,6 +1,7 @@
 """bench/fleet.py and bench/redis_cost.py run against real Redis and measure what they say:
-the simulator's tokens reach its clients through a real API, every one, with its lag; the
-writer's cost is one script call a step."""
+the simulator's tokens reach its clients through a real API, every one, with its lag, on a
+redis-server it starts (named in its output) or the one it is given; the writer's cost is
+one script call a step."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import redis
 
 from bench import fleet, redis_cost
 from workers import keys, scripts
+from workers.redis_server import find_redis_server
 
 pytestmark = pytest.mark.integration
 
@@ -36,11 +38,12 @@ def test_the_writer_bench_sends_one_script_call_a_step_for_every_job(conn):
     assert int(stats["xadd"]["calls"]) == 20 + 5  # every token, then each job's end
 
 
-def test_the_fleet_simulation_delivers_every_token_through_the_api(conn, capsys):
+def test_the_fleet_simulation_delivers_every_token_through_the_api(capsys):
     argv = ["--workers", "2", "--streams", "4", "--rate", "50", "--tokens", "6"]
-    result = fleet.main([*argv, "--seconds", "1", "--redis-url", REDIS_URL])
+    result = fleet.main([*argv, "--seconds", "1"])  # on a redis-server of its own
     out = capsys.readouterr().out
     assert "SIMULATION, no engine" in out
+    assert f"broker: {find_redis_server().describe()} at redis://127.0.0.1:" in out
     streams = result["streams"]
     assert streams.failures == {} and result["worker_errors"] == {}
     assert streams.completed == streams.streams >= 4
@@ -59,6 +62,7 @@ def test_the_fleet_simulation_delivers_every_token_through_an_events_cluster(
         result = fleet.main([*argv, "--seconds", "1", "--redis-url", REDIS_URL])
     out = capsys.readouterr().out
     assert "token events on a Redis Cluster of 3 primaries" in out
+    assert "(--redis-url) at redis://127.0.0.1:" in out  # the broker it was given, named
     streams = result["streams"]
     assert streams.failures == {} and result["worker_errors"] == {}
     assert streams.completed == streams.streams >= 4
