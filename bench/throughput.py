@@ -63,7 +63,10 @@ its peak device memory (`torch.cuda.max_memory_allocated`) and the decode table 
 Every in-process measurement runs in a fresh child process; ours and llama.cpp alternate,
 and the repetitions are interleaved so a noisy spell hits both. Speed figures are the best
 of the repetitions (median beside it). When OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are set,
-our engine (in-process and the system's worker) also runs with both removed.
+our engine (in-process and the system's worker) also runs with both removed. The system's
+broker is a real redis-server (the one on PATH, else the one installed with llmq), named in
+the setup line; `--redis-url` names another Redis, and `--fake-broker` runs on fakeredis's
+Python server, which every table's title then says.
 """
 
 from __future__ import annotations
