@@ -215,16 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.kernels.torch_backend import TorchBackend
 
     TorchBackend()  # torch's threads as the engine sets them
-    print("\n".join(header("llmq: same request, same answer", meta(sys.argv))))
-    print(f"cpu: {cpu_features().level}, {cpu_features().cores} cores\n")
-    print("\n".join(kernel_table([(576, 960), (1536, 576), (2048, 640)])))
+    lines = [f"cpu: {cpu_features().level}, {cpu_features().cores} cores", ""]
+    lines += kernel_table([(576, 960), (1536, 576), (2048, 640)])
     if args.engine:
-        print()
-        print(
-            "\n".join(
-                engine_table(args.model, min(args.prompts, len(PROMPTS)), args.tokens, args.plan)
-            )
-        )
+        prompts = min(args.prompts, len(PROMPTS))
+        lines += ["", *engine_table(args.model, prompts, args.tokens, args.plan)]
+    print("\n".join([*header("llmq: same request, same answer", meta(sys.argv)), *lines]))
     return 0
 
 
