@@ -14,6 +14,10 @@ B block-structured, so one adapter costs two small products per weight.
 
 In a step, `RowAdapters` knows which rows use which adapters at what scale; `apply` adds
 `(x[rows] @ A.T * scale) @ B.T` to those rows of the base product, which runs once for all.
+On the host each row's delta is summed in one fixed order whatever shares its batch
+(runtime/kernels/dense_rows.c; numpy's BLAS blocks its sums by how many rows it is given),
+and a row's adapters are added in key order, so a request's logits do not depend on its
+batch (CONTRACT "Same request, same answer").
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from runtime.errors import AdapterError, ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, Embedding, TensorPart, Weight
+from runtime.kernels.native import dense_rows
 
 LORA_A, LORA_B = ".lora_a", ".lora_b"
 UNSUPPORTED_TENSORS = ("token_embd.weight", "output.weight")
@@ -123,6 +128,14 @@ class LoraDelta:
     a: np.ndarray
     b: np.ndarray
     on_device: dict[Any, tuple[Any, Any]] = field(default_factory=dict)  # device -> (A, B)
+    _bt: np.ndarray | None = None
+
+    @property
+    def bt(self) -> np.ndarray:
+        """B transposed `[R, out]`, C-contiguous: dense_rows.c's form, made once."""
+        if self._bt is None:
+            self._bt = np.ascontiguousarray(self.b.T)
+        return self._bt
 
     def tensors(self, device: Any) -> tuple[Any, Any]:
         """`(A, B)` as float32 tensors on `device`, uploaded once (the tensor forward pass)."""
@@ -323,22 +336,49 @@ class RowAdapters:
         """`out` = weight(x) with each adapter's delta added to its rows (in place; device
         tensors left in bf16 are widened to float32 first)."""
         key = id(weight)
-        on_host = isinstance(x, np.ndarray)
-        if not on_host:  # a GPU's products and their inputs may be bf16: add in float32
-            x, out = x.float(), out.float()
+        if isinstance(x, np.ndarray):
+            return self._apply_on_host(key, x, out)
+        x, out = x.float(), out.float()  # a GPU's products and inputs may be bf16: add in float32
         for adapter, rows, scales in self.groups:
             delta = adapter.deltas.get(key)
             if delta is None:
                 continue
-            if on_host:
-                a, b, where, row_scales = delta.a, delta.b, rows, scales
-            else:  # device tensors: the delta's and the rows' copies on x's device
-                a, b = delta.tensors(x.device)
-                where, row_scales = self._on_device(rows, scales, x.device)
+            a, b = delta.tensors(x.device)  # the delta's and the rows' copies on x's device
+            where, row_scales = self._on_device(rows, scales, x.device)
             low = x[where] @ a.T  # [n, in] -> [n, R]
             low *= row_scales
             out[where] += low @ b.T  # [n, R] -> [n, out]
         return out
+
+    def _apply_on_host(self, key: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Each row's deltas summed alone in a fixed order (dense_rows.c; without a compiler
+        numpy one row at a time, whose products then have one shape whatever the batch)."""
+        kernel = dense_rows()
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.ascontiguousarray(out, np.float32)
+        for adapter, rows, scales in self.groups:
+            delta = adapter.deltas.get(key)
+            if delta is None:
+                continue
+            index = self._index(rows)
+            if kernel is not None:
+                kernel.lora(x, index, scales, delta.a, delta.bt, out)
+                continue
+            for row, scale in zip(index, scales[:, 0], strict=True):
+                low = x[row] @ delta.a.T  # [in] -> [R]
+                low *= scale
+                out[row] += low @ delta.bt  # [R] -> [out]
+        return out
+
+    def _index(self, rows: slice | np.ndarray) -> np.ndarray:
+        """A group's rows as an int64 array, made once per forward pass."""
+        if isinstance(rows, slice):
+            cached = self._uploaded.get((id(rows), "index"))
+            if cached is None:
+                cached = (np.arange(rows.start, rows.stop, dtype=np.int64), None)
+                self._uploaded[(id(rows), "index")] = cached
+            return cached[0]
+        return rows
 
     def _on_device(self, rows: slice | np.ndarray, scales: np.ndarray, device: Any):
         """Row index and scales as tensors on `device`, uploaded once per forward pass."""

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, replace
 
 from runtime.kernels.cpu_features import CpuFeatures, cpu_features
-from runtime.kernels.native import lowbit_builds
+from runtime.kernels.native import dense_rows, int8_rows, lowbit_builds
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,12 @@ class KernelPlan:
     # GGUF Q4_0 / Q4_1 / Q4_K; "int4" also takes Q5_0 / Q5_1 where lowbit_rows.c builds
     # (runtime/kernels/torch_backend.py `LowBitWeight`)
     four_bit: str
-    other: str  # Q5_* (where not int4's), Q6_K, Q8_0, F16, BF16, F32 weights
-    head: str  # the LM head (and Gemma's tied 262k-row embedding)
+    # Q5_* (where not int4's), Q6_K and Q8_0 (where not `eight_bit`'s), F16, BF16, F32
+    # weights: "bf16", "fp16" (fbgemm) or "fp16-rows" (dense_rows.c)
+    other: str
+    # the LM head (and Gemma's tied 262k-row embedding): "int8" (per row), a dense kind, or
+    # "file": multiplied as a layer weight of its type would be (Q8_0 from its codes)
+    head: str
     threads: int
     # the head's kind where int8 per row is not accurate enough: "bf16", "fp16" or
     # "int4+rescore" (torch_backend.RescoredHead)
@@ -39,10 +43,14 @@ class KernelPlan:
     # the same rules as any head): on AVX2 "int4+rescore", since fp16 read all of Gemma 3's
     # 262k-row head, 335 MB, at every decode step (bench/log/2026-11-24-avx2-epyc.md)
     large_head: str = ""
+    # Q8_0 and Q6_K: "int8-blocks" (the file's codes through int8_rows.c, torch_backend.py
+    # `Int8BlockWeight`), or "" for `other`'s kind
+    eight_bit: str = ""
 
     def describe(self) -> dict[str, str]:
         described = {
             "4-bit weights": self.four_bit,
+            **({"8-bit weights": self.eight_bit} if self.eight_bit else {}),
             "other weights": self.other,
             "lm head": f"{self.head} (else {self.head_fallback})",
             "kv cache": self.kv,
@@ -57,72 +65,77 @@ LARGE_HEAD_ROWS = 100_000  # SmolLM2's head has 49,152 rows, Gemma 3's 262,144
 
 
 def plan_for(features: CpuFeatures) -> KernelPlan:
-    """The kernels for this CPU (bench/RESULTS.md has the measurements behind them).
+    """The kernels for this CPU: `row_invariant_plan`'s on every kind (bench/RESULTS.md has
+    the measurements behind them). Before, the AVX2 plan took fbgemm's fp16 for the head and
+    the 8-bit weights, whose rows moved with their batch: a LoRA request answered
+    differently alone and in a batch there.
 
     - AVX-512: GGUF's 4- and 5-bit types as "int4": runtime/kernels/lowbit_rows.c (all
       210 SmolLM2 layer products 2.0 ms at 1 row and 24 ms at 32, where torch's int4 took
-      4.5 / 44 and float32 BLAS 21.7 / 58.9), else torch's int4; the other types bf16
-      with AMX, else fbgemm's fp16, whose rows do not depend on their batch there
-      (`row_invariant_plan`); a head int8 cannot hold, an int4 ranking plus rescoring.
-    - AVX2 only: torch's int4 and int8 kernels convert every weight for every row, so at 32
-      rows they took 144 ms where float32 BLAS took 78; fbgemm's fp16 gemm (weights
-      converted in registers) took 55 ms and 17.9 ms at 1 row (int4: 14.1). Whole decode
-      steps of SmolLM2: fp16 44 / 230 tok/s at 1 / 32 sequences, int4 45 / 133. So fp16,
-      except for GGUF's 4- and 5-bit weights where runtime/kernels/lowbit_rows.c builds:
-      its AVX2 build (vpmaddubsw) took 2.8 / 44 ms for the same products, measured on the
-      AVX-512 EPYC with AVX-512 turned off at compile time (bench/RESULTS.md), and it
-      reads a third of fp16's bytes.
-    - The LM head int8 per row wherever its rows allow it (torch_backend.MAX_INT8_ROW_ERROR),
-      else the plan's dense kind: int8 per row cost Gemma 3 (rows with outliers) 1-2 points
-      of teacher-forced top-1. On AVX2 fp16 instead: torch's int8 kernel took 4.5 / 44.5 ms
-      for SmolLM2's head at 1 / 32 rows, where fbgemm's fp16 reads twice the bytes faster.
-      A head of more than LARGE_HEAD_ROWS rows ranks with lowbit_rows.c's int4 and rescores
-      its best rows from the file (torch_backend.RescoredHead): on the AVX2 EPYC SmolLM2's
-      head ranked in 0.55 ms at 1 row where fp16 took 2.2, but its rescoring costs ~0.7 ms
-      a query row, so at 32 rows it took 37 ms to fp16's 19; a head five times larger
-      gains the ranking's saving five times over.
+      4.5 / 44 and float32 BLAS 21.7 / 58.9), else torch's int4; the other types
+      fbgemm's fp16, whose rows do not depend on their batch there (AMX's bf16 did, from
+      64 rows); a head int8 cannot hold, an int4 ranking plus rescoring.
+    - AVX2 only: torch's int4 and int8 kernels convert every weight for every row (at 32
+      rows 144 ms where float32 BLAS took 78), so every weight goes to the engine's own
+      kernels: the 4- and 5-bit types to lowbit_rows.c's AVX2 build (vpmaddubsw; 2.8 / 44
+      ms for those products, measured on the AVX-512 EPYC with AVX-512 turned off at
+      compile time), Q8_0 and Q6_K as the file's codes to int8_rows.c (llama.cpp's AVX2
+      Q8_0 x Q8_0 dot: half fp16's bytes), the head as its file type says, and what the
+      file holds as F16/BF16/F32 to dense_rows.c's fp16. A head of more than
+      LARGE_HEAD_ROWS rows ranks with lowbit_rows.c's int4 and rescores its best rows from
+      the file (torch_backend.RescoredHead): SmolLM2's head ranked in 0.55 ms at 1 row
+      where fp16 took 2.2, but its rescoring costs ~0.7 ms a query row; a head five times
+      larger gains the ranking's saving five times over.
+    - The LM head int8 per row on AVX-512 wherever its rows allow it
+      (torch_backend.MAX_INT8_ROW_ERROR), else the plan's fallback: int8 per row cost
+      Gemma 3 (rows with outliers) 1-2 points of teacher-forced top-1.
     """
-    if features.level in ("amx", "avx512_bf16", "avx512"):
-        return row_invariant_plan(features)
-    if lowbit_builds():
-        return replace(fp16_plan(features.cores), four_bit="int4", large_head="int4+rescore")
-    return fp16_plan(features.cores)
+    return row_invariant_plan(features)
 
 
-KERNELS_ENV = "LLMQ_KERNELS"  # "cpu" (default), "row-invariant" or "fp16"
+KERNELS_ENV = "LLMQ_KERNELS"  # "row-invariant" (default; "cpu" names it too) or "fp16"
 KV_CACHE_ENV = "LLMQ_KV_CACHE"  # "float32" (default) or "float16"
 KV_CACHE_TYPES = ("float32", "float16")
-PLAN_NAMES = ("cpu", "row-invariant", "fp16")
+PLAN_NAMES = ("row-invariant", "cpu", "fp16")
 
 
 def row_invariant_plan(features: CpuFeatures) -> KernelPlan:
     """Only kernels whose result for a row does not depend on how many rows they are given
     (bench/invariance.py checks them on this CPU), so with runtime/kernels/paged_attention.c
-    a sequence's logits are bitwise the same alone, batched, cached or resumed: torch's int4
-    and int8 per row everywhere; bf16 for the other weights with AMX and on AVX2. On the
-    other AVX-512 CPUs oneDNN's bf16 product sums a row of a long one (K >= 1536: Gemma 3's
-    Q6_K ffn_down, measured on an AVX512-BF16 EPYC) differently from 16 rows on, where
-    fbgemm's fp16 was row-invariant at every shape tried: fp16 there. A head that int8 per
-    row cannot hold ranks with an int4 copy and rescores its best rows from the file
-    (torch_backend.RescoredHead), else bf16: invariant at heads' widths (K = 576, 640),
-    where fbgemm's packing of a 262k-row head took 2.6 s of every load. The AVX-512 plans
-    are this; on AVX2 it trades batched speed for that (bench/RESULTS.md "Same request,
-    same answer")."""
-    dense = "fp16" if features.level in ("avx512_bf16", "avx512") else "bf16"
-    return KernelPlan("int4", dense, "int8", features.cores, head_fallback="int4+rescore")
+    and LoRA deltas in a fixed order (runtime/lora.py) a sequence's logits are bitwise the
+    same alone, batched, cached or resumed. AVX-512: lowbit_rows.c (else torch's int4) and
+    int8 per row; fbgemm's fp16 for the other weights, row-invariant at every shape tried
+    there, where oneDNN's bf16 product sums a row of a long one differently from some batch
+    on (K >= 1536 from 16 rows on an AVX512-BF16 EPYC; with AMX, on an Emerald Rapids Xeon,
+    K = 512 from 64 rows: tests/runtime/test_row_invariance.py). A head that int8 per row
+    cannot hold ranks with an int4 copy and rescores its best rows from the file
+    (torch_backend.RescoredHead). AVX2: the engine's C kernels for every weight
+    (`plan_for`); where they cannot be built, torch's int4, int8 and bf16, row-invariant
+    but slow there."""
+    if features.level in ("amx", "avx512_bf16", "avx512"):
+        return KernelPlan("int4", "fp16", "int8", features.cores, head_fallback="int4+rescore")
+    if lowbit_builds() and dense_rows() is not None and int8_rows() is not None:
+        return KernelPlan(
+            "int4",
+            "fp16-rows",
+            "file",
+            features.cores,
+            head_fallback="fp16-rows",
+            large_head="int4+rescore",
+            eight_bit="int8-blocks",
+        )
+    return KernelPlan("int4", "bf16", "int8", features.cores, head_fallback="int4+rescore")
 
 
 def default_plan() -> KernelPlan:
     """The plan `LLMQ_KERNELS` names, else this CPU's (`plan_for`), with the KV cache type
     `LLMQ_KV_CACHE` names."""
-    name = os.environ.get(KERNELS_ENV) or "cpu"
+    name = os.environ.get(KERNELS_ENV) or "row-invariant"
     kv = os.environ.get(KV_CACHE_ENV) or "float32"
     if kv not in KV_CACHE_TYPES:
         raise ValueError(f"{KV_CACHE_ENV} must be one of {', '.join(KV_CACHE_TYPES)}, got {kv!r}")
     features = cpu_features()
-    if name == "cpu":
-        plan = plan_for(features)
-    elif name == "row-invariant":
+    if name in ("row-invariant", "cpu"):  # the CPU's plan is the row-invariant one
         plan = row_invariant_plan(features)
     elif name == "fp16":
         plan = fp16_plan(features.cores)

@@ -18,6 +18,8 @@ GROUP_SIZE = 32  # weights per (scale, min) pair in every 4-bit type below
 Q = gguf.GGMLQuantizationType
 FOUR_BIT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 FIVE_BIT_TYPES = frozenset({Q.Q5_0, Q.Q5_1})
+# read as signed 8-bit codes with a float32 scale per 32 (Q8_0) or per 16 (Q6_K) weights
+EIGHT_BIT_TYPES = frozenset({Q.Q8_0, Q.Q6_K})
 
 
 @dataclass
@@ -120,3 +122,67 @@ def quantize_groups(rows: np.ndarray) -> GroupQuantized:
     scales = np.maximum((high - low) / 15, np.float32(1e-12)).astype(np.float32)
     codes = np.rint((groups - low[..., None]) / scales[..., None]).clip(0, 15)
     return GroupQuantized(codes.astype(np.uint8).reshape(n, k), scales, low.astype(np.float32))
+
+
+@dataclass
+class BlockCodes:
+    """Rows of `code * scale`: codes `[N, K]` int8, scales `[N, K/32]` (one a block of 32)
+    or `[N, K/16]` (one a half block) float32; what runtime/kernels/int8_rows.c multiplies."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.codes.shape
+        step = k // self.scales.shape[1]
+        grouped = self.codes.reshape(n, -1, step).astype(np.float32)
+        return (grouped * self.scales[..., None]).reshape(n, k)
+
+    def take_rows(self, order: np.ndarray) -> BlockCodes:
+        return BlockCodes(self.codes[order], self.scales[order])
+
+    def scaled(self, factor: float) -> BlockCodes:
+        return BlockCodes(self.codes, self.scales * np.float32(factor))
+
+    @staticmethod
+    def concat(parts: list[BlockCodes]) -> BlockCodes:
+        """Parts stacked by rows, each with a scale per 16 where any part has one."""
+        per_16 = max(p.scales.shape[1] * 32 // p.shape[1] for p in parts) == 2
+        scales = [
+            np.repeat(p.scales, 2, axis=1)
+            if per_16 and p.scales.shape[1] * 32 == p.shape[1]
+            else p.scales
+            for p in parts
+        ]
+        return BlockCodes(np.concatenate([p.codes for p in parts]), np.concatenate(scales))
+
+
+def read_eight_bit(blocks: np.ndarray, qtype: Q, shape: tuple[int, int]) -> BlockCodes:
+    """Q8_0 (a float16 scale, then 32 int8 codes) or Q6_K (super-blocks of 256: 6-bit codes
+    in low nibbles and high bit pairs, an int8 scale per 16, a float16 factor) as signed
+    codes and float32 scales, exactly the file's values (Q6_K's code minus 32)."""
+    n, k = shape
+    if qtype == Q.Q8_0:
+        raw = np.asarray(blocks, np.uint8).reshape(n, k // GROUP_SIZE, 34)
+        scales = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        return BlockCodes(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k), scales)
+    if qtype == Q.Q6_K:
+        return _read_q6_k(np.asarray(blocks, np.uint8).reshape(n, k // 256, 210), n, k)
+    raise ValueError(f"{qtype.name} is not an 8-bit block type")
+
+
+def _read_q6_k(raw: np.ndarray, n: int, k: int) -> BlockCodes:
+    """Each half of 128 weights: 64 bytes of nibbles (weights l, l+32 low; l+64, l+96 high),
+    32 of bit pairs (weight l + 32j's at bits 2j), as llama.cpp's dequantize_row_q6_K."""
+    ql = raw[..., :128].reshape(n, -1, 2, 2, 32)  # [N, S, half, 2, 32]
+    qh = raw[..., 128:192].reshape(n, -1, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=3)  # [N, S, half, 4, 32]: q1, q2, q3, q4
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)
+    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    sub = raw[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, S, 16]
+    d = raw[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    return BlockCodes(codes.reshape(n, k), (d[..., None] * sub).reshape(n, k // 16))

@@ -23,6 +23,14 @@
  * scales [n] float32
  * work   rows * (2 * k + 4 * k / 32) bytes of scratch (the quantized rows)
  * out    [rows, n] float32
+ *
+ * `llmq_int8_blocks` multiplies a file's own 8-bit codes with a float32 scale per block of
+ * 32 (GGUF Q8_0) or per half block of 16 (Q6_K's codes minus 32, each sub-block's scale
+ * times the super-block's), as llama.cpp's AVX2 Q8_0 x Q8_0 dot does: the same exact
+ * block dots, whose lanes 0-3 hold columns 0-15 of the block and lanes 4-7 columns 16-31,
+ * each lane times its half's weight scale and the row's block scale in one float32 fma,
+ * in block order; no row scale. A code of -128 (never written by llama.cpp's quantizers)
+ * would be read as +128 against negative activations, as llama.cpp's own sign trick does.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -50,10 +58,14 @@ static inline __m256i block_dot(__m256i x_abs, __m256i signed_w) {
 #endif
 }
 
-/* row x -> int8 codes q, their magnitudes |q|, and one scale per block of 32 */
-static void quantize_row(const float *x, int64_t k, int8_t *q, uint8_t *q_abs, float *block_scale) {
+/* row x (times input_scale [k] first, if given) -> int8 codes q, their magnitudes |q|, and
+ * one scale per block of 32 */
+static void quantize_row(const float *x, const float *input_scale, int64_t k, int8_t *q, uint8_t *q_abs,
+                         float *block_scale) {
     for (int64_t b = 0; b < k / BLOCK; b++) {
-        const float *v = x + b * BLOCK;
+        float v[BLOCK];
+        for (int i = 0; i < BLOCK; i++)
+            v[i] = input_scale ? x[b * BLOCK + i] * input_scale[b * BLOCK + i] : x[b * BLOCK + i];
         float peak = 0.0f;
         for (int i = 0; i < BLOCK; i++) peak = fabsf(v[i]) > peak ? fabsf(v[i]) : peak;
         const float scale = peak / 127.0f, inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
@@ -78,12 +90,24 @@ typedef struct {
     const float *scale;   /* [rows, k / BLOCK] */
 } quantized_rows;
 
+/* a weight's scales per block (llmq_int8_blocks): `per_block` (1 or 2) float32 per 32 */
+typedef struct {
+    const float *scale; /* [n, k / BLOCK * per_block], or NULL: one scale per row */
+    int64_t per_block;
+} block_scales;
+
+/* lanes 0-3 times the block's first half's weight scale, 4-7 its second's, all times xs */
+static inline __m256 both_scales(block_scales w, int64_t row, int64_t blocks, int64_t b, __m256 xs) {
+    const float *s = w.scale + (row * blocks + b) * w.per_block;
+    return _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(s[w.per_block - 1]), _mm_set1_ps(s[0])), xs);
+}
+
 /* `mt` activation rows times `nt` weight rows; always inlined with constant tile sizes, so
  * the accumulators stay in registers */
 static inline __attribute__((always_inline)) void tile(quantized_rows x, int64_t k,
                                                         const int8_t *codes, const float *scales,
-                                                        int64_t n, int64_t m0, int mt,
-                                                        int64_t n0, int nt, float *out) {
+                                                        block_scales ws, int64_t n, int64_t m0,
+                                                        int mt, int64_t n0, int nt, float *out) {
     __m256 acc[ROW_TILE][WEIGHT_TILE];
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < nt; j++) acc[i][j] = _mm256_setzero_ps();
@@ -101,46 +125,67 @@ static inline __attribute__((always_inline)) void tile(quantized_rows x, int64_t
             const __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (n0 + j) * k + b * BLOCK));
             for (int i = 0; i < mt; i++) {
                 const __m256i dot = block_dot(xa[i], _mm256_sign_epi8(w, xq[i]));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs[i], acc[i][j]);
+                const __m256 scale = ws.scale ? both_scales(ws, n0 + j, blocks, b, xs[i]) : xs[i];
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][j]);
             }
         }
     }
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < nt; j++) out[(m0 + i) * n + n0 + j] = finish(acc[i][j], scales[n0 + j]);
+        for (int j = 0; j < nt; j++)
+            out[(m0 + i) * n + n0 + j] = finish(acc[i][j], ws.scale ? 1.0f : scales[n0 + j]);
 }
 
 static void weight_rows(quantized_rows x, int64_t rows, int64_t k, const int8_t *codes,
-                        const float *scales, int64_t n, int64_t first, int64_t end, float *out) {
+                        const float *scales, block_scales ws, int64_t n, int64_t first, int64_t end,
+                        float *out) {
     int64_t n0 = first;
     for (; n0 + WEIGHT_TILE <= end; n0 += WEIGHT_TILE) {
         int64_t m0 = 0;
         for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE)
-            tile(x, k, codes, scales, n, m0, ROW_TILE, n0, WEIGHT_TILE, out);
-        for (; m0 < rows; m0++) tile(x, k, codes, scales, n, m0, 1, n0, WEIGHT_TILE, out);
+            tile(x, k, codes, scales, ws, n, m0, ROW_TILE, n0, WEIGHT_TILE, out);
+        for (; m0 < rows; m0++) tile(x, k, codes, scales, ws, n, m0, 1, n0, WEIGHT_TILE, out);
     }
     for (; n0 < end; n0++) {
         int64_t m0 = 0;
         for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE)
-            tile(x, k, codes, scales, n, m0, ROW_TILE, n0, 1, out);
-        for (; m0 < rows; m0++) tile(x, k, codes, scales, n, m0, 1, n0, 1, out);
+            tile(x, k, codes, scales, ws, n, m0, ROW_TILE, n0, 1, out);
+        for (; m0 < rows; m0++) tile(x, k, codes, scales, ws, n, m0, 1, n0, 1, out);
     }
 }
 
-/* 0 on success, 1 where k is not a multiple of BLOCK (nothing is written) */
-int llmq_int8_rows(const float *x, int64_t rows, int64_t k, const int8_t *codes,
-                   const float *scales, int64_t n, int threads, void *work, float *out) {
+static int product(const float *x, const float *input_scale, int64_t rows, int64_t k, const int8_t *codes,
+                   const float *scales, block_scales ws, int64_t n, int threads, void *work, float *out) {
     if (k % BLOCK != 0) return 1;
     int8_t *q = (int8_t *)work;
     uint8_t *q_abs = (uint8_t *)(q + rows * k);
     float *block_scale = (float *)(q_abs + rows * k);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
     for (int64_t m = 0; m < rows; m++)
-        quantize_row(x + m * k, k, q + m * k, q_abs + m * k, block_scale + m * (k / BLOCK));
+        quantize_row(x + m * k, input_scale, k, q + m * k, q_abs + m * k, block_scale + m * (k / BLOCK));
     const quantized_rows quantized = {q, q_abs, block_scale};
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t first = c * CHUNK, end = first + CHUNK < n ? first + CHUNK : n;
-        weight_rows(quantized, rows, k, codes, scales, n, first, end, out);
+        weight_rows(quantized, rows, k, codes, scales, ws, n, first, end, out);
     }
     return 0;
+}
+
+/* 0 on success, 1 where k is not a multiple of BLOCK (nothing is written) */
+int llmq_int8_rows(const float *x, int64_t rows, int64_t k, const int8_t *codes,
+                   const float *scales, int64_t n, int threads, void *work, float *out) {
+    const block_scales none = {NULL, 1};
+    return product(x, NULL, rows, k, codes, scales, none, n, threads, work, out);
+}
+
+/* the same over a file's own codes: `weight_scales` [n, k / 32 * per_block] float32
+ * (per_block 1: Q8_0's scale per 32; 2: a scale per 16), x times `input_scale` [k] (or
+ * NULL) before it is rounded; 2 where per_block is neither */
+int llmq_int8_blocks(const float *x, const float *input_scale, int64_t rows, int64_t k,
+                     const int8_t *codes, const float *weight_scales, int64_t per_block, int64_t n,
+                     int threads, void *work, float *out) {
+    if (per_block != 1 && per_block != 2) return 2;
+    const block_scales ws = {weight_scales, per_block};
+    return product(x, input_scale, rows, k, codes, NULL, ws, n, threads, work, out);
 }

@@ -9,6 +9,8 @@ with ctypes.
 - `lowbit_rows.c` is the product with GGUF's 4- and 5-bit weights (`LowBitWeight` there),
   over activations rounded the same way, as llama.cpp multiplies Q4_1 by Q8_1;
   `pack_lowbit` lays the weights out for it.
+- `dense_rows.c` multiplies fp16 weights (`Fp16RowsWeight`) and adds LoRA deltas
+  (runtime/lora.py) in one fixed order per row, where BLAS and fbgemm block by batch.
 
 Each is compiled the first time a process asks for it, into `LLMQ_CACHE_DIR` (default
 `~/.cache/llmq`) under a name that hashes the source, the flags and this CPU's feature
@@ -19,7 +21,8 @@ runtime/kernels/core_share.py gives torch, and on one where no torch backend sha
 cores (the numpy backend's OpenBLAS threads spin after each product: two spinning teams on
 two cores slowed a test 12x).
 
-Where no compiler works, `paged_attention()`, `int8_rows()` and `lowbit_rows()` are None and
+Where no compiler works, `paged_attention()`, `int8_rows()`, `lowbit_rows()` and
+`dense_rows()` are None and
 their callers keep their numpy or torch path; the reason is logged once.
 """
 
@@ -39,7 +42,7 @@ import numpy as np
 
 from runtime.cache_dir import cache_dir, source_digest, write_atomically
 from runtime.kernels.core_share import threads
-from runtime.kernels.cpu_features import cpu_features
+from runtime.kernels.cpu_features import build_flags, cpu_features
 from runtime.kernels.gguf_blocks import GroupQuantized
 
 log = logging.getLogger("llmq.kernels")
@@ -47,6 +50,7 @@ log = logging.getLogger("llmq.kernels")
 ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.c")
 INT8_ROWS_SOURCE = Path(__file__).with_name("int8_rows.c")
 LOWBIT_ROWS_SOURCE = Path(__file__).with_name("lowbit_rows.c")
+DENSE_ROWS_SOURCE = Path(__file__).with_name("dense_rows.c")
 # no -ffast-math: the order of every sum is the source's, on every row
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-shared", "-fPIC")
 FLAGS += ("-fno-math-errno",)
@@ -74,7 +78,7 @@ KV_BUILDS = {np.dtype(np.float32): (), np.dtype(np.float16): ("-DKV_HALF",)}
 
 
 def _library_path(source: Path, defines: tuple[str, ...]) -> Path:
-    what = [source_digest(source), *FLAGS, *defines, *sorted(cpu_features().flags)]
+    what = [source_digest(source), *FLAGS, *build_flags(), *defines, *sorted(cpu_features().flags)]
     key = hashlib.sha256(" ".join(what).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"
 
@@ -86,7 +90,7 @@ def _compile(source: Path, target: Path, defines: tuple[str, ...]) -> None:
 
     def build(partial: Path) -> None:
         subprocess.run(
-            [compiler, *FLAGS, *defines, "-o", str(partial), str(source), "-lm"],
+            [compiler, *FLAGS, *build_flags(), *defines, "-o", str(partial), str(source), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -216,10 +220,61 @@ class Int8Rows:
         self._fn = lib.llmq_int8_rows
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int, _ptr, _ptr]
+        self._blocks = lib.llmq_int8_blocks
+        self._blocks.restype = ctypes.c_int
+        self._blocks.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_int]
+        self._blocks.argtypes += [_ptr, _ptr]
 
     @staticmethod
     def accepts(in_features: int) -> bool:
         return in_features % INT8_BLOCK == 0
+
+    def blocks(
+        self,
+        x: np.ndarray,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        input_scale: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """x `[T, K]` float32 (times `input_scale` `[K]` first) times a file's own codes `[N, K]`
+        int8 with float32 `scales` `[N, K / 32]` (Q8_0) or `[N, K / 16]` (Q6_K) -> `[T, N]`."""
+        x = np.ascontiguousarray(x, np.float32)
+        rows, k = x.shape
+        n = codes.shape[0]
+        if codes.dtype != np.int8 or not codes.flags.c_contiguous or codes.shape[1] != k:
+            raise ValueError(f"codes must be C-contiguous int8 [N, {k}]")
+        if not self.accepts(k):
+            raise ValueError(f"K = {k} is not a multiple of {INT8_BLOCK}")
+        per_block = scales.shape[1] * INT8_BLOCK // k if scales.ndim == 2 else 0
+        if (
+            scales.dtype != np.float32
+            or not scales.flags.c_contiguous
+            or per_block not in (1, 2)
+            or scales.shape != (n, k // INT8_BLOCK * per_block)
+        ):
+            raise ValueError(f"scales must be C-contiguous float32 [{n}, {k} / 32 or / 16]")
+        if input_scale is not None and (
+            input_scale.dtype != np.float32 or input_scale.shape != (k,)
+        ):
+            raise ValueError(f"input_scale must be float32 [{k}]")
+        if input_scale is not None:
+            input_scale = np.ascontiguousarray(input_scale)  # kept alive through the call
+        work = np.empty(rows * (2 * k + 4 * (k // INT8_BLOCK)), np.uint8)
+        out = np.empty((rows, n), np.float32)
+        self._blocks(
+            address(x),
+            None if input_scale is None else address(input_scale),
+            rows,
+            k,
+            address(codes),
+            address(scales),
+            per_block,
+            n,
+            threads(),
+            address(work),
+            address(out),
+        )
+        return out
 
     def __call__(self, x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
         """x `[T, K]` float32, codes `[N, K]` int8, scales `[N]` float32 -> `[T, N]`."""
@@ -407,3 +462,81 @@ def lowbit_rows(bits: int = 4) -> LowBitRows | None:
         return None  # vpmaddubsw would saturate: int8_rows.c takes 8-bit weights there
     lib = _library(LOWBIT_ROWS_SOURCE, (f"-DCODE_BITS={bits}",))
     return LowBitRows(lib, bits) if lib is not None else None
+
+
+class DenseRows:
+    """dense_rows.c: fp16-weight products and LoRA deltas, each row in a fixed order."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fp16 = lib.llmq_fp16_rows
+        self._fp16.restype = ctypes.c_int
+        self._fp16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, ctypes.c_int, _ptr]
+        self._lora = lib.llmq_lora_rows
+        self._lora.restype = ctypes.c_int
+        self._lora.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64]
+        self._lora.argtypes += [ctypes.c_int, _ptr]
+
+    @staticmethod
+    def accepts(in_features: int) -> bool:
+        return in_features % 8 == 0
+
+    def fp16(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """x `[T, K]` float32 times `weight` `[N, K]` float16 (C-contiguous) -> `[T, N]`."""
+        x = np.ascontiguousarray(x, np.float32)
+        rows, k = x.shape
+        if weight.dtype != np.float16 or not weight.flags.c_contiguous or weight.shape[1] != k:
+            raise ValueError(f"weight must be C-contiguous float16 [N, {k}]")
+        if not self.accepts(k):
+            raise ValueError(f"K = {k} is not a multiple of 8")
+        n = weight.shape[0]
+        out = np.empty((rows, n), np.float32)
+        self._fp16(address(x), rows, k, address(weight), n, threads(), address(out))
+        return out
+
+    def lora(
+        self,
+        x: np.ndarray,
+        rows: np.ndarray,
+        scales: np.ndarray,
+        a: np.ndarray,
+        bt: np.ndarray,
+        out: np.ndarray,
+    ) -> None:
+        """`out[rows] += (x[rows] @ a.T * scales) @ bt` in place, each row alone: x `[T, K]`,
+        rows `[n]` int64, scales `[n]`, a `[R, K]`, bt `[R, N]` (B transposed), out `[T, N]`
+        float32 C-contiguous."""
+        t, k = x.shape
+        rank, n = bt.shape
+        if not (out.dtype == np.float32 and out.flags.c_contiguous and out.shape == (t, n)):
+            raise ValueError(f"out must be C-contiguous float32 [{t}, {n}]")
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError("x must be C-contiguous float32")
+        if a.shape != (rank, k) or a.dtype != np.float32 or bt.dtype != np.float32:
+            raise ValueError(f"a must be float32 [{rank}, {k}] and bt float32 [{rank}, {n}]")
+        if len(rows) != len(scales) or (len(rows) and (rows.min() < 0 or rows.max() >= t)):
+            raise ValueError("every row needs a scale and must lie inside x")
+        rows = np.ascontiguousarray(rows, np.int64)
+        scales = np.ascontiguousarray(scales, np.float32).reshape(-1)
+        a, bt = np.ascontiguousarray(a), np.ascontiguousarray(bt)
+        failed = self._lora(
+            address(x),
+            k,
+            address(rows),
+            address(scales),
+            len(rows),
+            address(a),
+            rank,
+            address(bt),
+            n,
+            threads(),
+            address(out),
+        )
+        if failed:
+            raise MemoryError("the LoRA product could not allocate its low-rank rows")
+
+
+@functools.cache
+def dense_rows() -> DenseRows | None:
+    """dense_rows.c compiled for this CPU, or None where it cannot be built here."""
+    lib = _library(DENSE_ROWS_SOURCE)
+    return DenseRows(lib) if lib is not None else None

@@ -30,11 +30,15 @@ from runtime.kernels.base import TensorPart
 from runtime.kernels.core_share import share_cores
 from runtime.kernels.cpu import LARGE_HEAD_ROWS, KernelPlan, cpu_features, default_plan
 from runtime.kernels.gguf_blocks import (
+    EIGHT_BIT_TYPES,
     FIVE_BIT_TYPES,
     FOUR_BIT_TYPES,
     GROUP_SIZE,
+    BlockCodes,
     GroupQuantized,
+    Q,
     quantize_groups,
+    read_eight_bit,
     read_five_bit,
     read_four_bit,
 )
@@ -42,6 +46,7 @@ from runtime.kernels.native import (
     LOWBIT_GROUP,
     LOWBIT_GROUP_BYTES,
     LowBitProduct,
+    dense_rows,
     int8_rows,
     lowbit_builds,
     lowbit_rows,
@@ -319,6 +324,69 @@ class Int8GroupWeight(_RowStore):
         return self.packed.nbytes
 
 
+class Int8BlockWeight(_Product):
+    """GGUF Q8_0 and Q6_K weights as the file holds them: signed 8-bit codes (Q6_K's 6-bit
+    code minus 32) with a float32 scale per 32 (Q8_0) or per 16 (Q6_K) weights, multiplied
+    by runtime/kernels/int8_rows.c over activations rounded to int8 per block of 32, as
+    llama.cpp's AVX2 Q8_0 x Q8_0 dot does: 1.125 or 1.25 bytes a weight where fp16 took 2,
+    and a row's result the same whatever shares its batch. An RMSNorm weight before it
+    multiplies the rows as they are rounded."""
+
+    kind = "int8-blocks"
+
+    def __init__(self, q: BlockCodes, input_scale: np.ndarray | None) -> None:
+        self.shape: tuple[int, int] = q.shape
+        self.codes = torch.from_numpy(np.ascontiguousarray(q.codes))
+        self.scales = torch.from_numpy(np.ascontiguousarray(q.scales, np.float32))
+        self.input_scale = _scale(input_scale)
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        scale = {} if self.input_scale is None else {"input_scale": self.input_scale}
+        return {"codes": self.codes, "scales": self.scales} | scale
+
+    @classmethod
+    def restored(cls, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> Int8BlockWeight:
+        weight = cls.__new__(cls)
+        weight.shape, weight.codes, weight.scales = shape, tensors["codes"], tensors["scales"]
+        weight.input_scale = tensors.get("input_scale")
+        return weight
+
+    @functools.cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        scale = None if self.input_scale is None else self.input_scale.numpy()
+        return self.codes.numpy(), self.scales.numpy(), scale
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return int8_rows().blocks(x, *self._arrays)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self(x.numpy()))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+class StackedWeight(_Product):
+    """A fused weight whose parts take different kernels (Gemma 3's q and k are Q5_0, its v
+    Q6_K): each run of parts is its own weight, and their outputs are set side by side."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self.kind = "+".join(p.kind for p in parts)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([p(x) for p in self.parts], axis=1)  # [T, K] -> [T, sum N]
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.product(x) for p in self.parts], dim=1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
 class RescoredHead(_Product):
     """An int4 copy of a head that ranks, then the file's own rows for each query's best
     `RESCORED_ROWS` (see RESCORED_ROWS). Every query row is done alone, in the same order
@@ -376,6 +444,36 @@ class Bf16Weight(_RowStore):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+class Fp16RowsWeight(_RowStore):
+    """fp16 weights multiplied by runtime/kernels/dense_rows.c: each output one row's own
+    sum in a fixed order, where fbgemm's fp16 gemm rounds a row differently with the rows
+    beside it on AVX2. For the weights a file holds as F16/BF16/F32 (and types no integer
+    kernel takes) on the row-invariant AVX2 plan."""
+
+    kind = "fp16-rows"
+    tensor_names = ("weight",)
+
+    def _allocate(self) -> None:
+        self.weight = torch.empty(self.shape, dtype=torch.float16)
+
+    def fill(self, start: int, rows: np.ndarray) -> None:
+        self.weight[start : start + len(rows)] = _tensor(rows).to(torch.float16)
+
+    @functools.cached_property
+    def _half(self) -> np.ndarray:
+        return self.weight.numpy()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return dense_rows().fp16(x, self._half)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self(x.numpy()))
 
     @property
     def nbytes(self) -> int:
@@ -472,7 +570,16 @@ RESCORED_KINDS = (RescoredRanking.kind, RescoredBlockRanking.kinds[4])
 
 WEIGHT_CLASSES = {
     c.kind: c
-    for c in (Int4Weight, Int8Weight, Int8GroupWeight, Bf16Weight, Fp16Weight, RescoredRanking)
+    for c in (
+        Int4Weight,
+        Int8Weight,
+        Int8GroupWeight,
+        Int8BlockWeight,
+        Bf16Weight,
+        Fp16Weight,
+        Fp16RowsWeight,
+        RescoredRanking,
+    )
 } | {kind: c for c in (LowBitWeight, RescoredBlockRanking) for kind in c.kinds.values()}
 
 
@@ -506,6 +613,9 @@ class TorchBackend:
             self.prepared = None
 
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
+        runs = self._runs(f, parts)
+        if len(runs) > 1:  # each run kept and reused on its own
+            return StackedWeight([self.linear(f, run, input_scale) for run in runs])
         key = weight_key(parts, input_scale) if self.prepared is not None else ""
         weight = self._reused(key)
         if weight is None:
@@ -514,8 +624,33 @@ class TorchBackend:
                 pages.release_array(f.blocks(part.name)[0])
         return weight
 
+    def _family(self, qtype) -> str:
+        """Which native kernel a tensor of `qtype` goes to on this plan ("" for none)."""
+        if self.native_lowbit and qtype in FOUR_BIT_TYPES | FIVE_BIT_TYPES:
+            return "lowbit"
+        if self.native_eight_bit and qtype in EIGHT_BIT_TYPES:
+            return "int8-blocks"
+        return ""
+
+    def _runs(self, f: GGUFFile, parts: list[TensorPart]) -> list[list[TensorPart]]:
+        """`parts` in runs of one kernel each, where the plan multiplies the 8-bit types from
+        their codes (else one run: the plan's mixed types go dense together)."""
+        if not self.native_eight_bit:
+            return [parts]
+        runs: list[list[TensorPart]] = []
+        families = [self._family(f.blocks(p.name)[1]) for p in parts]
+        for i, part in enumerate(parts):
+            if i and families[i] == families[i - 1]:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return runs
+
     def _build(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None):
         types = {f.blocks(p.name)[1] for p in parts}
+        if self.native_eight_bit and types <= EIGHT_BIT_TYPES:
+            fused = BlockCodes.concat([block_part(f, p) for p in parts])
+            return Int8BlockWeight(fused, input_scale)
         four_bit = types <= FOUR_BIT_TYPES
         lowbit = self.native_lowbit and types <= FOUR_BIT_TYPES | FIVE_BIT_TYPES
         if lowbit or (four_bit and self.plan.four_bit == "int4"):
@@ -550,13 +685,17 @@ class TorchBackend:
         the whole head exists (fbgemm packs fp16 from one float32 tensor); a rescored head
         is built as its ranking."""
         kind = self._head_kind(f, name)
+        if kind == "file" and self._family(f.blocks(name)[1]):
+            return self._build(f, [TensorPart(name)], None)
+        if kind == "file":
+            kind = self._dense_kind(self.plan.other, f.blocks(name)[2][1])
         if kind == "fp16":
             return Fp16Weight(f.tensor(name))
         if kind == RescoredHead.kind:
             return RescoredHead.ranking_of(f, name, self.native_lowbit)
         shape = f.blocks(name)[2]
         int8 = Int8GroupWeight if self.grouped_int8 else Int8Weight
-        head = (int8 if kind == "int8" else Bf16Weight)(shape)
+        head = {"int8": int8, "fp16-rows": Fp16RowsWeight}.get(kind, Bf16Weight)(shape)
         for start in range(0, shape[0], HEAD_CHUNK_ROWS):
             head.fill(start, f.rows(name, slice(start, start + HEAD_CHUNK_ROWS)))
         return head
@@ -580,6 +719,14 @@ class TorchBackend:
         return self.plan.four_bit == "int4" and self._allow_native and lowbit_builds()
 
     @property
+    def native_eight_bit(self) -> bool:
+        """Whether Q8_0 and Q6_K weights go to runtime/kernels/int8_rows.c as the file's own
+        codes (the plan's `eight_bit`, where it builds; else the plan's `other` kind)."""
+        return (
+            self.plan.eight_bit == "int8-blocks" and self._allow_native and int8_rows() is not None
+        )
+
+    @property
     def grouped_int8(self) -> bool:
         """Whether an int8 head goes to lowbit_rows.c's 8-bit build (CPUs with VNNI)."""
         return self.plan.head == "int8" and self._allow_native and lowbit_rows(8) is not None
@@ -593,6 +740,8 @@ class TorchBackend:
             described["5-bit weights"] = "int5 (lowbit_rows.c, int8 activations)"
         elif self.plan.four_bit == "int4":
             described["4-bit weights"] = "int4 (torch, bf16 activations)"
+        if self.native_eight_bit:
+            described["8-bit weights"] = "Q8_0 / Q6_K codes (int8_rows.c, int8 activations)"
         return described
 
     def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
@@ -602,6 +751,8 @@ class TorchBackend:
             return int(blocks.nbytes)
         if role in ("head", "tied head"):
             kind = self._head_kind(f, name)
+            if kind == "file" and self._family(qtype):
+                return self.stored_bytes(f, name, "linear")
             if kind == "int8" and self.grouped_int8:
                 return int(np.prod(lowbit_shape(shape[0], shape[1], 8)))
             if kind == "int8":
@@ -615,6 +766,8 @@ class TorchBackend:
             return n // 2 + 4 * (n // GROUP_SIZE)  # nibbles, then two halves a group
         if qtype in FIVE_BIT_TYPES and self.native_lowbit:
             return 5 * n // 8 + 4 * (n // GROUP_SIZE)  # nibbles and fifth bits, two halves
+        if qtype in EIGHT_BIT_TYPES and self.native_eight_bit:  # codes, a float32 per 32 or 16
+            return n + 4 * (n // (16 if qtype == Q.Q6_K else GROUP_SIZE))
         return 2 * n
 
     def _head_kind(self, f: GGUFFile, name: str) -> str:
@@ -628,12 +781,22 @@ class TorchBackend:
             return "int8"
         return self.plan.head_fallback
 
-    @staticmethod
-    def _dense(kind: str, dense: np.ndarray):
+    def _dense_kind(self, kind: str, in_features: int) -> str:
+        """`kind`, but fbgemm's fp16 where dense_rows.c cannot take it (no compiler, K not a
+        multiple of 8, or the tensor forward pass, which keeps torch's kernels)."""
+        if kind != "fp16-rows":
+            return kind
+        kernel = dense_rows() if self._allow_native else None
+        return kind if kernel is not None and kernel.accepts(in_features) else "fp16"
+
+    def _dense(self, kind: str, dense: np.ndarray):
+        kind = self._dense_kind(kind, dense.shape[1])
         if kind == "bf16":
             return Bf16Weight.from_dense(dense)
         if kind == "fp16":
             return Fp16Weight(dense)
+        if kind == "fp16-rows":
+            return Fp16RowsWeight.from_dense(dense)
         raise ValueError(f"unknown dense kernel {kind!r}")
 
 
@@ -643,6 +806,15 @@ def dequantize_groups(q: GroupQuantized) -> torch.Tensor:
     codes = torch.from_numpy(q.codes).view(n, k // GROUP_SIZE, GROUP_SIZE).float()
     codes.mul_(torch.from_numpy(q.scales)[..., None]).add_(torch.from_numpy(q.mins)[..., None])
     return codes.view(n, k)
+
+
+def block_part(f: GGUFFile, part: TensorPart) -> BlockCodes:
+    """One Q8_0 / Q6_K tensor's codes and scales with the part's row operations applied."""
+    blocks, qtype, shape = f.blocks(part.name)
+    q = read_eight_bit(blocks, qtype, (shape[0], shape[1]))
+    if part.row_order is not None:
+        q = q.take_rows(part.row_order)
+    return q.scaled(part.scale) if part.scale != 1.0 else q
 
 
 def group_part(f: GGUFFile, part: TensorPart) -> GroupQuantized:

@@ -1,16 +1,21 @@
-"""runtime/kernels/int8_rows.c: the int8-weight product against an independent numpy
-statement of its arithmetic, its rows' independence from their batch, and the fallback to
-torch's kernel where it cannot take a weight. Its accuracy on the real heads is held by
+"""runtime/kernels/int8_rows.c: the int8-weight product (per row, and over a file's own Q8_0
+and Q6_K codes) against an independent numpy statement of its arithmetic, its rows'
+independence from their batch, its AVX2 build's numbers, and the fallback to torch's
+kernel where it cannot take a weight. Its accuracy on the real heads is held by
 tests/runtime/test_golden.py (teacher-forced top-1 against llama.cpp and float32)."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
+from runtime.kernels import native
+from runtime.kernels.cpu_features import cpu_features
+from runtime.kernels.gguf_blocks import read_eight_bit
 from runtime.kernels.native import INT8_BLOCK, int8_rows
-from runtime.kernels.torch_backend import Int8Weight
+from runtime.kernels.torch_backend import Int8BlockWeight, Int8Weight
 from tests.runtime.int8_activations import blockwise_rounded
 
 pytestmark = pytest.mark.skipif(int8_rows() is None, reason="no C compiler for the kernel")
@@ -64,3 +69,76 @@ def test_bad_arguments_are_refused_before_the_kernel_runs():
         kernel(np.zeros((1, 64), np.float32), codes[:, :32], scales)
     with pytest.raises(ValueError, match="scales"):
         kernel(np.zeros((1, 64), np.float32), codes, scales.astype(np.float64))
+
+
+def _q6_k_file(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Random Q6_K blocks: codes and sub-block scales at random, a small float16 factor."""
+    raw = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
+    raw[:, -2:] = np.array([2e-3], np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def _file_blocks(rng: np.random.Generator, qtype, n: int, k: int) -> np.ndarray:
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        return _q6_k_file(rng, n, k)
+    return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+
+
+EIGHT_BIT = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", EIGHT_BIT, ids=lambda q: q.name)
+def test_a_files_8_bit_codes_read_back_as_ggufs_dequantize(qtype):
+    rng = np.random.default_rng(1)
+    raw = _file_blocks(rng, qtype, 40, 512)
+    q = read_eight_bit(raw, qtype, (40, 512))
+    assert q.codes.dtype == np.int8
+    assert np.array_equal(q.dequantize(), gguf.quants.dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", EIGHT_BIT, ids=lambda q: q.name)
+@pytest.mark.parametrize("n, k", [(61, 256), (256, 768), (70, 1536)])
+def test_the_files_codes_times_the_blockwise_rounded_rows(qtype, n, k):
+    """int8_rows.c over a file's codes (`Int8BlockWeight`): the rounded rows times the file's
+    own values, with an RMSNorm weight applied to the rows before they are rounded."""
+    rng = np.random.default_rng(n + k)
+    q = read_eight_bit(_file_blocks(rng, qtype, n, k), qtype, (n, k))
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    x[1] *= 40.0
+    x[2, :INT8_BLOCK] = 0.0
+    input_scale = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    weight = Int8BlockWeight(q, input_scale)
+    expected = blockwise_rounded(x * input_scale) @ q.dequantize().astype(np.float64).T
+    got = weight(x)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    alone = np.concatenate([weight(x[i : i + 1]) for i in range(len(x))])
+    assert np.array_equal(got, alone)
+    for rows in (2, 3, 5):
+        assert np.array_equal(weight(x[:rows]), alone[:rows])
+
+
+@pytest.mark.skipif(
+    "avx512_vnni" not in cpu_features().flags, reason="this CPU builds the AVX2 path anyway"
+)
+@pytest.mark.parametrize("qtype", EIGHT_BIT, ids=lambda q: q.name)
+def test_the_avx2_build_gives_the_vnni_builds_numbers(qtype):
+    """vpmaddubsw + vpmaddwd on sign-adjusted codes (llama.cpp's AVX2 dot) and VNNI's
+    vpdpbusd make the same exact int32s: a sequence gets the same logits on either CPU."""
+    avx2 = native._library(native.INT8_ROWS_SOURCE, ("-mno-avx512f", "-mno-avxvnni"))
+    assert avx2 is not None
+    rng = np.random.default_rng(4)
+    n, k = 90, 1536
+    q = read_eight_bit(_file_blocks(rng, qtype, n, k), qtype, (n, k))
+    x = rng.standard_normal((9, k)).astype(np.float32) * 30
+    codes, scales = np.ascontiguousarray(q.codes), np.ascontiguousarray(q.scales)
+    expected = int8_rows().blocks(x, codes, scales)
+    assert np.array_equal(native.Int8Rows(avx2).blocks(x, codes, scales), expected)
+
+
+def test_bad_block_scales_are_refused():
+    kernel = int8_rows()
+    codes = np.zeros((4, 64), np.int8)
+    with pytest.raises(ValueError, match="scales must be"):
+        kernel.blocks(np.zeros((1, 64), np.float32), codes, np.ones((4, 3), np.float32))
+    with pytest.raises(ValueError, match="scales must be"):
+        kernel.blocks(np.zeros((1, 64), np.float32), codes, np.ones((4, 2), np.float64))

@@ -311,16 +311,20 @@ def test_rescored_head_gives_the_files_logits_for_its_best_rows(gemma3_gguf_path
     assert torch.equal(alone, got)
 
 
-def test_an_avx2_cpu_gets_integer_dots_for_low_bit_weights_where_they_build():
+def test_an_avx2_cpu_gets_integer_dots_for_every_quantized_weight_where_they_build():
     """AVX2 without AVX-512: GGUF's 4- and 5-bit weights go to lowbit_rows.c's AVX2 build
-    (the same numbers as the AVX-512 build, tests/runtime/test_lowbit_rows.py), the rest
-    to fbgemm's fp16."""
+    (the same numbers as the AVX-512 build, tests/runtime/test_lowbit_rows.py), Q8_0 and
+    Q6_K as their codes to int8_rows.c, the head as its type says, F16 to dense_rows.c;
+    without a compiler, torch's row-invariant kernels."""
     from runtime.kernels.cpu import CpuFeatures, plan_for
 
     plan = plan_for(CpuFeatures(frozenset({"avx2", "fma", "f16c"}), 2))
-    assert plan.four_bit == ("int4" if NATIVE else "fp16")
-    assert (plan.other, plan.head) == ("fp16", "fp16")
-    assert plan.large_head == ("int4+rescore" if NATIVE else "")
+    assert plan.four_bit == "int4"
+    if NATIVE:
+        assert (plan.eight_bit, plan.other, plan.head) == ("int8-blocks", "fp16-rows", "file")
+        assert plan.large_head == "int4+rescore"
+    else:
+        assert (plan.eight_bit, plan.other, plan.head) == ("", "bf16", "int8")
 
 
 def test_a_head_over_the_large_head_rows_takes_the_plans_large_head_kind(tmp_path, monkeypatch):
