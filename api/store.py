@@ -146,7 +146,7 @@ def enqueue(
     record exists, and nothing is retried: a WATCHed check-then-push conflicted with every
     concurrent submission (2,464 retries for ~900 submissions in the load test). The wake
     token goes in the same script, so an idle worker starts the job now. (The script runs
-    after the transaction, not in it: the embedded fakeredis broker drops a connection
+    after the transaction, not in it: fakeredis, the unit tests' double, drops a connection
     that sends EVAL inside MULTI.) With `replication` on (Sentinel), `WAIT` follows the
     script on its connection: it returns once both writes are on enough replicas, else
     raises `NotReplicated`.
