@@ -39,6 +39,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from workers import keys
+from workers.event_store import Events, events_of
 from workers.wire.batch_output import error_line, output_line
 from workers.wire.batches import (
     BATCH_CANCELLED,
@@ -117,10 +118,14 @@ return 0
 
 class BatchDriver:
     def __init__(
-        self, conn: redis.Redis, owner: str, events: Any = None, queue_depth: int = QUEUE_DEPTH
+        self,
+        conn: redis.Redis,
+        owner: str,
+        events: Events | Any = None,
+        queue_depth: int = QUEUE_DEPTH,
     ) -> None:
         self.conn = conn
-        self.events = conn if events is None else events  # where the jobs' streams are
+        self.events = events_of(conn, events)  # where the jobs' streams are
         self.owner = owner
         self.queue_depth = queue_depth
 
@@ -217,10 +222,7 @@ class BatchDriver:
                 args = _answer(rec.id, line, custom_id, job_id, status, state[1:], ending)
                 self._record(pipe, rec, line, *args)
                 pipe.delete(keys.job(job_id), keys.job_cancel(job_id))
-                if self.events is self.conn:
-                    pipe.delete(keys.job_events(job_id))
-                else:  # a stream on the events cluster: a command a key, not in the MULTI
-                    self.events.delete(keys.job_events(job_id))
+                self.events.delete_stream(pipe, job_id)
             pipe.expire(keys.batch_output(rec.id), _batch_ttl(rec))
             pipe.expire(keys.batch_errors(rec.id), _batch_ttl(rec))
             pipe.execute()

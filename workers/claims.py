@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers import keys, scripts
+from workers import scripts
+from workers.event_store import Events, events_of
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.recovery import requeue
@@ -30,34 +31,18 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, connection: Any, leases: Leases, events: Any = None) -> None:
+    def __init__(self, connection: Any, leases: Leases, events: Events | Any = None) -> None:
         self.connection = connection
         self.leases = leases
-        self.events = connection if events is None else events  # where leases live
+        self.events = events_of(connection, events)  # where leases live
 
     def take(
         self, queue_keys: Sequence[str], kind_ranks: Sequence[int] | None = None
     ) -> Claim | None:
         """The job that comes first by (kind rank, priority, place in `queue_keys`) on the
         queues and their priority levels, or None (no ranks: all rank alike)."""
-        apart = self.events is not self.connection  # the lease is on the events cluster
-        claimed = scripts.claim(
-            self.connection,
-            queue_keys=queue_keys,
-            worker=self.leases.worker,
-            lease_ms=0 if apart else self.leases.ttl_ms,
-            kind_ranks=kind_ranks,
-        )
-        if claimed is None:
-            return None
-        claim = Claim(*claimed)
-        if apart and claim.attempt >= 1:
-            # after the claim: a worker that dies between the two leaves a running job
-            # without a lease, which the reaper requeues. A claimed attempt is the newest
-            # (attempts only grow), so its lease replaces any (a reaper's lock)
-            lease = self.leases.name(claim.attempt)
-            self.events.set(keys.job_lease(claim.job_id), lease, px=self.leases.ttl_ms)
-        return claim
+        claimed = self.events.claim(queue_keys, self.leases, kind_ranks)
+        return None if claimed is None else Claim(*claimed)
 
     def give_back(self, job: ActiveJob) -> bool:
         """Requeue a running job at the front of its queue (drain, no room), to be resumed

@@ -14,7 +14,9 @@ applied, so each write is fenced on the stream length the last one left. A step 
 trip failed (Redis down) is kept and sent again first, exactly as it was, so the script's
 retry check finds it if it had landed. Failed and cancelled jobs end through `end`, after
 the step in flight. What the outcome means for a job (dropped, finished, cancelled) is the
-worker's call: this module only writes and reports.
+worker's call: this module only writes and reports. Where the streams are (the queue Redis,
+or an events cluster, where a step is two round trips) is the `workers.event_store` object's
+the worker hands it.
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers import affinity, cluster_step, metrics, resp, scripts
+from workers import affinity, metrics, scripts
+from workers.event_store import Events, events_of
 from workers.jobs import ActiveJob
 from workers.wire import rate_limit
-from workers.wire.broker import is_cluster
-from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
-from workers.wire.events import Event, ending, write_ending
+from workers.wire.events import Event, ending
 from workers.wire.job import CANCELLED, FINISHED
 
 # A running job's record counters (`completion_tokens`, which /admin shows) are rewritten at
@@ -60,26 +61,26 @@ class _Write:
 
 @dataclass
 class _Step:
-    """One step's script call: per job (in the call's order) its write, if any; and the
-    metrics commands that go with it (sent once: not again after a failed round trip)."""
+    """One step's writes: per job (in the call's order) its write, if any; the call as the
+    event store sends it (`Events.pack`); and the metrics commands that go with it (sent
+    once: not again after a failed round trip)."""
 
     jobs: list[ActiveJob]
     writes: list[_Write | None]
-    keys: list[str]
-    args: list[Any]
+    packed: Any
     metrics: list[tuple[Any, ...]]
-    entries: list[cluster_step.Entry] = field(default_factory=list)  # per job, for a cluster
 
 
 class EventWriter:
     def __init__(
-        self, connection: Any, worker_name: str, own_models: set[str], events: Any = None
+        self,
+        connection: Any,
+        worker_name: str,
+        own_models: set[str],
+        events: Events | Any = None,
     ) -> None:
-        self.connection = connection
-        # where the streams and leases are: `connection`, or the events cluster's client
-        # (`wire.broker.EventsSettings`), whose steps `workers.cluster_step` writes
-        self.events = connection if events is None else events
-        self.clustered = is_cluster(self.events)
+        self.connection = connection  # the records and metrics
+        self.events = events_of(connection, events)  # where the streams and leases are
         self.worker = worker_name
         self.own_models = own_models  # models whose replies record prefix affinity
         self.throughput = metrics.Throughput()
@@ -146,18 +147,7 @@ class EventWriter:
         end_fields, end_event = ending(status, body)
         events = [*job.pending, end_event]
         fields = {**end_fields, **_counts(job)}
-        if self.clustered:
-            entry = scripts.step_entry(
-                job.id, job.lease, scripts.STEP_FINAL, job.written, events, fields,
-                _used_so_far(job), check_cancel=False,
-            )  # fmt: skip
-            reply = cluster_step.write_step(self.events, self.connection, [entry])
-            written = scripts.step_results(reply)[0][0] or None
-        else:
-            written = _fenced_append(
-                self.connection, job, events, fields, final=True, used=_used_so_far(job)
-            )
-        if written is None:
+        if not self.events.end(job, events, fields, _used_so_far(job)):
             return False
         job.pending.clear()
         job.written += len(events)
@@ -166,14 +156,7 @@ class EventWriter:
     def cancel_unclaimed(self, job_id: str) -> None:
         """End a job cancelled while it waited. No worker holds it (the claim took no
         lease), so the write needs no fence."""
-        if self.clustered:
-            cluster_step.end_unclaimed(
-                self.events, self.connection, job_id, CANCELLED, cancelled_error()
-            )
-        else:
-            with self.connection.pipeline() as pipe:
-                write_ending(pipe, job_id, CANCELLED, cancelled_error())
-                pipe.execute()
+        self.events.end_unclaimed(job_id, CANCELLED, cancelled_error())
         rate_limit.settle(self.connection, job_id, used=0)  # after, not in, the MULTI
 
     def count_job(self, state: str) -> None:
@@ -190,7 +173,7 @@ class EventWriter:
 
     def _build(self, jobs: list[ActiveJob], step_sizes: dict[str, int] | None) -> _Step | None:
         now = time.monotonic()
-        step = _Step([], [], [], [], [])
+        step = _Step([], [], None, [])
         tokens: dict[str, int] = {}
         entries = []
         for job in jobs:
@@ -207,9 +190,7 @@ class EventWriter:
             entries.append(entry)
         if not entries:
             return None
-        step.keys, step.args = scripts.step_call(entries)
-        if self.clustered:
-            step.entries = entries
+        step.packed = self.events.pack(entries)
         writes = [w for w in step.writes if w is not None]
         recorder = self.connection.pipeline(transaction=False)  # only records: never sent
         self._record_metrics(recorder, writes, tokens, step_sizes)
@@ -247,16 +228,11 @@ class EventWriter:
         return _Write(job, taken, events, final), entry
 
     def _execute(self, step: _Step) -> Any:
-        """The step's round trip (in the writer thread when sent in the background): the
-        script call and the metrics, packed here (`workers.resp`); the script's reply.
-        NOSCRIPT (Redis lost its script cache) loads it and calls again; a step sent again
-        after a failed round trip carries the script call alone, as it was."""
+        """The step's round trip (in the writer thread when sent in the background): its
+        writes and the metrics (`Events.write_step`); `scripts.write_step`'s reply. A step
+        sent again after a failed round trip carries its writes alone, as they were."""
         metrics, step.metrics = step.metrics, []
-        if self.clustered:
-            return cluster_step.write_step(self.events, self.connection, step.entries, metrics)
-        return resp.script_round_trip(
-            self.connection, scripts.WRITE_STEP, step.keys, step.args, metrics
-        )
+        return self.events.write_step(step.packed, metrics)
 
     def _settle(self) -> None:
         """Apply the outcome of the step in flight, once it is back."""
@@ -319,31 +295,6 @@ class EventWriter:
             job = write.job
             if write.final and job.result is not None and job.model in self.own_models:
                 affinity.remember_reply(pipe, self.worker, job.record, job.result)
-
-
-def _fenced_append(
-    client: Any,
-    job: ActiveJob,
-    events: list[Event],
-    fields: dict[str, str],
-    *,
-    final: bool,
-    used: int | None = None,
-) -> Any:
-    """`scripts.append` of `events` after the ones `job` has written, fenced by its lease:
-    a job's end outside a step. A final write settles the job's rate-limit reservation at
-    `used` tokens."""
-    return scripts.append(
-        client,
-        job.id,
-        job.lease,
-        job.written,
-        events,
-        fields,
-        final=final,
-        ttl=JOB_TTL_SECONDS,
-        used_tokens=used,
-    )
 
 
 def _counts(job: ActiveJob) -> dict[str, str]:

@@ -83,7 +83,7 @@ class JobEnds:
         write and RQ's bookkeeping): give the claim back and make RQ agree. Its end was
         counted by the write that ended it."""
         self.connection.srem(keys.RUNNING, job.id)
-        self.writer.events.delete(keys.job_lease(job.id))
+        self.writer.events.drop_lease(job.id)
         status = job.record.status
         if status == FINISHED:
             self._rq_success(job)

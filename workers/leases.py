@@ -11,14 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from workers import cluster_step, keys, scripts
+from workers.event_store import Events, events_of
 from workers.jobs import ActiveJob
-from workers.wire.broker import is_cluster
 
 
 class Leases:
-    def __init__(self, connection: Any, worker_name: str, ttl_seconds: float) -> None:
-        self.connection = connection
+    def __init__(self, events: Events | Any, worker_name: str, ttl_seconds: float) -> None:
+        """`events`: where the leases are (`workers.event_store`; a bare client is taken as
+        the one that holds them)."""
+        self.events = events_of(events)
         self.worker = worker_name
         self.ttl_ms = int(ttl_seconds * 1000)
 
@@ -32,12 +33,5 @@ class Leases:
         jobs = list(jobs)
         if not jobs:
             return []
-        if is_cluster(self.connection):  # leases on the events cluster: per node
-            calls = [([keys.job_lease(j.id)], [j.lease, self.ttl_ms]) for j in jobs]
-            renewed = cluster_step.per_node(self.connection, scripts.RENEW, calls)
-            return [job for job, ok in zip(jobs, renewed, strict=True) if not ok]
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                scripts.renew(pipe, job_id=job.id, lease=job.lease, lease_ms=self.ttl_ms)
-            renewed = pipe.execute()
+        renewed = self.events.renew([(job.id, job.lease) for job in jobs], self.ttl_ms)
         return [job for job, ok in zip(jobs, renewed, strict=True) if not ok]

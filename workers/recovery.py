@@ -23,12 +23,10 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from workers import affinity, keys, metrics, scripts
-from workers.cluster_step import finish_from_stream
+from workers.event_store import Events, events_of
 from workers.presence import wake
 from workers.wire.errors import error_body
 from workers.wire.job import FAILED, TERMINAL_STATUSES
-from workers.wire.members import each_member
-from workers.wire.text import as_str
 
 log = logging.getLogger("llmq.recovery")
 
@@ -50,31 +48,27 @@ def clear_started(pipe: Any, connection: Any, rq_job: Job) -> None:
     pipe.delete(executions.key)
 
 
-def requeue(connection: Any, job_id: str, lease: str, rq_job: Job, events: Any = None) -> bool:
+def requeue(
+    connection: Any, job_id: str, lease: str, rq_job: Job, events: Events | Any = None
+) -> bool:
     """Put a job that holds `lease` back at the front of its queue; False if the lease was
-    no longer `lease` (someone else owns the job now). With the lease on the events cluster
-    (`events` another client): checked there first, the job put back only if it is still
-    running, then the lease given up; one that dies between finds the lease expiring and the
-    next sweep requeues the job (once: it left the running set)."""
-    apart = events is not None and events is not connection
-    if apart and _lease(events, job_id) != lease:
+    no longer `lease` (someone else owns the job now). Where the lease is (`events`,
+    `workers.event_store`) says who checks it and gives it up: the requeue script itself on
+    the queue Redis, the events cluster before and after it."""
+    events = events_of(connection, events)
+    fence = events.requeue_fence(job_id, lease)
+    if fence is None:
         return False
     with connection.pipeline() as pipe:
         clear_started(pipe, connection, rq_job)
         rq_job.failed_job_registry.remove(rq_job, pipeline=pipe)  # RQ may have given up on it
         pipe.execute()
     queue_key = Queue(rq_job.origin, connection=connection).key
-    if not scripts.requeue(connection, job_id, "" if apart else lease, queue_key, rq_job.key):
+    if not scripts.requeue(connection, job_id, fence, queue_key, rq_job.key):
         return False
-    if apart:
-        scripts.give_up(events, job_id, lease)
+    events.after_requeue(job_id, lease)
     wake(connection, rq_job.origin)  # an idle worker resumes it now, not at its next poll
     return True
-
-
-def _lease(events: Any, job_id: str) -> str | None:
-    value = events.get(keys.job_lease(job_id))
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class Reaper:
@@ -83,10 +77,10 @@ class Reaper:
     its record's end, `workers.cluster_step`) is finished from its stream instead."""
 
     def __init__(
-        self, connection: Any, worker_name: str, lease_ms: int, events: Any = None
+        self, connection: Any, worker_name: str, lease_ms: int, events: Events | Any = None
     ) -> None:
         self.connection = connection
-        self.events = connection if events is None else events  # where leases live
+        self.events = events_of(connection, events)  # where leases live
         self.worker = worker_name
         self.lease = f"reaper:{worker_name}"
         self.lease_ms = lease_ms
@@ -99,26 +93,16 @@ class Reaper:
     def run(self) -> list[str]:
         """One sweep; the ids of the jobs it requeued."""
         recovered = []
-        if self.events is self.connection:
-            leases = each_member(
-                self.connection, keys.RUNNING, lambda p, j: p.exists(keys.job_lease(j))
-            )
-        else:
-            running = [as_str(m) for m in self.connection.smembers(keys.RUNNING)]
-            with self.events.pipeline(transaction=False) as pipe:
-                for job_id in running:
-                    pipe.exists(keys.job_lease(job_id))
-                leases = list(zip(running, pipe.execute() if running else [], strict=True))
-        for job_id, has_lease in leases:
+        for job_id, has_lease in self.events.leases_of_running():
             if has_lease:
                 continue
             lease_key = keys.job_lease(job_id)
-            if not self.events.set(lease_key, self.lease, nx=True, px=self.lease_ms):
+            if not self.events.client.set(lease_key, self.lease, nx=True, px=self.lease_ms):
                 continue  # another reaper (or a claim) got there first
             if not self.connection.sismember(keys.RUNNING, job_id):
                 # another reaper requeued it since this sweep looked: RQ's records are
                 # the next run's now (`scripts.requeue` would refuse it too)
-                scripts.give_up(self.events, job_id, self.lease)
+                scripts.give_up(self.events.client, job_id, self.lease)
                 continue
             if self._recover(job_id):
                 recovered.append(job_id)
@@ -129,12 +113,11 @@ class Reaper:
         if status is None or status.decode() in TERMINAL_STATUSES:
             self._forget(job_id, lost=status is None)
             return False
-        if self.events is not self.connection:
-            ended = finish_from_stream(self.events, self.connection, job_id)
-            if ended is not None:
-                scripts.give_up(self.events, job_id, self.lease)
-                log.warning("job %s: its worker died after its end; record %s", job_id, ended)
-                return False
+        ended = self.events.finish_from_stream(job_id)
+        if ended is not None:
+            scripts.give_up(self.events.client, job_id, self.lease)
+            log.warning("job %s: its worker died after its end; record %s", job_id, ended)
+            return False
         try:
             rq_job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
         except NoSuchJobError:
@@ -161,5 +144,5 @@ class Reaper:
                 metrics.count_job(pipe, FAILED)
             pipe.srem(keys.RUNNING, job_id)
             pipe.execute()
-        self.events.delete(keys.job_lease(job_id))
+        self.events.drop_lease(job_id)
         log.warning("job %s was running without a worker and cannot resume; dropped", job_id)

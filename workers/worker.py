@@ -53,6 +53,7 @@ from workers.claims import MISSING as CLAIMED_MISSING
 from workers.claims import Claims
 from workers.config import WorkerConfig, preload_models, serving, worker_device
 from workers.errors import JobFailure, PoolFull
+from workers.event_store import events_of
 from workers.event_writer import EventWriter, Flushed
 from workers.history import HistorySampler
 from workers.job_ends import JobEnds
@@ -128,9 +129,13 @@ class LLMQWorker:
         )
         self.name: str = self.rq_worker.name
         self.connection: redis.Redis = self.rq_worker.connection
-        # the jobs' streams and leases: this same client, or the events cluster's
-        self.events = config.events.connect(
-            self.connection, socket_timeout=REDIS_SOCKET_TIMEOUT, socket_connect_timeout=2
+        # the jobs' streams and leases, on this same client or on the events cluster: the
+        # mode is read here, once; the parts below get the object that knows it
+        self.events = events_of(
+            self.connection,
+            config.events.connect(
+                self.connection, socket_timeout=REDIS_SOCKET_TIMEOUT, socket_connect_timeout=2
+            ),
         )
         self.pool = pool or EnginePool(
             config.pool,
@@ -481,9 +486,9 @@ class LLMQWorker:
             failure = failure or JobFailure(f"job {job_id}: its record cannot be read")
         job = ActiveJob(record, attempt, self.leases.name(attempt), rq_job, queue)
         try:
-            job.progress = read_progress(self.events, job_id)
+            job.progress = read_progress(self.events.client, job_id)
         except (KeyError, ValueError, TypeError):
-            job.progress.length = self.events.xlen(keys.job_events(job_id))
+            job.progress.length = self.events.client.xlen(keys.job_events(job_id))
             failure = failure or JobFailure(f"job {job_id}: its event stream cannot be read")
         job.written = job.progress.length  # every write of ours is fenced on this
         if failure is not None:
@@ -548,6 +553,5 @@ class LLMQWorker:
             self.rq_worker.teardown()
         except BROKER_LOST as exc:
             log.error("worker %s: could not unregister (%s)", self.name, exc)
-        if self.events is not self.connection:
-            self.events.close()  # the events cluster's connections
+        self.events.close()  # the events cluster's connections, if any
         log.info("worker %s: stopped", self.name)

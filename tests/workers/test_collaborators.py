@@ -14,9 +14,10 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tests.workers.conftest import TINY, stream, submit
-from workers import keys, recovery, resp, scripts
+from workers import keys, resp, scripts
 from workers.claims import CANCELLED, Claim, Claims
 from workers.errors import JobFailure
+from workers.event_store import RedisEvents
 from workers.event_writer import EventWriter
 from workers.job_ends import JobEnds
 from workers.jobs import ActiveJob
@@ -82,11 +83,11 @@ def test_leases_renew_their_own_and_report_the_lost_ones(conn):
 def test_two_reapers_that_both_saw_a_lapsed_lease_requeue_the_job_once(conn, monkeypatch):
     job = claimed(conn, Leases(conn, "w", ttl_seconds=10))
     conn.delete(keys.job_lease(job.id))  # its worker went away
-    seen = recovery.each_member(conn, keys.RUNNING, lambda p, j: p.exists(keys.job_lease(j)))
+    seen = list(RedisEvents(conn).leases_of_running())
     assert seen == [(job.id, 0)]
     assert Reaper(conn, "r1", 10_000).run() == [job.id]
     # the second reaper looked before the first requeued, and takes its lock after
-    monkeypatch.setattr(recovery, "each_member", lambda *_: seen)
+    monkeypatch.setattr(RedisEvents, "leases_of_running", lambda _self: seen)
     assert Reaper(conn, "r2", 10_000).run() == []
     assert rq_queue(conn).get_job_ids() == [job.id]
     assert not conn.exists(keys.job_lease(job.id))

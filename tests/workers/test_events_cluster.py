@@ -15,6 +15,7 @@ from redis.crc import key_slot
 from tests.events_cluster import flush, local_cluster
 from tests.workers.conftest import TINY, record, submit, wait_done, wait_for
 from workers import cluster_step, keys, scripts
+from workers.event_store import ClusterEvents, events_of
 from workers.event_writer import EventWriter
 from workers.jobs import ActiveJob
 from workers.leases import Leases
@@ -276,7 +277,7 @@ def test_a_step_whose_record_write_failed_is_sent_again_and_ends_the_job_once(co
         writer.collect()
     assert _stream(events, job_id) == ["token", "done"]  # write 1 landed
     assert record(conn, job_id).status == "queued"  # write 2 did not
-    writer.connection = conn  # the queue Redis is back
+    writer.connection = writer.events.queue = conn  # the queue Redis is back
     assert writer.flush([job], None).finished == [job]  # the kept step, sent first
     writer.close()
     assert _stream(events, job_id) == ["token", "done"]  # nothing appended twice
@@ -309,3 +310,23 @@ def test_a_write_sent_to_a_node_that_no_longer_holds_the_slot_is_a_lost_connecti
     monkeypatch.undo()
     assert cluster_step.append_events(events, [entry]) == [True]  # sent again: lands once
     assert _stream(events, job_id) == ["token"]
+
+
+def test_a_cluster_client_is_the_cluster_mode_and_its_claim_leaves_the_lease_to_the_cluster(
+    conn, events
+):
+    store = events_of(conn, events)
+    assert isinstance(store, ClusterEvents) and (store.queue, store.client) == (conn, events)
+    job_id = submit(conn, COMPLETIONS, {"prompt": "hi"})
+    assert store.claim(QUEUES, Leases(store, "w", 10), None) == (0, job_id, 1)
+    assert not conn.exists(keys.job_lease(job_id)) and events.get(keys.job_lease(job_id)) == b"w:1"
+    assert store.requeue_fence(job_id, "w:1") == ""  # checked here: the script needs none
+    assert store.requeue_fence(job_id, "other:1") is None
+    assert list(store.leases_of_running()) == [(job_id, 1)]
+    store.drop_lease(job_id)
+    assert list(store.leases_of_running()) == [(job_id, 0)]
+    events.xadd(keys.job_events(job_id), dict(zip(("event", "data"), TOKEN, strict=True)))
+    with conn.pipeline() as pipe:
+        store.delete_stream(pipe, job_id)  # a command of its own on the cluster, at once
+        assert not events.exists(keys.job_events(job_id))
+        pipe.execute()

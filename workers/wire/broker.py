@@ -415,8 +415,3 @@ class EventsSettings:
         if not self.clustered:
             return "on the queue Redis"
         return "cluster via " + ",".join(f"{h}:{p}" for h, p in self.nodes)
-
-
-def is_cluster(client: Any) -> bool:
-    """Whether `client` is the events cluster's (its keys are spread over nodes)."""
-    return isinstance(client, RedisCluster)
