@@ -58,23 +58,32 @@ static inline __m256i block_dot(__m256i x_abs, __m256i signed_w) {
 #endif
 }
 
+/* 32 values -> int8 codes, their magnitudes and their scale (peak / 127); the values minus
+ * what the codes hold go to `residual`, if given */
+static void quantize_block(const float *v, int8_t *q, uint8_t *q_abs, float *block_scale, float *residual) {
+    float peak = 0.0f;
+    for (int i = 0; i < BLOCK; i++) peak = fabsf(v[i]) > peak ? fabsf(v[i]) : peak;
+    const float scale = peak / 127.0f, inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
+    *block_scale = scale;
+    for (int i = 0; i < BLOCK; i++) {
+        const int code = (int)nearbyintf(v[i] * inverse);
+        q[i] = (int8_t)code;
+        q_abs[i] = (uint8_t)(code < 0 ? -code : code);
+        if (residual) residual[i] = v[i] - scale * (float)code;
+    }
+}
+
 /* row x (times input_scale [k] first, if given) -> int8 codes q, their magnitudes |q|, and
- * one scale per block of 32 */
+ * one scale per block of 32; with `fine` (q2, q2_abs, scale2), what those codes miss is
+ * rounded the same way a second time (~15 bits of each block where one pass keeps ~8) */
 static void quantize_row(const float *x, const float *input_scale, int64_t k, int8_t *q, uint8_t *q_abs,
-                         float *block_scale) {
+                         float *block_scale, int8_t *q2, uint8_t *q2_abs, float *scale2) {
     for (int64_t b = 0; b < k / BLOCK; b++) {
-        float v[BLOCK];
+        float v[BLOCK], residual[BLOCK];
         for (int i = 0; i < BLOCK; i++)
             v[i] = input_scale ? x[b * BLOCK + i] * input_scale[b * BLOCK + i] : x[b * BLOCK + i];
-        float peak = 0.0f;
-        for (int i = 0; i < BLOCK; i++) peak = fabsf(v[i]) > peak ? fabsf(v[i]) : peak;
-        const float scale = peak / 127.0f, inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
-        block_scale[b] = scale;
-        for (int i = 0; i < BLOCK; i++) {
-            const int code = (int)nearbyintf(v[i] * inverse);
-            q[b * BLOCK + i] = (int8_t)code;
-            q_abs[b * BLOCK + i] = (uint8_t)(code < 0 ? -code : code);
-        }
+        quantize_block(v, q + b * BLOCK, q_abs + b * BLOCK, block_scale + b, q2 ? residual : NULL);
+        if (q2) quantize_block(residual, q2 + b * BLOCK, q2_abs + b * BLOCK, scale2 + b, NULL);
     }
 }
 
@@ -88,6 +97,9 @@ typedef struct {
     const int8_t *q;      /* [rows, k] */
     const uint8_t *q_abs; /* [rows, k] */
     const float *scale;   /* [rows, k / BLOCK] */
+    const int8_t *q2;     /* the second pass's codes (`quantize_row`), or NULL */
+    const uint8_t *q2_abs;
+    const float *scale2;
 } quantized_rows;
 
 /* a weight's scales per block (llmq_int8_blocks): `per_block` (1 or 2) float32 per 32 */
@@ -127,6 +139,15 @@ static inline __attribute__((always_inline)) void tile(quantized_rows x, int64_t
                 const __m256i dot = block_dot(xa[i], _mm256_sign_epi8(w, xq[i]));
                 const __m256 scale = ws.scale ? both_scales(ws, n0 + j, blocks, b, xs[i]) : xs[i];
                 acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][j]);
+                if (x.q2) { /* the second pass's block, added right after the first's */
+                    const int64_t at = (m0 + i) * k + b * BLOCK;
+                    const __m256i q2 = _mm256_loadu_si256((const __m256i *)(x.q2 + at));
+                    const __m256i a2 = _mm256_loadu_si256((const __m256i *)(x.q2_abs + at));
+                    const __m256 s2 = _mm256_set1_ps(x.scale2[(m0 + i) * blocks + b]);
+                    const __m256i dot2 = block_dot(a2, _mm256_sign_epi8(w, q2));
+                    const __m256 scale2 = ws.scale ? both_scales(ws, n0 + j, blocks, b, s2) : s2;
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), scale2, acc[i][j]);
+                }
             }
         }
     }
@@ -153,16 +174,25 @@ static void weight_rows(quantized_rows x, int64_t rows, int64_t k, const int8_t 
     }
 }
 
-static int product(const float *x, const float *input_scale, int64_t rows, int64_t k, const int8_t *codes,
-                   const float *scales, block_scales ws, int64_t n, int threads, void *work, float *out) {
+/* work: the rows' codes, magnitudes and scales (rows * (2k + 4k / 32) bytes), twice with
+ * `fine` */
+static int product(const float *x, const float *input_scale, int fine, int64_t rows, int64_t k,
+                   const int8_t *codes, const float *scales, block_scales ws, int64_t n, int threads,
+                   void *work, float *out) {
     if (k % BLOCK != 0) return 1;
     int8_t *q = (int8_t *)work;
     uint8_t *q_abs = (uint8_t *)(q + rows * k);
     float *block_scale = (float *)(q_abs + rows * k);
+    int8_t *q2 = fine ? (int8_t *)(block_scale + rows * (k / BLOCK)) : NULL;
+    uint8_t *q2_abs = fine ? (uint8_t *)(q2 + rows * k) : NULL;
+    float *scale2 = fine ? (float *)(q2_abs + rows * k) : NULL;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
-    for (int64_t m = 0; m < rows; m++)
-        quantize_row(x + m * k, input_scale, k, q + m * k, q_abs + m * k, block_scale + m * (k / BLOCK));
-    const quantized_rows quantized = {q, q_abs, block_scale};
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t at = m * k, bt = m * (k / BLOCK);
+        quantize_row(x + at, input_scale, k, q + at, q_abs + at, block_scale + bt, fine ? q2 + at : NULL,
+                     fine ? q2_abs + at : NULL, fine ? scale2 + bt : NULL);
+    }
+    const quantized_rows quantized = {q, q_abs, block_scale, q2, q2_abs, scale2};
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
@@ -176,16 +206,17 @@ static int product(const float *x, const float *input_scale, int64_t rows, int64
 int llmq_int8_rows(const float *x, int64_t rows, int64_t k, const int8_t *codes,
                    const float *scales, int64_t n, int threads, void *work, float *out) {
     const block_scales none = {NULL, 1};
-    return product(x, NULL, rows, k, codes, scales, none, n, threads, work, out);
+    return product(x, NULL, 0, rows, k, codes, scales, none, n, threads, work, out);
 }
 
 /* the same over a file's own codes: `weight_scales` [n, k / 32 * per_block] float32
  * (per_block 1: Q8_0's scale per 32; 2: a scale per 16), x times `input_scale` [k] (or
- * NULL) before it is rounded; 2 where per_block is neither */
-int llmq_int8_blocks(const float *x, const float *input_scale, int64_t rows, int64_t k,
+ * NULL) before it is rounded, in two passes with `fine` (work twice as large); 2 where
+ * per_block is neither */
+int llmq_int8_blocks(const float *x, const float *input_scale, int fine, int64_t rows, int64_t k,
                      const int8_t *codes, const float *weight_scales, int64_t per_block, int64_t n,
                      int threads, void *work, float *out) {
     if (per_block != 1 && per_block != 2) return 2;
     const block_scales ws = {weight_scales, per_block};
-    return product(x, input_scale, rows, k, codes, NULL, ws, n, threads, work, out);
+    return product(x, input_scale, fine, rows, k, codes, NULL, ws, n, threads, work, out);
 }

@@ -222,7 +222,8 @@ class Int8Rows:
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int, _ptr, _ptr]
         self._blocks = lib.llmq_int8_blocks
         self._blocks.restype = ctypes.c_int
-        self._blocks.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_int]
+        self._blocks.argtypes = [_ptr, _ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _i64]
+        self._blocks.argtypes += [ctypes.c_int]
         self._blocks.argtypes += [_ptr, _ptr]
 
     @staticmethod
@@ -235,9 +236,11 @@ class Int8Rows:
         codes: np.ndarray,
         scales: np.ndarray,
         input_scale: np.ndarray | None = None,
+        fine: bool = False,
     ) -> np.ndarray:
         """x `[T, K]` float32 (times `input_scale` `[K]` first) times a file's own codes `[N, K]`
-        int8 with float32 `scales` `[N, K / 32]` (Q8_0) or `[N, K / 16]` (Q6_K) -> `[T, N]`."""
+        int8 with float32 `scales` `[N, K / 32]` (Q8_0) or `[N, K / 16]` (Q6_K) -> `[T, N]`;
+        `fine`: x rounded in two passes (what one int8 pass misses, rounded again)."""
         x = np.ascontiguousarray(x, np.float32)
         rows, k = x.shape
         n = codes.shape[0]
@@ -259,11 +262,12 @@ class Int8Rows:
             raise ValueError(f"input_scale must be float32 [{k}]")
         if input_scale is not None:
             input_scale = np.ascontiguousarray(input_scale)  # kept alive through the call
-        work = np.empty(rows * (2 * k + 4 * (k // INT8_BLOCK)), np.uint8)
+        work = np.empty((2 if fine else 1) * rows * (2 * k + 4 * (k // INT8_BLOCK)), np.uint8)
         out = np.empty((rows, n), np.float32)
         self._blocks(
             address(x),
             None if input_scale is None else address(input_scale),
+            int(fine),
             rows,
             k,
             address(codes),

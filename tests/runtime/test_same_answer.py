@@ -3,10 +3,11 @@ after a prefix-cache hit, batched among other requests, and resumed from its sen
 on kernels whose rows do not depend on their batch, the same logits bit for bit.
 
 Attention is runtime/kernels/paged_attention.c, where each row is computed alone in a fixed
-order. The products are the plan's: torch's int4, int8 and bf16 kernels are row-invariant
-(the AVX-512 plans, and `row_invariant_plan` on any CPU), while fbgemm's fp16 (the AVX2 plan)
-and numpy's float32 BLAS round a row differently with the rows beside it, by ~1e-4 in the
-logits (bench/invariance.py): there the tokens are compared, not the bits.
+order. The products are the plan's: every CPU's default plan (`row_invariant_plan`) is
+row-invariant, while numpy's float32 BLAS (the numpy backend) rounds a row differently with
+the rows beside it, by ~1e-4 in the logits (bench/invariance.py): there the tokens are
+compared, not the bits. tests/runtime/test_row_invariance.py holds the bits in batches of up
+to 64 with LoRA adapters, here and with the AVX2 plan forced.
 """
 
 from __future__ import annotations
