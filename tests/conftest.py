@@ -4,7 +4,6 @@ the session's Redis where the machine runs none (tests/redis_db.py)."""
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,20 +11,14 @@ import pytest
 from tests.redis_db import start_session_redis
 from workers.redis_server import RedisServerProcess
 
-_session_redis: list[RedisServerProcess] = []
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Before any test module is imported (some read their Redis URL at import): a Redis
-    for the session when nothing answers on 6379."""
-    server = start_session_redis(Path(tempfile.mkdtemp(prefix="llmq-test-redis-")))
-    if server is not None:
-        _session_redis.append(server)
+# Started as this file is imported: pytest imports it before the conftest files below it
+# (which read their Redis URLs at import), and before its own configure hooks run.
+_session_redis: RedisServerProcess | None = start_session_redis()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for server in _session_redis:
-        server.stop()
+    if _session_redis is not None:
+        _session_redis.stop()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,7 +68,7 @@ SESSION_DATABASES = {
 SERVICE_URL = "redis://127.0.0.1:6379/0"
 
 
-def start_session_redis(data_dir: Path) -> RedisServerProcess | None:
+def start_session_redis() -> RedisServerProcess | None:
     """With no Redis answering on 6379 (a machine without the service), start one for the
     test session on a free port and point every test package's variable at it, unless the
     variable is set. Returns the server to stop at the end, or None when 6379 answers."""
@@ -76,7 +77,8 @@ def start_session_redis(data_dir: Path) -> RedisServerProcess | None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = RedisServerProcess(redis_binary(), port, extra_args=("--dir", str(data_dir)))
+    folder = tempfile.mkdtemp(prefix="llmq-test-redis-")  # its files, if it writes any
+    server = RedisServerProcess(redis_binary(), port, extra_args=("--dir", folder))
     server.start()
     for variable, db in SESSION_DATABASES.items():
         os.environ.setdefault(variable, f"redis://127.0.0.1:{port}/{db}")
