@@ -403,17 +403,6 @@ def _stop_children(children: list[Child]) -> None:
             child.process.wait()
 
 
-def wait_for_port(port: int, timeout: float = 10.0) -> None:
-    """Block until something accepts connections on 127.0.0.1:`port`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout:g}s")
-
-
 SERVE_HELP = """run everything: broker, API and workers (what `make serve` runs)
 
 Run the whole system: the API on http://HOST:PORT and N workers, against REDIS_URL if set
