@@ -53,16 +53,16 @@ from bench.harness import (  # noqa: E402
     steady_rate,
     verdict,
 )
-from workers.redis_server import RedisBinary, RedisServerProcess, find_redis_server  # noqa: E402
+from workers.redis_server import (  # noqa: E402
+    RedisBinary,
+    RedisServerProcess,
+    find_redis_server,
+    path_without_redis_server,
+)
 from workers.supervisor import BROKER_DIR_ENV, free_port  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SERVE_START_SECONDS = 300
-
-
-def path_without_redis_server() -> str:
-    folders = os.environ["PATH"].split(os.pathsep)
-    return os.pathsep.join(d for d in folders if not Path(d, "redis-server").exists())
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import redis
@@ -83,9 +82,3 @@ def start_session_redis() -> RedisServerProcess | None:
     for variable, db in SESSION_DATABASES.items():
         os.environ.setdefault(variable, f"redis://127.0.0.1:{port}/{db}")
     return server
-
-
-def path_without_redis_server() -> str:
-    """$PATH less every folder with a redis-server: a machine without the Redis package."""
-    folders = os.environ["PATH"].split(os.pathsep)
-    return os.pathsep.join(d for d in folders if not Path(d, "redis-server").exists())

@@ -103,6 +103,14 @@ def find_redis_server(path: str | None = None) -> RedisBinary:
     )
 
 
+def path_without_redis_server(path: str | None = None) -> str:
+    """`path` ($PATH by default) less every folder holding a redis-server: what a machine
+    without the Redis package has, for the benches and tests that measure or check that
+    case (`find_redis_server` then finds the one installed with llmq)."""
+    folders = (os.environ.get("PATH", "") if path is None else path).split(os.pathsep)
+    return os.pathsep.join(d for d in folders if d and not Path(d, "redis-server").exists())
+
+
 def pings(url: str) -> bool:
     try:
         with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1) as client:

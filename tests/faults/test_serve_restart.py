@@ -28,9 +28,9 @@ from tests.faults.conftest import (
     submit_async,
     wait_terminal,
 )
-from tests.redis_db import path_without_redis_server
 from tests.workers.conftest import wait_for
 from tests.workers.serve_run import Serve, free_port
+from workers.redis_server import path_without_redis_server
 from workers.supervisor import BROKER_DIR_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]

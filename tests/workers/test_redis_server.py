@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.redis_db import path_without_redis_server
 from workers.errors import ServeError
 from workers.redis_server import (
     MIN_VERSION,
@@ -19,6 +18,7 @@ from workers.redis_server import (
     RedisServerProcess,
     find_redis_server,
     packaged_redis_server,
+    path_without_redis_server,
 )
 from workers.supervisor import Broker, hold_lock
 

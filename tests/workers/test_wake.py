@@ -16,7 +16,6 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from api import store
-from tests.redis_db import path_without_redis_server
 from tests.workers.conftest import (
     TINY,
     WorkerThread,
@@ -28,6 +27,7 @@ from tests.workers.conftest import (
 )
 from workers import affinity, keys, recovery, scripts, supervisor
 from workers.presence import wake
+from workers.redis_server import path_without_redis_server
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, FINISHED, JobRecord
 from workers.wire.worker_info import WorkerInfo
 from workers.worker import LLMQWorker
