@@ -4,10 +4,13 @@ Per CPU (cpu.py): GGUF's 4- and 5-bit types keep the file's codes, a half scale 
 32 weights, laid out for runtime/kernels/lowbit_rows.c (`LowBitWeight`: integer dots over
 activations rounded to int8 per block of 32, as llama.cpp multiplies Q4_1 by Q8_1); where
 that kernel cannot be built, torch's group-wise int4 layout (`Int4Weight`, bf16 activations:
-torch's int4 kernel with float32 activations takes a path ~20x slower). Other types bf16 or
-fp16 (fbgemm). The LM head int8 per row where its rows allow it: lowbit_rows.c's 8-bit build
-with VNNI (`Int8GroupWeight`), else runtime/kernels/int8_rows.c. Only the 4-/5-bit layouts
-apply a preceding RMSNorm weight at run time; the dense stores fold it into their columns.
+torch's int4 kernel with float32 activations takes a path ~20x slower). Q8_0 and Q6_K as
+the file's codes for runtime/kernels/int8_rows.c (`Int8BlockWeight`). Other types fp16:
+fbgemm's, or runtime/kernels/dense_rows.c's on AVX2 (`Fp16RowsWeight`); bf16 where no C
+compiler works. The LM head int8 per row where its rows allow it: lowbit_rows.c's 8-bit
+build with VNNI (`Int8GroupWeight`), else runtime/kernels/int8_rows.c; on AVX2 as its file
+type says (`Int8BlockHead` for Q8_0). The integer layouts apply a preceding RMSNorm weight
+at run time; the dense stores fold it into their columns.
 Called with float32 numpy arrays they return numpy arrays, so the host forward pass shares
 model files and attention with the numpy backend; each weight's `product` takes and gives
 float32 tensors, which is what the tensor forward pass (kernels/device_backend.py) calls on
@@ -371,8 +374,8 @@ class Int8BlockWeight(_Product):
 class Int8BlockHead(Int8BlockWeight):
     """A Q8_0 / Q6_K head from the file's codes, its query rows rounded in two int8 passes
     (what the first misses, rounded again): the same bytes read, twice the integer dots.
-    With one pass SmolLM2's teacher-forced top-1 against float32 fell from 98.1% (fp16
-    head, float32 rows) to 97.8% on the AVX2 plan; see bench/RESULTS.md for two passes."""
+    On the AVX2 plan SmolLM2's teacher-forced top-1 against float32 was 98.1% with the fp16
+    head (float32 rows), 97.8% with one pass and 98.1% again with two."""
 
     kind = "int8-blocks-fine"
     fine = True
