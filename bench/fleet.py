@@ -464,10 +464,11 @@ def _free(port: int) -> bool:
     return True
 
 
-def cluster_primaries(nodes: str) -> list[redis.Redis]:
-    """A client of each primary of the events cluster (`nodes`: its startup nodes)."""
+def cluster_primaries(nodes: str) -> tuple[Any, list[redis.Redis]]:
+    """The events cluster's client (`nodes`: its startup nodes), to close at the end, and a
+    client of each of its primaries (theirs: closed with it)."""
     events = EventsSettings.from_env({EVENTS_CLUSTER_ENV: nodes}).connect(redis.Redis())
-    return [events.get_redis_connection(node) for node in events.get_primaries()]
+    return events, [events.get_redis_connection(node) for node in events.get_primaries()]
 
 
 # ----------------------------------------------------------------------------- report
@@ -582,6 +583,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stop_event, out = ctx.Event(), ctx.Queue()
     workers: list[Any] = []
     readiness: list[Any] = []
+    closing: list[Any] = []  # clients this run opened, closed at its end
     try:
         if args.redis_url:
             url = args.redis_url
@@ -589,6 +591,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             servers_here.append(start_redis(redis_binary(), tmp))
             url = servers_here[0].url
         conn = redis.Redis.from_url(url)
+        closing.append(conn)
         conn.flushdb()
         version = conn.info("server")["redis_version"]
         broker = f"Redis {version} (--redis-url)" if args.redis_url else redis_binary().describe()
@@ -596,7 +599,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if nodes == "local":
             cluster, nodes = start_cluster(redis_binary(), tmp)
             servers_here += cluster
-        shards = cluster_primaries(nodes) if nodes else []
+        cluster_client, shards = cluster_primaries(nodes) if nodes else (None, [])
+        if cluster_client is not None:
+            closing.append(cluster_client)
         for shard in shards:
             shard.flushall()
         if nodes:
@@ -670,6 +675,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if process.is_alive():
                 process.terminate()
         stop(api_proc)
+        for client in closing:
+            client.close()
         for server in servers_here:
             server.stop()
 
