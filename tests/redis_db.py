@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from workers.redis_server import (
     find_redis_server,
     pings,
 )
+from workers.supervisor import free_port
 
 
 @contextmanager
@@ -73,9 +73,7 @@ def start_session_redis() -> RedisServerProcess | None:
     variable is set. Returns the server to stop at the end, or None when 6379 answers."""
     if pings(SERVICE_URL):
         return None
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     folder = tempfile.mkdtemp(prefix="llmq-test-redis-")  # its files, if it writes any
     server = RedisServerProcess(redis_binary(), port, extra_args=("--dir", folder))
     server.start()

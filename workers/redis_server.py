@@ -50,11 +50,15 @@ class RedisBinary:
 
     @property
     def version_text(self) -> str:
-        return ".".join(str(part) for part in self.version)
+        return dotted(self.version)
 
     def describe(self) -> str:
         """For logs and benchmark titles: `redis-server 7.0.15 (PATH)`."""
         return f"redis-server {self.version_text} ({self.origin})"
+
+
+def dotted(version: tuple[int, ...]) -> str:
+    return ".".join(str(part) for part in version)
 
 
 def server_version(server: Path) -> tuple[int, int, int]:
@@ -93,10 +97,10 @@ def find_redis_server(path: str | None = None) -> RedisBinary:
         if version >= MIN_VERSION:
             same = packaged is not None and server.resolve() == packaged.resolve()
             return RedisBinary(server, version, PACKAGE if same else "PATH")
-        too_old = f"{on_path} is {'.'.join(map(str, version))}, older than llmq needs; "
+        too_old = f"{on_path} is {dotted(version)}, older than llmq needs; "
     if packaged is not None:
         return RedisBinary(packaged, server_version(packaged), PACKAGE)
-    minimum = ".".join(map(str, MIN_VERSION))
+    minimum = dotted(MIN_VERSION)
     raise RedisServerMissing(
         f"{too_old}no redis-server {minimum} or newer on PATH and none installed with llmq: "
         f"pip install {PACKAGE} (llmq's dependency), install redis-server, or set REDIS_URL"

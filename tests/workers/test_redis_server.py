@@ -4,7 +4,6 @@ durable one keeps what it acknowledged across a stop, a kill -9 and a restart.""
 from __future__ import annotations
 
 import signal
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,15 +19,9 @@ from workers.redis_server import (
     packaged_redis_server,
     path_without_redis_server,
 )
-from workers.supervisor import Broker, hold_lock
+from workers.supervisor import Broker, free_port, hold_lock
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def fake_redis_server(folder: Path, version: str) -> str:
