@@ -16,7 +16,18 @@ from typing import Any
 
 from flask import Flask, Response, current_app, g, request
 
-from api import admin, batches, files, jobs, openai_api, openapi, ops, rate_limits, ui
+from api import (
+    admin,
+    batches,
+    files,
+    jobs,
+    openai_api,
+    openapi,
+    ops,
+    rate_limits,
+    responses_api,
+    ui,
+)
 from api.config import broker_settings, from_env, make_events, make_redis, redis_conn
 from api.directory import DirectoryCache
 from api.errors import register_error_handlers
@@ -69,6 +80,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
         admin.bp,
         openapi.bp,
         ui.bp,
+        responses_api.bp,  # OpenAI's Responses API on the job system
     ):
         app.register_blueprint(blueprint)
     app.before_request(_assign_request_id)

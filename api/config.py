@@ -20,6 +20,9 @@ from workers.wire.broker import BrokerSettings, EventsSettings, Replication
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MAX_QUEUE = 1000
+# a Responses request of the flex tier is refused (429 `flex_queue_full`) when the model's
+# queues already hold this many waiting jobs (never more than LLMQ_MAX_QUEUE)
+DEFAULT_FLEX_MAX_QUEUE = 100
 MAX_CONTENT_LENGTH = 1024 * 1024  # 1 MiB: far above any sane prompt, far below memory trouble
 REDIS_SOCKET_TIMEOUT = 2.0  # a stalled Redis turns into a 503 within ~2 s (docs/faults.md F7)
 # Redis connections per API process: waiting streams hold none (api.stream_hub), so these
@@ -40,6 +43,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "API_KEYS": _csv(env.get("LLMQ_API_KEYS", "")),
         "ADMIN_KEY": env.get("LLMQ_ADMIN_KEY") or None,
         "MAX_QUEUE": _int("LLMQ_MAX_QUEUE", env.get("LLMQ_MAX_QUEUE"), DEFAULT_MAX_QUEUE),
+        "FLEX_MAX_QUEUE": _int(
+            "LLMQ_FLEX_MAX_QUEUE", env.get("LLMQ_FLEX_MAX_QUEUE"), DEFAULT_FLEX_MAX_QUEUE
+        ),
         # per API key (or client address) and minute; 0: off (api.rate_limits)
         "RATE_LIMIT_RPM": _limit("LLMQ_RATE_LIMIT_RPM", env.get("LLMQ_RATE_LIMIT_RPM")),
         "RATE_LIMIT_TPM": _limit("LLMQ_RATE_LIMIT_TPM", env.get("LLMQ_RATE_LIMIT_TPM")),

@@ -41,8 +41,17 @@ def prefers_async() -> bool:
     return any(p.split(";")[0].strip().lower() == "respond-async" for p in prefs.split(","))
 
 
-def submit_request(endpoint: str, req: Any) -> store.Submission:
-    """Check the model and the context, then store and enqueue the job (or find its twin)."""
+def submit_request(
+    endpoint: str,
+    req: Any,
+    *,
+    job_id: str | None = None,
+    responses: dict[str, Any] | None = None,
+    max_queue: int | None = None,
+) -> store.Submission:
+    """Check the model and the context, then store and enqueue the job (or find its twin).
+    A response (api/responses_api.py) names its id, its Responses request and, for the flex
+    tier, a shorter queue it may join (`max_queue`)."""
     conn = redis_conn()
     # a snapshot <= 1 s old; read now when it lacks the model (an adapter's name, unknown)
     directory = current_app.extensions["directory"].get(conn, req.model)
@@ -69,7 +78,7 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
             endpoint,
             req.model,
             req.to_job_request(),
-            max_queue=current_app.config["MAX_QUEUE"],
+            max_queue=current_app.config["MAX_QUEUE"] if max_queue is None else max_queue,
             idempotency=scoped,
             owner=caller_scope(),
             spec=None if spec is None else spec.to_record(),
@@ -77,6 +86,8 @@ def submit_request(endpoint: str, req: Any) -> store.Submission:
             response_model=requested if requested != req.model else None,
             reservation=None if admission is None else admission.reservation,
             replication=replication(),
+            job_id=job_id,
+            responses=responses,
         )
     except NotReplicated:  # the job exists: its end, or its withdrawal, settles the tokens
         raise
@@ -157,8 +168,9 @@ def error_from_event(event: StreamError) -> Response:
     return response
 
 
-def wait(record: JobRecord) -> Response:
-    """Follow the job's events until it ends; cancel it if the client goes away."""
+def wait_end(record: JobRecord) -> StreamDone | StreamError | None:
+    """Follow the job's events until it ends: its terminal event, or None when the client
+    went away (the job is then cancelled, as when it runs out of time)."""
     conn = redis_conn()
     watch = DisconnectWatch(request.environ)
     timeout = current_app.config["SYNC_TIMEOUT_SECONDS"]
@@ -167,17 +179,25 @@ def wait(record: JobRecord) -> Response:
     for event in follow(stream_hub(), record.id, tick=tick, watch=watch):
         if watch.gone():
             store.flag_and_dequeue(conn, record.id)
-            return Response(status=499)  # nobody reads it; keeps the access log honest
+            return None
         if event is None:
             if time.monotonic() > deadline:
                 store.flag_and_dequeue(conn, record.id)
                 raise ServiceUnavailable("The job did not finish in time.", code="timeout")
             continue
-        if isinstance(event.message, StreamDone):
-            return jsonify(event.message.result)
-        if isinstance(event.message, StreamError):
-            return error_from_event(event.message)
+        if isinstance(event.message, StreamDone | StreamError):
+            return event.message
     raise ServiceUnavailable("The job's event stream ended unexpectedly.")
+
+
+def wait(record: JobRecord) -> Response:
+    """Follow the job's events until it ends; cancel it if the client goes away."""
+    end = wait_end(record)
+    if end is None:
+        return Response(status=499)  # nobody reads it; keeps the access log honest
+    if isinstance(end, StreamDone):
+        return jsonify(end.result)
+    return error_from_event(end)
 
 
 def stream(record: JobRecord, req: Any) -> Response:

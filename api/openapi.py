@@ -18,6 +18,8 @@ from pydantic import BaseModel, Field
 from swagger_ui_bundle import swagger_ui_path
 
 from api import responses as r
+from api import webhook_bodies as wb
+from api.response_requests import ResponseRequest
 from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from workers.wire.job import ENDPOINTS, JOB_STATUSES
 
@@ -101,6 +103,9 @@ class Op:
 
 
 JOB_ID = Param("job_id", "path", {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"})
+RESPONSE_ID = Param(
+    "response_id", "path", {"type": "string", "pattern": "^resp_[A-Za-z0-9_-]{1,59}$"}
+)
 LIMIT_100 = Param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 100})
 AFTER = Param("after", "query", {"type": "string"}, "the id after which the page starts")
 PREFER = Param("Prefer", "header", {"type": "string"}, "`respond-async`: answer 202 with a job")
@@ -127,6 +132,61 @@ ROUTES: tuple[Op, ...] = (
         "Retrieve a model",
         ok={200: {JSON: r.ModelObject}},
         errors=(404,),
+    ),
+    # OpenAI's Responses API (api/responses_api.py)
+    Op(
+        "post",
+        "/v1/responses",
+        "responses",
+        "Create a response (SSE with stream; at once with background)",
+        ResponseRequest,
+        {200: {JSON: r.ResponseObject, SSE: None}},
+        V1_ERRORS,
+    ),
+    Op(
+        "get",
+        "/v1/responses/{response_id}",
+        "responses",
+        "Retrieve a response, or stream its events after starting_after",
+        ok={200: {JSON: r.ResponseObject, SSE: None}},
+        errors=(400, 404),
+        params=(
+            RESPONSE_ID,
+            Param("stream", "query", {"type": "boolean"}),
+            Param("starting_after", "query", {"type": "integer", "minimum": -1}),
+        ),
+    ),
+    Op(
+        "post",
+        "/v1/responses/{response_id}/cancel",
+        "responses",
+        "Cancel a background response",
+        ok={200: {JSON: r.ResponseObject}},
+        errors=(400, 404),
+        params=(RESPONSE_ID,),
+    ),
+    Op(
+        "delete",
+        "/v1/responses/{response_id}",
+        "responses",
+        "Delete a stored response",
+        ok={200: {JSON: r.ResponseDeleted}},
+        errors=(404, 409),
+        params=(RESPONSE_ID,),
+    ),
+    Op(
+        "get",
+        "/v1/responses/{response_id}/input_items",
+        "responses",
+        "A response's input items",
+        ok={200: {JSON: r.ResponseItemList}},
+        errors=(400, 404),
+        params=(
+            RESPONSE_ID,
+            LIMIT_100,
+            AFTER,
+            Param("order", "query", {"type": "string", "enum": ["asc", "desc"]}),
+        ),
     ),
     Op(
         "post",
@@ -287,6 +347,53 @@ ROUTES: tuple[Op, ...] = (
         "admin",
         "Unregister a LoRA adapter",
         ok={200: {JSON: r.LoraDeleted}},
+        errors=(404,),
+    ),
+    # webhooks (api/admin.py; bodies in api/webhook_bodies.py)
+    Op(
+        "post",
+        "/admin/webhooks",
+        "admin",
+        "Add a webhook endpoint (its secret is shown only here)",
+        wb.WebhookCreate,
+        {201: {JSON: wb.WebhookEndpointCreated}},
+    ),
+    Op(
+        "get",
+        "/admin/webhooks",
+        "admin",
+        "Webhook endpoints",
+        ok={200: {JSON: wb.WebhookEndpointList}},
+    ),
+    Op(
+        "delete",
+        "/admin/webhooks/{endpoint_id}",
+        "admin",
+        "Remove a webhook endpoint",
+        ok={200: {JSON: wb.WebhookEndpointDeleted}},
+        errors=(404,),
+    ),
+    Op(
+        "get",
+        "/admin/webhooks/{endpoint_id}/deliveries",
+        "admin",
+        "An endpoint's last delivery attempts, newest first",
+        ok={200: {JSON: wb.WebhookDeliveryList}},
+        errors=(404,),
+    ),
+    Op(
+        "get",
+        "/admin/webhooks/dead",
+        "admin",
+        "Deliveries that failed their last attempt",
+        ok={200: {JSON: wb.DeadDeliveryList}},
+    ),
+    Op(
+        "post",
+        "/admin/webhooks/dead/{delivery}/redeliver",
+        "admin",
+        "Send a dead delivery again, with its whole retry schedule",
+        ok={202: {JSON: wb.Redelivered}},
         errors=(404,),
     ),
     Op("get", "/health", "ops", "Liveness", ok={200: {JSON: r.Health}}),

@@ -30,6 +30,11 @@ from workers.wire.bodies import RequestCounts as RequestCounts
 from workers.wire.bodies import Usage as Usage
 from workers.wire.job import JOB_STATUSES
 
+# the Responses API's objects, rendered by `workers.wire.responses_api`
+from workers.wire.responses_api import ResponseDeleted as ResponseDeleted
+from workers.wire.responses_api import ResponseItemList as ResponseItemList
+from workers.wire.responses_api import ResponseObject as ResponseObject
+
 # ---------------------------------------------------------------- models
 
 

@@ -272,9 +272,13 @@ def submit(
     response_model: str | None = None,
     reservation: rate_limit.Reservation | None = None,
     replication: Replication | None = None,
+    job_id: str | None = None,
+    responses: dict[str, Any] | None = None,
 ) -> Submission:
     """Store and enqueue a job (or find the one an earlier request with the same
-    Idempotency-Key made); `reservation`: the rate-limit tokens its end settles.
+    Idempotency-Key made); `reservation`: the rate-limit tokens its end settles; `job_id`
+    an id the caller chose (a response's `resp_...`), `responses` the Responses request a
+    response's record carries (`workers.wire.responses_api`).
 
     With `replication` on, the job is acknowledged only once it is on enough replicas.
     When it is not (`NotReplicated`: the replicas lag, or the master failed over under
@@ -284,7 +288,7 @@ def submit(
     without one nobody can, so it is withdrawn (`flag_and_dequeue`: cancelled where it
     waits, stopped within a step where it runs) and the retry is a new job."""
     record = JobRecord(
-        id=new_job_id(),
+        id=job_id or new_job_id(),
         endpoint=endpoint,
         model=model,
         request=request,
@@ -292,6 +296,7 @@ def submit(
         spec=spec,
         priority=priority,
         response_model=response_model,
+        responses=responses,
     )
     if reservation is not None:
         record.ratelimit_key = reservation.bucket

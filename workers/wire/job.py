@@ -82,6 +82,9 @@ class JobRecord:
     ratelimit_key: str | None = None
     ratelimit_tokens: int | None = None
     ratelimit_token_ms: float | None = None
+    # a Responses API response (`workers.wire.responses_api`): its request as the client
+    # gave it (normalised, input items with ids) beside the chat request it runs as
+    responses: dict[str, Any] | None = None
 
     @property
     def responds_as(self) -> str:
@@ -127,6 +130,7 @@ class JobRecord:
             ratelimit_key=h.get("ratelimit_key"),
             ratelimit_tokens=int(h["ratelimit_tokens"]) if "ratelimit_tokens" in h else None,
             ratelimit_token_ms=optional_float(h.get("ratelimit_token_ms")),
+            responses=json.loads(h["responses"]) if "responses" in h else None,
         )
 
 
