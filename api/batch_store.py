@@ -36,6 +36,7 @@ from workers.wire.batches import (
     FileRecord,
 )
 from workers.wire.defaults import FILE_TTL_SECONDS
+from workers.wire.webhooks import queue_batch_event
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ def create_batch(
         pipe.hset(keys.batch(bid), mapping=record.to_hash())
         pipe.expire(keys.batch(bid), ttl)
         pipe.zadd(keys.BATCHES, {bid: now})
+        if errors:  # it ends here: the webhook outbox, in the same MULTI
+            queue_batch_event(pipe, bid, BATCH_FAILED)
         if not errors:
             if valid:
                 pipe.rpush(keys.batch_lines(bid), *[v.line for v in valid])

@@ -62,6 +62,7 @@ from workers.wire.members import each_member
 from workers.wire.rq_job import write_queued_rq_job
 from workers.wire.text import as_str
 from workers.wire.wake import push_wake
+from workers.wire.webhooks import queue_batch_event
 
 log = logging.getLogger("llmq.batches")
 
@@ -381,6 +382,7 @@ class BatchDriver:
                 keys.batch_errors(rec.id),
             )
             pipe.srem(keys.BATCHES_ACTIVE, rec.id)
+            queue_batch_event(pipe, rec.id, final)  # the webhook outbox, in the same MULTI
             pipe.execute()
         rec.status = final
         log.info(

@@ -40,7 +40,7 @@ from redis.exceptions import (
 )
 
 from workers import keys, resp, scripts
-from workers.wire import rate_limit
+from workers.wire import rate_limit, webhooks
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.events import (
     EVENT_DONE,
@@ -91,26 +91,30 @@ end
 return table.concat(out)
 """
 
-# KEYS: running set, jobs metric hash, then c cancel flags (every job of the step), then a
+# KEYS: running set, jobs metric hash, webhook outbox, then c cancel flags (every job of the
+# step), then a
 # record per job that has something for it. ARGV: ttl (s), c, then per such job: job id,
 # write mode (scripts.STEP_*), tokens used ('' if not known), n record fields, then 2n
 # field/value strings. Returns c characters: "1" where that cancel flag is set. A final
 # write's end is counted and settled only by the call that takes the job out of the running
-# set, so a retried or recovered end counts once. A step of running jobs with nothing new
+# set, so a retried or recovered end counts once (and appends the outbox entry of a job marked
+# as notifying, `wire.webhooks`, once). A step of running jobs with nothing new
 # for their records (most steps: counters go every second) is one MGET here.
 _RECORD_STEP = (
     rate_limit.SETTLE_LUA
+    + webhooks.NOTIFY_LUA
     + """
 local call = redis.call
-local running, jobs_metric, ttl, c = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
+local running, jobs_metric, outbox = KEYS[1], KEYS[2], KEYS[3]
+local ttl, c = ARGV[1], tonumber(ARGV[2])
 local out = {}
 if c > 0 then
-  for j, flag in ipairs(call('MGET', unpack(KEYS, 3, 2 + c))) do
+  for j, flag in ipairs(call('MGET', unpack(KEYS, 4, 3 + c))) do
     out[j] = flag and '1' or '0'
   end
 end
 local a = 3
-for k = 3 + c, #KEYS do
+for k = 4 + c, #KEYS do
   local record_key = KEYS[k]
   local job_id, mode, used, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local f = a + 4
@@ -120,6 +124,7 @@ for k = 3 + c, #KEYS do
     local status = call('HGET', record_key, 'status')
     if status then call('HINCRBY', jobs_metric, status, 1) end
     if used then llmq_settle(record_key, used) end
+    llmq_notify(record_key, outbox, job_id, status)
   end
   a = f + 2 * n
 end
@@ -259,7 +264,7 @@ def record_step(
             continue  # nothing for its record
         record_keys.append(job_keys[2])
         step_args += [args[1], mode, args[4], n, *args[8 : 8 + 2 * n]]
-    step_keys = [keys.RUNNING, keys.METRIC_JOBS, *cancel_keys, *record_keys]
+    step_keys = [keys.RUNNING, keys.METRIC_JOBS, keys.WEBHOOK_OUTBOX, *cancel_keys, *record_keys]
     reply = resp.script_round_trip(queue, RECORD_STEP, step_keys, step_args, metrics)
     flags = reply.decode() if isinstance(reply, bytes) else reply
     checks = [args[5] == "1" for _, args in entries]

@@ -338,3 +338,20 @@ def _split_owner(name: str) -> tuple[str, str | None]:
     if at < 0 or at + len(marker) == len(name):
         return name, None
     return name[: at + len(marker) - 1], name[at + len(marker) :]
+
+
+# Webhooks (`workers.wire.webhooks`; admin routes in api/admin.py, delivery in workers/webhooks.py):
+# - `llmq:webhooks`                hash endpoint id -> JSON endpoint (url, events, secret)
+# - `llmq:webhooks:outbox`         stream: one entry per terminal write of a job or batch that
+#                                  notifies (fields `kind`, `id`, `status`), appended by that
+#                                  write itself; read by the dispatcher's consumer group
+#                                  `WEBHOOK_OUTBOX_GROUP`, XACKed and XDELed once enqueued
+# - `llmq:webhooks:{id}:deliveries` list: the endpoint's last deliveries, newest first (capped)
+# - RQ queue `llmq:webhooks`: one job per (event, endpoint); its FailedJobRegistry is the
+#   dead-letter list. Not a model's queue: its name has no "llmq-" head, so
+#   `wire.queues.llmq_queue_names` (the model queues' listing) leaves it out
+WEBHOOKS = f"{PREFIX}:webhooks"
+WEBHOOK_OUTBOX = f"{PREFIX}:webhooks:outbox"
+WEBHOOK_OUTBOX_GROUP = "dispatchers"
+WEBHOOK_QUEUE = f"{PREFIX}:webhooks"  # RQ's key for it is rq:queue:llmq:webhooks
+webhook_deliveries = _key_of("webhooks", ":deliveries")

@@ -28,7 +28,7 @@ from typing import Any
 from rq.queue import Queue
 
 from workers import keys
-from workers.wire import rate_limit
+from workers.wire import rate_limit, webhooks
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.loaded_script import LoadedScript
 
@@ -91,7 +91,7 @@ end
 return {best_index, id, attempt}
 """
 
-# KEYS: lease, events stream, record, running set, jobs metric hash.
+# KEYS: lease, events stream, record, running set, jobs metric hash, webhook outbox.
 # ARGV: expected lease, job id, ttl (s), "1" if this ends the job, stream length the writer
 # expects before its events, n record fields, tokens the job used ('' if not known), 2n
 # field/value strings, event kind/data pairs.
@@ -100,11 +100,13 @@ return {best_index, id, attempt}
 # its reply was lost finds its own last event already there and is not applied twice.
 # The write that ends a job also counts it under its final status, so each job's end is
 # counted exactly once, even when its worker dies right after, and settles its rate-limit
-# reservation at the tokens it used (`wire.rate_limit`; nothing when it reserved none).
+# reservation at the tokens it used (`wire.rate_limit`; nothing when it reserved none), and
+# appends the outbox entry of a job marked as notifying (`wire.webhooks`).
 _APPEND = (
     rate_limit.SETTLE_LUA
+    + webhooks.NOTIFY_LUA
     + """
-local lease_key, events_key, record_key, running, jobs_metric = unpack(KEYS)
+local lease_key, events_key, record_key, running, jobs_metric, outbox = unpack(KEYS)
 local lease, job_id, ttl, final, expected, n = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local used = tonumber(ARGV[7])
 n, expected = tonumber(n), tonumber(expected)
@@ -133,33 +135,37 @@ if final == '1' then
   local status = redis.call('HGET', record_key, 'status')
   if status then redis.call('HINCRBY', jobs_metric, status, 1) end
   if used then llmq_settle(record_key, used) end
+  llmq_notify(record_key, outbox, job_id, status)
 end
 return last
 """
 )
 
 # One decode step's writes for every job a worker runs, in one call (`write_step`).
-# KEYS: running set, jobs metric hash, then per job: lease, events stream, record, cancel flag.
+# KEYS: running set, jobs metric hash, webhook outbox, then per job: lease, events stream,
+# record, cancel flag.
 # ARGV: ttl (s), then per job 8 values: expected lease, job id, write mode (STEP_* below),
 # stream length the writer expects before its events, tokens used ('' if not known), "1" to
 # read the cancel flag, n record fields, m events; then 2n field/value strings and 2m event
 # kind/data strings. Per job, as `_APPEND`: nothing is written unless the lease is the
 # expected one and the stream is as the writer left it, a write retried after its reply was
 # lost is not applied twice, and a final write gives up the lease, leaves the running set,
-# counts the job's end once and settles its rate-limit reservation. TTLs are set by a job's
-# first write of an attempt and by its final one, not by every step (the record and stream
-# outlive a running job by far). Returns a string of 2 characters per job, in order: "1"
-# written (or nothing to write), "0" lease or stream not as expected (nothing written); then
-# "1" if its cancel flag is set, else "0" (one string: cheaper to build and to read than
-# 2 integers a job).
+# counts the job's end once, settles its rate-limit reservation and appends the outbox
+# entry of a job marked as notifying (`wire.webhooks`: one HGET, at the final write). TTLs
+# are set by a job's first write of an attempt and by its final one, not by every step (the
+# record and stream outlive a running job by far). Returns a string of 2 characters per job,
+# in order: "1" written (or nothing to write), "0" lease or stream not as expected (nothing
+# written); then "1" if its cancel flag is set, else "0" (one string: cheaper to build and to
+# read than 2 integers a job).
 _WRITE_STEP = (
     rate_limit.SETTLE_LUA
+    + webhooks.NOTIFY_LUA
     + """
 local call = redis.call
-local running, jobs_metric = KEYS[1], KEYS[2]
+local running, jobs_metric, outbox = KEYS[1], KEYS[2], KEYS[3]
 local ttl = ARGV[1]
 local lease_keys, cancel_keys = {}, {}
-for k = 3, #KEYS, 4 do
+for k = 4, #KEYS, 4 do
   lease_keys[#lease_keys + 1] = KEYS[k]
   cancel_keys[#cancel_keys + 1] = KEYS[k + 3]
 end
@@ -187,13 +193,14 @@ local function write(j, lease_key, events_key, record_key, mode, expected, used,
     local status = call('HGET', record_key, 'status')
     if status then call('HINCRBY', jobs_metric, status, 1) end
     if used then llmq_settle(record_key, used) end
+    llmq_notify(record_key, outbox, ARGV[f - 7], status)
   end
   return 1
 end
 local out = {}
 local a = 2
 for j = 1, #lease_keys do
-  local k = 4 * j - 1
+  local k = 4 * j
   local mode, n, m = ARGV[a + 2], tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
   local f = a + 8
   local e = f + 2 * n
@@ -306,7 +313,7 @@ def step_call(
     entries: Sequence[tuple[list[str], list[Any]]], ttl: int = JOB_TTL_SECONDS
 ) -> tuple[list[str], list[Any]]:
     """The keys and arguments of one `_WRITE_STEP` call over `step_entry` parts."""
-    all_keys: list[str] = [keys.RUNNING, keys.METRIC_JOBS]
+    all_keys: list[str] = [keys.RUNNING, keys.METRIC_JOBS, keys.WEBHOOK_OUTBOX]
     args: list[Any] = [ttl]
     for job_keys, job_args in entries:
         all_keys += job_keys
@@ -387,6 +394,7 @@ def append(
         keys.job(job_id),
         keys.RUNNING,
         keys.METRIC_JOBS,
+        keys.WEBHOOK_OUTBOX,
     ]
     if hasattr(client, "command_stack"):  # a pipeline: no NOSCRIPT retry there
         return client.eval(_APPEND, len(job_keys), *job_keys, *argv)

@@ -40,6 +40,7 @@ from workers import keys
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.job import FINISHED
 from workers.wire.text import as_str, text_hash
+from workers.wire.webhooks import queue_notify
 
 EVENT_TOKEN, EVENT_DONE, EVENT_ERROR = "token", "done", "error"
 
@@ -241,7 +242,8 @@ def write_ending(
     pipe: Any, job_id: str, status: str, body: dict[str, Any], events: Any = None
 ) -> None:
     """Queue on `pipe` the end of a job nobody holds a lease on (cancelled while queued, or
-    refused): record fields, terminal event, and its count in `METRIC_JOBS`. A job a worker
+    refused): record fields, terminal event, its count in `METRIC_JOBS` and, for a record
+    marked as notifying, its webhook outbox entry (`wire.webhooks`). A job a worker
     runs ends through the fenced `scripts.append` with the same `ending`. With `events` (the
     events cluster's client, `wire.broker.EventsSettings`) the terminal event is written
     there now, before the record's end that `pipe` carries (the stream ends first)."""
@@ -253,3 +255,4 @@ def write_ending(
     if stream is not pipe:
         stream.execute()
     pipe.hincrby(keys.METRIC_JOBS, status, 1)
+    queue_notify(pipe, job_id, status)
