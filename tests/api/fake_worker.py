@@ -10,7 +10,9 @@ message's content for chat):
 - tokens are "t0 ", "t1 ", ... (`max_tokens` of them, or 8 when unset);
 - "slow" in the prompt waits `slow_delay` seconds per token;
 - "toolong" in the prompt fails the job with a 400, like a prompt beyond the context;
-- "crash" in the prompt fails it with a 500.
+- "crash" in the prompt fails it with a 500;
+- "callfn" in a chat prompt whose request has tools answers with one call of the first
+  tool, `{"city": "Paris"}`, as tool-call deltas (`workers.wire.events`) and `tool_calls`.
 """
 
 from __future__ import annotations
@@ -165,6 +167,9 @@ class FakeWorker:
             job.result = self._embeddings(record)
             self._flush(job)
             return
+        if "callfn" in prompt and record.request.get("tools"):
+            self._call_tool(job, record, attempt)
+            return
         spec = GenerationSpec.from_record(record.spec or {})
         count = spec.max_tokens or 8
         choices = spec.n * len(spec.prompts or [None])
@@ -188,6 +193,30 @@ class FakeWorker:
             if delay:
                 time.sleep(delay)
         job.result = self._result(record, texts, count)
+        self._flush(job)
+
+    def _call_tool(self, job: _ScriptedJob, record: JobRecord, attempt: int) -> None:
+        """A call of the request's first tool, streamed as the worker streams one."""
+        name = record.request["tools"][0]["function"]["name"]
+        call_id = f"call_{record.id[-8:]}"
+        first = {"index": 0, "id": call_id, "type": "function"}
+        deltas = [
+            {"tool_calls": [{**first, "function": {"name": name, "arguments": ""}}]},
+            {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+            {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+        ]
+        for i, delta in enumerate(deltas):
+            finish = "tool_calls" if i == len(deltas) - 1 else None
+            event = token_event(0, i, "x", 100 + i, None, finish, attempt, None, None, delta)
+            job.pending.append(event)
+        job.tokens = len(deltas)
+        self._flush(job)
+        job.result = self._result(record, [""], len(deltas))
+        call = {**first, "function": {"name": name, "arguments": '{"city": "Paris"}'}}
+        call.pop("index")
+        choice = job.result["choices"][0]
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        choice["finish_reason"] = "tool_calls"
         self._flush(job)
 
     def _flush(self, job: _ScriptedJob) -> None:
