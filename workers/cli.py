@@ -144,6 +144,49 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         help="least severe log records written to stderr",
     )
     worker.set_defaults(handler=run_worker)
+    add_webhook_command(sub)
+
+
+WEBHOOKS_HELP = """deliver webhooks: signed POSTs of response and batch events, with retries
+
+Read the webhook outbox (each notifying job's or batch's end, written with it), enqueue one
+RQ job per subscribed endpoint, and deliver them with an RQ SimpleWorker (scheduler on):
+Standard Webhooks signatures, retries with backoff for about a day, then the dead-letter
+list (GET /admin/webhooks/dead). Run one or more; each restart picks up where it stopped.
+"""
+
+
+def add_webhook_command(sub: argparse._SubParsersAction) -> None:
+    webhooks = add_command(
+        sub,
+        "webhooks",
+        WEBHOOKS_HELP,
+        epilog="Environment: REDIS_URL (or REDIS_SENTINELS ...), LLMQ_WEBHOOK_ALLOW (hosts "
+        "or CIDRs a webhook may reach although private or loopback), "
+        "LLMQ_WEBHOOK_TIMEOUT_SECONDS (each POST, default 10), LLMQ_WEBHOOK_RETRY_INTERVALS "
+        "(comma-separated seconds between attempts; default 1,2,4,...,2048 then 3600 x 23).",
+    )
+    webhooks.add_argument(
+        "--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0"
+    )
+    webhooks.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="least severe log records written to stderr",
+    )
+    webhooks.set_defaults(handler=run_webhooks)
+
+
+def run_webhooks(args: argparse.Namespace) -> int:
+    from workers.webhooks import run_webhooks as run
+
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return _connected(lambda: run(args.redis_url, args.log_level))
 
 
 def run_worker(args: argparse.Namespace) -> int:

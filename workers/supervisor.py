@@ -364,6 +364,9 @@ def serve(config: ServeConfig) -> int:
         worker_args += ["--device", config.device]
     for i in range(config.workers):
         children.append(Child(f"worker-{i}", llmq_command(*worker_args), env))
+    # webhook deliveries (workers/webhooks.py): apart from the workers, so a slow receiver
+    # never holds a decode step
+    children.append(Child("webhooks", llmq_command("webhooks"), env))
 
     stopping = threading.Event()
 

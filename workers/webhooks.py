@@ -1,0 +1,406 @@
+"""`llmq webhooks`: the outbox dispatcher and the RQ worker that delivers webhooks.
+
+The dispatcher reads `keys.WEBHOOK_OUTBOX` with a consumer group (XREADGROUP BLOCK; its own
+pending entries first after a restart, XAUTOCLAIM for those a dead dispatcher left), and
+for each entry and each endpoint subscribed to its event type enqueues one RQ job on
+`keys.WEBHOOK_QUEUE` with a deterministic id (`delivery_id`: a re-dispatch finds the job
+and enqueues nothing), then XACKs and XDELs the entry. The RQ job (`deliver`,
+workers/webhook_delivery.py) signs and POSTs; RQ's `Retry` reschedules a failure
+(`WebhookSettings.intervals`), and a delivery that failed its last attempt stays in the
+queue's FailedJobRegistry: the dead-letter list (`redeliver` sends it again).
+
+A webhooks process killed mid-delivery leaves an execution in RQ's StartedJobRegistry;
+RQ retries it after the job's timeout + 60 s, and a webhooks process on the same host
+retries it at once when it finds its worker's pid gone (`rescue_dead_deliveries`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq import Queue, Retry, SimpleWorker
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.scheduler import SCHEDULER_KEY_TEMPLATE, RQScheduler
+from rq.serializers import JSONSerializer
+
+from workers import keys
+from workers.errors import WorkerError
+from workers.wire.text import as_str
+from workers.wire.webhooks import (
+    NOTIFY_BATCH,
+    OutboxEntry,
+    all_endpoints,
+    batch_event_type,
+    event_body,
+    response_event_type,
+)
+
+log = logging.getLogger("llmq.webhooks")
+
+DELIVER_FUNCTION = "workers.webhook_delivery.deliver"  # the only function this worker runs
+# 1, 2, 4 ... 2048 s (4095 s, ~68 min, in all), then hourly: 35 retries, 36 attempts in
+# ~24 h 8 min from the first
+DEFAULT_INTERVALS = tuple([2**i for i in range(12)] + [3600] * 23)
+DEFAULT_TIMEOUT_SECONDS = 10.0
+RESULT_TTL_SECONDS = 2 * 24 * 3600  # a delivered job's id stays: a re-dispatch finds it
+DEAD_TTL_SECONDS = 30 * 24 * 3600  # the dead-letter list keeps a delivery a month
+CLAIM_IDLE_MS = 60_000  # another dispatcher's unacknowledged entry is taken after this
+RESCUE_EVERY_SECONDS = 5.0
+
+
+class WebhookSettingsError(WorkerError, ValueError):
+    """An LLMQ_WEBHOOK_* variable that cannot be read."""
+
+
+@dataclass(frozen=True)
+class WebhookSettings:
+    """`LLMQ_WEBHOOK_TIMEOUT_SECONDS` (each POST), `LLMQ_WEBHOOK_RETRY_INTERVALS` (comma-
+    separated seconds between attempts; its last repeats for no more), `LLMQ_WEBHOOK_ALLOW`
+    (hosts or CIDRs that may be private, loopback ...: workers/webhook_delivery.py)."""
+
+    timeout: float = DEFAULT_TIMEOUT_SECONDS
+    intervals: tuple[int, ...] = DEFAULT_INTERVALS
+    allow: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, environ: Any = None) -> WebhookSettings:
+        env = os.environ if environ is None else environ
+        try:
+            timeout = float(env.get("LLMQ_WEBHOOK_TIMEOUT_SECONDS") or DEFAULT_TIMEOUT_SECONDS)
+            raw = env.get("LLMQ_WEBHOOK_RETRY_INTERVALS", "").strip()
+            intervals = tuple(int(x) for x in raw.split(",") if x.strip()) if raw else None
+        except ValueError as exc:
+            raise WebhookSettingsError(f"LLMQ_WEBHOOK_*: {exc}") from None
+        if not timeout > 0 or (intervals is not None and any(i < 0 for i in intervals)):
+            raise WebhookSettingsError(
+                "LLMQ_WEBHOOK_TIMEOUT_SECONDS must be > 0 and LLMQ_WEBHOOK_RETRY_INTERVALS "
+                "seconds >= 0"
+            )
+        allow = tuple(a.strip() for a in env.get("LLMQ_WEBHOOK_ALLOW", "").split(",") if a.strip())
+        return cls(timeout, DEFAULT_INTERVALS if intervals is None else intervals, allow)
+
+    def retry(self) -> Retry | None:
+        return (
+            Retry(max=len(self.intervals), interval=list(self.intervals))
+            if self.intervals
+            else None
+        )
+
+
+def webhook_queue(conn: redis.Redis) -> Queue:
+    return Queue(keys.WEBHOOK_QUEUE, connection=conn, serializer=JSONSerializer)
+
+
+def delivery_id(event_id: str, endpoint_id: str) -> str:
+    """The RQ job of one event to one endpoint (RQ's id alphabet)."""
+    return f"whd_{event_id.removeprefix('evt_')}_{endpoint_id}"
+
+
+# ---------------------------------------------------------------- the dispatcher
+
+
+class Dispatcher:
+    """Outbox entries -> one RQ delivery job per subscribed endpoint, then XACK + XDEL."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        settings: WebhookSettings,
+        consumer: str | None = None,
+        block_ms: int = 1000,
+    ) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.queue = webhook_queue(conn)
+        self.consumer = consumer or f"{socket.gethostname()}.{os.getpid()}"
+        self.block_ms = block_ms
+        self._own_pending = True  # after a start: this consumer's unacknowledged entries
+
+    def ensure_group(self) -> None:
+        try:
+            self.conn.xgroup_create(
+                keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP, "0", mkstream=True
+            )
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def run_once(self) -> int:
+        """Dispatch what waits (blocking up to `block_ms` when nothing does); how many."""
+        entries = self._claimed() or self._read()
+        for entry_id, fields in entries:
+            self.dispatch(OutboxEntry.from_entry(entry_id, fields or {}))
+            with self.conn.pipeline() as pipe:
+                pipe.xack(keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP, entry_id)
+                pipe.xdel(keys.WEBHOOK_OUTBOX, entry_id)
+                pipe.execute()
+        return len(entries)
+
+    def _claimed(self) -> list[Any]:
+        if self._own_pending:  # a restart under the same consumer name: its pending first
+            got = self.conn.xreadgroup(
+                keys.WEBHOOK_OUTBOX_GROUP, self.consumer, {keys.WEBHOOK_OUTBOX: "0"}, count=100
+            )
+            pending = got[0][1] if got else []
+            self._own_pending = bool(pending)
+            if pending:
+                return pending
+        reply = self.conn.xautoclaim(
+            keys.WEBHOOK_OUTBOX,
+            keys.WEBHOOK_OUTBOX_GROUP,
+            self.consumer,
+            CLAIM_IDLE_MS,
+            "0-0",
+            count=100,
+        )
+        return [e for e in reply[1] if e[1] is not None] if reply else []
+
+    def _read(self) -> list[Any]:
+        got = self.conn.xreadgroup(
+            keys.WEBHOOK_OUTBOX_GROUP,
+            self.consumer,
+            {keys.WEBHOOK_OUTBOX: ">"},
+            count=100,
+            block=self.block_ms,
+        )
+        return got[0][1] if got else []
+
+    def event_type(self, entry: OutboxEntry) -> str | None:
+        if entry.kind == NOTIFY_BATCH:
+            return batch_event_type(entry.status)
+        result = None
+        if entry.status == "finished":
+            raw = self.conn.hget(keys.job(entry.id), "result")
+            result = _json_object(raw)
+        return response_event_type(entry.status, result)
+
+    def dispatch(self, entry: OutboxEntry) -> list[str]:
+        """Enqueue the entry's deliveries; the ids of those enqueued now."""
+        event_type = self.event_type(entry)
+        if event_type is None:
+            log.warning(
+                "outbox entry %s: no event for %s %s", entry.entry_id, entry.kind, entry.status
+            )
+            return []
+        event = event_body(event_type, entry.id, entry.at_ms // 1000)
+        enqueued = []
+        for endpoint in all_endpoints(self.conn):
+            if event_type not in endpoint.events:
+                continue
+            job_id = delivery_id(event["id"], endpoint.id)
+            if Job.exists(job_id, connection=self.conn):
+                continue  # dispatched before (this entry again, or its end written twice)
+            self.queue.enqueue(
+                DELIVER_FUNCTION,
+                endpoint.id,
+                event,
+                entry.at_ms,
+                job_id=job_id,
+                retry=self.settings.retry(),
+                job_timeout=int(self.settings.timeout) + 10,
+                result_ttl=RESULT_TTL_SECONDS,
+                failure_ttl=DEAD_TTL_SECONDS,
+                description=f"webhook {event_type} {event['id']} -> {endpoint.id}",
+                meta={"attempts": len(self.settings.intervals) + 1},
+            )
+            enqueued.append(job_id)
+        return enqueued
+
+
+def _json_object(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# ---------------------------------------------------------------- the dead-letter list
+
+
+def dead_deliveries(conn: redis.Redis) -> list[Job]:
+    """Deliveries that failed their last attempt, newest first."""
+    registry = FailedJobRegistry(queue=webhook_queue(conn))
+    ids = registry.get_job_ids(desc=True)
+    return [j for j in Job.fetch_many(ids, connection=conn, serializer=JSONSerializer) if j]
+
+
+def redeliver(conn: redis.Redis, job_id: str, settings: WebhookSettings | None = None) -> bool:
+    """Send a dead delivery again, with its full retry schedule; False if it is not dead."""
+    registry = FailedJobRegistry(queue=webhook_queue(conn))
+    if job_id not in registry:
+        return False
+    settings = settings or WebhookSettings.from_env()
+    job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    job.retries_left = len(settings.intervals)
+    job.retry_intervals = list(settings.intervals) or None
+    job.meta["attempts"] = len(settings.intervals) + 1
+    job.meta["redelivered"] = int(job.meta.get("redelivered", 0)) + 1
+    job.save()
+    registry.requeue(job)
+    return True
+
+
+# ---------------------------------------------------------------- the process
+
+
+class WebhookWorker(SimpleWorker):
+    """RQ's SimpleWorker that runs only webhook deliveries (docs/faults.md F19: anything
+    else found on its queue is failed, never called)."""
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        if job.func_name != DELIVER_FUNCTION:
+            log.error("refused job %s: %s is not a webhook delivery", job.id, job.func_name)
+            job.set_status(JobStatus.FAILED)
+            FailedJobRegistry(queue=queue).add(job, exc_string="refused: not a webhook delivery")
+            return
+        super().execute_job(job, queue)
+
+
+def worker_name() -> str:
+    return f"webhooks.{socket.gethostname()}.{os.getpid()}"
+
+
+def _dead_here(name: str, host: str) -> bool:
+    """Whether the process named `name` (`worker_name`) ran on this host and is gone."""
+    prefix = f"webhooks.{host}."
+    if not name.startswith(prefix):
+        return False
+    try:
+        pid = int(name[len(prefix) :])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def rescue_dead_deliveries(conn: redis.Redis) -> int:
+    """Retry at once the deliveries whose webhooks process on this host died mid-POST
+    (kill -9: RQ would wait for the job's timeout + 60 s); how many."""
+    queue = webhook_queue(conn)
+    registry = StartedJobRegistry(queue=queue)
+    host, rescued = socket.gethostname(), 0
+    for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
+        try:
+            worker = Execution.fetch(execution_id, job_id, connection=conn).worker_name
+        except ValueError:  # its hash expired: RQ's own cleanup takes it
+            continue
+        if not _dead_here(worker, host):
+            continue
+        try:
+            job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+        except Exception:  # noqa: BLE001 - gone meanwhile: nothing to rescue
+            continue
+        with conn.pipeline() as pipe:
+            registry.remove_executions(job, pipeline=pipe)
+            if job.retries_left:
+                job.retry(queue, pipe)
+            else:
+                queue.enqueue_job(job, pipeline=pipe, at_front=True)  # one more try
+            pipe.execute()
+        log.warning("delivery %s: its worker %s died mid-delivery; retrying it", job_id, worker)
+        rescued += 1
+    return rescued
+
+
+_DELETE_IF = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end"
+
+
+def clear_dead_scheduler_lock(conn: redis.Redis) -> bool:
+    """Drop the webhook queue's RQ scheduler lock when its holder ran on this host and is
+    gone (kill -9), so this process's scheduler starts now, not after the lock's TTL."""
+    lock = RQScheduler.get_locking_key(keys.WEBHOOK_QUEUE)
+    holder = conn.get(lock)
+    if holder is None:
+        return False
+    info = {
+        as_str(k): as_str(v)
+        for k, v in conn.hgetall(SCHEDULER_KEY_TEMPLATE % as_str(holder)).items()
+    }
+    pid = int(info.get("pid") or 0)
+    if info.get("hostname") != socket.gethostname() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return False
+    return bool(conn.eval(_DELETE_IF, 1, lock, holder))
+
+
+def dispatch_forever(conn: redis.Redis, settings: WebhookSettings, stop: threading.Event) -> None:
+    """The dispatcher's loop (a thread of `llmq webhooks`): reconnects after Redis errors."""
+    dispatcher = Dispatcher(conn, settings)
+    rescued_at = 0.0
+    while not stop.is_set():
+        try:
+            dispatcher.ensure_group()
+            while not stop.is_set():
+                dispatcher.run_once()
+                if time.monotonic() - rescued_at > RESCUE_EVERY_SECONDS:
+                    rescue_dead_deliveries(conn)
+                    rescued_at = time.monotonic()
+        except redis.RedisError as exc:
+            log.warning("webhook dispatcher: %s; retrying in 1 s", exc)
+            stop.wait(1.0)
+
+
+def run_webhooks(url: str | None, log_level: str = "INFO") -> int:
+    """`llmq webhooks`: the dispatcher thread and one delivering RQ SimpleWorker with the
+    scheduler on (RQ's scheduler moves retries that are due back to the queue)."""
+    from workers.wire.broker import BrokerSettings
+
+    settings = WebhookSettings.from_env()
+    broker = BrokerSettings.from_env(url=url)
+    conn = broker.connect(socket_timeout=30, health_check_interval=10)
+    stop = threading.Event()
+    clear_dead_scheduler_lock(conn)
+    rescue_dead_deliveries(conn)
+    thread = threading.Thread(
+        target=dispatch_forever,
+        args=(broker.connect(socket_timeout=30), settings, stop),
+        name="webhook-dispatcher",
+        daemon=True,
+    )
+    thread.start()
+    log.info(
+        "webhooks: %s, timeout %.1f s, %d attempts, allow %s",
+        broker.describe(),
+        settings.timeout,
+        len(settings.intervals) + 1,
+        ",".join(settings.allow) or "-",
+    )
+    worker = WebhookWorker(
+        [webhook_queue(conn)],
+        connection=conn,
+        serializer=JSONSerializer,
+        name=worker_name(),
+        log_job_description=False,
+        maintenance_interval=10,
+    )
+    try:
+        worker.work(with_scheduler=True, logging_level=log_level)
+    finally:
+        stop.set()
+    return 0
