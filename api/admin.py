@@ -22,6 +22,7 @@ from rq.registry import (
 )
 
 from api import loras, store
+from api import webhook_bodies as wb
 from api.auth import require_admin
 from api.body import json_object
 from api.config import redis_conn
@@ -50,6 +51,8 @@ from runtime.gguf_file import GGUFFile
 from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter
 from runtime.registry import resolve as resolve_model
 from workers import keys
+from workers import webhooks as webhook_process
+from workers.wire import webhooks
 from workers.wire.broker import replication_state
 from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, push_command
 from workers.wire.defaults import HISTORY_SAMPLE_SECONDS
@@ -278,3 +281,94 @@ def delete_lora(name: str) -> Response:
     if entry is not None:
         AdapterRollout(conn, entry, 0).announce()
     return jsonify(LoraDeleted(name=name, object="lora", deleted=True).dump())
+
+
+# ---------------------------------------------------------------- webhooks
+# Endpoints and their delivery logs live in Redis (`workers.wire.webhooks`); deliveries are
+# RQ jobs run by `llmq webhooks` (workers/webhooks.py).
+
+
+def _endpoint_body(endpoint: webhooks.Endpoint) -> dict[str, Any]:
+    return wb.WebhookEndpoint(object="webhook_endpoint", **endpoint.public()).dump()
+
+
+@bp.post("/webhooks")
+def create_webhook() -> Response:
+    body = json_object()
+    unknown = sorted(set(body) - {"url", "events"})
+    if unknown:
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0]
+        )
+    for param, problem in (
+        ("url", webhooks.url_problem(body.get("url"))),
+        ("events", webhooks.events_problem(body.get("events"))),
+    ):
+        if problem:
+            raise InvalidRequest(problem, param=param)
+    endpoint = webhooks.create_endpoint(redis_conn(), body["url"], body["events"])
+    created = wb.WebhookEndpointCreated(
+        object="webhook_endpoint", **endpoint.public(), secret=endpoint.secret
+    )
+    response = jsonify(created.dump())
+    response.status_code = 201
+    return response
+
+
+@bp.get("/webhooks")
+def list_webhooks() -> Response:
+    data = [_endpoint_body(e) for e in webhooks.all_endpoints(redis_conn())]
+    return jsonify({"object": "list", "data": data})
+
+
+@bp.delete("/webhooks/<endpoint_id>")
+def delete_webhook(endpoint_id: str) -> Response:
+    if not webhooks.delete_endpoint(redis_conn(), endpoint_id):
+        raise NotFound(f"No webhook endpoint with id {endpoint_id!r}.", param="id")
+    body = wb.WebhookEndpointDeleted(id=endpoint_id, object="webhook_endpoint", deleted=True)
+    return jsonify(body.dump())
+
+
+@bp.get("/webhooks/<endpoint_id>/deliveries")
+def webhook_deliveries(endpoint_id: str) -> Response:
+    conn = redis_conn()
+    if webhooks.get_endpoint(conn, endpoint_id) is None:
+        raise NotFound(f"No webhook endpoint with id {endpoint_id!r}.", param="id")
+    data = [wb.WebhookDelivery(**d).dump() for d in webhooks.read_deliveries(conn, endpoint_id)]
+    return jsonify({"object": "list", "data": data})
+
+
+@bp.get("/webhooks/dead")
+def dead_webhooks() -> Response:
+    data = []
+    for job in webhook_process.dead_deliveries(redis_conn()):
+        endpoint_id, event = (list(job.args) + [None, {}])[:2]
+        event = event if isinstance(event, dict) else {}
+        failed_at = job.ended_at.timestamp() if job.ended_at else None
+        latest = job.latest_result()
+        error = (
+            latest.exc_string.strip().splitlines()[-1][:300]
+            if latest and latest.exc_string
+            else None
+        )
+        data.append(
+            wb.DeadDelivery(
+                delivery=job.id,
+                endpoint_id=str(endpoint_id),
+                event_id=str(event.get("id", "")),
+                type=str(event.get("type", "")),
+                error=error,
+                failed_at=failed_at,
+            ).dump()
+        )
+    return jsonify({"object": "list", "data": data})
+
+
+@bp.post("/webhooks/dead/<delivery>/redeliver")
+def redeliver_webhook(delivery: str) -> Response:
+    if not keys.is_valid_job_id(delivery) or not webhook_process.redeliver(redis_conn(), delivery):
+        raise NotFound(f"No dead webhook delivery with id {delivery!r}.", param="delivery")
+    body = wb.Redelivered(delivery=delivery, object="webhook_delivery", status="queued")
+    response = jsonify(body.dump())
+    response.status_code = 202
+    return response
