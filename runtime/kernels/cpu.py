@@ -43,8 +43,9 @@ class KernelPlan:
     # the same rules as any head): on AVX2 "int4+rescore", since fp16 read all of Gemma 3's
     # 262k-row head, 335 MB, at every decode step (bench/log/2026-11-24-avx2-epyc.md)
     large_head: str = ""
-    # Q8_0 and Q6_K: "int8-blocks" (the file's codes through int8_rows.c, torch_backend.py
-    # `Int8BlockWeight`), or "" for `other`'s kind
+    # Q8_0 and Q6_K: the file's codes through int8_rows.c, "int8-block-groups" (16 rows
+    # side by side, torch_backend.py `Int8BlockGroupWeight`) or "int8-blocks" (a row at a
+    # time, `Int8BlockWeight`; `LLMQ_INT8_LAYOUT=rows`), or "" for `other`'s kind
     eight_bit: str = ""
 
     def describe(self) -> dict[str, str]:
@@ -93,6 +94,9 @@ def plan_for(features: CpuFeatures) -> KernelPlan:
     return row_invariant_plan(features)
 
 
+# "rows": Q8_0 / Q6_K a weight row at a time (int8_rows.c `llmq_int8_blocks`), the layout
+# before the grouped one, kept for benches' A/B; default "groups"
+INT8_LAYOUT_ENV = "LLMQ_INT8_LAYOUT"
 KERNELS_ENV = "LLMQ_KERNELS"  # "row-invariant" (default; "cpu" names it too) or "fp16"
 KV_CACHE_ENV = "LLMQ_KV_CACHE"  # "float32" (default) or "float16"
 KV_CACHE_TYPES = ("float32", "float16")
@@ -116,7 +120,7 @@ def row_invariant_plan(features: CpuFeatures) -> KernelPlan:
     (`plan_for`); where they cannot be built, torch's int4, int8 and bf16, row-invariant
     but slow there."""
     if features.level in ("amx", "avx512_bf16", "avx512"):
-        eight_bit = "int8-blocks" if int8_rows() is not None else ""
+        eight_bit = eight_bit_kind() if int8_rows() is not None else ""
         return KernelPlan(
             "int4",
             "fp16",
@@ -133,9 +137,21 @@ def row_invariant_plan(features: CpuFeatures) -> KernelPlan:
             features.cores,
             head_fallback="fp16-rows",
             large_head="int4+rescore",
-            eight_bit="int8-blocks",
+            eight_bit=eight_bit_kind(),
         )
     return KernelPlan("int4", "bf16", "int8", features.cores, head_fallback="int4+rescore")
+
+
+def eight_bit_kind() -> str:
+    """Q8_0 / Q6_K's layout for int8_rows.c: 16 weight rows side by side (each activation
+    block loaded once per 16 rows, VNNI's 512-bit vpdpbusd where the build has it), unless
+    `LLMQ_INT8_LAYOUT=rows` asks for a row at a time. bench/int8_layouts.py on an AMX Xeon:
+    Gemma 3's Q6_K ffn_down 4.3x faster at 480 rows and 2.0x at one; SmolLM2's Q8_0 head
+    4.6x at 32 rows; the AVX2 build 1.8x / 1.2x / 2.1x."""
+    layout = os.environ.get(INT8_LAYOUT_ENV) or "groups"
+    if layout not in ("groups", "rows"):
+        raise ValueError(f"{INT8_LAYOUT_ENV} must be groups or rows, got {layout!r}")
+    return "int8-block-groups" if layout == "groups" else "int8-blocks"
 
 
 def default_plan() -> KernelPlan:

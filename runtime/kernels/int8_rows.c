@@ -35,6 +35,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "int8_rows.c needs AVX2 and FMA (every CPU llmq runs on has them)"
@@ -219,4 +220,230 @@ int llmq_int8_blocks(const float *x, const float *input_scale, int fine, int64_t
     if (per_block != 1 && per_block != 2) return 2;
     const block_scales ws = {weight_scales, per_block};
     return product(x, input_scale, fine, rows, k, codes, NULL, ws, n, threads, work, out);
+}
+
+/* `llmq_int8_groups`: the same Q8_0 / Q6_K codes laid out 16 weight rows side by side
+ * (runtime/kernels/native.py `pack_int8_groups`, lowbit_rows.c's 8-bit layout), so that
+ * lane j of every vector is output row j and one block of an activation row meets a whole
+ * group in 8 VNNI instructions, each activation block loaded once per 16 weight rows
+ * instead of once per row, with no horizontal sums. With AVX-512 one 512-bit vector holds
+ * the 16 rows; on AVX2 two 256-bit halves of 8 do, through llama.cpp's sign trick
+ * (vpsignb, vpmaddubsw, vpmaddwd): the same exact int32s, the same float32 operations per
+ * lane, so both builds give the same numbers.
+ *
+ * packed  [n_pad / 16, k / 32, 512] uint8: byte t * 64 + j * 4 + i of a block is row j's
+ *         code 4t + i plus 128 (t in 0..7: columns 0-15 are steps 0-3, 16-31 steps 4-7)
+ * scales  [n_pad / 16, k / 32, per_block, 16] float32: row j's scale of the block (Q8_0)
+ *         or of each half of it (Q6_K)
+ *
+ * out[m, n] sums over blocks b in block order, one float32 fma per term: dot_b(codes[n],
+ * xq[m]) * (scale[n, b] * xs[m, b]) (per_block 1), or each half's dot times its own scale,
+ * first half first (per_block 2); each dot exact (int32); with `fine`, the second pass's
+ * terms right after the first's, as in `tile`. A row is quantized alone and tiles decide
+ * only which rows share a loaded block: a row's result does not depend on its batch. */
+
+#define GROUP 16
+#define GROUP_BYTES 512
+#ifndef GROUP_ROW_TILE
+#define GROUP_ROW_TILE 4 /* activation rows sharing each loaded block of a group */
+#endif
+#define GROUP_CHUNK 2 /* groups per OpenMP work item */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LANES 16
+typedef __m512i gvec;
+typedef __m512 gfvec;
+#define g_load(p) _mm512_loadu_si512((const void *)(p))
+#define g_set1_i32 _mm512_set1_epi32
+#define g_add_i32 _mm512_add_epi32
+#define g_sub_i32 _mm512_sub_epi32
+#define g_zero_i _mm512_setzero_si512
+#define g_cvt _mm512_cvtepi32_ps
+#define g_load_f _mm512_loadu_ps
+#define g_mul _mm512_mul_ps
+#define g_fma _mm512_fmadd_ps
+#define g_set1_f _mm512_set1_ps
+#define g_zero_f _mm512_setzero_ps
+#define g_store_f _mm512_storeu_ps
+#define GROUP_DPBUSD _mm512_dpbusd_epi32
+#else
+#define LANES 8
+typedef __m256i gvec;
+typedef __m256 gfvec;
+#define g_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define g_set1_i32 _mm256_set1_epi32
+#define g_add_i32 _mm256_add_epi32
+#define g_sub_i32 _mm256_sub_epi32
+#define g_zero_i _mm256_setzero_si256
+#define g_cvt _mm256_cvtepi32_ps
+#define g_load_f _mm256_loadu_ps
+#define g_mul _mm256_mul_ps
+#define g_fma _mm256_fmadd_ps
+#define g_set1_f _mm256_set1_ps
+#define g_zero_f _mm256_setzero_ps
+#define g_store_f _mm256_storeu_ps
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GROUP_DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define GROUP_DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+#endif
+#define HALVES (GROUP / LANES) /* vectors per group: 1 with AVX-512, 2 on AVX2 */
+
+typedef struct {
+    const int8_t *q;     /* [rows, k] codes */
+    const float *scale;  /* [rows, k / BLOCK] */
+    const int32_t *bias; /* [rows, k / BLOCK, 2] 128 times each half block's sum of codes */
+} grouped_pass;
+
+static inline gvec quad_of(const int8_t *a, int t) { /* activations 4t..4t+3, in every lane */
+    int32_t v;
+    memcpy(&v, a + 4 * t, sizeof v);
+    return g_set1_i32(v);
+}
+
+/* steps [first, first + 4) (one half block) of every lane's row against activations a:
+ * lane j's exact dot with row j's signed codes */
+static inline gvec half_dot(const gvec codes[8], const int8_t *a, int first, int32_t bias) {
+#ifdef GROUP_DPBUSD /* codes + 128 (unsigned) times signed activations, then 128 * sum back */
+    gvec p0 = GROUP_DPBUSD(g_zero_i(), codes[first], quad_of(a, first));
+    gvec p1 = GROUP_DPBUSD(g_zero_i(), codes[first + 1], quad_of(a, first + 1));
+    p0 = GROUP_DPBUSD(p0, codes[first + 2], quad_of(a, first + 2));
+    p1 = GROUP_DPBUSD(p1, codes[first + 3], quad_of(a, first + 3));
+    return g_sub_i32(g_add_i32(p0, p1), g_set1_i32(bias));
+#else /* llama.cpp's AVX2 dot: |w| times x with w's sign, a pair <= 2 * 128 * 127 */
+    (void)bias;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
+    gvec sum = g_zero_i();
+    for (int t = first; t < first + 4; t++) {
+        const __m256i w = _mm256_xor_si256(codes[t], flip);
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(quad_of(a, t), w));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, one));
+    }
+    return sum;
+#endif
+}
+
+/* one pass's terms of block b for activation row m, added to acc in the stated order */
+static inline __attribute__((always_inline)) gfvec group_terms(gfvec acc, const gvec codes[8], grouped_pass x,
+                                                               int64_t k, int64_t m, int64_t b, const gfvec ws[2],
+                                                               int per_block) {
+    const int64_t blocks = k / BLOCK, at = m * blocks + b;
+    const int8_t *a = x.q + m * k + b * BLOCK;
+    const gfvec xs = g_set1_f(x.scale[at]);
+    const gvec low = half_dot(codes, a, 0, x.bias[2 * at]);
+    const gvec high = half_dot(codes, a, 4, x.bias[2 * at + 1]);
+    if (per_block == 1) return g_fma(g_cvt(g_add_i32(low, high)), g_mul(ws[0], xs), acc);
+    acc = g_fma(g_cvt(low), g_mul(ws[0], xs), acc);
+    return g_fma(g_cvt(high), g_mul(ws[1], xs), acc);
+}
+
+/* `mt` activation rows from m0 times lanes [h * LANES, (h + 1) * LANES) of group g */
+static inline __attribute__((always_inline)) void group_tile(grouped_pass x, grouped_pass x2, int fine, int64_t k,
+                                                              const uint8_t *packed, const float *scales,
+                                                              int per_block, int64_t g, int h, int64_t m0, int mt,
+                                                              float *out, int64_t n, int valid) {
+    const int64_t blocks = k / BLOCK;
+    gfvec acc[GROUP_ROW_TILE];
+    for (int i = 0; i < mt; i++) acc[i] = g_zero_f();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = packed + (g * blocks + b) * GROUP_BYTES + 4 * LANES * h;
+        const float *s = scales + ((g * blocks + b) * per_block) * GROUP + LANES * h;
+        gvec codes[8];
+        for (int t = 0; t < 8; t++) codes[t] = g_load(p + 64 * t);
+        gfvec ws[2];
+        ws[0] = g_load_f(s);
+        ws[1] = per_block == 2 ? g_load_f(s + GROUP) : ws[0];
+        for (int i = 0; i < mt; i++) {
+            acc[i] = group_terms(acc[i], codes, x, k, m0 + i, b, ws, per_block);
+            if (fine) acc[i] = group_terms(acc[i], codes, x2, k, m0 + i, b, ws, per_block);
+        }
+    }
+    const int first = h * LANES, count = valid - first < LANES ? valid - first : LANES;
+    for (int i = 0; i < mt; i++) {
+        float *row = out + (m0 + i) * n + g * GROUP + first;
+        if (count == LANES) {
+            g_store_f(row, acc[i]);
+        } else if (count > 0) {
+            float lane[LANES];
+            g_store_f(lane, acc[i]);
+            memcpy(row, lane, (size_t)count * sizeof(float));
+        }
+    }
+}
+
+static void group_rows(grouped_pass x, grouped_pass x2, int fine, int64_t rows, int64_t k, const uint8_t *packed,
+                       const float *scales, int per_block, int64_t g, float *out, int64_t n, int valid) {
+    for (int h = 0; h < HALVES; h++) {
+        if (h * LANES >= valid) break;
+        int64_t m0 = 0;
+        if (per_block == 1) {
+            for (; m0 + GROUP_ROW_TILE <= rows; m0 += GROUP_ROW_TILE)
+                group_tile(x, x2, fine, k, packed, scales, 1, g, h, m0, GROUP_ROW_TILE, out, n, valid);
+            for (; m0 < rows; m0++) group_tile(x, x2, fine, k, packed, scales, 1, g, h, m0, 1, out, n, valid);
+        } else {
+            for (; m0 + GROUP_ROW_TILE <= rows; m0 += GROUP_ROW_TILE)
+                group_tile(x, x2, fine, k, packed, scales, 2, g, h, m0, GROUP_ROW_TILE, out, n, valid);
+            for (; m0 < rows; m0++) group_tile(x, x2, fine, k, packed, scales, 2, g, h, m0, 1, out, n, valid);
+        }
+    }
+}
+
+/* one row's blocks -> codes, scales and 128 times each half block's sum of codes (`bias`);
+ * with q2, what those codes miss rounded again the same way (`quantize_row`'s `fine`) */
+static void quantize_grouped(const float *x, const float *input_scale, int64_t k, int8_t *q, float *scale,
+                             int32_t *bias, int8_t *q2, float *scale2, int32_t *bias2) {
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        float v[BLOCK], residual[BLOCK];
+        uint8_t magnitude[BLOCK];
+        for (int i = 0; i < BLOCK; i++)
+            v[i] = input_scale ? x[b * BLOCK + i] * input_scale[b * BLOCK + i] : x[b * BLOCK + i];
+        quantize_block(v, q + b * BLOCK, magnitude, scale + b, q2 ? residual : NULL);
+        if (q2) quantize_block(residual, q2 + b * BLOCK, magnitude, scale2 + b, NULL);
+        for (int pass = 0; pass < (q2 ? 2 : 1); pass++) {
+            const int8_t *codes = (pass ? q2 : q) + b * BLOCK;
+            int32_t *out = (pass ? bias2 : bias) + 2 * b;
+            for (int half = 0; half < 2; half++) {
+                int32_t sum = 0;
+                for (int i = 0; i < 16; i++) sum += codes[16 * half + i];
+                out[half] = 128 * sum;
+            }
+        }
+    }
+}
+
+/* x [rows, k] float32 (times input_scale [k], or NULL, before it is rounded) times the
+ * grouped codes: 0 on success, 1 where k is not a multiple of BLOCK, 2 where per_block is
+ * neither 1 nor 2. work: rows * (k + 12 * k / 32) bytes, twice with `fine` */
+int llmq_int8_groups(const float *x, const float *input_scale, int fine, int64_t rows, int64_t k,
+                     const uint8_t *packed, const float *scales, int64_t per_block, int64_t n, int threads,
+                     void *work, float *out) {
+    if (k % BLOCK != 0) return 1;
+    if (per_block != 1 && per_block != 2) return 2;
+    const int64_t blocks = k / BLOCK;
+    grouped_pass passes[2];
+    char *w = (char *)work;
+    for (int pass = 0; pass < 2; pass++) {
+        passes[pass].q = (const int8_t *)w;
+        passes[pass].scale = (const float *)(w + rows * k);
+        passes[pass].bias = (const int32_t *)(w + rows * k + 4 * rows * blocks);
+        if (fine) w += rows * k + 12 * rows * blocks;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int64_t m = 0; m < rows; m++) {
+        quantize_grouped(x + m * k, input_scale, k, (int8_t *)passes[0].q + m * k,
+                         (float *)passes[0].scale + m * blocks, (int32_t *)passes[0].bias + 2 * m * blocks,
+                         fine ? (int8_t *)passes[1].q + m * k : NULL, (float *)passes[1].scale + m * blocks,
+                         (int32_t *)passes[1].bias + 2 * m * blocks);
+    }
+    const int64_t groups = (n + GROUP - 1) / GROUP;
+    const int64_t chunks = (groups + GROUP_CHUNK - 1) / GROUP_CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        for (int64_t g = c * GROUP_CHUNK; g < groups && g < (c + 1) * GROUP_CHUNK; g++) {
+            const int valid = n - g * GROUP < GROUP ? (int)(n - g * GROUP) : GROUP;
+            group_rows(passes[0], passes[1], fine, rows, k, packed, scales, (int)per_block, g, out, n, valid);
+        }
+    }
+    return 0;
 }

@@ -225,6 +225,15 @@ class Int8Rows:
         self._blocks.argtypes = [_ptr, _ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _i64]
         self._blocks.argtypes += [ctypes.c_int]
         self._blocks.argtypes += [_ptr, _ptr]
+        self._groups = lib.llmq_int8_groups
+        self._groups.restype = ctypes.c_int
+        self._groups.argtypes = list(self._blocks.argtypes)
+
+    def bind_groups(
+        self, packed: np.ndarray, scales: np.ndarray, n: int, input_scale: np.ndarray | None
+    ) -> Int8GroupsProduct:
+        """The product with one weight `pack_int8_groups` laid out (`[n, K]`)."""
+        return Int8GroupsProduct(self, packed, scales, n, input_scale)
 
     @staticmethod
     def accepts(in_features: int) -> bool:
@@ -300,6 +309,93 @@ class Int8Rows:
             address(codes),
             address(scales),
             n,
+            threads(),
+            address(work),
+            address(out),
+        )
+        return out
+
+
+INT8_GROUP = 16  # weight rows side by side in int8_rows.c's grouped layout
+INT8_GROUP_BYTES = 512  # one group's block of 32 columns
+
+
+def pack_int8_groups(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8_rows.c's grouped layout of a file's codes `[N, K]` int8 with scales `[N, K / 32]`
+    or `[N, K / 16]` float32: (packed `[N16 / 16, K / 32, 512]` uint8, each code plus 128,
+    16 rows side by side; scales `[N16 / 16, K / 32, per_block, 16]` float32), N16 being N
+    rounded up to 16 with zero rows."""
+    n, k = codes.shape
+    blocks, per_block = k // INT8_BLOCK, scales.shape[1] * INT8_BLOCK // k
+    pad = -n % INT8_GROUP
+    if pad:
+        codes = np.concatenate([codes, np.zeros((pad, k), np.int8)])
+        scales = np.concatenate([scales, np.zeros((pad, scales.shape[1]), np.float32)])
+    groups = (n + pad) // INT8_GROUP
+    shifted = (codes.view(np.uint8) ^ np.uint8(128)).reshape(groups, INT8_GROUP, blocks, 8, 4)
+    packed = np.ascontiguousarray(shifted.transpose(0, 2, 3, 1, 4))  # [g, b, t, j, i]
+    grouped = scales.astype(np.float32).reshape(groups, INT8_GROUP, blocks, per_block)
+    return (
+        packed.reshape(groups, blocks, INT8_GROUP_BYTES),
+        np.ascontiguousarray(grouped.transpose(0, 2, 3, 1)),  # [g, b, per_block, j]
+    )
+
+
+class Int8GroupsProduct:
+    """One weight in int8_rows.c's grouped layout bound to the kernel: checked, and its
+    addresses taken, once (a decode step makes dozens of these products)."""
+
+    def __init__(
+        self,
+        kernel: Int8Rows,
+        packed: np.ndarray,
+        scales: np.ndarray,
+        n: int,
+        input_scale: np.ndarray | None,
+    ) -> None:
+        groups, blocks, size = packed.shape
+        k = blocks * INT8_BLOCK
+        if packed.dtype != np.uint8 or not packed.flags.c_contiguous or size != INT8_GROUP_BYTES:
+            raise ValueError("packed must be C-contiguous uint8 [N / 16, K / 32, 512]")
+        if groups != -(-n // INT8_GROUP):
+            needed = -(-n // INT8_GROUP)
+            raise ValueError(f"packed holds {groups} groups of 16 rows; {n} rows take {needed}")
+        if (
+            scales.dtype != np.float32
+            or not scales.flags.c_contiguous
+            or scales.shape[:2] != (groups, blocks)
+            or scales.shape[2] not in (1, 2)
+            or scales.shape[3] != INT8_GROUP
+        ):
+            shape = f"[{groups}, {blocks}, 1 or 2, 16]"
+            raise ValueError(f"scales must be C-contiguous float32 {shape}")
+        if input_scale is not None:
+            if input_scale.dtype != np.float32 or input_scale.shape != (k,):
+                raise ValueError(f"input_scale must be float32 [{k}]")
+            input_scale = np.ascontiguousarray(input_scale)
+        self._fn, self.n, self.k, self.per_block = kernel._groups, n, k, scales.shape[2]
+        self._arrays = (packed, scales, input_scale)  # kept alive while their addresses are used
+        self._packed, self._scales = address(packed), address(scales)
+        self._scale = None if input_scale is None else address(input_scale)
+
+    def __call__(self, x: np.ndarray, fine: bool = False) -> np.ndarray:
+        """x `[T, K]` float32 -> `[T, n]`; `fine`: x rounded in two passes."""
+        x = np.ascontiguousarray(x, np.float32)
+        rows, k = x.shape
+        if k != self.k:
+            raise ValueError(f"x must have {self.k} columns, got {k}")
+        work = np.empty((2 if fine else 1) * rows * (k + 12 * (k // INT8_BLOCK)), np.uint8)
+        out = np.empty((rows, self.n), np.float32)
+        self._fn(
+            address(x),
+            self._scale,
+            int(fine),
+            rows,
+            k,
+            self._packed,
+            self._scales,
+            self.per_block,
+            self.n,
             threads(),
             address(work),
             address(out),

@@ -15,7 +15,13 @@ from runtime.kernels import native
 from runtime.kernels.cpu_features import cpu_features
 from runtime.kernels.gguf_blocks import read_eight_bit
 from runtime.kernels.native import INT8_BLOCK, int8_rows
-from runtime.kernels.torch_backend import Int8BlockWeight, Int8Weight
+from runtime.kernels.torch_backend import (
+    Int8BlockGroupHead,
+    Int8BlockGroupWeight,
+    Int8BlockHead,
+    Int8BlockWeight,
+    Int8Weight,
+)
 from tests.runtime.int8_activations import blockwise_rounded
 
 pytestmark = pytest.mark.skipif(int8_rows() is None, reason="no C compiler for the kernel")
@@ -85,6 +91,8 @@ def _file_blocks(rng: np.random.Generator, qtype, n: int, k: int) -> np.ndarray:
 
 
 EIGHT_BIT = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q6_K]
+# a row at a time (`llmq_int8_blocks`) and 16 rows side by side (`llmq_int8_groups`)
+LAYOUTS = [Int8BlockWeight, Int8BlockGroupWeight]
 
 
 @pytest.mark.parametrize("qtype", EIGHT_BIT, ids=lambda q: q.name)
@@ -96,24 +104,26 @@ def test_a_files_8_bit_codes_read_back_as_ggufs_dequantize(qtype):
     assert np.array_equal(q.dequantize(), gguf.quants.dequantize(raw, qtype))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.kind)
 @pytest.mark.parametrize("qtype", EIGHT_BIT, ids=lambda q: q.name)
 @pytest.mark.parametrize("n, k", [(61, 256), (256, 768), (70, 1536)])
-def test_the_files_codes_times_the_blockwise_rounded_rows(qtype, n, k):
-    """int8_rows.c over a file's codes (`Int8BlockWeight`): the rounded rows times the file's
+def test_the_files_codes_times_the_blockwise_rounded_rows(layout, qtype, n, k):
+    """int8_rows.c over a file's codes, in either layout: the rounded rows times the file's
     own values, with an RMSNorm weight applied to the rows before they are rounded."""
     rng = np.random.default_rng(n + k)
     q = read_eight_bit(_file_blocks(rng, qtype, n, k), qtype, (n, k))
-    x = rng.standard_normal((6, k)).astype(np.float32)
+    x = rng.standard_normal((11, k)).astype(np.float32)
     x[1] *= 40.0
     x[2, :INT8_BLOCK] = 0.0
     input_scale = rng.uniform(0.5, 1.5, k).astype(np.float32)
-    weight = Int8BlockWeight(q, input_scale)
+    weight = layout(q, input_scale)
     expected = blockwise_rounded(x * input_scale) @ q.dequantize().astype(np.float64).T
     got = weight(x)
+    assert got.shape == (11, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     alone = np.concatenate([weight(x[i : i + 1]) for i in range(len(x))])
     assert np.array_equal(got, alone)
-    for rows in (2, 3, 5):
+    for rows in (2, 3, 5, 9):  # past the grouped kernel's tile of 4 rows
         assert np.array_equal(weight(x[:rows]), alone[:rows])
 
 
@@ -135,6 +145,40 @@ def test_the_avx2_build_gives_the_vnni_builds_numbers(qtype):
     assert np.array_equal(native.Int8Rows(avx2).blocks(x, codes, scales), expected)
 
 
+@pytest.mark.skipif(
+    "avx512_vnni" not in cpu_features().flags, reason="this CPU builds the AVX2 path anyway"
+)
+@pytest.mark.parametrize("fine", [False, True], ids=["one pass", "two passes"])
+@pytest.mark.parametrize("qtype", EIGHT_BIT, ids=lambda q: q.name)
+def test_the_grouped_avx2_build_gives_the_512_bit_builds_numbers(qtype, fine):
+    """The grouped layout: AVX-512's vpdpbusd on codes plus 128 (16 rows a vector) and
+    llama.cpp's AVX2 sign trick (two vectors of 8) make the same exact int32s and the same
+    float32 operations per row: a sequence gets the same logits on either CPU."""
+    avx2 = native._library(native.INT8_ROWS_SOURCE, ("-mno-avx512f", "-mno-avxvnni"))
+    assert avx2 is not None
+    rng = np.random.default_rng(6)
+    n, k = 90, 1536  # not a multiple of 16 rows
+    q = read_eight_bit(_file_blocks(rng, qtype, n, k), qtype, (n, k))
+    x = rng.standard_normal((9, k)).astype(np.float32) * 30
+    packed, scales = native.pack_int8_groups(q.codes, q.scales)
+    expected = int8_rows().bind_groups(packed, scales, n, None)(x, fine)
+    got = native.Int8Rows(avx2).bind_groups(packed, scales, n, None)(x, fine)
+    assert np.array_equal(got, expected)
+
+
+def test_the_grouped_layout_refuses_a_weight_it_does_not_hold():
+    packed, scales = native.pack_int8_groups(
+        np.zeros((20, 64), np.int8), np.ones((20, 2), np.float32)
+    )
+    assert packed.shape == (2, 2, 512) and scales.shape == (2, 2, 1, 16)
+    with pytest.raises(ValueError, match="groups of 16 rows"):
+        int8_rows().bind_groups(packed, scales, 40, None)
+    with pytest.raises(ValueError, match="scales must be"):
+        int8_rows().bind_groups(packed, scales[:, :1], 20, None)
+    with pytest.raises(ValueError, match="64 columns"):
+        int8_rows().bind_groups(packed, scales, 20, None)(np.zeros((1, 32), np.float32))
+
+
 def test_bad_block_scales_are_refused():
     kernel = int8_rows()
     codes = np.zeros((4, 64), np.int8)
@@ -144,20 +188,23 @@ def test_bad_block_scales_are_refused():
         kernel.blocks(np.zeros((1, 64), np.float32), codes, np.ones((4, 2), np.float64))
 
 
-def test_a_head_rounds_its_rows_in_two_passes_closer_to_exact():
-    """`Int8BlockHead`: what one int8 pass misses of each block is rounded again, so the
-    logits come ~100x closer to the file's values times the float32 rows, each row still
-    the same alone and in a batch."""
-    from runtime.kernels.torch_backend import Int8BlockHead
-
+@pytest.mark.parametrize(
+    "one_pass, two_passes",
+    [(Int8BlockWeight, Int8BlockHead), (Int8BlockGroupWeight, Int8BlockGroupHead)],
+    ids=["rows", "groups"],
+)
+def test_a_head_rounds_its_rows_in_two_passes_closer_to_exact(one_pass, two_passes):
+    """`Int8BlockHead` (`Int8BlockGroupHead`): what one int8 pass misses of each block is
+    rounded again, so the logits come ~100x closer to the file's values times the float32
+    rows, each row still the same alone and in a batch."""
     rng = np.random.default_rng(9)
     n, k = 300, 576
     raw = _file_blocks(rng, gguf.GGMLQuantizationType.Q8_0, n, k)
     q = read_eight_bit(raw, gguf.GGMLQuantizationType.Q8_0, (n, k))
     x = rng.standard_normal((12, k)).astype(np.float32)
     exact = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
-    one, two = Int8BlockWeight(q, None)(x), Int8BlockHead(q, None)(x)
+    one, two = one_pass(q, None)(x), two_passes(q, None)(x)
     assert np.abs(two - exact).max() < np.abs(one - exact).max() / 50
     np.testing.assert_allclose(two, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
-    head = Int8BlockHead(q, None)
+    head = two_passes(q, None)
     assert np.array_equal(np.concatenate([head(x[i : i + 1]) for i in range(len(x))]), two)

@@ -321,7 +321,7 @@ def test_an_avx2_cpu_gets_integer_dots_for_every_quantized_weight_where_they_bui
     plan = plan_for(CpuFeatures(frozenset({"avx2", "fma", "f16c"}), 2))
     assert plan.four_bit == "int4"
     if NATIVE:
-        assert (plan.eight_bit, plan.other, plan.head) == ("int8-blocks", "fp16-rows", "file")
+        assert (plan.eight_bit, plan.other, plan.head) == ("int8-block-groups", "fp16-rows", "file")
         assert plan.large_head == "int4+rescore"
     else:
         assert (plan.eight_bit, plan.other, plan.head) == ("", "bf16", "int8")

@@ -272,4 +272,4 @@ def test_the_forced_avx2_plan_is_the_avx2_one():
         pytest.skip("runs inside the forced AVX2 process")
     assert cpu_features().level == "avx2"
     plan = default_plan()
-    assert (plan.eight_bit, plan.other, plan.head) == ("int8-blocks", "fp16-rows", "file")
+    assert (plan.eight_bit, plan.other, plan.head) == ("int8-block-groups", "fp16-rows", "file")
