@@ -131,6 +131,12 @@ def create_response() -> Response:
                 param="previous_response_id",
                 code="previous_response_not_found",
             ) from None
+        if previous.status not in TERMINAL_STATUSES:
+            raise InvalidRequest(
+                f"Previous response {req.previous_response_id!r} has not finished yet.",
+                param="previous_response_id",
+                code="previous_response_in_progress",
+            )
         context = wire.conversation(previous)
     response_id = new_response_id()
     flex = req.tier == "flex"

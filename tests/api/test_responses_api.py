@@ -117,6 +117,9 @@ def test_cancel_a_background_response(oai, worker, real_redis) -> None:
         model="tiny", input="slow", max_output_tokens=400, background=True
     )
     _wait_status(oai, response.id, {"in_progress"})
+    with pytest.raises(openai.BadRequestError) as caught:  # its output is not known yet
+        oai.responses.create(model="tiny", input="x", previous_response_id=response.id)
+    assert caught.value.body["code"] == "previous_response_in_progress"
     cancelled = oai.responses.cancel(response.id)
     assert cancelled.status == "cancelled"
     assert oai.responses.retrieve(response.id).status == "cancelled"
