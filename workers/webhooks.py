@@ -122,7 +122,7 @@ class Dispatcher:
         self.conn = conn
         self.settings = settings
         self.queue = webhook_queue(conn)
-        self.consumer = consumer or f"{socket.gethostname()}.{os.getpid()}"
+        self.consumer = consumer or worker_name()  # "webhooks.{host}.{pid}"
         self.block_ms = block_ms
         self._own_pending = True  # after a start: this consumer's unacknowledged entries
 
@@ -134,6 +134,33 @@ class Dispatcher:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+
+    def take_over_dead(self) -> int:
+        """Claim the pending entries of consumers that ran on this host and are gone (a
+        dispatcher killed -9 between reading and acknowledging), at once rather than after
+        `CLAIM_IDLE_MS`; how many."""
+        host, taken = socket.gethostname(), 0
+        for info in self.conn.xinfo_consumers(keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP):
+            name = as_str(info["name"])
+            if name == self.consumer or not _dead_here(name, host):
+                continue
+            pending = self.conn.xpending_range(
+                keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP, "-", "+", 10_000, consumername=name
+            )
+            ids = [p["message_id"] for p in pending]
+            if ids:
+                self.conn.xclaim(
+                    keys.WEBHOOK_OUTBOX,
+                    keys.WEBHOOK_OUTBOX_GROUP,
+                    self.consumer,
+                    0,
+                    ids,
+                    justid=True,
+                )
+                taken += len(ids)
+                self._own_pending = True
+            self.conn.xgroup_delconsumer(keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP, name)
+        return taken
 
     def run_once(self) -> int:
         """Dispatch what waits (blocking up to `block_ms` when nothing does); how many."""
@@ -282,15 +309,22 @@ def _dead_here(name: str, host: str) -> bool:
         pid = int(name[len(prefix) :])
     except ValueError:
         return False
-    if pid == os.getpid():
-        return False
+    return pid != os.getpid() and _pid_gone(pid)
+
+
+def _pid_gone(pid: int) -> bool:
+    """No such process here, or only its zombie (killed, not yet reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
         return False
-    return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def rescue_dead_deliveries(conn: redis.Redis) -> int:
@@ -337,20 +371,27 @@ def clear_dead_scheduler_lock(conn: redis.Redis) -> bool:
         for k, v in conn.hgetall(SCHEDULER_KEY_TEMPLATE % as_str(holder)).items()
     }
     pid = int(info.get("pid") or 0)
-    if info.get("hostname") != socket.gethostname() or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-        return False
-    except ProcessLookupError:
-        pass
-    except PermissionError:
+    if info.get("hostname") != socket.gethostname() or pid <= 0 or not _pid_gone(pid):
         return False
     return bool(conn.eval(_DELETE_IF, 1, lock, holder))
 
 
-def dispatch_forever(conn: redis.Redis, settings: WebhookSettings, stop: threading.Event) -> None:
-    """The dispatcher's loop (a thread of `llmq webhooks`): reconnects after Redis errors."""
+def keep_scheduler(conn: redis.Redis, worker: SimpleWorker) -> None:
+    """Take over RQ's scheduler of the webhook queue when its holder is gone: what RQ's
+    worker does in its maintenance, which an idle worker blocked on its queue does not reach
+    (retries waiting in the ScheduledJobRegistry would then wait for the next new job)."""
+    scheduler = worker.scheduler
+    if scheduler is None or (scheduler._process is not None and scheduler._process.is_alive()):
+        return
+    clear_dead_scheduler_lock(conn)
+    scheduler.acquire_locks(auto_start=True)
+
+
+def dispatch_forever(
+    conn: redis.Redis, settings: WebhookSettings, stop: threading.Event, worker: SimpleWorker
+) -> None:
+    """The dispatcher's loop (a thread of `llmq webhooks`), with the rescues that must not
+    wait for the delivering worker; reconnects after Redis errors."""
     dispatcher = Dispatcher(conn, settings)
     rescued_at = 0.0
     while not stop.is_set():
@@ -359,7 +400,9 @@ def dispatch_forever(conn: redis.Redis, settings: WebhookSettings, stop: threadi
             while not stop.is_set():
                 dispatcher.run_once()
                 if time.monotonic() - rescued_at > RESCUE_EVERY_SECONDS:
+                    dispatcher.take_over_dead()
                     rescue_dead_deliveries(conn)
+                    keep_scheduler(conn, worker)
                     rescued_at = time.monotonic()
         except redis.RedisError as exc:
             log.warning("webhook dispatcher: %s; retrying in 1 s", exc)
@@ -377,9 +420,17 @@ def run_webhooks(url: str | None, log_level: str = "INFO") -> int:
     stop = threading.Event()
     clear_dead_scheduler_lock(conn)
     rescue_dead_deliveries(conn)
+    worker = WebhookWorker(
+        [webhook_queue(conn)],
+        connection=conn,
+        serializer=JSONSerializer,
+        name=worker_name(),
+        log_job_description=False,
+        maintenance_interval=10,
+    )
     thread = threading.Thread(
         target=dispatch_forever,
-        args=(broker.connect(socket_timeout=30), settings, stop),
+        args=(broker.connect(socket_timeout=30), settings, stop, worker),
         name="webhook-dispatcher",
         daemon=True,
     )
@@ -390,14 +441,6 @@ def run_webhooks(url: str | None, log_level: str = "INFO") -> int:
         settings.timeout,
         len(settings.intervals) + 1,
         ",".join(settings.allow) or "-",
-    )
-    worker = WebhookWorker(
-        [webhook_queue(conn)],
-        connection=conn,
-        serializer=JSONSerializer,
-        name=worker_name(),
-        log_job_description=False,
-        maintenance_interval=10,
     )
     try:
         worker.work(with_scheduler=True, logging_level=log_level)
