@@ -1,4 +1,4 @@
-"""docs/faults.md F24: a background response followed with `starting_after` across a
+"""docs/faults.md F25: a background response followed with `starting_after` across a
 worker's kill -9 and the API's restart.
 
 A client follows `GET /v1/responses/{id}?stream=true&starting_after=N`, reconnecting after
@@ -87,7 +87,7 @@ def _kill_api(api) -> None:
     api.process.wait(10)
 
 
-def test_f24_a_background_response_resumes_across_a_worker_kill_and_an_api_restart(
+def test_f25_a_background_response_resumes_across_a_worker_kill_and_an_api_restart(
     start_system, start_api
 ) -> None:
     system = start_system(workers=2, step_delay_ms=40)
@@ -137,7 +137,7 @@ def test_f24_a_background_response_resumes_across_a_worker_kill_and_an_api_resta
     assert api.server_errors() == []
     conn.close()
     print(
-        f"F24: worker killed at delta {deltas_at_kill}, API killed and restarted; "
+        f"F25: worker killed at delta {deltas_at_kill}, API killed and restarted; "
         f"{len(events)} events over {follower.connections} connections, "
         f"{follower.deltas()} deltas, {job['attempts']} attempts"
     )
