@@ -258,3 +258,26 @@ def test_a_batch_line_waits_on_its_priority_level_and_counts_toward_the_feed_lim
     record = h.redis.hgetall(keys.job(keys.batch_job_id(batch_id, 2)))
     assert record[b"priority"] == b"-4" and record[b"kind"] == b"batch"
     assert h.redis.zrange(keys.queue_levels(keys.queue_name("tiny", keys.BATCH)), 0, -1) == [b"-4"]
+
+
+def test_each_batch_end_appends_its_webhook_outbox_entry(h: Harness) -> None:
+    from workers.wire.webhooks import OutboxEntry
+
+    completed = h.submit("a")
+    cancelled = h.submit("b", "c")
+    h.client.post(f"/v1/batches/{cancelled}/cancel")
+    expired = h.submit("d", completion_window="1s")
+    h.driver.tick()
+    h.run_queued(limit=1)
+    time.sleep(1.05)
+    for _ in range(3):
+        h.driver.tick()
+        h.run_queued(limit=3)
+    ends = [OutboxEntry.from_entry(i, f) for i, f in h.redis.xrange(keys.WEBHOOK_OUTBOX)]
+    assert {(e.kind, e.id, e.status) for e in ends} == {
+        ("batch", completed, "completed"),
+        ("batch", cancelled, "cancelled"),
+        ("batch", expired, "expired"),
+    }
+    h.driver.tick()  # a terminal batch is only dropped from the active set: no second entry
+    assert h.redis.xlen(keys.WEBHOOK_OUTBOX) == 3

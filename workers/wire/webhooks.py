@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import ipaddress
 import json
 import secrets
 import time
@@ -262,11 +261,3 @@ def read_deliveries(conn: Any, endpoint_id: str, limit: int = DELIVERY_LOG_LENGT
     """The endpoint's last attempts, newest first."""
     raw = conn.lrange(keys.webhook_deliveries(endpoint_id), 0, max(limit, 1) - 1)
     return [json.loads(r) for r in raw]
-
-
-def is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return True
