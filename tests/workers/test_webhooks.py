@@ -21,6 +21,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from api import store
+from api.app import create_app
 from tests.workers.conftest import TINY, tokens, wait_done, wait_for
 from workers import keys, webhooks
 from workers.webhook_delivery import (
@@ -339,7 +340,13 @@ def test_the_last_failure_is_dead_lettered_and_can_be_redelivered(conn, receiver
     deliver_all(conn)
     [dead] = webhooks.dead_deliveries(conn)
     assert len(receiver.requests) == 3 and dead.args[0] == endpoint.id
-    assert webhooks.redeliver(conn, dead.id)
+    api = create_app({"REDIS_CLIENT": conn, "TESTING": True}).test_client()
+    [listed] = api.get("/admin/webhooks/dead").get_json()["data"]
+    assert listed["delivery"] == dead.id and listed["endpoint_id"] == endpoint.id
+    assert listed["type"] == "response.failed" and "HTTP 500" in listed["error"]
+    log = api.get(f"/admin/webhooks/{endpoint.id}/deliveries").get_json()["data"]
+    assert [(a["attempt"], a["status"]) for a in log] == [(3, 500), (2, 500), (1, 500)]
+    assert api.post(f"/admin/webhooks/dead/{dead.id}/redeliver").status_code == 202
     assert not webhooks.redeliver(conn, dead.id)  # not dead any more
     deliver_all(conn)
     assert len(receiver.requests) == 4 and webhooks.dead_deliveries(conn) == []
