@@ -48,10 +48,12 @@ def submit_request(
     job_id: str | None = None,
     responses: dict[str, Any] | None = None,
     max_queue: int | None = None,
+    marks: dict[str, str] | None = None,
 ) -> store.Submission:
     """Check the model and the context, then store and enqueue the job (or find its twin).
-    A response (api/responses_api.py) names its id, its Responses request and, for the flex
-    tier, a shorter queue it may join (`max_queue`)."""
+    A response (api/responses_api.py) names its id, its Responses request, the fields that
+    make its end notify the webhooks (`marks`) and, for the flex tier, a shorter queue it
+    may join (`max_queue`)."""
     conn = redis_conn()
     # a snapshot <= 1 s old; read now when it lacks the model (an adapter's name, unknown)
     directory = current_app.extensions["directory"].get(conn, req.model)
@@ -88,6 +90,7 @@ def submit_request(
             replication=replication(),
             job_id=job_id,
             responses=responses,
+            marks=marks,
         )
     except NotReplicated:  # the job exists: its end, or its withdrawal, settles the tokens
         raise

@@ -61,6 +61,7 @@ from workers.wire.job import (
     TERMINAL_STATUSES,
     JobRecord,
 )
+from workers.wire.webhooks import NOTIFY_RESPONSE, notify_fields
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ def create_response() -> Response:
             job_id=response_id,
             responses=translation.stored,
             max_queue=flex_max_queue() if flex else None,
+            marks=notify_fields(NOTIFY_RESPONSE),  # its end is a `response.*` webhook event
         )
     except QueueFull:
         if flex:

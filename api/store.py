@@ -132,7 +132,11 @@ def require_record(conn: redis.Redis, job_id: str, scope: str | None = None) -> 
 
 
 def enqueue(
-    conn: redis.Redis, record: JobRecord, max_queue: int, replication: Replication | None = None
+    conn: redis.Redis,
+    record: JobRecord,
+    max_queue: int,
+    replication: Replication | None = None,
+    marks: dict[str, str] | None = None,
 ) -> str:
     """Write the record and put its id on one of the model's RQ queues; returns the
     queue's name.
@@ -155,7 +159,8 @@ def enqueue(
     # a job with a priority waits on its level of the shared queue, never on an own queue
     affine, room = _affine_queue(conn, record) if record.priority == 0 else (None, 0)
     with conn.pipeline() as pipe:
-        pipe.hset(keys.job(record.id), mapping=record.to_hash())
+        # `marks`: hash fields other rooms read (`workers.wire.webhooks.notify_fields`)
+        pipe.hset(keys.job(record.id), mapping={**record.to_hash(), **(marks or {})})
         pipe.expire(keys.job(record.id), JOB_TTL_SECONDS)
         write_queued_rq_job(pipe, conn, record.id, shared.name)
         pipe.execute()
@@ -274,11 +279,13 @@ def submit(
     replication: Replication | None = None,
     job_id: str | None = None,
     responses: dict[str, Any] | None = None,
+    marks: dict[str, str] | None = None,
 ) -> Submission:
     """Store and enqueue a job (or find the one an earlier request with the same
     Idempotency-Key made); `reservation`: the rate-limit tokens its end settles; `job_id`
     an id the caller chose (a response's `resp_...`), `responses` the Responses request a
-    response's record carries (`workers.wire.responses_api`).
+    response's record carries (`workers.wire.responses_api`), `marks` more fields for its
+    hash (a response's end notifies the webhooks: `workers.wire.webhooks.notify_fields`).
 
     With `replication` on, the job is acknowledged only once it is on enough replicas.
     When it is not (`NotReplicated`: the replicas lag, or the master failed over under
@@ -314,7 +321,7 @@ def submit(
                 replication.confirm(conn, keys.job(existing.id))
             return Submission(existing, created=False)
     try:
-        queue_name = enqueue(conn, record, max_queue, replication)
+        queue_name = enqueue(conn, record, max_queue, replication, marks)
     except NotReplicated:
         if idempotency is None:
             flag_and_dequeue(conn, record.id)

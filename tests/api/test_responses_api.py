@@ -15,6 +15,7 @@ import pytest
 from openai.types.responses import Response
 
 from workers import keys
+from workers.wire.webhooks import NOTIFY_FIELD, NOTIFY_RESPONSE
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +80,10 @@ def test_create_answers_a_response(oai, worker, real_redis) -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "hi"},
     ]
+    # its end is in the webhooks' outbox (workers/wire/webhooks.py), written with its end
+    assert real_redis.hget(keys.job(response.id), NOTIFY_FIELD) == NOTIFY_RESPONSE.encode()
+    outbox = [fields for _, fields in real_redis.xrange(keys.WEBHOOK_OUTBOX)]
+    assert {b"kind": b"response", b"id": response.id.encode(), b"status": b"finished"} in outbox
     # the job system still sees it as a job
     assert httpx.get(f"{oai.base_url}jobs/{response.id}").json()["status"] == "finished"
 
