@@ -51,8 +51,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter
 from runtime.registry import resolve as resolve_model
 from workers import keys
-from workers import webhooks as webhook_process
-from workers.wire import webhooks
+from workers.wire import webhook_jobs, webhooks
 from workers.wire.broker import replication_state
 from workers.wire.commands import COMMAND_LOAD, COMMAND_UNLOAD, push_command
 from workers.wire.defaults import HISTORY_SAMPLE_SECONDS
@@ -341,7 +340,7 @@ def webhook_deliveries(endpoint_id: str) -> Response:
 @bp.get("/webhooks/dead")
 def dead_webhooks() -> Response:
     data = []
-    for job in webhook_process.dead_deliveries(redis_conn()):
+    for job in webhook_jobs.dead_deliveries(redis_conn()):
         endpoint_id, event = (list(job.args) + [None, {}])[:2]
         event = event if isinstance(event, dict) else {}
         failed_at = job.ended_at.timestamp() if job.ended_at else None
@@ -366,7 +365,7 @@ def dead_webhooks() -> Response:
 
 @bp.post("/webhooks/dead/<delivery>/redeliver")
 def redeliver_webhook(delivery: str) -> Response:
-    if not keys.is_valid_job_id(delivery) or not webhook_process.redeliver(redis_conn(), delivery):
+    if not keys.is_valid_job_id(delivery) or not webhook_jobs.redeliver(redis_conn(), delivery):
         raise NotFound(f"No dead webhook delivery with id {delivery!r}.", param="delivery")
     body = wb.Redelivered(delivery=delivery, object="webhook_delivery", status="queued")
     response = jsonify(body.dump())

@@ -227,7 +227,7 @@ def measure_burst(
 def FailedRegistry(conn: redis.Redis) -> list[str]:  # noqa: N802 - reads as the registry
     from rq.registry import FailedJobRegistry
 
-    from workers.webhooks import webhook_queue
+    from workers.wire.webhook_jobs import webhook_queue
 
     return FailedJobRegistry(queue=webhook_queue(conn)).get_job_ids()
 

@@ -31,6 +31,7 @@ from rq import get_current_job
 from standardwebhooks.webhooks import Webhook
 
 from workers.errors import WorkerError
+from workers.wire.webhook_jobs import WebhookSettings
 from workers.wire.webhooks import DeliveryAttempt, get_endpoint, log_delivery
 
 log = logging.getLogger("llmq.webhooks")
@@ -182,8 +183,6 @@ def attempt_number(job: Any) -> int:
 def deliver(endpoint_id: str, event: dict[str, Any], outbox_ms: int = 0) -> dict[str, Any]:
     """The RQ job: one attempt to deliver `event` to the endpoint; raises `DeliveryFailed`
     unless the receiver answered 2xx. Every attempt goes to the endpoint's delivery log."""
-    from workers.webhooks import WebhookSettings
-
     job = get_current_job()
     conn = job.connection if job is not None else None
     settings = WebhookSettings.from_env()

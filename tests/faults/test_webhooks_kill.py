@@ -15,8 +15,8 @@ import redis
 
 from bench.webhooks import CountingReceiver, end_jobs, expected_id, notifying_jobs, start_webhooks
 from workers import keys
-from workers.webhooks import dead_deliveries
 from workers.wire import webhooks as wire
+from workers.wire.webhook_jobs import dead_deliveries
 
 pytestmark = [pytest.mark.integration]
 

@@ -31,6 +31,7 @@ from workers.webhook_delivery import (
     resolve,
     signed_headers,
 )
+from workers.wire import webhook_jobs
 from workers.wire import webhooks as wire
 from workers.wire.events import write_ending
 from workers.wire.job import CANCELLED, COMPLETIONS, FAILED, FINISHED, JOB_FUNCTION, JobRecord
@@ -128,9 +129,9 @@ def end(conn: redis.Redis, job_id: str, status: str, body: dict[str, Any]) -> No
 def deliver_all(conn: redis.Redis, until: Any = None, timeout: float = 20.0) -> None:
     """Dispatch the outbox and run the webhook worker in bursts (its scheduler moving due
     retries) until `until()` holds, or until nothing is left to do."""
-    dispatcher = webhooks.Dispatcher(conn, webhooks.WebhookSettings.from_env(), block_ms=10)
+    dispatcher = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env(), block_ms=10)
     dispatcher.ensure_group()
-    queue = webhooks.webhook_queue(conn)
+    queue = webhook_jobs.webhook_queue(conn)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dispatcher.run_once()
@@ -187,7 +188,7 @@ def test_a_worker_finishing_a_notifying_job_appends_the_entry(conn, start_worker
     assert wait_done(conn, plain).status == FINISHED
     [entry] = outbox(conn)
     assert (entry.id, entry.status) == (job_id, FINISHED)
-    dispatcher = webhooks.Dispatcher(conn, webhooks.WebhookSettings())
+    dispatcher = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings())
     assert dispatcher.event_type(entry) == "response.incomplete"  # stopped at max_tokens
 
 
@@ -338,7 +339,7 @@ def test_the_last_failure_is_dead_lettered_and_can_be_redelivered(conn, receiver
     endpoint = wire.create_endpoint(conn, receiver.url, ["response.failed"])
     end(conn, notifying_job(conn), FAILED, {"error": {"code": "x"}, "status": 500})
     deliver_all(conn)
-    [dead] = webhooks.dead_deliveries(conn)
+    [dead] = webhook_jobs.dead_deliveries(conn)
     assert len(receiver.requests) == 3 and dead.args[0] == endpoint.id
     api = create_app({"REDIS_CLIENT": conn, "TESTING": True}).test_client()
     [listed] = api.get("/admin/webhooks/dead").get_json()["data"]
@@ -347,10 +348,10 @@ def test_the_last_failure_is_dead_lettered_and_can_be_redelivered(conn, receiver
     log = api.get(f"/admin/webhooks/{endpoint.id}/deliveries").get_json()["data"]
     assert [(a["attempt"], a["status"]) for a in log] == [(3, 500), (2, 500), (1, 500)]
     assert api.post(f"/admin/webhooks/dead/{dead.id}/redeliver").status_code == 202
-    assert not webhooks.redeliver(conn, dead.id)  # not dead any more
+    assert not webhook_jobs.redeliver(conn, dead.id)  # not dead any more
     deliver_all(conn)
-    assert len(receiver.requests) == 4 and webhooks.dead_deliveries(conn) == []
-    failed = FailedJobRegistry(queue=webhooks.webhook_queue(conn))
+    assert len(receiver.requests) == 4 and webhook_jobs.dead_deliveries(conn) == []
+    failed = FailedJobRegistry(queue=webhook_jobs.webhook_queue(conn))
     assert failed.get_job_ids() == []
 
 
@@ -360,7 +361,7 @@ def test_dispatching_an_entry_twice_enqueues_its_delivery_once(conn, receivers, 
     wire.create_endpoint(conn, receiver.url, ["response.completed"])  # not subscribed
     end(conn, notifying_job(conn), FAILED, {"error": {"code": "x"}, "status": 500})
     [entry] = outbox(conn)
-    dispatcher = webhooks.Dispatcher(conn, webhooks.WebhookSettings.from_env())
+    dispatcher = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env())
     assert len(dispatcher.dispatch(entry)) == 1
     assert dispatcher.dispatch(entry) == []
     deliver_all(conn)
@@ -371,10 +372,10 @@ def test_an_entry_a_dead_dispatcher_left_is_taken_over(conn, receivers, allow_lo
     receiver = receivers()
     wire.create_endpoint(conn, receiver.url, ["response.failed"])
     end(conn, notifying_job(conn), FAILED, {"error": {"code": "x"}, "status": 500})
-    dead = webhooks.Dispatcher(conn, webhooks.WebhookSettings.from_env(), consumer="gone")
+    dead = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env(), consumer="gone")
     dead.ensure_group()
     assert dead._read()  # read, never acknowledged: its process died
-    alive = webhooks.Dispatcher(conn, webhooks.WebhookSettings.from_env(), block_ms=10)
+    alive = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env(), block_ms=10)
     alive._own_pending = False
     assert alive.run_once() == 0  # not idle long enough yet
     webhooks.CLAIM_IDLE_MS, saved = 0, webhooks.CLAIM_IDLE_MS
@@ -391,20 +392,20 @@ def test_a_deleted_endpoint_drops_its_deliveries(conn, receivers, allow_loopback
     receiver = receivers()
     endpoint = wire.create_endpoint(conn, receiver.url, ["response.failed"])
     end(conn, notifying_job(conn), FAILED, {"error": {"code": "x"}, "status": 500})
-    webhooks.Dispatcher(conn, webhooks.WebhookSettings.from_env()).ensure_group()
-    webhooks.Dispatcher(conn, webhooks.WebhookSettings.from_env(), block_ms=10).run_once()
+    webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env()).ensure_group()
+    webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env(), block_ms=10).run_once()
     assert wire.delete_endpoint(conn, endpoint.id)
     deliver_all(conn)
-    assert receiver.requests == [] and webhooks.dead_deliveries(conn) == []
+    assert receiver.requests == [] and webhook_jobs.dead_deliveries(conn) == []
 
 
 def test_settings_from_the_environment() -> None:
-    default = webhooks.WebhookSettings.from_env({})
+    default = webhook_jobs.WebhookSettings.from_env({})
     assert default.intervals[:3] == (1, 2, 4) and default.intervals[-1] == 3600
     assert 23 * 3600 < sum(default.intervals) < 25 * 3600
-    custom = webhooks.WebhookSettings.from_env(
+    custom = webhook_jobs.WebhookSettings.from_env(
         {"LLMQ_WEBHOOK_RETRY_INTERVALS": "0, 5", "LLMQ_WEBHOOK_ALLOW": "10.0.0.0/8, a.b"}
     )
     assert custom.intervals == (0, 5) and custom.allow == ("10.0.0.0/8", "a.b")
-    with pytest.raises(webhooks.WebhookSettingsError):
-        webhooks.WebhookSettings.from_env({"LLMQ_WEBHOOK_TIMEOUT_SECONDS": "0"})
+    with pytest.raises(webhook_jobs.WebhookSettingsError):
+        webhook_jobs.WebhookSettings.from_env({"LLMQ_WEBHOOK_TIMEOUT_SECONDS": "0"})
