@@ -33,6 +33,7 @@ from rq.scheduler import SCHEDULER_KEY_TEMPLATE, RQScheduler
 from rq.serializers import JSONSerializer
 
 from workers import keys
+from workers.webhook_delivery import DeliveryFailed
 from workers.wire.text import as_str
 from workers.wire.webhook_jobs import (
     WebhookSettings,
@@ -226,6 +227,12 @@ class WebhookWorker(SimpleWorker):
             FailedJobRegistry(queue=queue).add(job, exc_string="refused: not a webhook delivery")
             return
         super().execute_job(job, queue)
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        """A receiver's failure is logged by `deliver` in one line: no traceback for it."""
+        if len(exc_info) > 1 and isinstance(exc_info[1], DeliveryFailed):
+            return
+        super().handle_exception(job, *exc_info)
 
 
 def worker_name() -> str:
