@@ -69,6 +69,10 @@ bp = Blueprint("responses", __name__, url_prefix="/v1/responses")
 bp.before_request(require_api_key)
 
 CANCEL_WAIT_SECONDS = 3.0  # how long cancel and delete wait for a running job to stop
+# a `store: false` response's record and stream, once its answer went out: nobody may read
+# them again, so they go soon instead of after JOB_TTL_SECONDS (the webhooks' dispatcher
+# reads the record of an ended job within this)
+UNSTORED_TTL_SECONDS = 60
 
 
 class ResponseNotFound(ExpiredOrMissing):
@@ -160,15 +164,25 @@ def create_response() -> Response:
         raise responses_error(exc) from None
     record = submission.record
     if req.stream:
-        return stream_events(record, -1, cancel_on_disconnect=not req.background)
+        return stream_events(
+            record, -1, cancel_on_disconnect=not req.background, forget=not req.store
+        )
     if req.background:
         return jsonify(wire.render(record))
     end = wait_end(record)
     if end is None:
         return Response(status=499)  # nobody reads it; keeps the access log honest
+    if not req.store:
+        _forget(conn, events_conn(), record.id)
     if isinstance(end, StreamError) and not _cancelled(end):
         return error_from_event(end)
     return jsonify(wire.render(_ended(record, end)))
+
+
+def _forget(conn: Any, events: Any, response_id: str) -> None:
+    """Let a `store: false` response's record and stream expire soon."""
+    conn.expire(keys.job(response_id), UNSTORED_TTL_SECONDS)
+    events.expire(keys.job_events(response_id), UNSTORED_TTL_SECONDS)
 
 
 def _cancelled(end: StreamError) -> bool:
@@ -190,10 +204,13 @@ def _ended(record: JobRecord, end: StreamDone | StreamError) -> JobRecord:
 # ---------------------------------------------------------------- events
 
 
-def stream_events(record: JobRecord, after: int, *, cancel_on_disconnect: bool) -> Response:
+def stream_events(
+    record: JobRecord, after: int, *, cancel_on_disconnect: bool, forget: bool = False
+) -> Response:
     """The response's events after sequence number `after`, as SSE (`event:` + `data:`),
-    derived again from the start of its job's stream."""
-    conn = redis_conn()
+    derived again from the start of its job's stream; `forget`: a `store: false` response,
+    whose record and stream expire soon once its end went out."""
+    conn, events = redis_conn(), events_conn()  # the generator runs outside the app context
     hub = stream_hub()
     watch = DisconnectWatch(request.environ)
     ping = current_app.config["PING_SECONDS"]
@@ -225,6 +242,8 @@ def stream_events(record: JobRecord, after: int, *, cancel_on_disconnect: bool) 
                     last_sent = time.monotonic()
                     yield out
             finished = True
+            if forget:
+                _forget(conn, events, record.id)
         except (APIError, redis.RedisError) as exc:  # said in-band; a client resumes from N
             finished = True
             error = exc if isinstance(exc, APIError) else None

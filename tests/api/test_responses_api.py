@@ -186,7 +186,7 @@ def test_input_items_and_previous_response_id(oai, worker, real_redis) -> None:
     assert [i.type for i in listed.data] == ["message"] * 6
 
 
-def test_store_false_is_not_kept_for_later(oai, worker) -> None:
+def test_store_false_is_not_kept_for_later(oai, worker, real_redis) -> None:
     response = oai.responses.create(model="tiny", input="hi", max_output_tokens=1, store=False)
     assert response.output_text == "t0 " and response.store is False
     with pytest.raises(openai.NotFoundError):
@@ -196,6 +196,12 @@ def test_store_false_is_not_kept_for_later(oai, worker) -> None:
     assert caught.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError, match="store"):
         oai.responses.create(model="tiny", input="x", background=True, store=False)
+    # its record and stream, which hold the text, go soon instead of after a day
+    args = {"model": "tiny", "input": "hi", "max_output_tokens": 1, "store": False}
+    streamed = list(oai.responses.create(stream=True, **args))
+    for ended in (response.id, streamed[-1].response.id):
+        assert 0 < real_redis.ttl(keys.job(ended)) <= 60
+        assert 0 < real_redis.ttl(keys.job_events(ended)) <= 60
 
 
 def test_tools_answer_with_a_function_call_and_take_its_output(oai, worker, real_redis) -> None:
