@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from tests.api.conftest import SMOLLM2 as MODEL
@@ -92,3 +93,21 @@ def test_a_forced_function_call_with_valid_arguments(smollm2_oai) -> None:
     arguments = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [a.arguments for a in arguments] == [calls[0].arguments]
     assert events[-1].response.output[-1].id == calls[0].id
+
+
+def test_text_format_json_schema_constrains_the_output(smollm2_oai) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    response = smollm2_oai.responses.create(
+        model=MODEL,
+        input="Describe the weather in Paris as JSON.",
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema}},
+        temperature=0,
+        max_output_tokens=60,
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
