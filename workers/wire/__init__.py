@@ -18,6 +18,7 @@ message has one encoder and one decoder: `JobRecord.to_hash` / `from_hash`, `eve
 | a job's events (`StreamToken`, `StreamDone`, `StreamError`) and their codec | `events` |
 | the OpenAI error body; `OpenAIError`, base of every error a client sees | `errors` |
 | generation response bodies, the models `/openapi.json` documents | `bodies` |
+| a Responses API response rendered from its job record (object, items, usage) | `responses_api` |
 | prompt-prefix digests for cache-affinity routing | `prefix` |
 | per-caller rate-limit buckets: their Lua, charge and settle | `rate_limit` |
 | offline batches: statuses, file and batch records | `batches` |
