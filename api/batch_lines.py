@@ -16,11 +16,18 @@ from typing import Any
 
 from api import loras
 from api.body import json_type, parse_json
-from api.errors import APIError
+from api.errors import APIError, InvalidRequest
 from api.flow import check_context
 from api.model_texts import ModelTexts
+from api.response_requests import (
+    new_response_id,
+    parse_response_request,
+    responses_error,
+    translate,
+)
 from api.schemas import parse_request
 from workers.wire.defaults import MAX_LINE_BYTES
+from workers.wire.job import CHAT_COMPLETIONS, RESPONSES
 
 BOM = b"\xef\xbb\xbf"
 MAX_CUSTOM_ID_CHARS = 512
@@ -35,6 +42,7 @@ class ValidLine:
     request: dict[str, Any]  # normalised, as the live endpoint stores it for the worker
     spec: dict[str, Any] | None = None  # GenerationSpec.to_record(); None for embeddings
     response_model: str | None = None  # the adapter the line named as its model
+    responses: dict[str, Any] | None = None  # a `/v1/responses` line's `JobRecord.responses`
 
     def to_json(self) -> str:
         data = {"custom_id": self.custom_id, "model": self.model, "request": self.request}
@@ -42,6 +50,8 @@ class ValidLine:
             data["spec"] = self.spec
         if self.response_model is not None:
             data["response_model"] = self.response_model
+        if self.responses is not None:
+            data["responses"] = self.responses
         return json.dumps(data, ensure_ascii=False)
 
 
@@ -160,12 +170,59 @@ def _validate(
         raise LineError("invalid_request", "body must be a JSON object (the request body).")
     if body.get("stream") is True:
         raise LineError("invalid_request", "stream is not available in a batch.")
+    if endpoint == RESPONSES:
+        return _response_line(number, body, custom_id, models, texts, adapters)
+    return _generation_line(number, endpoint, body, custom_id, models, texts, adapters)
+
+
+def _response_line(
+    number: int,
+    body: dict[str, Any],
+    custom_id: str,
+    models: dict[str, dict[str, Any]],
+    texts: ModelTexts | None,
+    adapters: dict[str, str],
+) -> ValidLine:
+    """A Responses request run as the chat request it translates to, as `POST /v1/responses`
+    runs it (`api.responses_api`); its record keeps the Responses request and the response
+    id its output line answers with."""
+    try:
+        req = parse_response_request(body)
+    except APIError as exc:
+        raise LineError(exc.code or "invalid_request", exc.message) from None
+    for name, why in (
+        ("background", "every batch line already runs in the background"),
+        ("previous_response_id", "a batch line cannot continue a stored response"),
+    ):
+        if getattr(req, name):
+            raise LineError("invalid_request", f"{name} is not available in a batch: {why}.")
+    response_id = new_response_id()
+    translation = translate(req, response_id, [])
+    line = _generation_line(
+        number, CHAT_COMPLETIONS, translation.chat, custom_id, models, texts, adapters, True
+    )
+    line.responses = {**translation.stored, "id": response_id, "store": False}
+    return line
+
+
+def _generation_line(
+    number: int,
+    endpoint: str,
+    body: dict[str, Any],
+    custom_id: str,
+    models: dict[str, dict[str, Any]],
+    texts: ModelTexts | None,
+    adapters: dict[str, str],
+    translated: bool = False,
+) -> ValidLine:
+    """`translated`: `body` is a Responses request's chat translation, whose errors are
+    worded for the Responses request (`api.response_requests.responses_error`)."""
     try:
         req = parse_request(endpoint, body)
         requested = req.model
         loras.apply(req, models, adapters)  # a model naming an adapter; unknown adapters
     except APIError as exc:
-        raise LineError(exc.code or "invalid_request", exc.message) from None
+        raise _line_error(exc, translated) from None
     info = models.get(req.model)
     if info is None:
         raise LineError("model_not_found", f"The model {req.model!r} does not exist.")
@@ -173,7 +230,13 @@ def _validate(
     try:
         check_context(req, spec, info, texts)
     except APIError as exc:
-        raise LineError(exc.code or "invalid_request", exc.message) from None
+        raise _line_error(exc, translated) from None
     record = None if spec is None else spec.to_record()
     named = requested if requested != req.model else None
     return ValidLine(number, custom_id, req.model, req.to_job_request(), record, named)
+
+
+def _line_error(error: APIError, translated: bool) -> LineError:
+    if translated and isinstance(error, InvalidRequest):
+        error = responses_error(error)
+    return LineError(error.code or "invalid_request", error.message)

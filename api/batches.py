@@ -28,7 +28,7 @@ from workers import keys
 from workers.wire.batches import FILE_PURPOSE_BATCH
 from workers.wire.broker import NotReplicated
 from workers.wire.defaults import MAX_COMPLETION_WINDOW_SECONDS
-from workers.wire.job import ENDPOINTS
+from workers.wire.job import BATCH_ENDPOINTS
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,10 @@ def create_batch() -> Response:
             f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0]
         )
     endpoint = body.get("endpoint")
-    if endpoint not in ENDPOINTS:
+    if endpoint not in BATCH_ENDPOINTS:
         raise InvalidRequest(
-            f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}.", param="endpoint"
+            f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}.",
+            param="endpoint",
         )
     window = parse_window(body.get("completion_window"))
     metadata = _metadata(body.get("metadata"))

@@ -21,7 +21,7 @@ from api import responses as r
 from api import webhook_bodies as wb
 from api.response_requests import ResponseRequest
 from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from workers.wire.job import ENDPOINTS, JOB_STATUSES
+from workers.wire.job import BATCH_ENDPOINTS, ENDPOINTS, JOB_STATUSES
 
 bp = Blueprint("docs", __name__)
 
@@ -66,7 +66,7 @@ class JobCreate(BaseModel):
 
 class BatchCreate(BaseModel):
     input_file_id: str
-    endpoint: Literal[ENDPOINTS]  # type: ignore[valid-type]
+    endpoint: Literal[BATCH_ENDPOINTS]  # type: ignore[valid-type]
     completion_window: str = Field(description="`24h`, or any shorter `N s|m|h`")
     metadata: dict[str, str] | None = None
 

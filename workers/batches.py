@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -57,8 +58,17 @@ from workers.wire.batches import (
 from workers.wire.broker import BROKER_LOST
 from workers.wire.defaults import CANCEL_FLAG_TTL_SECONDS, FILE_TTL_SECONDS, JOB_TTL_SECONDS
 from workers.wire.errors import cancelled_error
-from workers.wire.job import CANCELLED, FINISHED, QUEUED, TERMINAL_STATUSES, JobRecord
+from workers.wire.job import (
+    CANCELLED,
+    CHAT_COMPLETIONS,
+    FINISHED,
+    QUEUED,
+    RESPONSES,
+    TERMINAL_STATUSES,
+    JobRecord,
+)
 from workers.wire.members import each_member
+from workers.wire.responses_api import render
 from workers.wire.rq_job import write_queued_rq_job
 from workers.wire.text import as_str
 from workers.wire.wake import push_wake
@@ -208,11 +218,17 @@ class BatchDriver:
         if not lines:
             return
         job_ids = [keys.batch_job_id(rec.id, line) for line in lines]
+        responses = rec.endpoint == RESPONSES
         with self.conn.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hmget(keys.job(job_id), "status", "result", "error")
+                if responses:  # the whole record: its Response is rendered from it
+                    pipe.hgetall(keys.job(job_id))
+                else:
+                    pipe.hmget(keys.job(job_id), "status", "result", "error")
             pipe.hmget(keys.batch_requests(rec.id), lines)
             *states, raw_requests = pipe.execute()
+        if responses:
+            states = [_response_state(h) for h in states]
         ending = self._ending(rec)
         with self.conn.pipeline() as pipe:
             for line, job_id, state, raw in zip(lines, job_ids, states, raw_requests, strict=True):
@@ -299,7 +315,7 @@ class BatchDriver:
         priority = int(item["request"].get("priority", 0))
         record = JobRecord(
             id=job_id,
-            endpoint=rec.endpoint,
+            endpoint=CHAT_COMPLETIONS if rec.endpoint == RESPONSES else rec.endpoint,
             model=item["model"],
             request=item["request"],
             spec=item.get("spec"),
@@ -308,6 +324,7 @@ class BatchDriver:
             priority=priority,
             batch_id=rec.id,
             owner=rec.owner,
+            responses=item.get("responses"),
         )
         pipe.hset(keys.job(job_id), mapping=record.to_hash())
         pipe.expire(keys.job(job_id), JOB_TTL_SECONDS)
@@ -423,13 +440,27 @@ class BatchDriver:
         pipe.zadd(keys.FILES, {file_id: now})
 
 
+def _response_state(raw: dict[bytes, bytes]) -> list[Any]:
+    """A Responses line's job as `_answer` reads a chat line's (status, result, error), its
+    result the Response object rendered from the record (`wire.responses_api.render`) under
+    the response id the line was given."""
+    if not raw:
+        return [None, None, None]
+    record = JobRecord.from_hash(raw)
+    result = None
+    if record.status == FINISHED and record.result is not None:
+        response_id = (record.responses or {}).get("id", record.id)
+        result = json.dumps(render(replace(record, id=response_id)), ensure_ascii=False)
+    return [record.status, result, raw.get(b"error")]
+
+
 def _answer(
     batch_id: str,
     line: int,
     custom_id: str | None,
     job_id: str,
     status: str | None,
-    fields: list[bytes | None],
+    fields: list[bytes | str | None],
     ending: str | None,
 ) -> tuple[str, str, tuple[int, int, int]]:
     """(target hash, JSONL line, token usage) for a line whose job ended (or vanished)."""
@@ -439,9 +470,7 @@ def _answer(
         return "errors", text, (0, 0, 0)
     if status == FINISHED and raw_result is not None:
         body = json.loads(raw_result)
-        usage = body.get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        tokens = (usage.get("prompt_tokens", 0), cached or 0, usage.get("completion_tokens", 0))
+        tokens = _tokens(body.get("usage") or {})
         return "output", output_line(batch_id, line, custom_id, job_id, body), tokens
     error = json.loads(raw_error) if raw_error is not None else {}
     detail = error.get("error") or {}
@@ -456,6 +485,16 @@ def _answer(
     code = detail.get("code") or detail.get("type") or status
     message = detail.get("message") or f"The request {status}."
     return "errors", error_line(batch_id, line, custom_id, code, message, response), (0, 0, 0)
+
+
+def _tokens(usage: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens of a chat or completion body's usage, or of a
+    Response's (`input_tokens`, `output_tokens`)."""
+    if "input_tokens" in usage:
+        cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
+        return usage["input_tokens"], cached or 0, usage.get("output_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return usage.get("prompt_tokens", 0), cached or 0, usage.get("completion_tokens", 0)
 
 
 def _queue(conn: redis.Redis, model: str) -> Queue:

@@ -359,3 +359,67 @@ def test_llmq_batch_submit_wait_logs_progress_when_piped(server, workers, tmp_pa
     # --poll 5 would leave gaps of 5 s; the progress interval bounds them (plus a poll's time)
     gaps = [b[0] - a[0] for a, b in zip(progress, progress[1:], strict=False)]
     assert max(gaps) < interval + 0.5, gaps
+
+
+def test_a_batch_of_responses_lines_answers_with_response_objects(oai, workers, tmp_path) -> None:
+    """`/v1/responses` lines run as the chat jobs they translate to: each output body is a
+    Response whose text is what the same chat request answers, and the lines the Batch API
+    cannot run (background, a stored conversation, a field llmq does not do) are errors."""
+    workers("batch-w1")
+    prompts = [f"say {i}" for i in range(3)]
+    lines = [
+        {
+            "custom_id": f"r-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": MODEL,
+                "instructions": "Answer briefly.",
+                "input": prompt,
+                "max_output_tokens": TOKENS,
+                "temperature": 0,
+            },
+        }
+        for i, prompt in enumerate(prompts)
+    ]
+    refused = {
+        "r-bg": {"background": True},
+        "r-prev": {"previous_response_id": "resp_0123"},
+        "r-reasoning": {"reasoning": {"effort": "low"}},
+    }
+    for custom_id, extra in refused.items():
+        lines.append({**lines[0], "custom_id": custom_id, "body": {**lines[0]["body"], **extra}})
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with open(tmp_path / "in.jsonl", "rb") as handle:
+        uploaded = oai.files.create(file=handle, purpose="batch")
+    batch = oai.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h"
+    )
+    batch = wait_status(oai, batch.id, {"completed", "failed"}, 60)
+    assert batch.status == "completed"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 3)
+    errors = {e["custom_id"]: e["error"] for e in lines_of(oai, batch.error_file_id)}
+    assert set(errors) == set(refused)
+    assert "background" in errors["r-bg"]["message"]
+    assert "previous_response_id" in errors["r-prev"]["message"]
+    assert "reasoning" in errors["r-reasoning"]["message"]
+    output = {o["custom_id"]: o["response"] for o in lines_of(oai, batch.output_file_id)}
+    assert sorted(output) == ["r-0", "r-1", "r-2"]
+    output_tokens = 0
+    for i, prompt in enumerate(prompts):
+        body = output[f"r-{i}"]["body"]
+        response = openai.types.responses.Response.model_validate(body)  # the client's type
+        assert response.id.startswith("resp_") and response.status in ("completed", "incomplete")
+        chat = oai.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": prompt},
+            ],
+            max_tokens=TOKENS,
+            temperature=0,
+        )
+        assert response.output_text and response.output_text == chat.choices[0].message.content
+        assert response.usage.output_tokens == chat.usage.completion_tokens
+        output_tokens += response.usage.output_tokens
+    assert batch.usage.output_tokens == output_tokens

@@ -42,6 +42,10 @@ COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS = (
     "/v1/embeddings",
 )
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS)
+# A batch may also hold Responses API requests: each line runs as a chat job whose record
+# carries the Responses request (`JobRecord.responses`), answered as a Response object.
+RESPONSES = "/v1/responses"
+BATCH_ENDPOINTS = (*ENDPOINTS, RESPONSES)
 
 # The only function a worker runs; anything else found on a queue is refused (docs/faults.md F19).
 JOB_FUNCTION = "workers.jobs.run_job"
