@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from runtime.cli_options import add_command
 from workers.wire.batches import BATCH_COMPLETED, BATCH_TERMINAL
-from workers.wire.job import ENDPOINTS
+from workers.wire.job import BATCH_ENDPOINTS
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_ENDPOINT = "/v1/chat/completions"
@@ -61,7 +61,7 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     submit.add_argument("--wait", action="store_true", help="follow the batch and fetch results")
     submit.add_argument(
         "--endpoint",
-        choices=ENDPOINTS,
+        choices=BATCH_ENDPOINTS,
         help="the batch's endpoint (default: the first line's url, else /v1/chat/completions)",
     )
     submit.add_argument(
@@ -173,7 +173,7 @@ def guess_endpoint(data: bytes) -> str:
                 url = json.loads(raw).get("url")
             except (ValueError, AttributeError):
                 return DEFAULT_ENDPOINT
-            return url if url in ENDPOINTS else DEFAULT_ENDPOINT
+            return url if url in BATCH_ENDPOINTS else DEFAULT_ENDPOINT
     return DEFAULT_ENDPOINT
 
 
