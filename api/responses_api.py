@@ -154,7 +154,8 @@ def create_response() -> Response:
             job_id=response_id,
             responses=translation.stored,
             max_queue=flex_max_queue() if flex else None,
-            marks=notify_fields(NOTIFY_RESPONSE),  # its end is a `response.*` webhook event
+            # a background response's end is a `response.*` webhook event, as at OpenAI
+            marks=notify_fields(NOTIFY_RESPONSE) if req.background else None,
         )
     except QueueFull:
         if flex:
