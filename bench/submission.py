@@ -2,7 +2,9 @@
 path that answers 202 once the job is queued) sent one after another through the Flask
 app to a real Redis, plain, with both rate limits on (`api/rate_limits.py`: one more
 script per request) and with a priority other than 0 (a level queue of its own,
-`workers/keys.py` `level_queue_name`).
+`workers/keys.py` `level_queue_name`); then an async chat job (`POST /v1/jobs`) beside a
+background Responses request (`POST /v1/responses`, `background: true`), which runs as the
+same chat job with its Responses request kept on the record (`api/responses_api.py`).
 
 The load test (`make test-load`, tests/README.md "Load") measures the same path under 200
 clients, where the access log's whole milliseconds and the run-to-run noise are larger
@@ -32,10 +34,33 @@ from workers.wire.broker import redact
 from workers.wire.worker_info import READY, WorkerInfo
 
 MODEL = "bench-model"
+ASYNC = {"Prefer": "respond-async"}
+
+
+def _completion(i: int, priority: int = 0) -> tuple[str, dict, dict, int]:
+    body = {"model": MODEL, "prompt": f"p {i}", "max_tokens": 8}
+    if priority:
+        body["priority"] = priority
+    return "/v1/completions", body, ASYNC, 202
+
+
+def _chat_job(i: int) -> tuple[str, dict, dict, int]:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": f"p {i}"}], "max_tokens": 8}
+    return "/v1/jobs", {"endpoint": "/v1/chat/completions", "body": chat}, {}, 202
+
+
+def _background_response(i: int) -> tuple[str, dict, dict, int]:
+    body = {"model": MODEL, "input": f"p {i}", "max_output_tokens": 8, "background": True}
+    return "/v1/responses", body, {}, 200
+
+
+# name -> (app settings, the i-th request: path, body, headers, the status it answers)
 VARIANTS = {
-    "plain": ({}, 0),
-    "rate limits on": ({"RATE_LIMIT_RPM": 10**9, "RATE_LIMIT_TPM": 10**12}, 0),
-    "priority -5": ({}, -5),
+    "plain": ({}, _completion),
+    "rate limits on": ({"RATE_LIMIT_RPM": 10**9, "RATE_LIMIT_TPM": 10**12}, _completion),
+    "priority -5": ({}, lambda i: _completion(i, priority=-5)),
+    "/v1/jobs chat": ({}, _chat_job),
+    "bg response": ({}, _background_response),
 }
 
 
@@ -57,16 +82,14 @@ def _drain(conn: redis.Redis) -> None:
         conn.delete(key)
 
 
-def _round(client, priority: int, n: int, offset: int) -> list[float]:
+def _round(client, request, n: int, offset: int) -> list[float]:
     times = []
     for i in range(n):
-        body = {"model": MODEL, "prompt": f"p {offset + i}", "max_tokens": 8}
-        if priority:
-            body["priority"] = priority
+        path, body, headers, expected = request(offset + i)
         start = time.perf_counter()
-        answer = client.post("/v1/completions", json=body, headers={"Prefer": "respond-async"})
+        answer = client.post(path, json=body, headers=headers)
         times.append(time.perf_counter() - start)
-        if answer.status_code != 202:
+        if answer.status_code != expected:
             raise SystemExit(f"{answer.status_code}: {answer.get_data(as_text=True)[:300]}")
     return times
 
@@ -88,7 +111,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     try:
         for name, client in clients.items():  # warm each app (imports, scripts loaded)
-            _round(client, VARIANTS[name][1], 20, 0)
+            _round(client, VARIANTS[name][1], 20, 10**6)
         limited = clients["rate limits on"].post("/v1/completions", json={"model": MODEL})
         assert "x-ratelimit-limit-tokens" in limited.headers, "the rate limits are not on"
         assert conn.zcard(keys.queue_levels(keys.queue_name(MODEL, "interactive"))) > 0
@@ -111,6 +134,8 @@ def main() -> None:
         p50, p99 = statistics.median(values), values[int(len(values) * 0.99)]
         delta = (p50 - base) * 1000
         print(f"{name:<16} {len(values):>6} {p50 * 1000:>8.2f} {p99 * 1000:>8.2f} {delta:>+12.2f}")
+    ratio = statistics.median(times["bg response"]) / statistics.median(times["/v1/jobs chat"])
+    print(f"a background response's submission / a /v1/jobs chat submission, p50: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
