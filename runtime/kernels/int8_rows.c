@@ -256,7 +256,6 @@ typedef __m512 gfvec;
 #define g_load(p) _mm512_loadu_si512((const void *)(p))
 #define g_set1_i32 _mm512_set1_epi32
 #define g_add_i32 _mm512_add_epi32
-#define g_sub_i32 _mm512_sub_epi32
 #define g_zero_i _mm512_setzero_si512
 #define g_cvt _mm512_cvtepi32_ps
 #define g_load_f _mm512_loadu_ps
@@ -273,7 +272,6 @@ typedef __m256 gfvec;
 #define g_load(p) _mm256_loadu_si256((const __m256i *)(p))
 #define g_set1_i32 _mm256_set1_epi32
 #define g_add_i32 _mm256_add_epi32
-#define g_sub_i32 _mm256_sub_epi32
 #define g_zero_i _mm256_setzero_si256
 #define g_cvt _mm256_cvtepi32_ps
 #define g_load_f _mm256_loadu_ps
@@ -305,13 +303,15 @@ static inline gvec quad_of(const int8_t *a, int t) { /* activations 4t..4t+3, in
 /* steps [first, first + 4) (one half block) of every lane's row against activations a:
  * lane j's exact dot with row j's signed codes */
 static inline gvec half_dot(const gvec codes[8], const int8_t *a, int first, int32_t bias) {
-#ifdef GROUP_DPBUSD /* codes + 128 (unsigned) times signed activations, then 128 * sum back */
-    gvec p0 = GROUP_DPBUSD(g_zero_i(), codes[first], quad_of(a, first));
+#ifdef GROUP_DPBUSD /* codes + 128 (unsigned) times the activations, from -128 times their sum */
+    gvec p0 = GROUP_DPBUSD(g_set1_i32(-bias), codes[first], quad_of(a, first));
     gvec p1 = GROUP_DPBUSD(g_zero_i(), codes[first + 1], quad_of(a, first + 1));
     p0 = GROUP_DPBUSD(p0, codes[first + 2], quad_of(a, first + 2));
     p1 = GROUP_DPBUSD(p1, codes[first + 3], quad_of(a, first + 3));
-    return g_sub_i32(g_add_i32(p0, p1), g_set1_i32(bias));
-#else /* llama.cpp's AVX2 dot: |w| times x with w's sign, a pair <= 2 * 128 * 127 */
+    return g_add_i32(p0, p1);
+#else /* llama.cpp's AVX2 dot: |w| times x with w's sign, a pair <= 2 * 128 * 127 (doing
+       * the steps for all of a tile's rows at once, to make |w| once, spilled registers and
+       * was measured slower) */
     (void)bias;
     const __m256i flip = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
     gvec sum = g_zero_i();
@@ -328,7 +328,7 @@ static inline gvec half_dot(const gvec codes[8], const int8_t *a, int first, int
 static inline __attribute__((always_inline)) gfvec group_terms(gfvec acc, const gvec codes[8], grouped_pass x,
                                                                int64_t k, int64_t m, int64_t b, const gfvec ws[2],
                                                                int per_block) {
-    const int64_t blocks = k / BLOCK, at = m * blocks + b;
+    const int64_t at = m * (k / BLOCK) + b;
     const int8_t *a = x.q + m * k + b * BLOCK;
     const gfvec xs = g_set1_f(x.scale[at]);
     const gvec low = half_dot(codes, a, 0, x.bias[2 * at]);
@@ -389,26 +389,48 @@ static void group_rows(grouped_pass x, grouped_pass x2, int fine, int64_t rows, 
     }
 }
 
-/* one row's blocks -> codes, scales and 128 times each half block's sum of codes (`bias`);
- * with q2, what those codes miss rounded again the same way (`quantize_row`'s `fine`) */
+/* 32 values -> int8 codes, their scale (peak / 127) and 128 times each half's sum of codes,
+ * as `quantize_block` rounds them (to nearest even, in float32), 8 at a time; what the
+ * codes miss goes to `residual`, if given */
+static inline void quantize_block8(const __m256 v[4], int8_t *q, float *block_scale, int32_t *bias,
+                                   __m256 *residual) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 peak = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
+    p4 = _mm_max_ss(p4, _mm_movehdup_ps(p4));
+    const float top = _mm_cvtss_f32(p4), scale = top / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i c[4];
+    for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)); /* to nearest even */
+    if (residual)
+        for (int i = 0; i < 4; i++) residual[i] = _mm256_fnmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(c[i]), v[i]);
+    for (int half = 0; half < 2; half++) {
+        const __m256i total = _mm256_add_epi32(c[2 * half], c[2 * half + 1]);
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+        bias[half] = 128 * _mm_cvtsi128_si32(t4);
+    }
+    /* |codes| <= 127: packing saturates nothing; the permute undoes the packs' lane order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *block_scale = scale;
+}
+
+/* one row's blocks -> codes, scales and biases; with q2, what those codes miss rounded
+ * again the same way (`quantize_row`'s `fine`) */
 static void quantize_grouped(const float *x, const float *input_scale, int64_t k, int8_t *q, float *scale,
                              int32_t *bias, int8_t *q2, float *scale2, int32_t *bias2) {
     for (int64_t b = 0; b < k / BLOCK; b++) {
-        float v[BLOCK], residual[BLOCK];
-        uint8_t magnitude[BLOCK];
-        for (int i = 0; i < BLOCK; i++)
-            v[i] = input_scale ? x[b * BLOCK + i] * input_scale[b * BLOCK + i] : x[b * BLOCK + i];
-        quantize_block(v, q + b * BLOCK, magnitude, scale + b, q2 ? residual : NULL);
-        if (q2) quantize_block(residual, q2 + b * BLOCK, magnitude, scale2 + b, NULL);
-        for (int pass = 0; pass < (q2 ? 2 : 1); pass++) {
-            const int8_t *codes = (pass ? q2 : q) + b * BLOCK;
-            int32_t *out = (pass ? bias2 : bias) + 2 * b;
-            for (int half = 0; half < 2; half++) {
-                int32_t sum = 0;
-                for (int i = 0; i < 16; i++) sum += codes[16 * half + i];
-                out[half] = 128 * sum;
-            }
+        __m256 v[4], residual[4];
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
+            if (input_scale) v[i] = _mm256_mul_ps(v[i], _mm256_loadu_ps(input_scale + b * BLOCK + 8 * i));
         }
+        quantize_block8(v, q + b * BLOCK, scale + b, bias + 2 * b, q2 ? residual : NULL);
+        if (q2) quantize_block8(residual, q2 + b * BLOCK, scale2 + b, bias2 + 2 * b, NULL);
     }
 }
 
