@@ -63,6 +63,13 @@ class KernelPlan:
 
 
 LARGE_HEAD_ROWS = 100_000  # SmolLM2's head has 49,152 rows, Gemma 3's 262,144
+# A head of over LARGE_HEAD_ROWS rows on every plan: an int4 ranking rescored from the
+# file's rows (torch_backend.RescoredHead), where the file's Q8_0 codes (int8_rows.c's
+# grouped layout, two passes) read 180 MiB a step for Gemma 3's against the ranking's 100.
+# bench/large_head.py, 2026-11-28: on an AMX Xeon 8.9 / 63.7 ms at 1 / 32 rows against
+# the codes' 10.4 / 58.5 (the codes 0.92x the time at 32 rows only); with the AVX2 build
+# there 9.9 / 79 against 13.8 / 152. Decode's single row decides, and the resident bytes.
+LARGE_HEAD_KIND = "int4+rescore"
 
 
 def plan_for(features: CpuFeatures) -> KernelPlan:
@@ -127,6 +134,7 @@ def row_invariant_plan(features: CpuFeatures) -> KernelPlan:
             "int8",
             features.cores,
             head_fallback="int4+rescore",
+            large_head=LARGE_HEAD_KIND,
             eight_bit=eight_bit,
         )
     if lowbit_builds() and dense_rows() is not None and int8_rows() is not None:
@@ -136,7 +144,7 @@ def row_invariant_plan(features: CpuFeatures) -> KernelPlan:
             "file",
             features.cores,
             head_fallback="fp16-rows",
-            large_head="int4+rescore",
+            large_head=LARGE_HEAD_KIND,
             eight_bit=eight_bit_kind(),
         )
     return KernelPlan("int4", "bf16", "int8", features.cores, head_fallback="int4+rescore")

@@ -817,8 +817,10 @@ class TorchBackend:
 
     def describe(self) -> dict[str, str]:
         described = {"cpu": cpu_features().level, **self.plan.describe()}
-        if self.grouped_int8:
+        if self.grouped_int8:  # the large head's kind kept: the prepared store keys by this
+            large = described["lm head"].partition(";")[2]
             described["lm head"] = f"int8 (lowbit_rows.c) (else {self.plan.head_fallback})"
+            described["lm head"] += f";{large}" if large else ""
         if self.native_lowbit:
             described["4-bit weights"] = "int4 (lowbit_rows.c, int8 activations)"
             described["5-bit weights"] = "int5 (lowbit_rows.c, int8 activations)"
