@@ -166,6 +166,14 @@ def server(live_app: Flask) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture
+def oai(server: str) -> Iterator[openai.OpenAI]:
+    """The official client against `server` (a module may give its own `server`)."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=10)
+    yield client
+    client.close()
+
+
 @contextlib.contextmanager
 def _gunicorn(redis_url: str, **env_overrides: str) -> Iterator[str]:
     """`llmq api`'s gunicorn (config and worker class), one process on a free port; key

@@ -14,13 +14,6 @@ from workers import keys
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def oai(server) -> openai.OpenAI:
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=10)
-    yield client
-    client.close()
-
-
 def test_chat_completion(oai, worker) -> None:
     response = oai.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, seed=1

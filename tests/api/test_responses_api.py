@@ -20,13 +20,6 @@ from workers.wire.webhooks import NOTIFY_FIELD, NOTIFY_RESPONSE
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def oai(server) -> openai.OpenAI:
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=10)
-    yield client
-    client.close()
-
-
 WEATHER = {
     "type": "function",
     "name": "get_weather",

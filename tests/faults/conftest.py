@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
+import psutil
 import pytest
 import redis
 
@@ -233,6 +234,16 @@ def start_system(fault_redis, start_api, start_workers) -> Callable[..., FaultSy
         return FaultSystem(server, api, procs)
 
     return start
+
+
+def kill_api(api: Api) -> None:
+    """kill -9 the whole API: gunicorn's master and every process under it."""
+    master = psutil.Process(api.process.pid)
+    children = master.children(recursive=True)
+    master.kill()
+    for child in children:
+        child.kill()
+    api.process.wait(10)
 
 
 def wait_ready(api: Api, timeout: float = 60) -> None:

@@ -18,12 +18,11 @@ import time
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import redis
 
 from tests.api.sse import parse
-from tests.faults.conftest import MODEL
+from tests.faults.conftest import MODEL, kill_api
 from tests.workers.conftest import wait_for
 from workers import keys
 
@@ -78,15 +77,6 @@ class ResponseFollower:
             pass
 
 
-def _kill_api(api) -> None:
-    master = psutil.Process(api.process.pid)
-    children = master.children(recursive=True)
-    master.kill()
-    for child in children:
-        child.kill()
-    api.process.wait(10)
-
-
 def test_f25_a_background_response_resumes_across_a_worker_kill_and_an_api_restart(
     start_system, start_api
 ) -> None:
@@ -111,7 +101,7 @@ def test_f25_a_background_response_resumes_across_a_worker_kill_and_an_api_resta
     victim = next(w for w in system.workers if w.name == running_on)
     victim.kill_tree()
     deltas_at_kill = follower.deltas()
-    _kill_api(system.api)  # the whole API, while the job waits for another worker
+    kill_api(system.api)  # the whole API, while the job waits for another worker
     api = start_api(system.server.url, 1)
     base[0] = api.base
     follower.thread.join(120)

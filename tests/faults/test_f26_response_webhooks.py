@@ -14,12 +14,11 @@ from __future__ import annotations
 import time
 
 import httpx
-import psutil
 import pytest
 import redis
 
 from bench.webhooks import CountingReceiver, start_webhooks, stop
-from tests.faults.conftest import MODEL
+from tests.faults.conftest import MODEL, kill_api
 from tests.workers.conftest import wait_for
 from workers import keys
 from workers.wire import webhooks as wire
@@ -32,15 +31,6 @@ RESPONSES = 24
 TOKENS, MORE_TOKENS = 16, 9  # the fault model's context is 256 tokens
 ENV = {"LLMQ_WEBHOOK_ALLOW": "127.0.0.1", "LLMQ_WEBHOOK_RETRY_INTERVALS": "1,1,2,2,2,2,2,2"}
 EVENTS = ["response.completed", "response.incomplete", "response.failed", "response.cancelled"]
-
-
-def _kill_api(api) -> None:
-    master = psutil.Process(api.process.pid)
-    children = master.children(recursive=True)
-    master.kill()
-    for child in children:
-        child.kill()
-    api.process.wait(10)
 
 
 def test_f26_background_responses_webhooks_across_a_worker_kill_and_an_api_restart(
@@ -86,7 +76,7 @@ def test_f26_background_responses_webhooks_across_a_worker_kill_and_an_api_resta
         )
         victim = next(w for w in system.workers if w.name in busy_workers())
         victim.kill_tree()
-        _kill_api(system.api)
+        kill_api(system.api)
         api = start_api(system.server.url, 1)
         delivered_at_kill = receiver.distinct()
         assert delivered_at_kill < RESPONSES, "every response had ended before the kills"
