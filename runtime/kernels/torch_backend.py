@@ -5,12 +5,13 @@ Per CPU (cpu.py): GGUF's 4- and 5-bit types keep the file's codes, a half scale 
 activations rounded to int8 per block of 32, as llama.cpp multiplies Q4_1 by Q8_1); where
 that kernel cannot be built, torch's group-wise int4 layout (`Int4Weight`, bf16 activations:
 torch's int4 kernel with float32 activations takes a path ~20x slower). Q8_0 and Q6_K as
-the file's codes for runtime/kernels/int8_rows.c (`Int8BlockWeight`). Other types fp16:
-fbgemm's, or runtime/kernels/dense_rows.c's on AVX2 (`Fp16RowsWeight`); bf16 where no C
-compiler works. The LM head int8 per row where its rows allow it: lowbit_rows.c's 8-bit
-build with VNNI (`Int8GroupWeight`), else runtime/kernels/int8_rows.c; on AVX2 as its file
-type says (`Int8BlockHead` for Q8_0). The integer layouts apply a preceding RMSNorm weight
-at run time; the dense stores fold it into their columns.
+the file's codes for runtime/kernels/int8_rows.c, 16 rows side by side
+(`Int8BlockGroupWeight`; a row at a time, `Int8BlockWeight`, where the plan says so).
+Other types fp16: fbgemm's, or runtime/kernels/dense_rows.c's on AVX2 (`Fp16RowsWeight`);
+bf16 where no C compiler works. The LM head int8 per row where its rows allow it:
+lowbit_rows.c's 8-bit build with VNNI (`Int8GroupWeight`), else runtime/kernels/int8_rows.c;
+on AVX2 as its file type says (`Int8BlockGroupHead` for Q8_0). The integer layouts apply a
+preceding RMSNorm weight at run time; the dense stores fold it into their columns.
 Called with float32 numpy arrays they return numpy arrays, so the host forward pass shares
 model files and attention with the numpy backend; each weight's `product` takes and gives
 float32 tensors, which is what the tensor forward pass (kernels/device_backend.py) calls on
