@@ -857,7 +857,7 @@ class TorchBackend:
             return 5 * n // 8 + 4 * (n // GROUP_SIZE)  # nibbles and fifth bits, two halves
         if qtype in EIGHT_BIT_TYPES and self.native_eight_bit:  # codes, a float32 per 32 or 16
             if self.plan.eight_bit == Int8BlockGroupWeight.kind:  # rows padded to 16
-                n = -(-shape[1] // INT8_GROUP) * INT8_GROUP * shape[0]
+                n = -(-shape[0] // INT8_GROUP) * INT8_GROUP * shape[1]
             return n + 4 * (n // (16 if qtype == Q.Q6_K else GROUP_SIZE))
         return 2 * n
 

@@ -208,3 +208,34 @@ def test_a_head_rounds_its_rows_in_two_passes_closer_to_exact(one_pass, two_pass
     np.testing.assert_allclose(two, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
     head = two_passes(q, None)
     assert np.array_equal(np.concatenate([head(x[i : i + 1]) for i in range(len(x))]), two)
+
+
+@pytest.mark.parametrize("layout", ["int8-block-groups", "int8-blocks"])
+@pytest.mark.parametrize("qtype", EIGHT_BIT, ids=lambda q: q.name)
+def test_a_weights_stored_bytes_are_what_its_layout_keeps(tmp_path, layout, qtype):
+    """`stored_bytes` (what a load will hold) for the file's codes in either layout, the
+    grouped one padding 40 rows to 48."""
+    from dataclasses import replace
+
+    from runtime.gguf_file import GGUFFile
+    from runtime.kernels.base import TensorPart
+    from runtime.kernels.cpu import default_plan
+    from runtime.kernels.torch_backend import TorchBackend
+
+    rng = np.random.default_rng(11)
+    path = tmp_path / "w.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    raw = _file_blocks(rng, qtype, 40, 512)
+    writer.add_tensor("w", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = GGUFFile(path)
+    backend = TorchBackend(replace(default_plan(), eight_bit=layout))
+    weight = backend.linear(f, [TensorPart("w")])
+    assert weight.kind == layout
+    assert backend.stored_bytes(f, "w", "linear") == weight.nbytes
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    exact = x.astype(np.float64) @ f.tensor("w").astype(np.float64).T
+    np.testing.assert_allclose(weight(x), exact, rtol=0.02, atol=0.02 * np.abs(exact).max())
