@@ -10,10 +10,14 @@ from typing import Any
 
 import pytest
 
+from api import batch_store
 from api import files as files_module
+from api.batch_lines import ValidLine
 from workers import keys
 from workers.batches import BatchDriver
+from workers.wire.batches import BATCH_FAILED
 from workers.wire.job import CHAT_COMPLETIONS
+from workers.wire.webhooks import OutboxEntry
 
 FILE_FIELDS = {"id", "object", "bytes", "created_at", "filename", "purpose", "status"}
 BATCH_FIELDS = {
@@ -38,6 +42,11 @@ BATCH_FIELDS = {
     "request_counts",
     "metadata",
 }
+
+
+EMPTY_FILE = [
+    {"code": "empty_file", "message": "No requests.", "param": "input_file_id", "line": None}
+]
 
 
 def request_line(custom_id: str, **body: Any) -> dict[str, Any]:
@@ -179,3 +188,24 @@ def test_files_and_batches_need_the_api_key(fake_redis, registered) -> None:
     assert client.get("/v1/batches").status_code == 401
     headers = {"Authorization": "Bearer sk-1"}
     assert client.get("/v1/batches", headers=headers).status_code == 200
+
+
+def test_a_batch_that_fails_at_creation_is_a_webhook_event_in_the_same_write(fake_redis) -> None:
+    """api/batch_store.py: a batch refused whole (file-level errors) never runs, so its
+    creation is its terminal write, and its `batch.failed` outbox entry goes with it; a batch
+    that will run appends nothing yet (the driver appends its end, tests/workers)."""
+    failed = batch_store.create_batch(
+        fake_redis, CHAT_COMPLETIONS, "file-x", ("24h", 86400), None, [], [], EMPTY_FILE
+    )
+    runs = batch_store.create_batch(
+        fake_redis,
+        CHAT_COMPLETIONS,
+        "file-y",
+        ("24h", 86400),
+        None,
+        [ValidLine(1, "a", "tiny", {"model": "tiny", "messages": []})],
+        [],
+    )
+    entries = [OutboxEntry.from_entry(i, f) for i, f in fake_redis.xrange(keys.WEBHOOK_OUTBOX)]
+    assert [(e.kind, e.id, e.status) for e in entries] == [("batch", failed.id, BATCH_FAILED)]
+    assert runs.status != BATCH_FAILED
