@@ -33,6 +33,7 @@ from tests.api.sse import Message, parse
 from tests.redis_db import redis_binary
 from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import REPO, WorkerProcess, signal_then_kill, wait_for
+from workers.supervisor import STOP_GRACE_SECONDS
 from workers.wire.job import TERMINAL_STATUSES
 
 MODEL = "tiny-faults"  # the model id: the tiny GGUF's file stem
@@ -478,10 +479,12 @@ class Served:
         return self.log.read()
 
     def stop(self) -> None:
-        """Ctrl-C, as a user stops it; SIGKILL to the group if it has not ended in 30 s."""
+        """Ctrl-C, as a user stops it; SIGKILL to the group if it has not ended well after
+        serve's own grace (its children run in sessions of their own: serve alone can kill
+        one that ignores SIGTERM, so it must outlive that grace)."""
         os.killpg(self.proc.pid, signal.SIGINT)
         try:
-            self.proc.wait(30)
+            self.proc.wait(STOP_GRACE_SECONDS + 15)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
