@@ -339,6 +339,10 @@ class RowAdapters:
         if isinstance(x, np.ndarray):
             return self._apply_on_host(key, x, out)
         x, out = x.float(), out.float()  # a GPU's products and inputs may be bf16: add in float32
+        if x.device.type == "cpu":  # the CPU's tensor path: the host's row-invariant kernel
+            out = out.contiguous()
+            self._apply_on_host(key, x.contiguous().numpy(), out.numpy())  # in place
+            return out
         for adapter, rows, scales in self.groups:
             delta = adapter.deltas.get(key)
             if delta is None:
@@ -353,21 +357,12 @@ class RowAdapters:
     def _apply_on_host(self, key: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Each row's deltas summed alone in a fixed order (dense_rows.c; without a compiler
         numpy one row at a time, whose products then have one shape whatever the batch)."""
-        kernel = dense_rows()
         x = np.ascontiguousarray(x, np.float32)
         out = np.ascontiguousarray(out, np.float32)
         for adapter, rows, scales in self.groups:
             delta = adapter.deltas.get(key)
-            if delta is None:
-                continue
-            index = self._index(rows)
-            if kernel is not None:
-                kernel.lora(x, index, scales, delta.a, delta.bt, out)
-                continue
-            for row, scale in zip(index, scales[:, 0], strict=True):
-                low = x[row] @ delta.a.T  # [in] -> [R]
-                low *= scale
-                out[row] += low @ delta.bt  # [R] -> [out]
+            if delta is not None:
+                add_row_deltas(x, self._index(rows), scales, delta.a, delta.bt, out)
         return out
 
     def _index(self, rows: slice | np.ndarray) -> np.ndarray:
@@ -390,3 +385,25 @@ class RowAdapters:
             cached = (index, torch.from_numpy(scales).to(device))
             self._uploaded[(id(rows), device)] = cached
         return cached
+
+
+def add_row_deltas(
+    x: np.ndarray,
+    index: np.ndarray,
+    scales: np.ndarray,
+    a: np.ndarray,
+    bt: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """`out[index] += (x[index] @ a.T * scales) @ bt` in place, each row alone in rank
+    order (dense_rows.c; without a compiler numpy one row at a time, whose products then
+    have one shape whatever the batch): x `[T, in]`, scales `[n, 1]`, a `[R, in]`, bt
+    `[R, out]`, out `[T, out]`, float32 C-contiguous."""
+    kernel = dense_rows()
+    if kernel is not None:
+        kernel.lora(x, index, scales, a, bt, out)
+        return
+    for row, scale in zip(index, scales[:, 0], strict=True):
+        low = x[row] @ a.T  # [in] -> [R]
+        low *= scale
+        out[row] += low @ bt  # [R] -> [out]
