@@ -128,6 +128,9 @@ def prefill(engine: Any, n: int, steps: int) -> Any:
     started: set[str] = set()
     while len(started) < n:
         started.update(e.request_id for e in generator.step())
+    # the first decode step: an overlapped one (runtime/generator.py `step`) gives its
+    # tokens at the next call, so each profiled step reads back one step's tokens
+    generator.step()
     return generator
 
 

@@ -365,6 +365,10 @@ def _prefill_then_decode(generator: Any, n: int, steps: int) -> DecodeRun:
         for e in generator.step():
             run.cached.setdefault(e.request_id, e.cached_tokens)
             run.tokens[e.request_id].append(e.token_id)
+    # the first decode step: an overlapped one (runtime/generator.py `step`) gives its
+    # tokens at the next call, so each timed step reads back one step's tokens
+    for e in generator.step():
+        run.tokens[e.request_id].append(e.token_id)
     run.decode_started = time.perf_counter()
     for _ in range(steps):
         started = time.perf_counter()

@@ -87,17 +87,19 @@ class DecodeGraphs:
         tokens: Sequence[int],
         chunks: Sequence[SequenceChunk],
         bucket: Bucket | None = None,
+        previous: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits `[n, V]` (on the device) of one decode step of `chunks` fed `tokens`, in
         `bucket` (the caller's `bucket_for`, else looked up); the caches then hold the
-        step's keys and values."""
+        step's keys and values. With `previous`, `tokens` are row numbers into it: the
+        token ids an earlier step sampled, still on the device (`StaticInputs.fill`)."""
         bucket = bucket or self.bucket_for(chunks)
         if bucket is None:
             raise ValueError("this step has no bucket: check bucket_for first")
         if chunks[0].cache.pool is not self.pool:  # the engine's pool was replaced (tests)
             self._follow_pool(chunks[0].cache.pool)
         self.last_bucket = bucket
-        self.inputs.fill(bucket, tokens, chunks)
+        self.inputs.fill(bucket, tokens, chunks, previous)
         captured = self.graphs.get(bucket)
         if captured is not None:
             graph, logits = captured

@@ -32,12 +32,57 @@ def sample_device_rows(
 ) -> list[int]:
     """Token ids for `rows` of `logits` `[B, V]` (each `samples_on_device`), `states` one
     per row of `rows`; one copy of the ids back to the host."""
+    return device_row_tokens(logits, rows, states).cpu().tolist()
+
+
+def device_row_tokens(
+    logits: torch.Tensor, rows: Sequence[int], states: Sequence[SequenceSamplingState]
+) -> torch.Tensor:
+    """`sample_device_rows`'s token ids `[n]`, left on the device (nothing waits for them)."""
     picked = logits if len(rows) == logits.shape[0] else logits[list(rows)]  # [n, V]
-    tokens = picked.argmax(dim=1)  # right already for greedy rows
     drawing = [i for i, s in enumerate(states) if not s.params.greedy]
+    if len(drawing) == len(states):
+        return _draw(picked, states)
+    tokens = picked.argmax(dim=1)  # right already for greedy rows
     if drawing:
-        tokens[drawing] = _draw(picked[drawing], [states[i] for i in drawing])
-    return tokens.cpu().tolist()
+        index = _upload(np.asarray(drawing, np.int64), picked.device)
+        tokens[index] = _draw(picked[index], [states[i] for i in drawing])
+    return tokens
+
+
+def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without waiting for the device: on a GPU through
+    pinned memory (a pageable copy would wait for every step already queued, the step
+    launched after this one's included)."""
+    host = torch.from_numpy(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class PendingTokens:
+    """A step's sampled token ids on their way to the host: the device tensor (the next
+    step's inputs can be gathered from it without the host reading it) and, on a GPU, a
+    copy into pinned memory started at once, whose event `host_ids` waits for; on the
+    CPU the tensor itself."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens  # [n] int64 on the device
+        self.copied: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = tokens
+
+    def host_ids(self) -> list[int]:
+        """The token ids, once the device has produced and copied them: the step's one
+        wait for the device."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
 
 
 def _draw(logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:
@@ -73,5 +118,5 @@ def _row_settings(states: Sequence[SequenceSamplingState], vocab: int, device: t
         )
         for s in states
     ]
-    table = torch.from_numpy(np.asarray(rows, np.float64)).to(device)  # [m, 5]
+    table = _upload(np.asarray(rows, np.float64), device)  # [m, 5]
     return table.split(1, dim=1)

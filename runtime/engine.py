@@ -69,6 +69,9 @@ class EngineConfig:
     # decode steps as static steps of the tensor forward pass (runtime/decode_graphs.py),
     # captured as CUDA graphs on a GPU; None: wherever the tensor forward pass runs
     decode_graphs: bool | None = None
+    # a static decode step launched before the last one's tokens are read back
+    # (runtime/generator.py `Generator.step`); False: every step waits for its tokens
+    overlap: bool = True
 
 
 class Engine:
@@ -206,6 +209,7 @@ class Engine:
                 max_sequences=self.max_sequences,
                 max_batch_tokens=self.config.max_batch_tokens,
                 max_prefill_tokens=self.config.prefill_chunk,
+                overlap=self.config.overlap,
             ),
             grammar_vocab=self.grammar_vocab,
             decode_graphs=self.decode_graphs,

@@ -22,6 +22,13 @@ in one parallel call and sets their forbidden logits to -inf before sampling; ro
 a constraint pay nothing. The matcher follows each sampled token once (a preempted sequence
 is recomputed, not re-sampled, so it is never fed twice) and ends the sequence with "stop"
 when the grammar is complete. `grammar_seconds` totals the time spent on grammars.
+
+With a device's static decode steps (runtime/decode_graphs.py), consecutive pure decode
+steps overlap: step N+1 is launched from step N's sampled tokens while they are still on
+the device, and only then are step N's tokens read back and emitted, so the host's half of
+a step runs beside the device's (vLLM's async scheduling). What the host learns one step
+late (a stop, a cancel) costs one wasted row, never a different token
+(tests/runtime/test_overlap.py).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -52,6 +59,9 @@ from runtime.sampling import (
 )
 from runtime.tokenizer import Tokenizer
 
+if TYPE_CHECKING:  # torch stays out of the host path's imports
+    from runtime.device_sampling import PendingTokens
+
 DEFAULT_PRIORITY = 0
 
 
@@ -72,6 +82,8 @@ class GeneratorConfig:
     max_sequences: int = 64  # sequences running at once
     max_batch_tokens: int = 2048  # tokens in one forward pass (decode + prefill)
     max_prefill_tokens: int = 512  # prompt tokens in one forward pass
+    # a static decode step is launched before the last one's tokens reach the host (`step`)
+    overlap: bool = True
 
 
 @dataclass
@@ -88,6 +100,14 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (first event only)
     error: str | None = None  # why the engine ended it, with finish_reason "error"
     preemptions: int = 0  # times it lost its KV memory to higher priorities (last event only)
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched on the device whose sampled tokens the host has not read."""
+
+    sequences: list[_Sequence]  # its rows, in order
+    tokens: PendingTokens
 
 
 @dataclass(eq=False)  # identity: sequences are found in the waiting/running lists
@@ -143,6 +163,8 @@ class Generator:
         self.grammar_vocab = grammar_vocab or GrammarVocab(tokenizer, model.vocab_size)
         self.grammar_seconds = 0.0  # masks + matcher updates, all steps
         self.grammar_rows = 0  # constrained rows masked, all steps
+        self._in_flight: _InFlight | None = None  # a launched step not yet read back
+        self.overlapped_steps = 0  # steps launched before the previous one was read
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
@@ -225,25 +247,94 @@ class Generator:
         return False
 
     def step(self) -> list[TokenEvent]:
-        """One forward pass over the scheduled sequences; the tokens it produced."""
+        """One forward pass over the scheduled sequences; the tokens it produced.
+
+        Overlapped (`GeneratorConfig.overlap`, static decode steps whose rows are all
+        sampled on the device): the step is launched and its tokens stay on the device;
+        the next call launches the following step from them before it reads them back and
+        returns their events, so the host's emission and scheduling run while the device
+        computes. The tokens are those of the step-by-step loop: a row the read-back
+        finishes (a stop token or string, a cancel) has already been fed to the step in
+        flight, whose output for it is dropped, one wasted row. Anything the host must
+        decide first (a waiting request, a prefilling row, a grammar mask, host sampling,
+        a preemption) drains the pipeline and takes the step-by-step path."""
+        events: list[TokenEvent] = []
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            following = self._launch_after(pending)
+            events = self._read_back(pending)
+            if following is not None:
+                self._in_flight = following
+                return events
         tokens, chunks, wanted = self._schedule()
         if not chunks:
-            return []
+            return events
         before_forward_pass()  # the thread count follows the machine's load (core_share.py)
         bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(chunks)
+        sequences = [seq for _, seq in wanted]
         if bucket is not None:  # every row decodes one token: all are wanted
             logits = self.decode_graphs.run(tokens, chunks, bucket)
+            if self.config.overlap and all(map(_samples_on_device, sequences)):
+                self._in_flight = self._sample_later(logits, sequences)
+                return events
         else:
             hidden = self.model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
             if not wanted:
-                return []
+                return events
             logits = self.model.logits(hidden[[row for row, _ in wanted]])  # [B, V]
-        sequences = [seq for _, seq in wanted]
         if isinstance(logits, np.ndarray):
             samples = self._sample_on_host(logits, sequences)
         else:
             samples = self._sample_on_device(logits, sequences)
-        return [self._emit(seq, sample) for seq, sample in zip(sequences, samples, strict=True)]
+        events.extend(self._emit(s, sample) for s, sample in zip(sequences, samples, strict=True))
+        return events
+
+    def _launch_after(self, pending: _InFlight) -> _InFlight | None:
+        """The decode step that follows `pending`, launched with the tokens it sampled
+        (still on the device) when nothing needs the host first; None otherwise."""
+        in_flight = set(pending.sequences)
+        if self._waiting or any(seq not in in_flight for seq in self._running):
+            return None  # a request to admit or a prompt to prefill: schedule it
+        running = set(self._running)
+        rows = [
+            (i, seq)
+            for i, seq in enumerate(pending.sequences)
+            if seq in running and not _ends_by_length(seq)
+        ]
+        if not rows:
+            return None
+        for _, seq in rows:
+            if not self._reserve(seq, seq.cache.length + 1, preempt=False):
+                return None  # memory is short: the step-by-step path preempts
+        sequences = [seq for _, seq in rows]
+        chunks = [SequenceChunk(s.cache, s.cache.length, 1, s.adapters) for s in sequences]
+        bucket = self.decode_graphs.bucket_for(chunks)
+        if bucket is None:
+            return None
+        before_forward_pass()
+        sources = [i for i, _ in rows]
+        logits = self.decode_graphs.run(sources, chunks, bucket, previous=pending.tokens.tokens)
+        self.overlapped_steps += 1
+        return self._sample_later(logits, sequences)
+
+    def _sample_later(self, logits, sequences: list[_Sequence]) -> _InFlight:
+        """Sample every row on the device; the token ids start on their way back."""
+        from runtime.device_sampling import PendingTokens, device_row_tokens
+
+        states = [seq.sampling for seq in sequences]
+        tokens = device_row_tokens(logits, range(len(sequences)), states)
+        return _InFlight(sequences, PendingTokens(tokens))
+
+    def _read_back(self, pending: _InFlight) -> list[TokenEvent]:
+        """The events of a launched step's rows that are still running (a row finished or
+        aborted meanwhile was fed once more; its token is dropped)."""
+        token_ids = pending.tokens.host_ids()
+        running = set(self._running)
+        return [
+            self._emit(seq, SampleResult(token_id, None))
+            for seq, token_id in zip(pending.sequences, token_ids, strict=True)
+            if seq in running
+        ]
 
     def _sample_on_host(self, logits: np.ndarray, sequences: list[_Sequence]) -> list[SampleResult]:
         """Grammar masks on the constrained rows, then the host sampler on every row."""
@@ -259,13 +350,9 @@ class Generator:
     def _sample_on_device(self, logits, sequences: list[_Sequence]) -> list[SampleResult]:
         """Device logits: rows that need only their RNG are sampled where they are and
         only token ids come back; the others' rows are copied to the host sampler."""
-        from runtime.device_sampling import sample_device_rows, samples_on_device
+        from runtime.device_sampling import sample_device_rows
 
-        on_device = [
-            j
-            for j, seq in enumerate(sequences)
-            if seq.grammar is None and samples_on_device(seq.sampling)
-        ]
+        on_device = [j for j, seq in enumerate(sequences) if _samples_on_device(seq)]
         results: list[SampleResult | None] = [None] * len(sequences)
         if on_device:
             states = [sequences[j].sampling for j in on_device]
@@ -423,3 +510,17 @@ class Generator:
         self._remember(seq, self._fed(seq))
         seq.cache.release()
         self._running.remove(seq)
+
+
+def _samples_on_device(seq: _Sequence) -> bool:
+    """Whether `seq`'s next token needs nothing from the host: no grammar mask, and a
+    sampler that needs only the row's random stream (runtime/device_sampling.py)."""
+    from runtime.device_sampling import samples_on_device
+
+    return seq.grammar is None and samples_on_device(seq.sampling)
+
+
+def _ends_by_length(seq: _Sequence) -> bool:
+    """Whether the token `seq` has in flight is its last by `max_tokens`: its next step
+    is known to be wasted, so it is not launched."""
+    return len(seq.sampling.output_token_ids) + 1 >= seq.sampling.params.max_tokens

@@ -122,8 +122,17 @@ class StaticInputs:
         # a block per group that no sequence owns: padding rows write and read there
         self.scratch = [pool.allocate(group=g) for g in range(len(pool.groups))]
 
-    def fill(self, bucket: Bucket, tokens: Sequence[int], chunks: Sequence[SequenceChunk]) -> None:
-        """Write one decode step's inputs for `bucket` and copy them to the device."""
+    def fill(
+        self,
+        bucket: Bucket,
+        tokens: Sequence[int],
+        chunks: Sequence[SequenceChunk],
+        previous: torch.Tensor | None = None,
+    ) -> None:
+        """Write one decode step's inputs for `bucket` and copy them to the device. With
+        `previous` (the token ids a step before sampled, still on the device), `tokens`
+        are row numbers into it: the ids are gathered there, after the copy, so the host
+        never waits for them (runtime/generator.py's overlapped steps)."""
         rows, n = bucket.rows, len(chunks)
         if self.copied is not None:
             self.copied.synchronize()
@@ -145,6 +154,9 @@ class StaticInputs:
         if self.on_device is not self.host:
             self.on_device[: bucket.size].copy_(self.host[: bucket.size], non_blocking=True)
             self.copied.record()
+        if previous is not None:
+            ids = self.on_device[:n]
+            torch.index_select(previous, 0, ids.clone(), out=ids)
 
     def layout(self, bucket: Bucket) -> StaticDecodeLayout:
         return StaticDecodeLayout(self.pool, self.on_device, bucket)

@@ -143,7 +143,9 @@ def test_the_generator_takes_the_static_step_for_decodes_only(long_models, monke
     graphs = engine.decode_graphs
     ran: list[int] = []
     run = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda t, c, *b: ran.append(len(c)) or run(t, c, *b))
+    monkeypatch.setattr(
+        graphs, "run", lambda t, c, *b, **kw: ran.append(len(c)) or run(t, c, *b, **kw)
+    )
     generator = engine.new_generator()
     params = SamplingParams(max_tokens=6, temperature=0)
     generator.add("a", [5, 6, 7], params)
