@@ -1,0 +1,120 @@
+"""Same request, same answer on the tensor path (what a GPU worker runs; here on the CPU,
+uncaptured): a request's logits at every sampled position are the same alone and batched
+in any bucket, with overlapped steps (runtime/generator.py) on; after a prefix-cache hit
+and resumed from its sent tokens, the same tokens, and the same bits where the test says.
+
+The logits are read where the generator samples them (`_sample_on_device` for prefills and
+steps that wait, `_sample_later` for overlapped ones). As in test_decode_graphs.py, they
+must be bitwise equal on CUDA and on AVX-512 CPUs; below AVX-512 torch's CPU kernels round
+a padded bucket's tail rows differently, so there they agree to 1e-5 and in every token.
+The `cuda` cases run the captured graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.engine import Engine, EngineConfig
+from runtime.sampling import SamplingParams
+from tests.runtime.test_decode_graphs import DEVICES, _assert_same_logits
+from tests.tiny_models import TinyShape, write_tiny_gemma3, write_tiny_llama
+
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("same-answer")
+    return {
+        "llama": write_tiny_llama(d / "llama.gguf", TinyShape(context_length=512)),
+        "gemma3": write_tiny_gemma3(
+            d / "gemma3.gguf",
+            TinyShape(n_layers=4, head_dim=32, context_length=512, sliding_window=40),
+        ),
+    }
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    if request.param.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    return request.param
+
+
+def _logits_of(
+    engine: Engine, requests: list[tuple[str, list[int], SamplingParams, int]], cache: bool = False
+):
+    """Each request's tokens and the logits its sampled positions got, stepping together
+    (`requests`: id, prompt, params, resume); `cache`: prompts go through the prefix cache."""
+    generator = engine.new_generator()
+    logits: dict[str, list[np.ndarray]] = {r[0]: [] for r in requests}
+    tokens: dict[str, list[int]] = {r[0]: [] for r in requests}
+    for name in ("_sample_on_device", "_sample_later"):
+        original = getattr(generator, name)
+
+        def recording(rows, sequences, original=original):
+            host = rows.float().cpu().numpy()
+            for row, seq in zip(host, sequences, strict=True):
+                logits[seq.request_id].append(row)
+            return original(rows, sequences)
+
+        setattr(generator, name, recording)
+    for request_id, prompt, params, resume in requests:
+        generator.add(request_id, prompt, params, cache_prompt=cache, resume=resume)
+    while len(generator):
+        for event in generator.step():
+            tokens[event.request_id].append(event.token_id)
+    return tokens, logits
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_logits_alone_batched_cached_and_resumed(models, device: str, arch: str):
+    engine = Engine.load(
+        str(models[arch]),
+        EngineConfig(backend="torch", device=device, torch_forward=True, max_sequences=64),
+    )
+    rng = np.random.default_rng(3)
+    probe = rng.integers(3, 250, 70).tolist()
+    alone_tokens, alone = _logits_of(engine, [("probe", probe, _greedy(TOKENS), 0)])
+    assert len(alone["probe"]) == TOKENS
+    expected = np.stack(alone["probe"])
+
+    for mates in (1, 6, 13, 40):  # buckets 2, 8, 16 and 64, padding rows in each
+        requests = [("probe", probe, _greedy(TOKENS), 0)]
+        for i in range(mates):
+            prompt = rng.integers(3, 250, int(rng.integers(1, 90))).tolist()
+            params = SamplingParams(max_tokens=int(rng.integers(4, 20)), seed=i)
+            requests.append((f"mate{i}", prompt, params, 0))
+        tokens, logits = _logits_of(engine, requests)
+        assert tokens["probe"] == alone_tokens["probe"], f"beside {mates}"
+        _assert_same_logits(np.stack(logits["probe"]), expected, device)
+
+    # a prefix-cache hit (64 of the 70 prompt tokens): the cold run's logits. gemma3's
+    # sliding-window layers prefill the chunk over its window's keys only, 45 columns here
+    # against the cold chunk's 70 (tensor_attention.py `_build`), and the attention sums
+    # them in another order: the same tokens, logits within 1e-5
+    _logits_of(engine, [("probe", probe, _greedy(1), 0)], cache=True)
+    cached_tokens, cached = _logits_of(engine, [("probe", probe, _greedy(TOKENS), 0)], cache=True)
+    assert cached_tokens["probe"] == alone_tokens["probe"]
+    if arch == "gemma3":
+        np.testing.assert_allclose(np.stack(cached["probe"]), expected, rtol=0, atol=1e-5)
+    else:
+        _assert_same_logits(np.stack(cached["probe"]), expected, device)
+
+    # resumed after 5 sent tokens: the rest of the run. Its 5 sent tokens are prefilled,
+    # where the cold run decoded them, and a prefill chunk's attention is one
+    # scaled_dot_product_attention over the chunk (tensor_attention.py) that sums in
+    # another order than a decode row's: the tokens are the same, the logits within 1e-5
+    # (the host path, paged_attention.c, computes every row alike: bitwise there)
+    sent = alone_tokens["probe"][:5]
+    resumed_tokens, resumed = _logits_of(engine, [("probe", probe + sent, _greedy(TOKENS - 5), 5)])
+    assert resumed_tokens["probe"] == alone_tokens["probe"][5:]
+    np.testing.assert_allclose(np.stack(resumed["probe"]), expected[5:], rtol=0, atol=1e-5)
