@@ -14,10 +14,16 @@ B block-structured, so one adapter costs two small products per weight.
 
 In a step, `RowAdapters` knows which rows use which adapters at what scale; `apply` adds
 `(x[rows] @ A.T * scale) @ B.T` to those rows of the base product, which runs once for all.
-On the host each row's delta is summed in one fixed order whatever shares its batch
-(runtime/kernels/dense_rows.c; numpy's BLAS blocks its sums by how many rows it is given),
-and a row's adapters are added in key order, so a request's logits do not depend on its
-batch (CONTRACT "Same request, same answer").
+On the host (and the CPU's tensor path) each row's delta is summed in one fixed order
+whatever shares its batch (runtime/kernels/dense_rows.c; numpy's BLAS and torch's CPU GEMM
+round a row by how many rows they are given), and a row's adapters are added in key order,
+so a request's logits do not depend on its batch (CONTRACT "Same request, same answer").
+
+Where the engine keeps adapter slots on its device (the tensor path with decode graphs,
+runtime/lora_slots.py), LoRA rows go through those instead, in decode steps replayed from a
+graph and in eager steps alike, so that a row's logits do not depend on which its step
+took; `RowAdapters` remains the host path's and the fallback for a step the slots cannot
+hold.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ from runtime.kernels.native import dense_rows
 LORA_A, LORA_B = ".lora_a", ".lora_b"
 UNSUPPORTED_TENSORS = ("token_embd.weight", "output.weight")
 ADAPTER_DIR_ENV = "LLMQ_ADAPTER_DIR"  # the only folder adapters are loaded from by name
+# the device's adapter slots (runtime/lora_slots.py, EngineConfig.lora_slots / lora_rank):
+# adapters one static decode step can use, and the largest rank (per weight) a slot takes
+DEFAULT_LORA_SLOTS = 8
+DEFAULT_LORA_RANK = 64
 
 
 def adapter_file(path: str, adapter_dir: str | Path | None = None) -> Path:
