@@ -24,7 +24,15 @@ from runtime.gguf_file import GGUFFile
 from runtime.grammar_vocab import GrammarVocab
 from runtime.kernels.cpu import KernelPlan
 from runtime.kv_pool import BLOCK_SIZE
-from runtime.lora import AdapterStack, LoraAdapter, adapter_file, load_adapter, normalize_stack
+from runtime.lora import (
+    DEFAULT_LORA_RANK,
+    DEFAULT_LORA_SLOTS,
+    AdapterStack,
+    LoraAdapter,
+    adapter_file,
+    load_adapter,
+    normalize_stack,
+)
 from runtime.model_text import ModelText
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.placement import (
@@ -40,6 +48,7 @@ from runtime.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from runtime.decode_graphs import DecodeGraphs
+    from runtime.lora_slots import LoraSlots
 
 
 @dataclass
@@ -69,6 +78,14 @@ class EngineConfig:
     # decode steps as static steps of the tensor forward pass (runtime/decode_graphs.py),
     # captured as CUDA graphs on a GPU; None: wherever the tensor forward pass runs
     decode_graphs: bool | None = None
+    # LoRA adapter slots on the device (runtime/lora_slots.py), so that decode steps with
+    # LoRA rows run as static (captured) steps too: how many adapters one step can use,
+    # and the largest rank a slot takes (per weight, the ranks fused into it summed; q, k
+    # and v are one weight). A step past either runs eagerly. They cost 4 x slots x rank x
+    # (in + out) bytes per linear weight once the first adapter is used (~0.5 GB for
+    # SmolLM2-135M at 8 x 64); 0 slots: LoRA rows always take the eager step
+    lora_slots: int = DEFAULT_LORA_SLOTS
+    lora_rank: int = DEFAULT_LORA_RANK
     # a static decode step launched before the last one's tokens are read back
     # (runtime/generator.py `Generator.step`); False: every step waits for its tokens
     overlap: bool = True
@@ -113,10 +130,17 @@ class Engine:
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )
         self.decode_graphs: DecodeGraphs | None = None
+        self.lora_slots: LoraSlots | None = None
         if self.torch_forward and self.config.decode_graphs is not False:
             from runtime.decode_graphs import DecodeGraphs  # torch: the tensor path's
+            from runtime.lora_slots import LoraSlots
 
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.max_sequences)
+            if self.config.lora_slots:  # the eager step's LoRA rows use them too
+                slots = LoraSlots(self.model, self.config.lora_slots, self.config.lora_rank)
+                self.lora_slots = self.model.ops.lora_slots = slots
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_pool, self.max_sequences, self.lora_slots
+            )
             with device_memory_guard(self.device, f"the decode graphs of {spec.id}"):
                 self.decode_graphs.capture()
         self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters by name

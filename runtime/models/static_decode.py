@@ -51,10 +51,13 @@ def width_buckets(max_blocks: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Bucket:
-    """One graph's shape: batch rows, and table width in blocks per KV group."""
+    """One graph's shape: batch rows, table width in blocks per KV group, and the LoRA
+    passes its rows take (runtime/lora_slots.py: the most adapters a row stacks; 0, a step
+    without LoRA rows, has no LoRA products)."""
 
     rows: int
     widths: tuple[int, ...]
+    lora: int = 0
 
     @property
     def size(self) -> int:
@@ -68,7 +71,8 @@ class StaticDecodeLayout:
     the packed inputs' device views, and per KV group the write slots, gather indices and
     masks, built once per step by `prepare` (tensor_ops.py calls it before any layer)."""
 
-    lora = None  # rows with LoRA adapters take the eager step
+    # a LoRA bucket's rows (runtime/lora_slots.py `SlotRows`), set by the graph runner
+    lora = None
 
     def __init__(self, pool: BlockPool, inputs: torch.Tensor, bucket: Bucket) -> None:
         self.pool, self.bucket = pool, bucket

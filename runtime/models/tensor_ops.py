@@ -9,6 +9,8 @@ from the step's layout once, never per layer.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,9 @@ from runtime.kernels.device_backend import device_vector
 from runtime.kv_pool import lazy_array
 from runtime.models import base, tensor_attention
 from runtime.models.static_decode import StaticDecodeLayout, as_index
+
+if TYPE_CHECKING:
+    from runtime.lora_slots import LoraSlots
 
 MIN_ROPE_POSITIONS = 1024  # a rope table's first size; it doubles as positions grow
 
@@ -37,6 +42,9 @@ class TensorOps:
         # positions every rope table covers from its start: a captured step reads the
         # table at addresses fixed at capture, so the graph runner sets the context length
         self.rope_positions = 0
+        # runtime/lora_slots.py: where the engine keeps LoRA slots (for its static steps),
+        # an eager step's LoRA rows go through them too, as a static step's do
+        self.lora_slots: LoraSlots | None = None
         self._rope: dict[tuple[bytes, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def vector(self, values: np.ndarray) -> torch.Tensor:
@@ -109,8 +117,10 @@ class TensorOps:
         step, built on the device) before any layer."""
         if isinstance(layout, StaticDecodeLayout):
             layout.prepare()
-        else:
-            tensor_attention.prepare(layout, windows, self.device)
+            return
+        if layout.lora is not None and self.lora_slots is not None:
+            layout.lora = self.lora_slots.rows(layout) or layout.lora
+        tensor_attention.prepare(layout, windows, self.device)
 
     @staticmethod
     def attend(layer, q, k, v, layout, window=None) -> torch.Tensor:

@@ -137,8 +137,8 @@ def test_every_table_width_gives_the_eager_logits(long_models, device: str, arch
 
 
 def test_the_generator_takes_the_static_step_for_decodes_only(long_models, monkeypatch):
-    """Pure decode steps run through the static step; prefill and mixed steps, and rows
-    with LoRA, do not (`bucket_for` is None for them)."""
+    """Pure decode steps run through the static step; prefill and mixed steps do not
+    (`bucket_for` is None for them). LoRA rows: tests/runtime/test_lora_graphs.py."""
     engine = _engine(long_models["llama"], "cpu", max_sequences=8)
     graphs = engine.decode_graphs
     ran: list[int] = []
