@@ -110,14 +110,19 @@ class LoraSlots:
         self.free = list(range(slots))
         self.product: Product = gemm_delta if self.device.type == "cuda" else rows_delta
         self.placements = 0  # adapters copied into a slot (a reuse evicts one)
+        self._fits: dict[str, bool] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(w.a.nbytes + w.bt.nbytes for w in self.weights.values())
 
     def fits(self, adapter: LoraAdapter) -> bool:
-        """Whether every delta of `adapter` fits a slot's rank."""
-        return all(d.a.shape[0] <= self.rank for d in adapter.deltas.values())
+        """Whether every delta of `adapter` fits a slot's rank (asked every step: kept)."""
+        fits = self._fits.get(adapter.key)
+        if fits is None:
+            fits = all(d.a.shape[0] <= self.rank for d in adapter.deltas.values())
+            self._fits[adapter.key] = fits
+        return fits
 
     def passes_for(self, stacks: Sequence[AdapterStack]) -> int | None:
         """Passes a step of rows with these stacks takes (the most adapters one row stacks;
