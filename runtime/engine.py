@@ -180,11 +180,13 @@ class Engine:
     @property
     def device_bytes(self) -> int:
         """What this engine holds on its device: on the CPU its weights and adapters (KV
-        pages are backed as they are used); on a GPU also the KV pool, allocated whole."""
+        pages are backed as they are used); on a GPU also the KV pool, allocated whole, and
+        the LoRA slots once an adapter was used (runtime/lora_slots.py)."""
         if self.device == CPU:
             return self.nbytes
         on_host = self.model.embed.nbytes  # the embedding stays in the mapped file
-        return self.nbytes - on_host + self.kv_pool.n_blocks * self.kv_pool.block_nbytes
+        slots = 0 if self.lora_slots is None else self.lora_slots.nbytes
+        return self.nbytes - on_host + self.kv_pool.n_blocks * self.kv_pool.block_nbytes + slots
 
     def load_adapter(self, name: str, path: str | Path) -> LoraAdapter:
         """Load the GGUF LoRA adapter at `path` as `name` (replacing one of that name: running
