@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -228,11 +229,17 @@ class WebhookWorker(SimpleWorker):
             return
         super().execute_job(job, queue)
 
+    stop_signalled = False  # SIGTERM/SIGINT came: a Redis error from here on ends the run
+
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """A receiver's failure is logged by `deliver` in one line: no traceback for it."""
         if len(exc_info) > 1 and isinstance(exc_info[1], DeliveryFailed):
             return
         super().handle_exception(job, *exc_info)
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        self.stop_signalled = True
+        super().request_stop(signum, frame)
 
 
 def worker_name() -> str:
@@ -355,6 +362,7 @@ def run_webhooks(url: str | None, log_level: str = "INFO") -> int:
 
     settings = WebhookSettings.from_env()
     broker = BrokerSettings.from_env(url=url)
+    _stop_on_signals()  # until RQ's own handlers, and again after them
     conn = broker.connect(socket_timeout=30, health_check_interval=10)
     stop = threading.Event()
     clear_dead_scheduler_lock(conn)
@@ -383,6 +391,27 @@ def run_webhooks(url: str | None, log_level: str = "INFO") -> int:
     )
     try:
         worker.work(with_scheduler=True, logging_level=log_level)
+    except redis.RedisError as exc:
+        if not worker.stop_signalled:
+            raise
+        # asked to stop while Redis is unreachable (a Sentinel with no master): RQ's
+        # teardown could not record the worker's death; its registration expires alone
+        log.warning("webhooks: stopped; Redis is unreachable (%s)", exc)
     finally:
         stop.set()
+        # RQ's handlers act on this worker, which is done: a signal while workers/cli.py
+        # retries a run that lost Redis would otherwise reach a worker no longer running
+        # and be ignored (a BUSY one's warm shutdown), leaving `llmq serve` to kill us
+        _stop_on_signals()
     return 0
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT end the process now, with status 0, outside RQ's work loop."""
+
+    def stop_now(signum: int, frame: Any) -> None:
+        log.info("webhooks: stopped by %s", signal.Signals(signum).name)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop_now)
+    signal.signal(signal.SIGINT, stop_now)
