@@ -171,6 +171,14 @@ class DecodeGraphStats(Body):
     buckets: int = Field(description="batch-size x table-width buckets")
     memory_mb: float = Field(description="device memory of the graphs' shared pool")
     capture_seconds: float
+    lora_graphs: int = Field(
+        default=0, description="of the captured graphs, those of steps with LoRA rows"
+    )
+    lora_slots: int = Field(
+        default=0, description="adapter slots the graphs read (runtime/lora_slots.py)"
+    )
+    lora_resident: int = Field(default=0, description="adapters in those slots now")
+    lora_slots_mb: float = Field(default=0.0, description="device memory of the slots")
 
 
 class PrefixCacheStats(Body):

@@ -124,7 +124,13 @@ def _cache_state(engine: Engine | None) -> dict[str, Any]:
             "buckets": len(graphs.buckets),
             "memory_mb": round(graphs.graph_bytes / 2**20, 1),
             "capture_seconds": round(graphs.capture_seconds, 3),
+            "lora_graphs": sum(1 for bucket in graphs.graphs if bucket.lora),
         }
+        slots = getattr(engine, "lora_slots", None)
+        if slots is not None:
+            state["decode_graphs"]["lora_slots"] = slots.count
+            state["decode_graphs"]["lora_resident"] = len(slots.resident)
+            state["decode_graphs"]["lora_slots_mb"] = round(slots.nbytes / 2**20, 1)
     if cache is not None:
         stats = cache.stats
         state["prefix_cache"] = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import namedtuple
 from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
@@ -97,6 +98,9 @@ def test_admin_workers_documents_each_workers_device(client) -> None:
     assert served.data[0].device == "cpu"
 
 
+_Bucket = namedtuple("_Bucket", ["rows", "lora"])  # runtime/models/static_decode.py's
+
+
 class _PrefixCache:
     stats = SimpleNamespace(queries=3, hits=1, prompt_tokens=30, cached_tokens=16, hit_rate=0.5)
 
@@ -113,11 +117,12 @@ def _loaded_entry() -> PoolEntry:
         kv_pool=SimpleNamespace(bytes_in_use=2**20, n_blocks=64, block_nbytes=2**16),
         prefix_cache=_PrefixCache(),
         decode_graphs=SimpleNamespace(
-            graphs={"b1": None, "b2": None},
+            graphs={_Bucket(1, 0): None, _Bucket(1, 1): None},  # one with LoRA rows
             buckets=[1, 2, 3],
             graph_bytes=2**21,
             capture_seconds=0.5,
         ),
+        lora_slots=SimpleNamespace(count=8, resident={"style#1": 0}, nbytes=2**20),
     )
     loras = {
         "style": {"state": "ready", "path": "style.gguf", "memory_mb": 0.25},
