@@ -2,10 +2,13 @@
 
     python bench/decode_graphs.py [--device cuda] [--model smollm2-135m-instruct]
                                   [--sequences 1,32,256] [--prompt-tokens 512] [--steps 64]
-                                  [--batch-prompt-tokens 32] [--modes graphs,eager]
+                                  [--batch-prompt-tokens 32] [--modes graphs,eager,sync,lora]
 
 For each mode it loads the model: graphs (runtime/decode_graphs.py, captured at load on a
-GPU), eager (the same engine with `decode_graphs=False`), compiled (the static step under
+GPU, consecutive steps overlapped: runtime/generator.py), eager (the same engine with
+`decode_graphs=False`), sync (graphs, each step waiting for its tokens: `overlap=False`),
+lora (graphs, every sequence with one of 4 random rank-8 LoRA adapters in the engine's
+slots, runtime/lora_slots.py), compiled (the static step under
 torch.compile(mode="reduce-overhead"): inductor's fusion and CUDA graphs instead of ours).
 Then, per batch size, it prefills that many greedy sequences with random prompts
 (`--prompt-tokens` alone, else `--batch-prompt-tokens`; EOS ignored) and times `--steps`
@@ -69,10 +72,19 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     started = time.perf_counter()
     config = EngineConfig(
-        backend="torch", device=args.device, torch_forward=True, decode_graphs=mode != "eager"
+        backend="torch",
+        device=args.device,
+        torch_forward=True,
+        decode_graphs=mode != "eager",
+        overlap=mode != "sync",
     )
     engine = Engine.load(args.model, config)
     out: dict[str, Any] = {"load_s": time.perf_counter() - started, "rates": {}, "tokens": {}}
+    stacks: list[Any] = [()]
+    if mode == "lora":  # each sequence one of 4 rank-8 adapters (bench/step_profile.py's)
+        from bench.step_profile import _load_adapters
+
+        stacks = _load_adapters(engine, 4)
     if mode == "compiled":
         _compiled(engine)
     elif engine.decode_graphs is not None:
@@ -100,7 +112,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         length = args.prompt_tokens if n == 1 else args.batch_prompt_tokens
         for i in range(n):
             ids = rng.integers(100, vocab - 100, length).tolist()
-            generator.add(f"s{i}", ids, params)
+            generator.add(f"s{i}", ids, params, adapters=stacks[i % len(stacks)])
         tokens: dict[str, list[int]] = {}
         while len(tokens) < n:  # prefill all
             for e in generator.step():
@@ -141,7 +153,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--batch-prompt-tokens", type=int, default=32, help="prompts of batches > 1")
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--modes", default="graphs,eager", help="graphs, eager, compiled")
+    p.add_argument("--modes", default="graphs,eager", help="graphs, eager, sync, lora, compiled")
     args = p.parse_args()
     args.sequences = [int(n) for n in args.sequences.split(",")]
     import torch
@@ -167,15 +179,24 @@ def main() -> None:
             )
         if "peak_mib" in r:
             print(f"  peak device memory {r['peak_mib']:.0f} MiB")
-    if {"graphs", "eager"} <= results.keys():
-        g, e = results["graphs"], results["eager"]
-        print("\ngraphs / eager:")
-        for n in args.sequences:
-            same = g["tokens"][n] == e["tokens"][n]
-            print(
-                f"  {n:4d} sequences: {g['rates'][n][0] / e['rates'][n][0]:6.2f}x, "
-                f"first sequence's greedy tokens {'equal' if same else 'DIFFER'}"
-            )
+    for mode, base, what in [
+        ("graphs", "eager", "graphs / eager"),
+        ("graphs", "sync", "overlapped steps / steps that wait for their tokens"),
+        ("lora", "graphs", "every row with a LoRA adapter / none (target >= 0.8x)"),
+    ]:
+        if {mode, base} <= results.keys():
+            _compare(results[mode], results[base], what, args.sequences, mode != "lora")
+
+
+def _compare(a: dict, b: dict, what: str, sequences: list[int], same_tokens: bool) -> None:
+    print(f"\n{what}:")
+    for n in sequences:
+        line = f"  {n:4d} sequences: {a['rates'][n][0] / b['rates'][n][0]:6.2f}x"
+        if same_tokens:  # an overlapped run's last step is still in flight at the end
+            k = min(len(a["tokens"][n]), len(b["tokens"][n]))
+            same = a["tokens"][n][:k] == b["tokens"][n][:k]
+            line += f", first sequence's greedy tokens {'equal' if same else 'DIFFER'}"
+        print(line)
 
 
 if __name__ == "__main__":
