@@ -80,15 +80,30 @@ def _host(logits: torch.Tensor) -> np.ndarray:
 ROUNDING_BELOW_AVX512 = 1e-5
 
 
-def _assert_same_logits(got: np.ndarray, want: np.ndarray, device: str) -> None:
-    if device.startswith("cuda") or cpu_features().level not in ("avx2", "baseline"):
+def _assert_same_logits(
+    got: np.ndarray, want: np.ndarray, device: str, bf16_products: bool = False
+) -> None:
+    """Bitwise on CUDA and AVX-512 CPUs, else within ROUNDING_BELOW_AVX512 and in every
+    row's greedy token. `bf16_products`: torch's bf16 products on the CPU (the GPU's weight
+    classes) are bitwise only with native bf16 (AVX512-BF16 or AMX): on a Xeon whose guest
+    shows AVX-512 without them, a padded bucket's tail row came out 1.2e-4 from the eager
+    pass in one of 807 values (also before the overlapped steps, at e0aec11)."""
+    exact = device.startswith("cuda") or cpu_features().level not in ("avx2", "baseline")
+    if bf16_products and not device.startswith("cuda"):
+        exact = cpu_features().level in ("amx", "avx512_bf16")
+    if exact:
         np.testing.assert_array_equal(got, want)
         return
-    np.testing.assert_allclose(got, want, rtol=0, atol=ROUNDING_BELOW_AVX512)
+    if bf16_products:  # a bf16 step apart: 2^-8 of the value
+        np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-3)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=ROUNDING_BELOW_AVX512)
     np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
 
 
-def _side_by_side(engine: Engine, prompts: list[list[int]], steps: int) -> int:
+def _side_by_side(
+    engine: Engine, prompts: list[list[int]], steps: int, bf16_products: bool = False
+) -> int:
     """Decode `steps` tokens of every prompt through both paths; assert equal logits each
     step; the number of rows compared."""
     model, graphs = engine.model, engine.decode_graphs
@@ -103,7 +118,7 @@ def _side_by_side(engine: Engine, prompts: list[list[int]], steps: int) -> int:
         assert graphs.bucket_for(rows_s) is not None
         want = _host(model.logits(model.forward(np.asarray(tokens), BatchLayout(rows_e))))
         got = _host(graphs.run(tokens, rows_s))
-        _assert_same_logits(got, want, engine.device)
+        _assert_same_logits(got, want, engine.device, bf16_products)
         compared += len(tokens)
         tokens = [int(t) for t in want.argmax(axis=1)]
     for cache in eager + static:
@@ -204,7 +219,7 @@ def test_the_gpus_weight_classes_give_the_eager_logits_on_the_cpu(long_models, a
     engine.model.ops.product_dtype = torch.bfloat16  # activations rounded as a GPU's are
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 250, n).tolist() for n in (300, 20, 41)]
-    assert _side_by_side(engine, prompts, steps=4) == 12
+    assert _side_by_side(engine, prompts, steps=4, bf16_products=True) == 12
     if arch == "llama":  # LoRA rows (eager) widen the bf16 products and their inputs
         engine.load_adapter(
             "a", write_lora(long_models[arch].with_name("a.gguf"), long_models[arch])
