@@ -18,7 +18,7 @@ steps until every one has its first token, then runs `--steps` decode steps unde
   which bool indexing runs, `masked_select`, `unique`): a GPU must finish them before the
   host can go on. On the CPU these ops are counted as the ones that would sync on a GPU;
 - attention calls: `aten::scaled_dot_product_attention`, or on the CPU the decode attention's
-  softmax (`aten::_softmax`), one per layer in a decode step;
+  exp (`aten::exp`), one per layer in a decode step;
 - kernels: CUDA kernels launched (on the CPU: aten ops run), and the model's layer count.
 
 Syncs per step must stay a small constant (`--max-syncs`, default 4) whatever the layer
@@ -43,9 +43,9 @@ PROMPT_TOKENS = 32
 SCALAR_READ = "aten::_local_scalar_dense"
 TO_HOST_OPS = ("aten::to", "aten::_to_copy", "aten::copy_")
 SDPA = "aten::scaled_dot_product_attention"
-# the CPU's decode attention is two batched products and this softmax per layer (a fused
-# kernel's result there depends on the batch's size: runtime/models/tensor_attention.py)
-CPU_DECODE_SOFTMAX = "aten::_softmax"
+# the CPU's decode attention is chunked products and one exp per layer (a fused kernel's
+# result there depends on the batch's size: runtime/models/tensor_attention.py)
+CPU_DECODE_EXP = "aten::exp"
 # ops whose output size depends on the data: on a GPU they wait for it (bool indexing runs
 # aten::nonzero); counted on the CPU too, where they would sync on a GPU
 DATA_SIZED_OPS = ("aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim")
@@ -99,7 +99,7 @@ def count_syncs(ops: Iterable[ProfiledOp]) -> StepCounts:
         items += op.name == "aten::item"
         to_host += op.name in TO_HOST_OPS and any(DTOH in k for k in op.launched)
         sized += op.name in DATA_SIZED_OPS
-        sdpa += op.name == SDPA or op.name == CPU_DECODE_SOFTMAX
+        sdpa += op.name == SDPA or op.name == CPU_DECODE_EXP
         aten += op.name.startswith("aten::")
     return StepCounts(dtoh, scalars, items, to_host, sized, sdpa, kernels, aten)
 

@@ -1,12 +1,13 @@
 """Attention for the tensor forward pass: the paged KV pool on the device, gathered.
 
 The pool keeps each layer's keys and values slot-major, `[slots, Hkv, Dh]`. A step's new
-keys and values go in with one `index_copy_` per layer. Decode rows are cut into groups of
-similar length (as the host path does, attention.group_by_length); each group gathers its
-members' slots into a padded `[M, L]` batch and runs one `scaled_dot_product_attention` with
-a mask for the padding and the window. A prefill chunk attends alone with a causal mask.
-Every index and mask is built on the host once per forward pass and uploaded once; the
-layers then only launch device work, so no layer waits on the host.
+keys and values go in with one `index_copy_` per layer. Decode rows gather their table
+windows (the static step's, static_decode.py) into a padded `[M, L]` batch and attend in
+one call (`decode_attention`) with a mask for the padding and the window. On a GPU a
+prefill chunk attends alone with a causal mask; on the CPU its rows attend as decode rows,
+so that CI sees a row's numbers alike prefilled or decoded, cached or not. Every index and
+mask is built on the host once per forward pass and uploaded once; the layers then only
+launch device work, so no layer waits on the host.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.models.attention import _plan, _shared_pool, _slot_ids
-from runtime.models.base import BatchLayout
+from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.models.static_decode import (
     StaticDecodeLayout,
     attention_mask,
@@ -26,6 +27,14 @@ from runtime.models.static_decode import (
     fill_tables,
     gather_plan,
 )
+
+# keys a CPU's attention takes at a time: static_decode.MIN_WIDTH_BLOCKS x 16 positions,
+# so every full-attention width (a power of two of at least that) is whole chunks; a
+# windowed group's (its window's blocks plus one) is padded up to them
+KEY_CHUNK = 256
+# decode rows gathered at once: a prompt's rows on the CPU take [rows, Hkv, width, Dh] each
+# for keys and values, 48 MiB for 128 rows of SmolLM2 at 512 positions
+DECODE_ROWS_AT_ONCE = 128
 
 
 @dataclass
@@ -88,11 +97,15 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per row over its gathered keys: q `[B, H, 1, Dh]`, keys and values
     `[B, Hkv, L, Dh]`, visible `[B, 1, 1, L]` (static_decode.attention_mask: a bias on a
-    GPU, booleans on the CPU) -> `[B, H, 1, Dh]`. Each row's result must not
-    depend on how many rows there are: on a GPU the fused kernel works per row and head;
-    on the CPU, torch's fused kernel splits its work by the batch's size, so it is two
-    batched products and a softmax, each per row (the G query heads that share a KV head
-    as that head's G queries)."""
+    GPU, booleans on the CPU) -> `[B, H, 1, Dh]`. Each row's result must not depend on
+    how many rows there are, nor on how many masked keys pad its row (the width its batch
+    takes): on a GPU the fused kernel works per row and head, over blocks of keys in order.
+    On the CPU, torch's fused kernel splits its work by the batch's size, and a softmax
+    and product over all L keys sum them by L's blocking (a row at position ~300 came out
+    differently at widths 512 and 1024); so the CPU takes the keys KEY_CHUNK at a time:
+    per chunk the scores, exp against the row's max, their sum and their product with the
+    values, then the chunks added in order, where chunks of masked keys add exact zeros
+    (the G query heads that share a KV head as that head's G queries)."""
     if q.device.type == "cuda":
         # heads as heads (enable_gqa), not a KV head's G queries: on an H200 the grouped
         # form measured 2.51 ms a SmolLM2 step at one row against 2.09
@@ -101,10 +114,25 @@ def decode_attention(
             q, keys, values, attn_mask=visible, scale=1.0, enable_gqa=True
         )
     rows, n_heads, _, head_dim = q.shape
-    n_kv = keys.shape[1]
-    grouped = q.reshape(rows, n_kv, n_heads // n_kv, head_dim)  # [B, Hkv, G, Dh]
-    scores = (grouped @ keys.transpose(-1, -2)).masked_fill(~visible, -torch.inf)  # [B, Hkv, G, L]
-    return (torch.softmax(scores, dim=-1) @ values).reshape(rows, n_heads, 1, head_dim)
+    n_kv, length = keys.shape[1], keys.shape[2]
+    chunks = -(-length // KEY_CHUNK)
+    if chunks * KEY_CHUNK != length:  # a windowed group's width: padded with masked keys
+        extra = chunks * KEY_CHUNK - length
+        keys, values = F.pad(keys, (0, 0, 0, extra)), F.pad(values, (0, 0, 0, extra))
+        visible = F.pad(visible, (0, extra), value=False)
+    grouped = q.reshape(rows, n_kv, 1, n_heads // n_kv, head_dim)  # [B, Hkv, 1, G, Dh]
+    keys = keys.reshape(rows, n_kv, chunks, KEY_CHUNK, head_dim)  # [B, Hkv, C, K, Dh]
+    values = values.reshape(rows, n_kv, chunks, KEY_CHUNK, head_dim)
+    seen = visible.reshape(rows, 1, chunks, 1, KEY_CHUNK)
+    scores = (grouped @ keys.transpose(-1, -2)).masked_fill(~seen, -torch.inf)  # [B,Hkv,C,G,K]
+    top = scores.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # [B, Hkv, 1, G, 1]
+    weights = torch.exp(scores - top)  # a masked key's is 0
+    sums = weights.sum(dim=-1, keepdim=True)  # [B, Hkv, C, G, 1]
+    parts = weights @ values  # [B, Hkv, C, G, Dh]
+    total, norm = parts[:, :, 0], sums[:, :, 0]
+    for c in range(1, chunks):  # in order: chunks past every row's last key add exact zeros
+        total, norm = total + parts[:, :, c], norm + sums[:, :, c]
+    return (total / norm).reshape(rows, n_heads, 1, head_dim)
 
 
 def attend_static(
@@ -155,10 +183,16 @@ def _build(
     """Slots, gather indices and masks of one layer group for this forward pass."""
     slots, pool = _slot_ids(layout, group), _shared_pool(layout)
     decode_rows, prefill = [], []
+    # on the CPU a prompt's rows attend as decode rows do (`decode_attention`), so that a
+    # row's numbers are the same whether its position was prefilled or decoded (a resumed
+    # request prefills what it decoded before) and whatever a cache hit left to prefill
+    rows_as_decode = device.type != "cuda"
     for lo, hi, chunk in layout.spans:
         first = 0 if window is None else max(0, chunk.start + 1 - window)  # the first query's
-        if hi - lo == 1:
-            decode_rows.append((lo, chunk))
+        if hi - lo == 1 or rows_as_decode:
+            decode_rows += [
+                (lo + i, SequenceChunk(chunk.cache, chunk.start + i, 1)) for i in range(hi - lo)
+            ]
             continue
         index = chunk.cache.slot_ids(first, chunk.start + hi - lo, group)
         q_pos = np.arange(chunk.start, chunk.start + hi - lo)[:, None]  # [n, 1]
@@ -169,23 +203,35 @@ def _build(
         prefill.append(
             GatheredRows(slice(lo, hi), _upload(index, device), _upload(visible, device))
         )
-    decode = []
-    if decode_rows:
-        # the static step's table windows (static_decode.py), padded to its widths, so
-        # that a row's attention is the same whether it decodes eagerly or from a graph
-        chunks = [chunk for _, chunk in decode_rows]
-        width = decode_widths(pool, chunks)[group]
-        starts = np.zeros(len(chunks), np.int64)
-        # padding columns (masked) read the row's own last block
-        last = [c.cache.tables[group][c.start // pool.block_size] for c in chunks]
-        table = np.repeat(np.array(last, np.int64)[:, None], width, axis=1)  # [M, W]
-        fill_tables(pool, chunks, group, starts, table)
-        positions = np.array([c.start for c in chunks])
-        index, visible = gather_plan(table, starts, positions, pool.block_size, window)
-        rows = np.array([lo for lo, _ in decode_rows])
-        mask = attention_mask(_upload(visible[:, None, None, :], device), pool.keys[0].dtype)
-        decode.append(GatheredRows(_upload(rows, device), _upload(index, device), mask))
+    decode = [
+        _decode_rows(decode_rows[i : i + DECODE_ROWS_AT_ONCE], pool, group, window, device)
+        for i in range(0, len(decode_rows), DECODE_ROWS_AT_ONCE)
+    ]
     return TensorAttentionPlan(_upload(slots, device), decode, prefill)
+
+
+def _decode_rows(
+    decode_rows: list[tuple[int, SequenceChunk]],
+    pool,
+    group: int,
+    window: int | None,
+    device: torch.device,
+) -> GatheredRows:
+    """Rows that attend one query each, over their table windows gathered side by side."""
+    # the static step's table windows (static_decode.py), padded to its widths, so
+    # that a row's attention is the same whether it decodes eagerly or from a graph
+    chunks = [chunk for _, chunk in decode_rows]
+    width = decode_widths(pool, chunks)[group]
+    starts = np.zeros(len(chunks), np.int64)
+    # padding columns (masked) read the row's own last block
+    last = [c.cache.tables[group][c.start // pool.block_size] for c in chunks]
+    table = np.repeat(np.array(last, np.int64)[:, None], width, axis=1)  # [M, W]
+    fill_tables(pool, chunks, group, starts, table)
+    positions = np.array([c.start for c in chunks])
+    index, visible = gather_plan(table, starts, positions, pool.block_size, window)
+    rows = np.array([lo for lo, _ in decode_rows])
+    mask = attention_mask(_upload(visible[:, None, None, :], device), pool.keys[0].dtype)
+    return GatheredRows(_upload(rows, device), _upload(index, device), mask)
 
 
 def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
