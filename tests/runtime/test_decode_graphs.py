@@ -87,15 +87,17 @@ def _assert_same_logits(
     row's greedy token. `bf16_products`: torch's bf16 products on the CPU (the GPU's weight
     classes) are bitwise only with native bf16 (AVX512-BF16 or AMX): on a Xeon whose guest
     shows AVX-512 without them, a padded bucket's tail row came out 1.2e-4 from the eager
-    pass in one of 807 values (also before the overlapped steps, at e0aec11)."""
+    pass in one of 807 values (also before the overlapped steps, at e0aec11), and 3e-3 in 9
+    once carried through later steps: there they agree within 0.05 and in every greedy
+    token (a wrong row or position is off by whole logits)."""
     exact = device.startswith("cuda") or cpu_features().level not in ("avx2", "baseline")
     if bf16_products and not device.startswith("cuda"):
         exact = cpu_features().level in ("amx", "avx512_bf16")
     if exact:
         np.testing.assert_array_equal(got, want)
         return
-    if bf16_products:  # a bf16 step apart: 2^-8 of the value
-        np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-3)
+    if bf16_products:  # a bf16 step in one product, carried through every later layer
+        np.testing.assert_allclose(got, want, rtol=0, atol=0.05)
     else:
         np.testing.assert_allclose(got, want, rtol=0, atol=ROUNDING_BELOW_AVX512)
     np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
