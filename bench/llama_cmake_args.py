@@ -19,7 +19,7 @@ GGML_OPTION_FLAGS: dict[str, str] = {
     "GGML_F16C": "f16c",
     "GGML_BMI2": "bmi2",
     "GGML_AVX512": "avx512f",
-    "GGML_AVX512_VBMI": "avx512_vbmi",
+    "GGML_AVX512_VBMI": "avx512vbmi",  # Linux's name (VBMI2 is avx512_vbmi2)
     "GGML_AVX512_VNNI": "avx512_vnni",
     "GGML_AVX512_BF16": "avx512_bf16",
     "GGML_AVX_VNNI": "avx_vnni",

@@ -41,3 +41,12 @@ def test_cpu_without_x86_flags_builds_native() -> None:
     assert llama_cmake_args.cmake_args(llama_cmake_args.cpu_flags("flags : fp asimd")) == [
         "-DGGML_NATIVE=ON"
     ]
+
+
+def test_vbmi_follows_the_flag_linux_prints() -> None:
+    """/proc/cpuinfo names VBMI `avx512vbmi` (and VBMI2 `avx512_vbmi2`): a CPU with VBMI
+    gets GGML_AVX512_VBMI, one with only VBMI2 does not."""
+    avx512 = llama_cmake_args.cpu_flags(ZEN3_CPUINFO) | {"avx512f"}
+    with_vbmi = llama_cmake_args.cmake_args(avx512 | {"avx512vbmi", "avx512_vbmi2"})
+    assert "-DGGML_AVX512_VBMI=ON" in with_vbmi
+    assert "-DGGML_AVX512_VBMI=OFF" in llama_cmake_args.cmake_args(avx512 | {"avx512_vbmi2"})
