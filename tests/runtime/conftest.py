@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.generation_helpers import same_kernels
-from tests.tiny_models import write_tiny_gemma3, write_tiny_llama
+from tests.tiny_models import TinyShape, write_tiny_gemma3, write_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +18,21 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gemma3(tmp_path_factory.mktemp("tiny") / "tiny-gemma3.gguf")
+
+
+# the tensor path's tiny models: a context of 1024 gives three table widths (256, 512, 1024
+# positions); gemma3's window of 40 positions spans 2 to 4 blocks
+LONG = TinyShape(context_length=1024)
+LONG_GEMMA = TinyShape(n_layers=6, head_dim=32, context_length=1024, sliding_window=40)
+
+
+@pytest.fixture(scope="session")
+def long_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("long")
+    return {
+        "llama": write_tiny_llama(d / "long-llama.gguf", LONG),
+        "gemma3": write_tiny_gemma3(d / "long-gemma3.gguf", LONG_GEMMA),
+    }
 
 
 @pytest.fixture(scope="session", params=["llama", "gemma3"])

@@ -22,25 +22,12 @@ from runtime.kernels.cpu_features import cpu_features
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.models.static_decode import BATCH_BUCKETS, width_buckets
 from runtime.sampling import SamplingParams
-from tests.tiny_models import TinyShape, write_lora, write_tiny_gemma3, write_tiny_llama
+from tests.tiny_models import write_lora
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda:0", id="cuda", marks=pytest.mark.gpu),
 ]
-# a context of 1024 gives three table widths (256, 512, 1024 positions); gemma3's window
-# of 40 positions spans 2 to 4 blocks
-LONG = TinyShape(context_length=1024)
-LONG_GEMMA = TinyShape(n_layers=6, head_dim=32, context_length=1024, sliding_window=40)
-
-
-@pytest.fixture(scope="module")
-def long_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("long")
-    return {
-        "llama": write_tiny_llama(d / "long-llama.gguf", LONG),
-        "gemma3": write_tiny_gemma3(d / "long-gemma3.gguf", LONG_GEMMA),
-    }
 
 
 @pytest.fixture(params=DEVICES)

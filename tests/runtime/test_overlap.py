@@ -19,19 +19,11 @@ import pytest
 from runtime.constraints import Constraint
 from runtime.engine import Engine, EngineConfig
 from runtime.sampling import SamplingParams
-from tests.tiny_models import TinyShape, write_tiny_gemma3, write_tiny_llama
-
-SHAPE = TinyShape(context_length=512)
-GEMMA = TinyShape(n_layers=4, head_dim=32, context_length=512, sliding_window=40)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("overlap")
-    return {
-        "llama": write_tiny_llama(d / "llama.gguf", SHAPE),
-        "gemma3": write_tiny_gemma3(d / "gemma3.gguf", GEMMA),
-    }
+@pytest.fixture
+def models(long_models: dict[str, Path]) -> dict[str, Path]:
+    return long_models  # tests/runtime/conftest.py
 
 
 def _engine(path: Path, overlap: bool, **config) -> Engine:
