@@ -82,6 +82,10 @@ def attend_layout(
         o = decode_attention(qd, kd, vd, rows.mask)  # [M, H, 1, Dh]
         out[rows.rows] = o.reshape(len(rows.index), n_heads * head_dim).float()
     for rows in plan.prefill:
+        if q.device.type != "cuda":
+            o = prompt_attention(q[rows.rows], keys[rows.index], values[rows.index], rows.mask)
+            out[rows.rows] = o.reshape(-1, n_heads * head_dim)
+            continue
         qp = q[rows.rows].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, H, n, Dh]
         kp = keys[rows.index].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
         vp = values[rows.index].transpose(0, 1).unsqueeze(0)
@@ -135,6 +139,36 @@ def decode_attention(
     return (total / norm).reshape(rows, n_heads, 1, head_dim)
 
 
+def prompt_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """A prompt's rows over its sequence's keys on the CPU, each row as `decode_attention`
+    computes a decode row at its position (the same chunks of KEY_CHUNK keys from position
+    0, the same products per chunk, the chunks added in order), with the keys gathered once
+    for all rows: q `[n, H, Dh]`, keys and values `[L, Hkv, Dh]` (L a decode width),
+    visible `[n, L]` -> `[n, H, Dh]`. So a position's numbers are the same prefilled or
+    decoded: a resumed request prefills what it decoded before, and a cache hit leaves
+    another part of the prompt to prefill."""
+    n, n_heads, head_dim = q.shape
+    length, n_kv = keys.shape[0], keys.shape[1]
+    g, chunks = n_heads // n_kv, length // KEY_CHUNK
+    grouped = q.reshape(n, n_kv, g, head_dim).permute(1, 0, 2, 3).reshape(n_kv, 1, n * g, -1)
+    keys = keys.permute(1, 0, 2).reshape(n_kv, chunks, KEY_CHUNK, head_dim)  # [Hkv, C, K, Dh]
+    values = values.permute(1, 0, 2).reshape(n_kv, chunks, KEY_CHUNK, head_dim)
+    seen = visible.reshape(n, 1, chunks, KEY_CHUNK).expand(n, g, chunks, KEY_CHUNK)
+    seen = seen.permute(2, 0, 1, 3).reshape(1, chunks, n * g, KEY_CHUNK)
+    scores = (grouped @ keys.transpose(-1, -2)).masked_fill(~seen, -torch.inf)  # [Hkv,C,nG,K]
+    top = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)  # [Hkv, 1, nG, 1]
+    weights = torch.exp(scores - top)
+    sums = weights.sum(dim=-1, keepdim=True)  # [Hkv, C, nG, 1]
+    parts = weights @ values  # [Hkv, C, nG, Dh]
+    total, norm = parts[:, 0], sums[:, 0]
+    for c in range(1, chunks):
+        total, norm = total + parts[:, c], norm + sums[:, c]
+    out = (total / norm).reshape(n_kv, n, g, head_dim)
+    return out.permute(1, 0, 2, 3).reshape(n, n_heads, head_dim)
+
+
 def attend_static(
     layer: int,
     q: torch.Tensor,
@@ -183,20 +217,26 @@ def _build(
     """Slots, gather indices and masks of one layer group for this forward pass."""
     slots, pool = _slot_ids(layout, group), _shared_pool(layout)
     decode_rows, prefill = [], []
-    # on the CPU a prompt's rows attend as decode rows do (`decode_attention`), so that a
-    # row's numbers are the same whether its position was prefilled or decoded (a resumed
-    # request prefills what it decoded before) and whatever a cache hit left to prefill
-    rows_as_decode = device.type != "cuda"
+    # on the CPU a prompt's rows attend as decode rows do (`prompt_attention`; a windowed
+    # group's rows each gather their own window, as a decode row does), so that a row's
+    # numbers are the same whether its position was prefilled or decoded
+    on_cpu = device.type != "cuda"
     for lo, hi, chunk in layout.spans:
         first = 0 if window is None else max(0, chunk.start + 1 - window)  # the first query's
-        if hi - lo == 1 or rows_as_decode:
+        end = chunk.start + hi - lo
+        if hi - lo == 1 or (on_cpu and window is not None):  # a window's rows: few keys each
             decode_rows += [
                 (lo + i, SequenceChunk(chunk.cache, chunk.start + i, 1)) for i in range(hi - lo)
             ]
             continue
-        index = chunk.cache.slot_ids(first, chunk.start + hi - lo, group)
-        q_pos = np.arange(chunk.start, chunk.start + hi - lo)[:, None]  # [n, 1]
-        k_pos = np.arange(first, chunk.start + hi - lo)[None, :]  # [1, L]
+        index = chunk.cache.slot_ids(first, end, group)
+        length = end - first
+        if on_cpu:  # the decode step's window: from 0, its width, padding masked
+            length = decode_widths(pool, [SequenceChunk(chunk.cache, end - 1, 1)])[group]
+            length *= pool.block_size
+            index = np.concatenate([index, np.full(length - len(index), index[-1])])
+        q_pos = np.arange(chunk.start, end)[:, None]  # [n, 1]
+        k_pos = np.arange(first, first + length)[None, :]  # [1, L]
         visible = k_pos <= q_pos
         if window is not None:
             visible &= (q_pos - k_pos) < window
