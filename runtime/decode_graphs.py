@@ -25,7 +25,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -166,16 +167,11 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.pool_handle = self.pool_handle or torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.device(self.device):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self.inputs.fill(bucket, [], [])
-                    torch.cuda.synchronize(self.device)
-                    self._step(bucket)  # lazy tables, cuBLAS handles for the new shapes
-                    self.graphs[bucket] = self._captured(bucket)
-                torch.cuda.current_stream().wait_stream(side)
+            with self._side_stream():
+                self.inputs.fill(bucket, [], [])
                 torch.cuda.synchronize(self.device)
+                self._step(bucket)  # lazy tables, cuBLAS handles for the new shapes
+                self.graphs[bucket] = self._captured(bucket)
         except RuntimeError:
             log.exception("capturing a LoRA decode graph failed: LoRA steps run uncaptured")
             self.capturing = False
@@ -200,20 +196,15 @@ class DecodeGraphs:
         gc.collect()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.pool_handle = torch.cuda.graph_pool_handle()
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                warmed: set[int] = set()
-                for bucket in sorted(self.buckets, key=lambda b: -b.size):
-                    self.inputs.fill(bucket, [], [])
-                    torch.cuda.synchronize(self.device)  # the inputs are in before the run
-                    if bucket.rows not in warmed:  # lazy tables, cuBLAS handles per shape
-                        self._step(bucket)
-                        warmed.add(bucket.rows)
-                    self.graphs[bucket] = self._captured(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize(self.device)
+        with self._side_stream():
+            warmed: set[int] = set()
+            for bucket in sorted(self.buckets, key=lambda b: -b.size):
+                self.inputs.fill(bucket, [], [])
+                torch.cuda.synchronize(self.device)  # the inputs are in before the run
+                if bucket.rows not in warmed:  # lazy tables, cuBLAS handles per shape
+                    self._step(bucket)
+                    warmed.add(bucket.rows)
+                self.graphs[bucket] = self._captured(bucket)
         self.capture_seconds = time.perf_counter() - started
         self.graph_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         log.info(
@@ -222,6 +213,18 @@ class DecodeGraphs:
             self.capture_seconds,
             self.graph_bytes / 2**20,
         )
+
+    @contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        """Captures run on a side stream (a capture may not use the default one), joined
+        back to the current stream and the device synchronized after."""
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                yield
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize(self.device)
 
     def _captured(self, bucket: Bucket) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The bucket's step captured (its inputs filled, its shapes warmed up)."""

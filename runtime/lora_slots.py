@@ -188,12 +188,20 @@ class LoraSlots:
         passes = self.passes_for(stacks)
         if passes is None:
             return None
-        slot_of = self.place(stacks)
         table = np.zeros((passes, layout.spans[-1][1], self.count), np.float32)
-        for start, end, chunk in layout.spans:
-            for j, (adapter, scale) in enumerate(chunk.adapters):
-                table[j, start:end, slot_of[adapter.key]] = scale
+        self.write_table(table, [(start, end, c.adapters) for start, end, c in layout.spans])
         return SlotRows(self, torch.from_numpy(table).to(self.device))
+
+    def write_table(
+        self, table: np.ndarray, spans: Sequence[tuple[int, int, AdapterStack]]
+    ) -> None:
+        """Place the adapters of `spans` (first row, end row, stack) and write their scales
+        into `table` `[passes, rows, S]` (zeros elsewhere): pass j holds each row's j-th
+        adapter, so a row's adapters are added in key order whatever slots they take."""
+        slot_of = self.place([stack for _, _, stack in spans])
+        for start, end, stack in spans:
+            for j, (adapter, scale) in enumerate(stack):
+                table[j, start:end, slot_of[adapter.key]] = scale
 
     def describe(self) -> dict[str, object]:
         return {
@@ -240,15 +248,12 @@ class SlotCoefficients:
 
     def fill(self, rows: int, passes: int, chunks: Sequence[SequenceChunk]) -> None:
         """Place the step's adapters and write its table (padding rows zero) to the device."""
-        slot_of = self.slots.place([chunk.adapters for chunk in chunks])
         if self.copied is not None:
             self.copied.synchronize()
         size = passes * rows * self.slots.count
         table = self.host[:size].numpy().reshape(passes, rows, self.slots.count)
         table[:] = 0
-        for row, chunk in enumerate(chunks):
-            for j, (adapter, scale) in enumerate(chunk.adapters):
-                table[j, row, slot_of[adapter.key]] = scale
+        self.slots.write_table(table, [(i, i + 1, c.adapters) for i, c in enumerate(chunks)])
         if self.on_device is not self.host:
             self.on_device[:size].copy_(self.host[:size], non_blocking=True)
             self.copied.record()

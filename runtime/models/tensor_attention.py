@@ -32,8 +32,9 @@ from runtime.models.static_decode import (
 # so every full-attention width (a power of two of at least that) is whole chunks; a
 # windowed group's (its window's blocks plus one) is padded up to them
 KEY_CHUNK = 256
-# decode rows gathered at once: a prompt's rows on the CPU take [rows, Hkv, width, Dh] each
-# for keys and values, 48 MiB for 128 rows of SmolLM2 at 512 positions
+# decode rows gathered at once: on the CPU a prompt's rows in a windowed group attend as
+# decode rows, [rows, Hkv, width, Dh] each for keys and values (Gemma 3's window of 512:
+# 528 positions, 138 MiB for 128 rows), so a long prompt's are gathered in slices
 DECODE_ROWS_AT_ONCE = 128
 
 
@@ -129,14 +130,22 @@ def decode_attention(
     values = values.reshape(rows, n_kv, chunks, KEY_CHUNK, head_dim)
     seen = visible.reshape(rows, 1, chunks, 1, KEY_CHUNK)
     scores = (grouped @ keys.transpose(-1, -2)).masked_fill(~seen, -torch.inf)  # [B,Hkv,C,G,K]
-    top = scores.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # [B, Hkv, 1, G, 1]
+    return _over_chunks(scores, values).reshape(rows, n_heads, 1, head_dim)
+
+
+def _over_chunks(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention from masked scores `[..., C, M, K]` and values `[..., C, K, Dh]` (dim -3
+    the key chunks): exp against each query's max over all chunks, per chunk the sum and
+    the product with the values, then the chunks added in order, where chunks of masked
+    keys add exact zeros -> `[..., M, Dh]`."""
+    top = scores.amax(dim=-1, keepdim=True).amax(dim=-3, keepdim=True)  # [..., 1, M, 1]
     weights = torch.exp(scores - top)  # a masked key's is 0
-    sums = weights.sum(dim=-1, keepdim=True)  # [B, Hkv, C, G, 1]
-    parts = weights @ values  # [B, Hkv, C, G, Dh]
-    total, norm = parts[:, :, 0], sums[:, :, 0]
-    for c in range(1, chunks):  # in order: chunks past every row's last key add exact zeros
-        total, norm = total + parts[:, :, c], norm + sums[:, :, c]
-    return (total / norm).reshape(rows, n_heads, 1, head_dim)
+    sums = weights.sum(dim=-1, keepdim=True)  # [..., C, M, 1]
+    parts = weights @ values  # [..., C, M, Dh]
+    total, norm = parts.select(-3, 0), sums.select(-3, 0)
+    for c in range(1, scores.shape[-3]):
+        total, norm = total + parts.select(-3, c), norm + sums.select(-3, c)
+    return total / norm
 
 
 def prompt_attention(
@@ -158,14 +167,7 @@ def prompt_attention(
     seen = visible.reshape(n, 1, chunks, KEY_CHUNK).expand(n, g, chunks, KEY_CHUNK)
     seen = seen.permute(2, 0, 1, 3).reshape(1, chunks, n * g, KEY_CHUNK)
     scores = (grouped @ keys.transpose(-1, -2)).masked_fill(~seen, -torch.inf)  # [Hkv,C,nG,K]
-    top = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)  # [Hkv, 1, nG, 1]
-    weights = torch.exp(scores - top)
-    sums = weights.sum(dim=-1, keepdim=True)  # [Hkv, C, nG, 1]
-    parts = weights @ values  # [Hkv, C, nG, Dh]
-    total, norm = parts[:, 0], sums[:, 0]
-    for c in range(1, chunks):
-        total, norm = total + parts[:, c], norm + sums[:, c]
-    out = (total / norm).reshape(n_kv, n, g, head_dim)
+    out = _over_chunks(scores, values).reshape(n_kv, n, g, head_dim)
     return out.permute(1, 0, 2, 3).reshape(n, n_heads, head_dim)
 
 
