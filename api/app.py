@@ -33,8 +33,8 @@ from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
 from api.request_counts import RequestCounts
-from api.slot_routing import BucketReaders
-from api.stream_hub import MAX_READERS, StreamHub
+from api.streams.slot_routing import BucketReaders
+from api.streams.stream_hub import MAX_READERS, StreamHub
 from workers.wire.broker import Replication
 
 log = logging.getLogger(__name__)

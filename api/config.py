@@ -14,7 +14,7 @@ from typing import Any
 import redis
 from flask import current_app
 
-from api.stream_hub import StreamHub
+from api.streams.stream_hub import StreamHub
 from workers import keys
 from workers.wire.broker import BrokerSettings, EventsSettings, Replication
 
@@ -25,7 +25,7 @@ DEFAULT_MAX_QUEUE = 1000
 DEFAULT_FLEX_MAX_QUEUE = 100
 MAX_CONTENT_LENGTH = 1024 * 1024  # 1 MiB: far above any sane prompt, far below memory trouble
 REDIS_SOCKET_TIMEOUT = 2.0  # a stalled Redis turns into a 503 within ~2 s (docs/faults.md F7)
-# Redis connections per API process: waiting streams hold none (api.stream_hub), so these
+# Redis connections per API process: waiting streams hold none (api.streams.stream_hub), so these
 # serve submissions and reads; a request waits up to REDIS_POOL_TIMEOUT for one.
 DEFAULT_REDIS_CONNECTIONS = 32
 REDIS_POOL_TIMEOUT = 10.0
@@ -146,7 +146,7 @@ def events_conn() -> Any:
 
 
 def stream_hub() -> StreamHub:
-    """The process's one reader of job streams (api.stream_hub)."""
+    """The process's one reader of job streams (api.streams.stream_hub)."""
     return current_app.extensions["streams"]
 
 

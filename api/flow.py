@@ -19,9 +19,9 @@ from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream, sse_data
 from api.config import redis_conn, replication, stream_hub
 from api.errors import InternalError, InvalidRequest, ServiceUnavailable, pool_exhausted
-from api.events import SSE_HEADERS, DisconnectWatch, follow, follow_batches, idle_tick
 from api.model_texts import ModelTexts
 from api.responses import JobSummary
+from api.streams.events import SSE_HEADERS, DisconnectWatch, follow, follow_batches, idle_tick
 from api.token_budget import embedding_tokens, reserved_tokens
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec

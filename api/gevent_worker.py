@@ -1,6 +1,6 @@
 """The API's gunicorn worker: gevent, so a connection is a greenlet, not a thread.
 
-A waiting stream then costs kilobytes (its greenlet and a `Follower`, api/stream_hub.py)
+A waiting stream then costs kilobytes (its greenlet and a `Follower`, api/streams/stream_hub.py)
 where gthread's cost a thread each: 2 x 32 threads relayed 64 streams at a time and left
 the rest without headers for up to a minute. gunicorn's gevent worker patches the standard
 library when the process starts, before the app is imported, so redis-py's sockets and

@@ -3,7 +3,7 @@
 Greenlets, not threads, carry the load: most requests wait on a job (a sync completion or
 an SSE stream lasts the whole generation), so each process runs gevent
 (api/gevent_worker.py) and holds thousands of connections, while every waiting request's
-events come from the process's one stream reader (api/stream_hub.py) over a bounded pool of
+events come from the process's one stream reader (api/streams/stream_hub.py) over a bounded pool of
 Redis connections (LLMQ_API_REDIS_CONNECTIONS). `LLMQ_API_WORKER_CLASS=gthread` runs the
 previous thread pool (api/gunicorn_worker.py, LLMQ_API_THREADS threads). `timeout` is the
 heartbeat of a process's main loop, not a request limit, so long streams are not killed by

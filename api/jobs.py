@@ -15,11 +15,11 @@ from api.auth import caller_scope, require_api_key
 from api.body import json_object
 from api.config import events_conn, redis_conn, stream_hub
 from api.errors import APIError, InvalidRequest, ServiceUnavailable, pool_exhausted
-from api.events import SSE_HEADERS, follow, idle_tick, parse_event_id, sse
 from api.flow import accepted, submit_request
 from api.paging import int_arg, list_page
 from api.responses import Job, JobList
 from api.schemas import parse_request
+from api.streams.events import SSE_HEADERS, follow, idle_tick, parse_event_id, sse
 from workers import keys
 from workers.wire.broker import PoolExhausted
 from workers.wire.events import EVENT_ERROR, StreamError, StreamEvent, StreamToken

@@ -25,7 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from rq import Queue
 
-from api.stream_hub import StreamHub
+from api.streams.stream_hub import StreamHub
 from workers import keys
 from workers.wire.broker import BoundedPool, replication_state
 from workers.wire.histograms import STEP_SIZE_BUCKETS, TTFT_BUCKETS, format_bucket
@@ -191,7 +191,7 @@ class RedisCollector(Collector):
 class ProcessCollector(Collector):
     """What the API process that answers the scrape holds now (label `pid`): its Redis
     connections against their bound (`LLMQ_API_REDIS_CONNECTIONS`) and its open streams
-    (api/stream_hub.py). Each process answers for itself; a scrape reaches one of them."""
+    (api/streams/stream_hub.py). Each process answers for itself; a scrape reaches one of them."""
 
     def __init__(self, conn: redis.Redis, streams: StreamHub | None) -> None:
         self.conn, self.streams = conn, streams

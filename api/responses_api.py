@@ -38,7 +38,6 @@ from api.errors import (
     UnsupportedFeature,
     pool_exhausted,
 )
-from api.events import SSE_HEADERS, DisconnectWatch, follow_batches, idle_tick, sse
 from api.flow import error_from_event, submit_request, wait_end
 from api.paging import int_arg
 from api.response_events import ResponseEvents
@@ -49,6 +48,7 @@ from api.response_requests import (
     translate,
 )
 from api.schemas import parse_request
+from api.streams.events import SSE_HEADERS, DisconnectWatch, follow_batches, idle_tick, sse
 from workers import keys
 from workers.wire import responses_api as wire
 from workers.wire.broker import PoolExhausted

@@ -1,4 +1,4 @@
-"""api/lost_jobs.py: the terminal event a waiting client gets when its job will send none
+"""api/streams/lost_jobs.py: the terminal event a waiting client gets when its job will send none
 (docs/faults.md F8), and only once nothing more is in the job's stream."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import fakeredis
 
-from api.lost_jobs import LOST_GRACE_SECONDS, find_lost, repair
+from api.streams.lost_jobs import LOST_GRACE_SECONDS, find_lost, repair
 from workers import keys
 from workers.wire.errors import cancelled_error
 from workers.wire.events import StreamDone, StreamError, event_fields, token_event

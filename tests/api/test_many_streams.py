@@ -3,7 +3,7 @@ gets its headers while its job still waits in the queue, all finish with [DONE] 
 runs them, none is told `broker_down`, and a client that hangs up among hundreds still
 cancels its job (docs/faults.md F4 at scale).
 
-Before api/stream_hub.py and api/gevent_worker.py, each stream held one of the process's 32
+Before api/streams/stream_hub.py and api/gevent_worker.py, each stream held one of the process's 32
 threads and a pooled Redis connection: the 33rd stream got no headers until one ended, and
 under gevent alone the 101st got 503 `broker_down` (redis-py's pool cap, MaxConnectionsError).
 The requests' Redis pool here is 8 connections, so streams must not hold one (the
@@ -23,7 +23,7 @@ import httpx
 import pytest
 import redis
 
-from api.stream_hub import MAX_READERS
+from api.streams.stream_hub import MAX_READERS
 from tests.api.conftest import _gunicorn
 from tests.api.fake_worker import FakeWorker
 from tests.workers.conftest import wait_for

@@ -1,4 +1,4 @@
-"""api/slot_routing.py: on an events cluster each event bucket has its own stream reader,
+"""api/streams/slot_routing.py: on an events cluster each event bucket has its own stream reader,
 whose wake stream shares the bucket's slot and whose XREAD goes straight to that slot's node.
 The unit tests need no cluster; the routed reads run on a real local one."""
 
@@ -11,8 +11,8 @@ import pytest
 from redis.crc import key_slot
 from redis.exceptions import SlotNotCoveredError
 
-from api.slot_routing import BucketReaders, routed_xread
-from api.stream_hub import StreamHub
+from api.streams.slot_routing import BucketReaders, routed_xread
+from api.streams.stream_hub import StreamHub
 from tests.events_cluster import flush, local_cluster
 from workers import keys
 from workers.wire.broker import EventsSettings
@@ -52,7 +52,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventsSetting
 def test_the_stream_readers_send_each_read_to_its_node_without_asking_for_its_keys(
     real_redis, settings: EventsSettings
 ) -> None:
-    """api/slot_routing.py: every bucket's XREAD goes straight to the node of its slot;
+    """api/streams/slot_routing.py: every bucket's XREAD goes straight to the node of its slot;
     redis-py alone asks a server for XREAD's keys (COMMAND GETKEYS) twice a read."""
     cluster = settings.connect(real_redis)
     nodes = cluster.get_primaries()

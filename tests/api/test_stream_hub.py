@@ -1,4 +1,4 @@
-"""api/stream_hub.py against a real Redis: one reader hands each follower exactly the events
+"""api/streams/stream_hub.py against a real Redis: one reader hands each follower exactly the events
 after its own id, wakes for a follower added while it blocks, and repairs a job that ended
 without a terminal event only when nothing more is in its stream (docs/faults.md F8)."""
 
@@ -9,8 +9,8 @@ import time
 import pytest
 import redis
 
-from api.lost_jobs import LOST_GRACE_SECONDS
-from api.stream_hub import (
+from api.streams.lost_jobs import LOST_GRACE_SECONDS
+from api.streams.stream_hub import (
     RECHECK_SECONDS,
     STALLS_TOLERATED,
     Follower,

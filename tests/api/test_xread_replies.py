@@ -1,4 +1,4 @@
-"""api/xread_replies.py: the stream readers' XREAD answered as Redis sent it, while the
+"""api/streams/xread_replies.py: the stream readers' XREAD answered as Redis sent it, while the
 client it was copied from keeps redis-py's own reply."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from api.xread_replies import raw_xread, xread_args
+from api.streams.xread_replies import raw_xread, xread_args
 from workers import keys
 from workers.wire.events import decode, event_fields, token_event
 

@@ -12,7 +12,7 @@ p99 of async submissions (POST to 202) is under 100 ms; no process of `llmq serv
 restarted; every key the run left in Redis carries a TTL (its memory goes back to the
 baseline within the TTLs). The streams phase passes when no stream is lost (each ends with
 [DONE] after its `max_tokens` tokens and no error chunk), none is answered 5xx, and every
-stream's headers came within 1 s of its request (api/stream_hub.py, api/gevent_worker.py).
+stream's headers came within 1 s of its request (api/streams/stream_hub.py, api/gevent_worker.py).
 
 With LLMQ_LOAD_SENTINEL=1 the Redis is a master with one replica behind three Sentinels
 (tests/faults/sentinel.py), so every acknowledgement waits for `WAIT` (docs/faults.md F20):

@@ -143,7 +143,7 @@ def test_a_token_event_keeps_its_bytes_on_the_wire():
         '"logprobs": {"token": "é", "logprob": -0.25}, "delta": {"content": "é"}}',
     )
     assert decode(event_fields(encode(event))) == event
-    # as Redis sends an entry (api/stream_hub.py's XREAD skips redis-py's callback)
+    # as Redis sends an entry (api/streams/stream_hub.py's XREAD skips redis-py's callback)
     flat = [part.encode() for pair in event_fields(encode(event)).items() for part in pair]
     assert decode(flat) == event
 

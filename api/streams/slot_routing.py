@@ -4,7 +4,7 @@
 A command's keys must share a hash slot there, so each reader reads one event bucket's
 streams (`keys.event_bucket`; at most `keys.EVENT_BUCKETS` readers), its own wake stream in
 the same slot (`keys.api_wake_in`), and its XREAD goes straight to the node of that slot.
-api/app.py builds `BucketReaders` for a cluster once, when the app starts; api/stream_hub.py
+api/app.py builds `BucketReaders` for a cluster once, when the app starts; api/streams/stream_hub.py
 asks it for a job's reader and never asks which broker it reads.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
-from api.xread_replies import XRead, xread_args
+from api.streams.xread_replies import XRead, xread_args
 from workers import keys
 
 Reader = TypeVar("Reader")

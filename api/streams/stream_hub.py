@@ -12,11 +12,12 @@ by the block.
 
 The stream stays the only source of truth (docs/faults.md L7): a follower starts from the
 id its client gave, and a job whose record vanished, or ended without a terminal event,
-gets a synthesized one from the reader's periodic check of idle followers (api/lost_jobs.py).
+gets a synthesized one from the reader's periodic check of idle followers
+(api/streams/lost_jobs.py).
 
 Which reader reads which stream, and how its XREAD reaches Redis, is the reader placement's
 that api/app.py hands the hub when the app starts: `SharedReaders` on one Redis (any streams
-share a call; the reply read raw, api/xread_replies.py), `slot_routing.BucketReaders` on an
+share a call; the reply read raw, api/streams/xread_replies.py), `slot_routing.BucketReaders` on an
 events cluster (a reader per event bucket, its XREAD sent to the bucket's node).
 """
 
@@ -34,8 +35,8 @@ from typing import Any, Protocol
 
 import redis
 
-from api.lost_jobs import find_lost
-from api.xread_replies import XRead, raw_xread
+from api.streams.lost_jobs import find_lost
+from api.streams.xread_replies import XRead, raw_xread
 from workers import keys
 from workers.wire.events import StreamEvent, decode, is_terminal
 from workers.wire.text import as_str
@@ -193,7 +194,7 @@ class StreamHub:
 
 class SharedReaders:
     """The streams on one Redis (the queue Redis, or a Sentinel's master): any streams may
-    share a reader's XREAD, read raw (api/xread_replies.py).
+    share a reader's XREAD, read raw (api/streams/xread_replies.py).
 
     An XREAD costs Redis and this process in proportion to the streams it names (26 ms for
     5,000 on this 2-core EPYC), and it is re-issued at every join and after every event, so

@@ -1,4 +1,4 @@
-"""XREAD's reply as Redis sent it, for the stream readers (api/stream_hub.py).
+"""XREAD's reply as Redis sent it, for the stream readers (api/streams/stream_hub.py).
 
 redis-py's reply callback for XREAD rebuilds every entry's fields into a dict, which cost
 the API a tenth of its relay CPU at 1,000 streams (bench/fleet.py); the readers decode the

@@ -3,7 +3,7 @@
 The stream (`keys.job_events`) is the only source of truth for what a client may see
 (docs/faults.md L7): readers get it from an entry id, so a late or reconnecting reader gets
 every later event exactly once. The reading itself is the process's `StreamHub`'s (one
-XREAD for every waiting client, api/stream_hub.py); a follower waits for what it hands out,
+XREAD for every waiting client, api/streams/stream_hub.py); a follower waits for what it hands out,
 and each wait that ends empty is reported to the caller as an idle tick (for pings,
 disconnect checks and deadlines).
 """
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from api.errors import InvalidRequest
-from api.stream_hub import Event, StreamHub
+from api.streams.stream_hub import Event, StreamHub
 
 __all__ = [
     "Event",

@@ -3,7 +3,7 @@
 The stream stays the only source of truth (docs/faults.md L7), but a job whose record
 vanished (expired, flushed) or that ended without a terminal event in its stream (its
 worker died between the two) would keep its clients waiting forever. The stream readers
-(api/stream_hub.py) hand their idle followers to `find_lost` now and then; each gets the
+(api/streams/stream_hub.py) hand their idle followers to `find_lost` now and then; each gets the
 event its job's record stands for, and only once nothing more is in its stream.
 """
 
