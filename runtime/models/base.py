@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.gguf_file import GGUFFile
-from runtime.kernels import Backend, Embedding, TensorPart, Weight
+from runtime.kernels import Embedding, Weight
 from runtime.kv_pool import BLOCK_SIZE, BlockPool, PagedKVCache
 from runtime.lora import AdapterStack, LinearSource, RowAdapters
 
@@ -139,20 +138,6 @@ def gated_mlp(
     ffn_dim = gate_up.shape[1] // 2
     hidden = activation_mul(gate_up[:, :ffn_dim], gate_up[:, ffn_dim:])  # [T, F]
     return linear(hidden, w_down, layout)  # [T, F] -> [T, D]
-
-
-def block_linears(
-    f: GGUFFile, p: str, backend: Backend, qkv: list[TensorPart]
-) -> tuple[Weight, Weight, Weight, Weight]:
-    """A pre-norm block's four matmuls from the tensors under `p` ("blk.{i}."), with each
-    pre-norm folded into the matmul after it: (wqkv, wo, w_gate_up, w_down). The
-    architecture gives the `qkv` parts, where the row orders and scales differ."""
-    wqkv = backend.linear(f, qkv, f.tensor(p + "attn_norm.weight"))  # [(H+2Hkv)*Dh, D]
-    wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
-    gate_up = [TensorPart(p + f"ffn_{n}.weight") for n in ("gate", "up")]
-    w_gate_up = backend.linear(f, gate_up, f.tensor(p + "ffn_norm.weight"))  # [2F, D]
-    w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
-    return wqkv, wo, w_gate_up, w_down
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

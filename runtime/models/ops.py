@@ -31,6 +31,16 @@ class HostOps:
     attend = staticmethod(attention.attend_layout)
 
     @staticmethod
+    def no_rope(x: np.ndarray) -> np.ndarray:
+        """A no-rope layer's q or k (smollm3) as attention takes it: as it is."""
+        return x
+
+    @staticmethod
+    def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+        """cap * tanh(x / cap) (gemma2's final logits)."""
+        return np.float32(cap) * np.tanh(x / np.float32(cap))
+
+    @staticmethod
     def prepare(layout: Any, windows: list[int | None]) -> None:
         """Nothing to do before the layers: attention plans as it goes."""
 

@@ -98,6 +98,16 @@ class TensorOps:
         out = torch.empty(x.shape, dtype=self.kv_dtype, device=x.device)
         return torch.addcmul(rotating * cos, swapped, sin, out=out)
 
+    def no_rope(self, x: torch.Tensor) -> torch.Tensor:
+        """A no-rope layer's q or k (smollm3) in the KV pool's dtype, as `apply_rope`
+        leaves a rotated one."""
+        return x.to(self.kv_dtype)
+
+    @staticmethod
+    def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * tanh(x / cap) (gemma2's final logits), in float32."""
+        return torch.tanh(x.float() / cap) * cap
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """In float32 whatever the product's dtype; on a GPU rounded to the next product's
         bf16 in the same kernel (what that product would do first)."""
