@@ -140,6 +140,99 @@ def write_tiny_llama(
     return path
 
 
+@dataclass(frozen=True)
+class TinyArch:
+    """What a llama-like architecture's tiny GGUF holds beyond llama's tensors and keys:
+    the variants runtime/models/layers.py composes."""
+
+    norms: str = "pre"  # "pre", "pre_post" (gemma2), "post" (olmo2)
+    qk_norm: str | None = None  # "head" (qwen3), "full" (olmo2)
+    bias: bool = False  # q/k/v biases (qwen2)
+    fused: bool = False  # attn_qkv and a gate+up ffn_up (phi3)
+    key_length: int | None = None  # a head size other than dim / heads
+    values: tuple[tuple[str, object], ...] = ()  # more `<arch>.` keys: (key, value)
+
+
+TINY_ARCHS = {
+    "qwen3": TinyArch(qk_norm="head", key_length=24),
+    "qwen2": TinyArch(bias=True),
+}
+
+
+def _add_value(w: gguf.GGUFWriter, arch: str, key: str, value: object) -> None:
+    name = f"{arch}.{key}"
+    if isinstance(value, bool):
+        w.add_bool(name, value)
+    elif isinstance(value, int):
+        w.add_uint32(name, value)
+    elif isinstance(value, float):
+        w.add_float32(name, value)
+    else:
+        w.add_array(name, list(value))  # type: ignore[arg-type]
+
+
+def write_tiny_arch(path: Path, arch: str, shape: TinyShape | None = None, seed: int = 0) -> Path:
+    """A tiny model of `arch` (a key of TINY_ARCHS): llama's GPT-2 vocabulary, weights Q8_0
+    and F16, with the tensors and keys its variant adds, named as llama.cpp's converter
+    names them (an untied head; q/k rows unpermuted, as for NeoX-rope architectures)."""
+    spec, s, rng = TINY_ARCHS[arch], shape or TinyShape(n_layers=4), np.random.default_rng(seed)
+    tokens, types, merges = _gpt2_vocab()
+    w = _writer(path, arch, s)
+    head_dim = spec.key_length or s.dim // s.n_heads
+    if spec.key_length:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    for key, value in spec.values:
+        _add_value(w, arch, key, value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    vocab = len(tokens)
+    _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
+    w.add_tensor("output_norm.weight", _norm(rng, s.dim))
+    _add_quantized(w, "output.weight", _weights(rng, vocab, s.dim), Q8_0)
+    for i in range(s.n_layers):
+        _add_tiny_layer(w, f"blk.{i}.", spec, s, head_dim, rng)
+    _finish(w)
+    return path
+
+
+def _add_tiny_layer(
+    w: gguf.GGUFWriter, p: str, spec: TinyArch, s: TinyShape, head_dim: int, rng
+) -> None:
+    q_dim, kv = s.n_heads * head_dim, s.n_kv_heads * head_dim
+    norms = {"pre": ("attn_norm", "ffn_norm"), "post": ("post_attention_norm", "post_ffw_norm")}
+    norms["pre_post"] = norms["pre"] + norms["post"]
+    for norm in norms[spec.norms]:
+        w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
+    if spec.qk_norm:
+        q_n, k_n = (head_dim, head_dim) if spec.qk_norm == "head" else (q_dim, kv)
+        w.add_tensor(p + "attn_q_norm.weight", _norm(rng, q_n))
+        w.add_tensor(p + "attn_k_norm.weight", _norm(rng, k_n))
+    if spec.fused:
+        _add_quantized(w, p + "attn_qkv.weight", _weights(rng, q_dim + 2 * kv, s.dim), Q8_0)
+        _add_quantized(w, p + "ffn_up.weight", _weights(rng, 2 * s.ffn_dim, s.dim), F16)
+    else:
+        for name, rows, qtype in (("q", q_dim, Q8_0), ("k", kv, Q8_0), ("v", kv, F16)):
+            _add_quantized(w, p + f"attn_{name}.weight", _weights(rng, rows, s.dim), qtype)
+        _add_quantized(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
+        _add_quantized(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), F16)
+    if spec.bias:
+        for name, rows in (("q", q_dim), ("k", kv), ("v", kv)):
+            bias = 0.5 * rng.standard_normal(rows).astype(np.float32)
+            w.add_tensor(p + f"attn_{name}.bias", bias)
+    _add_quantized(w, p + "attn_output.weight", _weights(rng, s.dim, q_dim), Q8_0)
+    _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+
+
 def _gemma3_writer(
     path: Path, s: TinyShape, tokens: list[str], scores: list[float], types: list[int]
 ) -> gguf.GGUFWriter:

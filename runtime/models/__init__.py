@@ -7,12 +7,21 @@ from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, get_backend
 from runtime.lora import LinearSources
 from runtime.models.gemma3 import Gemma3Model
+from runtime.models.layers import Decoder
 from runtime.models.llama import LlamaModel
+from runtime.models.qwen2 import Qwen2Model
+from runtime.models.qwen3 import Qwen3Model
 
-ARCHITECTURES = {"llama": LlamaModel, "gemma3": Gemma3Model}
+# GGUF general.architecture -> its model class: the one registry (`llmq models --supported`)
+ARCHITECTURES: dict[str, type[Decoder]] = {
+    "llama": LlamaModel,
+    "gemma3": Gemma3Model,
+    "qwen3": Qwen3Model,
+    "qwen2": Qwen2Model,
+}
 
 
-def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> LlamaModel | Gemma3Model:
+def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> Decoder:
     """Build the architecture's model from the file, its weights stored as `backend` keeps
     them (default: `get_backend()`, torch where installed)."""
     arch = gguf_file.architecture
@@ -31,7 +40,8 @@ def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> LlamaMode
     return model
 
 
-LINEAR_SUFFIXES = ("_q.weight", "_k.weight", "_v.weight", "_output.weight", "_gate.weight")
+LINEAR_SUFFIXES = ("_q.weight", "_k.weight", "_v.weight", "_qkv.weight", "_output.weight")
+LINEAR_SUFFIXES += ("_gate.weight",)
 LINEAR_SUFFIXES += ("_up.weight", "_down.weight")
 
 

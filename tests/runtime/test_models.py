@@ -13,7 +13,7 @@ from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import get_backend
 from runtime.kv_pool import BlockPool, PagedKVCache, lazy_array
-from runtime.models import load_model
+from runtime.models import ARCHITECTURES, load_model
 from runtime.models.attention import attend, attend_layout
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.models.llama import unpermute_rows
@@ -166,8 +166,10 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelFormatError, match="architecture 'mamba' is not supported"):
+    supported = ", ".join(sorted(ARCHITECTURES))
+    with pytest.raises(ModelFormatError, match="architecture 'mamba' is not supported") as err:
         load_model(GGUFFile(path))
+    assert f"(supported: {supported})" in str(err.value)
 
 
 def test_tensor_type_without_dequantizer_is_a_clear_error(tmp_path):

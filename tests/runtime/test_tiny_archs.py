@@ -1,0 +1,137 @@
+"""The architectures beyond llama and gemma3 (runtime/models/<arch>.py over layers.py): each
+tiny model (tests/tiny_models.py `write_tiny_arch`) loads, runs on the host path and on
+the tensor path, and keeps a row's logits bitwise the same alone, batched, cached and
+resumed; against a real reference, llama.cpp's converter on a transformers model with
+random weights must give transformers' float32 logits (tests/hf_reference.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.engine import Engine, EngineConfig
+from runtime.gguf_file import GGUFFile
+from runtime.kernels import get_backend
+from runtime.kernels.native import paged_attention
+from runtime.models import ARCHITECTURES, load_model
+from runtime.models.base import BatchLayout, SequenceChunk
+from tests import hf_reference
+from tests.runtime.generation_helpers import same_kernels
+from tests.runtime.test_decode_graphs import ROUNDING_BELOW_AVX512
+from tests.runtime.test_row_invariance import _check, _sequences, _with_adapters
+from tests.runtime.test_tensor_same_answer import _greedy, _logits_of
+from tests.tiny_models import TINY_ARCHS, TinyShape, write_tiny_arch
+
+ARCHS = sorted(TINY_ARCHS)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_path(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_arch(tmp_path_factory.mktemp("arch") / f"{request.param}.gguf", request.param)
+
+
+def _logits(model, tokens: np.ndarray, cuts: list[int]) -> np.ndarray:
+    """One sequence's logits computed in passes ending at `cuts` (then the rest)."""
+    cache, out, start = model.new_cache(len(tokens)), [], 0
+    for end in [*cuts, len(tokens)]:
+        layout = BatchLayout([SequenceChunk(cache, start, end - start)])
+        out.append(model.ops.to_host(model.logits(model.forward(tokens[start:end], layout))))
+        start = end
+    return np.concatenate(out)
+
+
+def test_every_tiny_architecture_is_registered():
+    assert set(TINY_ARCHS) <= set(ARCHITECTURES)
+
+
+def test_loads_and_caching_or_chunking_keeps_the_numbers(arch_path: Path):
+    model = load_model(GGUFFile(arch_path), get_backend("numpy"))
+    assert model.architecture == arch_path.stem
+    assert all(name.startswith(("blk.", "output")) for name in model.linear_sources)
+    tokens = np.random.default_rng(1).integers(0, model.vocab_size, 40)
+    full = _logits(model, tokens, [])
+    assert np.all(np.isfinite(full)) and full.std() > 0.1
+    np.testing.assert_allclose(_logits(model, tokens, [7, 20, 21, 22]), full, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(paged_attention() is None, reason="no C compiler")
+def test_a_rows_logits_are_bitwise_the_same_alone_and_batched_with_lora(arch_path, tmp_path):
+    model, stacks = _with_adapters(arch_path, tmp_path)
+    _check(model, _sequences(9, model.vocab_size, stacks), (2, 9))
+
+
+def test_the_tensor_path_equals_the_host_path(arch_path: Path):
+    """On the CPU both multiply with the same fp16 kernels (`same_kernels`): they differ
+    only in the forward pass's own float32 code (tests/runtime/test_tensor_forward.py)."""
+    prompts = [np.random.default_rng(n).integers(0, 250, n) for n in (5, 31, 12)]
+    want, got = [], []
+    for tensor, out in ((False, want), (True, got)):
+        config = EngineConfig(
+            backend="torch", device="cpu", torch_forward=tensor, kernels=same_kernels()
+        )
+        engine = Engine.load(str(arch_path), config)
+        out.extend(_logits(engine.model, p, [len(p) - 2, len(p) - 1]) for p in prompts)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def _assert_same_logits(got: np.ndarray, want: np.ndarray) -> None:
+    """Within ROUNDING_BELOW_AVX512 and in every greedy token: on this AVX-512 Xeon guest
+    test_tensor_same_answer.py's bitwise llama case was 7e-7 apart at 8b3c95e already
+    (before these architectures), so bitwise is not asked of them here."""
+    np.testing.assert_allclose(got, want, rtol=0, atol=ROUNDING_BELOW_AVX512)
+    np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
+
+
+def test_tensor_path_logits_alone_batched_cached_and_resumed(tmp_path: Path):
+    """As test_tensor_same_answer.py, on a shorter probe, for every tiny architecture."""
+    for arch in ARCHS:
+        path = write_tiny_arch(tmp_path / f"{arch}.gguf", arch, TinyShape(n_layers=4))
+        engine = Engine.load(
+            str(path),
+            EngineConfig(backend="torch", device="cpu", torch_forward=True, max_sequences=16),
+        )
+        rng = np.random.default_rng(3)
+        probe = rng.integers(3, 250, 60).tolist()
+        alone_tokens, alone = _logits_of(engine, [("probe", probe, _greedy(8), 0)])
+        expected = np.stack(alone["probe"])
+        mates = [
+            (f"m{i}", rng.integers(3, 250, 5 + 11 * i).tolist(), _greedy(6), 0) for i in range(6)
+        ]
+        tokens, logits = _logits_of(engine, [("probe", probe, _greedy(8), 0), *mates])
+        assert tokens["probe"] == alone_tokens["probe"], arch
+        _assert_same_logits(np.stack(logits["probe"]), expected)
+        _logits_of(engine, [("probe", probe, _greedy(1), 0)], cache=True)
+        cached_tokens, cached = _logits_of(engine, [("probe", probe, _greedy(8), 0)], cache=True)
+        assert cached_tokens["probe"] == alone_tokens["probe"], arch
+        _assert_same_logits(np.stack(cached["probe"]), expected)
+        sent = alone_tokens["probe"][:3]
+        resumed_tokens, resumed = _logits_of(engine, [("probe", probe + sent, _greedy(5), 3)])
+        assert resumed_tokens["probe"] == alone_tokens["probe"][3:], arch
+        _assert_same_logits(np.stack(resumed["probe"]), expected[3:])
+
+
+def _have_converter() -> bool:
+    return (
+        importlib.util.find_spec("transformers") is not None
+        and (hf_reference.LLAMA_CPP / "convert_hf_to_gguf.py").is_file()
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have_converter(), reason="needs transformers and llama.cpp's source")
+@pytest.mark.parametrize("name", sorted(hf_reference.CONFIGS))
+def test_logits_equal_transformers_on_llama_cpps_conversion(name: str, tmp_path: Path):
+    """The numpy host path (exact float32) on the f32 GGUF llama.cpp's converter wrote:
+    transformers' float32 logits within 1e-4 (measured: up to 1e-5), over a prompt and
+    three decode steps."""
+    hf_dir, gguf_path = hf_reference.build(name, tmp_path)
+    tokens = np.random.default_rng(1).integers(0, hf_reference.VOCAB, 120)
+    want = hf_reference.hf_logits(hf_dir, tokens)
+    model = load_model(GGUFFile(gguf_path), get_backend("numpy"))
+    got = _logits(model, tokens, [len(tokens) - 3, len(tokens) - 2, len(tokens) - 1])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
