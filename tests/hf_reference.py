@@ -42,12 +42,24 @@ LLAMA3_ROPE = dict(
     high_freq_factor=4.0,
     original_max_position_embeddings=64,
 )
+PHI3 = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=None)
 # name -> (transformers config class name, its arguments): each exercises its variant
 CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", dict(BASE, head_dim=24, rope_theta=1e6)),
     "qwen2": ("Qwen2Config", dict(BASE, rope_theta=1e6, tie_word_embeddings=True)),
     "llama3": ("LlamaConfig", dict(BASE, rope_theta=5e5, rope_scaling=LLAMA3_ROPE)),
     "mistral": ("MistralConfig", dict(BASE, head_dim=24, sliding_window=None)),
+    "phi3": ("Phi3Config", dict(BASE, **PHI3)),
+    "phi3-longrope": (
+        "Phi3Config",
+        dict(
+            BASE,
+            **PHI3,
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=64,
+            rope_scaling=LONGROPE,
+        ),
+    ),
 }
 
 CONVERT = """
@@ -64,14 +76,15 @@ def set_vocab(self):
     self._set_vocab_gpt2()
 
 
-def patch(cls):
-    for sub in cls.__subclasses__():
-        if "set_vocab" in sub.__dict__:
-            sub.set_vocab = set_vocab
-        patch(sub)
+prepare_metadata = base.TextModel.prepare_metadata
 
 
-patch(base.ModelBase)
+def byte_level_vocab(self, *args, **kwargs):
+    self.set_vocab = set_vocab.__get__(self)  # over every architecture's own
+    return prepare_metadata(self, *args, **kwargs)
+
+
+base.TextModel.prepare_metadata = byte_level_vocab
 convert_hf_to_gguf.main()
 """
 
@@ -126,7 +139,9 @@ def build(name: str, out_dir: Path) -> tuple[Path, Path]:
     _save_tokenizer(hf_dir)
     script = CONVERT.format(llama=str(LLAMA_CPP))
     args = [str(hf_dir), "--outtype", "f32", "--outfile", str(gguf_path)]
-    subprocess.run([sys.executable, "-c", script, *args], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {name}:\n{done.stderr[-3000:]}")
     return hf_dir, gguf_path
 
 

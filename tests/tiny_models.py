@@ -151,11 +151,22 @@ class TinyArch:
     fused: bool = False  # attn_qkv and a gate+up ffn_up (phi3)
     key_length: int | None = None  # a head size other than dim / heads
     values: tuple[tuple[str, object], ...] = ()  # more `<arch>.` keys: (key, value)
+    longrope: int = 0  # LongRoPE factors (phi3) for this many rotated dims
 
 
 TINY_ARCHS = {
     "qwen3": TinyArch(qk_norm="head", key_length=24),
     "qwen2": TinyArch(bias=True),
+    # Phi-4-mini's shape: 3/4 of each head rotated, LongRoPE (long factors: context 256 > 64)
+    "phi3": TinyArch(
+        fused=True,
+        values=(
+            ("rope.dimension_count", 12),
+            ("rope.scaling.original_context_length", 64),
+            ("rope.scaling.attn_factor", 1.2),
+        ),
+        longrope=12,
+    ),
 }
 
 
@@ -199,6 +210,9 @@ def write_tiny_arch(path: Path, arch: str, shape: TinyShape | None = None, seed:
     _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
     w.add_tensor("output_norm.weight", _norm(rng, s.dim))
     _add_quantized(w, "output.weight", _weights(rng, vocab, s.dim), Q8_0)
+    if spec.longrope:
+        for name in ("rope_factors_long", "rope_factors_short"):
+            w.add_tensor(name + ".weight", 1 + rng.random(spec.longrope // 2).astype(np.float32))
     for i in range(s.n_layers):
         _add_tiny_layer(w, f"blk.{i}.", spec, s, head_dim, rng)
     _finish(w)

@@ -9,6 +9,7 @@ from runtime.lora import LinearSources
 from runtime.models.gemma3 import Gemma3Model
 from runtime.models.layers import Decoder
 from runtime.models.llama import LlamaModel
+from runtime.models.phi3 import Phi3Model
 from runtime.models.qwen2 import Qwen2Model
 from runtime.models.qwen3 import Qwen3Model
 
@@ -18,6 +19,7 @@ ARCHITECTURES: dict[str, type[Decoder]] = {
     "gemma3": Gemma3Model,
     "qwen3": Qwen3Model,
     "qwen2": Qwen2Model,
+    "phi3": Phi3Model,
 }
 
 

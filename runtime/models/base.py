@@ -73,10 +73,16 @@ def rope_inv_freq(n_rot: int, base: float, freq_factors: np.ndarray | None = Non
     return inv_freq
 
 
-def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0):
-    """cos/sin `[T, 1, n_rot/2]` for the given positions (linear scaling divides them)."""
+def rope_tables(
+    positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0, mscale: float = 1.0
+):
+    """cos/sin `[T, 1, n_rot/2]` for the given positions (linear scaling divides them);
+    `mscale` multiplies both (LongRoPE's attention factor: the rotated dims only)."""
     angles = np.outer(positions.astype(np.float64) / scale, inv_freq)  # [T, n_rot/2]
-    return np.cos(angles).astype(np.float32)[:, None], np.sin(angles).astype(np.float32)[:, None]
+    cos, sin = np.cos(angles), np.sin(angles)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    return cos.astype(np.float32)[:, None], sin.astype(np.float32)[:, None]
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

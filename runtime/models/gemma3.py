@@ -57,7 +57,7 @@ class Gemma3Model(Decoder):
     def read_args(f: GGUFFile) -> Gemma3Args:
         return Gemma3Args.from_gguf(f)
 
-    def rope_freqs(self, f: GGUFFile) -> dict[Hashable, tuple[np.ndarray, float]]:
+    def rope_freqs(self, f: GGUFFile) -> dict[Hashable, tuple]:
         a = self.args
         return {
             GLOBAL: (rope_inv_freq(a.head_dim, a.rope_base), a.rope_scale),

@@ -257,9 +257,10 @@ class Decoder(DecoderModel):
         self.ropes = self.rope_freqs(f)
         self.layers = [Block(f, i, a, backend, ops, self.shape) for i in range(a.n_layers)]
 
-    def rope_freqs(self, f: GGUFFile) -> dict[Hashable, tuple[np.ndarray, float]]:
-        """Each rope key's (inverse frequencies, linear scale); llama 3's `rope_freqs`
-        tensor divides the frequencies."""
+    def rope_freqs(self, f: GGUFFile) -> dict[Hashable, tuple]:
+        """Each rope key's arguments to `rope_tables` after the positions: (inverse
+        frequencies, linear scale[, cos/sin multiplier]); llama 3's `rope_freqs` tensor
+        divides the frequencies."""
         a = self.args
         factors = f.tensor("rope_freqs.weight") if f.has_tensor("rope_freqs.weight") else None
         return {GLOBAL: (rope_inv_freq(a.n_rot, a.rope_base, factors), a.rope_scale)}
@@ -270,10 +271,7 @@ class Decoder(DecoderModel):
         if self.args.embed_scale != 1.0:
             x = x * np.float32(self.args.embed_scale)
         positions = layout.positions()
-        ropes = {
-            key: self.ops.rope_tables(positions, inv_freq, scale)
-            for key, (inv_freq, scale) in self.ropes.items()
-        }
+        ropes = {key: self.ops.rope_tables(positions, *rope) for key, rope in self.ropes.items()}
         return self.run_layers(x, layout, ropes)
 
     def logits(self, hidden):

@@ -45,7 +45,7 @@ class TensorOps:
         # runtime/lora_slots.py: where the engine keeps LoRA slots (for its static steps),
         # an eager step's LoRA rows go through them too, as a static step's do
         self.lora_slots: LoraSlots | None = None
-        self._rope: dict[tuple[bytes, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[tuple[bytes, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def vector(self, values: np.ndarray) -> torch.Tensor:
         """A float32 vector (a norm's weight) on the device."""
@@ -62,23 +62,23 @@ class TensorOps:
         """With its weight; `x` may be a product's bf16 output (widened first)."""
         return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
-    def rope_tables(self, positions, inv_freq: np.ndarray, scale: float = 1.0):
+    def rope_tables(self, positions, inv_freq: np.ndarray, scale: float = 1.0, mscale=1.0):
         """cos and signed sin `[T, 1, n_rot]` of `positions` (host array, or device tensor
         in a static step), each half repeated (`apply_rope` rotates in one product): rows of
         one table per rope, computed as the host computes them and uploaded once, so every
         step, eager or captured, reads the same values."""
         needed = 0 if isinstance(positions, torch.Tensor) else int(np.max(positions)) + 1
-        cos, sin = self._rope_table(inv_freq, scale, needed)
+        cos, sin = self._rope_table(inv_freq, scale, needed, mscale)
         index = as_index(positions, self.device)
         return cos[index], sin[index]
 
-    def _rope_table(self, inv_freq: np.ndarray, scale: float, needed: int):
-        key = (np.asarray(inv_freq, np.float64).tobytes(), float(scale))
+    def _rope_table(self, inv_freq: np.ndarray, scale: float, needed: int, mscale: float = 1.0):
+        key = (np.asarray(inv_freq, np.float64).tobytes(), float(scale), float(mscale))
         table = self._rope.get(key)
         size = 0 if table is None else len(table[0])
         if size < max(needed, self.rope_positions):
             size = max(needed, self.rope_positions, 2 * size, MIN_ROPE_POSITIONS)
-            cos, sin = base.rope_tables(np.arange(size), inv_freq, scale)  # [P, 1, n_rot/2]
+            cos, sin = base.rope_tables(np.arange(size), inv_freq, scale, mscale)  # [P, 1, n_rot/2]
             cos, sin = np.concatenate([cos, cos], -1), np.concatenate([-sin, sin], -1)
             table = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
             self._rope[key] = table
