@@ -32,7 +32,22 @@ $(VENV)/.chromium: | $(VENV)/.installed
 serve: install
 	$(VENV)/bin/llmq serve
 
-test: install $(VENV)/.chromium
+# llama.cpp's tokenizer test vectors (models/ggml-vocab-*.gguf with .inp/.out) and chat
+# templates, unpacked from the llama-cpp-python sdist the bench extra pins: the references
+# of tests/runtime/test_vocab_vectors.py.
+LLAMA_SRC := build/llama-cpp-python-src
+LLAMA_SDIST := $(LLAMA_SRC)/llama_cpp_python-0.3.36.tar.gz
+LLAMA_MODELS := $(LLAMA_SRC)/llama_cpp_python-0.3.36/vendor/llama.cpp/models
+$(LLAMA_SDIST): | $(VENV)/.installed
+	mkdir -p $(LLAMA_SRC)
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_SRC) llama-cpp-python==0.3.36
+
+$(LLAMA_MODELS)/.unpacked: $(LLAMA_SDIST)
+	tar xzf $(LLAMA_SDIST) -C $(LLAMA_SRC) --wildcards \
+		'*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/models/templates/*'
+	touch $@
+
+test: install $(VENV)/.chromium $(LLAMA_MODELS)/.unpacked
 	$(PY) -m pytest
 
 # docs/faults.md's fault injection alone (each test starts its own redis-server and real
@@ -58,12 +73,9 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 # llama.cpp's own server and batched bench, from the vendored source of the same
 # llama-cpp-python release the bench extra pins (same CPU flags), for bench/system.py's
 # side-by-side against `llama-server -np 32`; ~8 minutes on 2 cores.
-LLAMA_SRC := build/llama-cpp-python-src
 LLAMA_BIN := build/llama.cpp/bin
-$(LLAMA_BIN)/llama-server: | $(VENV)/.installed
-	mkdir -p $(LLAMA_SRC)
-	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_SRC) llama-cpp-python==0.3.36
-	tar xzf $(LLAMA_SRC)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_SRC)
+$(LLAMA_BIN)/llama-server: $(LLAMA_SDIST)
+	tar xzf $(LLAMA_SDIST) -C $(LLAMA_SRC)
 	cmake -S $(LLAMA_SRC)/llama_cpp_python-0.3.36/vendor/llama.cpp -B build/llama.cpp \
 		-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF $(LLAMA_CMAKE_ARGS)
 	cmake --build build/llama.cpp -j 2 --target llama-server llama-batched-bench

@@ -15,16 +15,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from runtime.errors import InvalidTokenIdError, TokenizerError, UnsupportedTokenizerError
+from runtime.pre_tokenizers import ADD_BOS_BY_DEFAULT
 from runtime.tokenizer_backends import (
     BYTE,
     CONTROL,
-    LLAMA3_PRE_NAMES,
     UNKNOWN,
     UNUSED,
     USER_DEFINED,
     Backend,
     BpeBackend,
     SpmBackend,
+    SpmStyleBpeBackend,
     unicode_to_byte,
 )
 
@@ -79,7 +80,7 @@ class Tokenizer:
         stop_ids: Iterable[int],
         chat_template: str | None = None,
     ) -> None:
-        self.kind = kind  # "gpt2" or "llama", as in tokenizer.ggml.model
+        self.kind = kind  # "gpt2", "llama" or "gemma4", as in tokenizer.ggml.model
         self._tokens = list(tokens)
         self._types = list(types)
         self._backend = backend
@@ -95,14 +96,14 @@ class Tokenizer:
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (`{key: field.contents()}`); nothing else is read."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind not in ("gpt2", "llama"):
+        build = _BACKENDS.get(kind)
+        if build is None:
             raise UnsupportedTokenizerError(
-                f"tokenizer.ggml.model is {kind!r}; expected 'gpt2' (byte-level BPE) "
-                "or 'llama' (SentencePiece)"
+                f"tokenizer.ggml.model is {kind!r}; expected 'gpt2' (byte-level BPE), "
+                "'llama' (SentencePiece) or 'gemma4' (BPE over U+2581-escaped text)"
             )
         tokens = _token_texts(meta)
         types = _token_types(meta, tokens)
-        build = _bpe_backend if kind == "gpt2" else _spm_backend
         backend, add_space_prefix, default_add_bos = build(meta, tokens, types)
         return cls(
             kind=kind,
@@ -111,7 +112,9 @@ class Tokenizer:
             backend=backend,
             bos_id=_token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
             eos_id=_token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens)),
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+            # llama.cpp adds BOS for Gemma 4 even where its GGUF says not to
+            add_bos=kind == "gemma4"
+            or bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             add_space_prefix=add_space_prefix,
             stop_ids=_stop_ids(meta, tokens),
@@ -156,7 +159,7 @@ class Tokenizer:
             return text.encode("utf-8")  # stored pre-normalized, as raw text
         if kind == BYTE and (match := _BYTE_TOKEN.fullmatch(text)):
             return bytes([int(match.group(1), 16)])
-        if self.kind == "llama":
+        if self.kind != "gpt2":  # SentencePiece and Gemma 4 write a space as U+2581
             return text.replace("\u2581", " ").encode("utf-8")
         table = unicode_to_byte()
         return b"".join(bytes([table[ch]]) if ch in table else ch.encode("utf-8") for ch in text)
@@ -290,8 +293,8 @@ def _bpe_backend(
     if merges is None:
         raise TokenizerError("a gpt2 tokenizer needs tokenizer.ggml.merges; it is missing")
     backend = BpeBackend(tokens, merges, meta.get("tokenizer.ggml.pre"))
-    # llama.cpp never adds a space prefix for BPE; llama3-style vocabs add BOS by default
-    return backend, False, backend.pre_name in LLAMA3_PRE_NAMES
+    # llama.cpp never adds a space prefix for BPE; llama3-style and tekken vocabs add BOS
+    return backend, False, backend.pre_name in ADD_BOS_BY_DEFAULT
 
 
 def _spm_backend(
@@ -307,6 +310,20 @@ def _spm_backend(
         add_space_prefix=add_space_prefix,
     )
     return backend, add_space_prefix, True
+
+
+def _gemma4_backend(
+    meta: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]
+) -> tuple[Backend, bool, bool]:
+    """(backend, add_space_prefix, default add_bos) for Gemma 4's vocab: llama.cpp adds BOS
+    even where the GGUF says not to, and so do we."""
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise TokenizerError("a gemma4 tokenizer needs tokenizer.ggml.merges; it is missing")
+    return SpmStyleBpeBackend(tokens, merges), False, True
+
+
+_BACKENDS = {"gpt2": _bpe_backend, "llama": _spm_backend, "gemma4": _gemma4_backend}
 
 
 def _valid_unicode(text: str) -> str:

@@ -2,7 +2,8 @@
 
 Each backend turns *raw text with no special tokens in it* into ids; splitting special tokens
 out, BOS/EOS and decoding live in `runtime.tokenizer`. The GPT-2 byte-level BPE backend
-uses Hugging Face `tokenizers` with llama.cpp's pre-tokenizer regexes (llama-vocab.cpp); the
+uses Hugging Face `tokenizers` with llama.cpp's pre-tokenizer regexes
+(runtime/pre_tokenizers.py); the
 SentencePiece backend builds an SPM `ModelProto` in memory, because that is what merges by
 score exactly as llama.cpp's SPM tokenizer does.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -24,53 +26,12 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.cache_dir import cache_dir, source_digest, write_atomically
 from runtime.errors import TokenizerError
+from runtime.pre_tokenizers import IGNORE_MERGES, pre_tokenizer
 
 log = logging.getLogger(__name__)
 
 # GGUF token types (gguf.TokenType); llama.cpp maps them to token attributes one to one.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-
-# Pre-tokenizer name (`tokenizer.ggml.pre`) -> regexes applied in turn, as llama.cpp does:
-# each regex splits the pieces the previous one produced, keeping unmatched gaps as pieces.
-_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
-_DIGITS_THEN_GPT2 = (r"\p{N}", _GPT2)
-PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    "default": _DEFAULT,
-    "gpt2": (_GPT2,),
-    "gpt-2": (_GPT2,),
-    "phi-2": (_GPT2,),
-    "mpt": (_GPT2,),
-    "olmo": (_GPT2,),
-    "jais": (_GPT2,),
-    "roberta-bpe": (_GPT2,),
-    "smollm": _DIGITS_THEN_GPT2,
-    "starcoder": _DIGITS_THEN_GPT2,
-    "refact": _DIGITS_THEN_GPT2,
-    "command-r": _DIGITS_THEN_GPT2,
-    "codeshell": _DIGITS_THEN_GPT2,
-    "exaone": _DIGITS_THEN_GPT2,
-    "minerva-7b": _DIGITS_THEN_GPT2,
-    "llama3": (_LLAMA3,),
-    "llama-v3": (_LLAMA3,),
-    "llama-bpe": (_LLAMA3,),
-    "falcon3": (_LLAMA3,),
-    "dbrx": (_LLAMA3,),
-    "smaug-bpe": (_LLAMA3,),
-    "qwen2": (_QWEN2,),
-    "stablelm2": (_QWEN2,),
-    "megrez": (_QWEN2,),
-    "deepseek-r1-qwen": (_QWEN2,),
-}
-# llama.cpp's LLAMA3 pre-type: a whole pre-token found in the vocab skips merging, and
-# BOS is added by default.
-LLAMA3_PRE_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
 
 
 class Backend(Protocol):
@@ -101,10 +62,10 @@ class BpeBackend:
     """GPT-2 style byte-level BPE: llama.cpp's regex pre-split, then merges by rank."""
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], pre: str | None) -> None:
-        regexes, name = _pre_regexes(pre)
+        regexes, name = pre_tokenizer(pre)
         vocab = {text: i for i, text in enumerate(tokens)}
         pairs = _merge_pairs(merges, vocab)
-        model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=name in LLAMA3_PRE_NAMES)
+        model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=name in IGNORE_MERGES)
         hf = HFTokenizer(model)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
         # use_regex=False: the splits above already did GPT-2's regex job; this only maps bytes.
@@ -118,15 +79,27 @@ class BpeBackend:
         return self._hf.encode(text, add_special_tokens=False).ids
 
 
-def _pre_regexes(pre: str | None) -> tuple[tuple[str, ...], str]:
-    if not pre:
-        # llama.cpp's own choice for a missing name; it warns the same way.
-        log.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
-        return PRE_TOKENIZERS["default"], "default"
-    if pre not in PRE_TOKENIZERS:
-        log.warning("unknown pre-tokenizer %r; falling back to gpt2 (tokens may differ)", pre)
-        return PRE_TOKENIZERS["gpt2"], "gpt2"
-    return PRE_TOKENIZERS[pre], pre
+class SpmStyleBpeBackend:
+    """BPE over raw UTF-8 with spaces written as U+2581, as Gemma 4's vocabulary is (llama.cpp's
+    GEMMA4 pre-type): the text is split only at newlines, merged by rank, and a character no
+    token holds falls back to its `<0xXX>` byte tokens. A run of newlines that is a token is
+    taken whole, as llama.cpp does, whatever the merges would make of it."""
+
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str]) -> None:
+        self._vocab = vocab = {text: i for i, text in enumerate(tokens)}
+        model = models.BPE(vocab=vocab, merges=_merge_pairs(merges, vocab), byte_fallback=True)
+        self._hf = HFTokenizer(model)
+        self._words = re.compile(r"[^\n]+|\n+")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for word in self._words.findall(text.replace(" ", "\u2581")):
+            whole = self._vocab.get(word) if word[0] == "\n" else None
+            if whole is not None:
+                ids.append(whole)
+            else:
+                ids.extend(self._hf.encode(word, add_special_tokens=False).ids)
+        return ids
 
 
 def _merge_pairs(merges: Sequence[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
