@@ -60,6 +60,19 @@ CONFIGS: dict[str, tuple[str, dict]] = {
             rope_scaling=LONGROPE,
         ),
     ),
+    "smollm3": ("SmolLM3Config", dict(BASE, num_hidden_layers=4, pad_token_id=0)),
+    "olmo2": ("Olmo2Config", dict(BASE, pad_token_id=0)),
+    "olmo3": ("Olmo3Config", dict(BASE, num_hidden_layers=4, pad_token_id=0, sliding_window=8)),
+    "granite": (
+        "GraniteConfig",
+        dict(
+            BASE,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.03,
+            logits_scaling=8.0,
+        ),
+    ),
 }
 
 CONVERT = """

@@ -167,6 +167,17 @@ TINY_ARCHS = {
         ),
         longrope=12,
     ),
+    "smollm3": TinyArch(),  # every fourth layer without rope
+    # OLMo 3's shape: a window of 8 on three layers of four (llama.cpp's default pattern)
+    "olmo2": TinyArch(norms="post", qk_norm="full", values=(("attention.sliding_window", 8),)),
+    "granite": TinyArch(
+        values=(
+            ("embedding_scale", 12.0),
+            ("residual_scale", 0.22),
+            ("attention.scale", 0.03),
+            ("logit_scale", 8.0),
+        )
+    ),
 }
 
 

@@ -7,11 +7,14 @@ from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, get_backend
 from runtime.lora import LinearSources
 from runtime.models.gemma3 import Gemma3Model
+from runtime.models.granite import GraniteModel
 from runtime.models.layers import Decoder
 from runtime.models.llama import LlamaModel
+from runtime.models.olmo2 import Olmo2Model
 from runtime.models.phi3 import Phi3Model
 from runtime.models.qwen2 import Qwen2Model
 from runtime.models.qwen3 import Qwen3Model
+from runtime.models.smollm3 import SmolLM3Model
 
 # GGUF general.architecture -> its model class: the one registry (`llmq models --supported`)
 ARCHITECTURES: dict[str, type[Decoder]] = {
@@ -20,6 +23,9 @@ ARCHITECTURES: dict[str, type[Decoder]] = {
     "qwen3": Qwen3Model,
     "qwen2": Qwen2Model,
     "phi3": Phi3Model,
+    "smollm3": SmolLM3Model,
+    "olmo2": Olmo2Model,
+    "granite": GraniteModel,
 }
 
 

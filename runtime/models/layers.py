@@ -53,6 +53,9 @@ class DecoderArgs:
     residual_scale: float = 1.0
     logit_scale: float = 1.0  # logits are multiplied by this
     final_softcap: float | None = None  # gemma2: cap * tanh(logits / cap)
+    # a sliding window (0: none) over the layers marked in `sliding` (sliding_layers)
+    sliding_window: int = 0
+    sliding: tuple[bool, ...] = ()
 
     @classmethod
     def read(cls, f: GGUFFile, norm_eps: float = 1e-5, rope_base: float = 10000.0, **extra):
@@ -76,11 +79,24 @@ class DecoderArgs:
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding attention window (None: the whole context)."""
+        if self.sliding_window > 0 and self.sliding[layer]:
+            return self.sliding_window
         return None
 
     def rope(self, layer: int) -> Hashable | None:
         """Which of the model's rope tables layer `layer` rotates with (None: no rope)."""
         return GLOBAL
+
+
+def sliding_layers(f: GGUFFile, n_layers: int, pattern: int) -> tuple[bool, ...]:
+    """Which layers slide, as llama.cpp's `load_swa_pattern` reads them: the file's
+    `attention.sliding_window_pattern` as one flag per layer, or as a period n (layer i
+    slides when i % n < n - 1; n = 0: all do), else the architecture's own period."""
+    value = f.arch_value("attention.sliding_window_pattern", pattern)
+    if isinstance(value, list | tuple):
+        return tuple(bool(v) for v in value)
+    n = int(value)
+    return tuple(n == 0 or i % n < n - 1 for i in range(n_layers))
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,15 @@ def test_every_tiny_architecture_is_registered():
     assert set(TINY_ARCHS) <= set(ARCHITECTURES)
 
 
+def test_each_layer_gets_its_window_and_rope(tmp_path: Path):
+    """As llama.cpp places them: OLMo 3's window on three layers of four, SmolLM3 without
+    rope in every fourth layer."""
+    olmo = load_model(GGUFFile(write_tiny_arch(tmp_path / "o.gguf", "olmo2")), get_backend())
+    assert olmo.kv_windows == [8, 8, 8, None]
+    smol = load_model(GGUFFile(write_tiny_arch(tmp_path / "s.gguf", "smollm3")), get_backend())
+    assert [layer.rope_key for layer in smol.layers] == ["global"] * 3 + [None]
+
+
 def test_loads_and_caching_or_chunking_keeps_the_numbers(arch_path: Path):
     model = load_model(GGUFFile(arch_path), get_backend("numpy"))
     assert model.architecture == arch_path.stem
