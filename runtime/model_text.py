@@ -57,9 +57,16 @@ class ModelText:
         `tools` (OpenAI function tools) are shown to the model by the template when it knows
         how, else by the fallback of `runtime.tool_calls`, which also writes past tool calls
         and results for such templates."""
+        return self.tokenizer.encode(
+            self.chat_prompt(messages, tools), add_special=False, parse_special=True
+        )
+
+    def chat_prompt(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The text `encode_chat` tokenizes: what the template makes of the conversation."""
         messages, extra = chat_for_template(messages, tools, self.chat_template.knows_tools)
-        text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
-        return self.tokenizer.encode(text, add_special=False, parse_special=True)
+        return self.chat_template.render(messages, add_generation_prompt=True, **extra)
 
     def prompt_ids(self, prompt: str | list[int], name: str = "prompt") -> list[int]:
         """One prompt (text, or token ids checked against the vocabulary) as token ids."""

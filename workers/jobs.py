@@ -21,6 +21,7 @@ from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
 from runtime.finish import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from runtime.generator import TokenEvent
+from runtime.reasoning import ReasoningParser
 from runtime.sampling import SamplingParams
 from runtime.tool_calls import ToolCallParser
 from workers import keys
@@ -59,12 +60,19 @@ FINISH_TOOL_CALLS = "tool_calls"
 
 @dataclass
 class ChoiceState:
-    """`tools` parses the choice's text for tool calls when its request may make them."""
+    """`reasoning` takes a thinking model's thinking out of the choice's text, and `tools`
+    parses what is left for tool calls when its request may make them."""
 
     plan: ChoicePlan
     output: ChoiceOutput
     request_id: str
     tools: ToolCallParser | None = None
+    reasoning: ReasoningParser | None = None
+
+    @property
+    def parses(self) -> bool:
+        """Whether its tokens reach the client as parsed deltas rather than plain text."""
+        return self.tools is not None or self.reasoning is not None
 
     @property
     def finished(self) -> bool:
@@ -152,8 +160,8 @@ class ActiveJob:
             self.failure = ConstrainedDecodingError(event.error or "the engine failed")
         out = choice.output
         delta = None
-        if choice.tools is not None:
-            delta, finish = self._tool_delta(choice, text, finish)
+        if choice.parses:
+            delta, finish = self._parsed_delta(choice, text, finish)
         entry = None
         if self.plan is not None and self.plan.logprobs is not None and self.renderer:
             entry = self.renderer.entry(
@@ -185,21 +193,31 @@ class ActiveJob:
         self._maybe_done()
         return finish is not None
 
-    def _tool_delta(
+    def _parsed_delta(
         self, choice: ChoiceState, text: str, finish: str | None
     ) -> tuple[dict[str, Any], str | None]:
-        """What the token shows a streaming client (content and tool-call deltas), and the
-        choice's finish reason: "tool_calls" when a choice that made calls stops, or when
-        it repeats one of its calls (the choice ends there: `ToolCallParser.repeated`)."""
-        assert choice.tools is not None
-        content, calls = choice.tools.feed(text)
-        if finish is None and choice.tools.repeated:
-            finish = FINISH_TOOL_CALLS
+        """What the token shows a streaming client (reasoning, content and tool-call deltas),
+        and the choice's finish reason: "tool_calls" when a choice that made calls stops, or
+        when it repeats one of its calls (the choice ends there: `ToolCallParser.repeated`)."""
+        reasoning, content = "", text
+        if choice.reasoning is not None:
+            reasoning, content = choice.reasoning.feed(text)
+            if finish is not None:
+                more_reasoning, more_content = choice.reasoning.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: list[dict[str, Any]] = []
+        if choice.tools is not None:
+            content, calls = choice.tools.feed(content)
+            if finish is None and choice.tools.repeated:
+                finish = FINISH_TOOL_CALLS
+            if finish is not None:
+                rest, more = choice.tools.finish()
+                content, calls = content + rest, calls + more
         if finish is not None:
-            rest, more = choice.tools.finish()
-            content, calls = content + rest, calls + more
-            finish = _settle_tools(choice.output, choice.tools, finish)
+            finish = _settle(choice.output, choice.reasoning, choice.tools, finish)
         delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
         if calls:
@@ -234,9 +252,11 @@ class ActiveJob:
         out = ChoiceOutput(index=plan.index, echo_text=plan.echo_text)
         if plan.echo_logprobs is not None and self.renderer is not None:
             out.echo_logprobs = self.renderer.echo_entries(plan.echo_logprobs)
-        tools = None
+        tools = reasoning = None
         if self.plan is not None and self.plan.spec.calls_possible:
             tools = ToolCallParser(lambda call: self._call_id(plan.index, call))
+        if self.plan is not None and self.plan.thinking is not None:
+            reasoning = ReasoningParser(inside=self.plan.thinking)
         streamed = self.progress.choices.get(plan.index)
         if streamed is not None:
             out.text = list(streamed.texts)
@@ -245,13 +265,17 @@ class ActiveJob:
             out.finish_reason = streamed.finish_reason
             if out.finish_reason is None and out.tokens >= plan.params.max_tokens:
                 out.finish_reason = FINISH_LENGTH  # all sent, the last event just said so late
-            if tools is not None:  # the parser where the earlier attempt left it
-                for text in out.text:
-                    tools.feed(text)
-                if out.finish_reason is not None:
+            for text in out.text:  # the parsers where the earlier attempt left them
+                content = reasoning.feed(text)[1] if reasoning is not None else text
+                if tools is not None:
+                    tools.feed(content)
+            if out.finish_reason is not None and (tools or reasoning):
+                content = reasoning.finish()[1] if reasoning is not None else ""
+                if tools is not None:
+                    tools.feed(content)
                     tools.finish()
-                    _settle_tools(out, tools, out.finish_reason)
-        return ChoiceState(plan, out, f"{self.id}:{plan.index}", tools)
+                _settle(out, reasoning, tools, out.finish_reason)
+        return ChoiceState(plan, out, f"{self.id}:{plan.index}", tools, reasoning)
 
     def _sent_ids(self, plan: ChoicePlan) -> list[int]:
         streamed = self.progress.choices.get(plan.index)
@@ -272,13 +296,23 @@ class ActiveJob:
         self.result = embeddings_body(self.model, vectors, sum(len(i) for i in inputs), fmt)
 
 
-def _settle_tools(out: ChoiceOutput, tools: ToolCallParser, finish: str) -> str:
-    """Put a finished choice's content and calls in its output; its finish reason:
-    "tool_calls" for a choice with calls that stopped, and for one cut by `max_tokens`
-    whose calls are all complete (a later call cut short was dropped: what the client gets
-    is complete calls to run); "length" when its only call was cut short."""
-    calls = tools.tool_calls()
+def _settle(
+    out: ChoiceOutput,
+    reasoning: ReasoningParser | None,
+    tools: ToolCallParser | None,
+    finish: str,
+) -> str:
+    """Put a finished choice's thinking, content and calls in its output; its finish
+    reason: "tool_calls" for a choice with calls that stopped, and for one cut by
+    `max_tokens` whose calls are all complete (a later call cut short was dropped: what the
+    client gets is complete calls to run); "length" when its only call was cut short."""
     out.parsed = True
+    out.reasoning_content = reasoning.reasoning if reasoning is not None else None
+    if tools is None:
+        assert reasoning is not None
+        out.content = reasoning.content
+        return finish
+    calls = tools.tool_calls()
     out.tool_calls = calls or None
     out.content = tools.content if tools.content or not calls else None
     if calls and finish in (FINISH_STOP, FINISH_TOOL_CALLS):

@@ -15,6 +15,7 @@ from typing import Any
 
 from runtime.engine import Engine
 from runtime.errors import AdapterNotFoundError, LLMQRuntimeError
+from runtime.reasoning import opens_inside, thinks
 from runtime.request import GenerationSpec, prompt_list
 from runtime.sampling import SamplingParams
 from workers.errors import InvalidJobRequest, JobFailure, UnknownAdapterError
@@ -39,6 +40,9 @@ class JobPlan:
     spec: GenerationSpec
     choices: list[ChoicePlan] = field(default_factory=list)
     prompt_tokens: int = 0
+    # a chat answer of a thinking model (runtime/reasoning.py): None where the model does not
+    # think, else whether the prompt leaves the answer inside its `<think>` block
+    thinking: bool | None = None
 
     @property
     def logprobs(self) -> int | None:
@@ -114,11 +118,14 @@ def _plan_completions(engine: Engine, spec: GenerationSpec) -> JobPlan:
 
 def _plan_chat(engine: Engine, spec: GenerationSpec) -> JobPlan:
     assert spec.messages is not None
-    ids = engine.encode_chat(spec.messages, spec.prompt_tools)
+    prompt = engine.text.chat_prompt(spec.messages, spec.prompt_tools)
+    ids = engine.text.encode(prompt, add_special=False)
     max_tokens = spec.max_tokens
     if max_tokens is None:  # OpenAI: as many as fit; an over-long prompt still gets a 400
         max_tokens = max(1, engine.context_length - len(ids))
     plan = JobPlan(CHAT_COMPLETIONS, spec, prompt_tokens=len(ids))
+    if thinks(engine.chat_template.source):
+        plan.thinking = opens_inside(prompt)
     for params in spec.choice_params(max_tokens):
         plan.choices.append(ChoicePlan(len(plan.choices), ids, params))
     return plan

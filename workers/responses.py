@@ -48,6 +48,8 @@ class ChoiceOutput:
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     parsed: bool = False
+    # a thinking model's thinking, apart from the content (runtime/reasoning.py)
+    reasoning_content: str | None = None
 
     @property
     def text_length(self) -> int:
@@ -177,11 +179,12 @@ def _chat_choice(c: ChoiceOutput, logprobs: bool) -> ChatChoice:
 def _message(choice: ChoiceOutput) -> AssistantMessage:
     if not choice.parsed:
         return AssistantMessage(role="assistant", content="".join(choice.text))
+    message = AssistantMessage(role="assistant", content=choice.content)
+    if choice.reasoning_content is not None:
+        message.reasoning_content = choice.reasoning_content
     if choice.tool_calls:
-        return AssistantMessage(
-            role="assistant", content=choice.content, tool_calls=choice.tool_calls
-        )
-    return AssistantMessage(role="assistant", content=choice.content)
+        message.tool_calls = choice.tool_calls
+    return message
 
 
 def embeddings_body(

@@ -129,7 +129,7 @@ def test_none_never_calls_and_auto_calls_only_validly(smollm2_oai) -> None:
 # The case users hit: "required" with two tools at temperature 0. SmolLM2 writes a complete
 # call, then, allowed more (`parallel_tool_calls`, OpenAI's default), more calls until
 # max_tokens. The answer keeps the complete calls and ends "tool_calls" (runtime/tool_calls.py
-# `ToolCallParser`, workers/jobs.py `_settle_tools`).
+# `ToolCallParser`, workers/jobs.py `_settle`).
 REQUIRED = dict(ARGS, tool_choice="required", temperature=0, max_tokens=80)
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME["function"]["parameters"]}
 

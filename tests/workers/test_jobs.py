@@ -154,3 +154,45 @@ def test_a_job_resumed_inside_a_tool_call_names_and_finishes_it_as_before(tiny_m
     assert resumed == reference
     later = [json.loads(data)["delta"] for _, data in second.pending]
     assert later == [e["delta"] for e in events[cut:]]  # no call started twice
+
+
+THINKING_TEMPLATE = (  # Qwen3's shape: past turns' thinking is written back inside <think>
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_thinking_models_thinking_is_returned_apart_and_resumes_alike(tiny_model):
+    """The answer is held to `<think>...</think>...` by a regex, so the tiny model thinks;
+    the body and the stream deltas carry the thinking as `reasoning_content`, never in the
+    content, and a job resumed at any token gives the same deltas and body."""
+    engine = Engine.load(str(tiny_model))
+    engine.chat_template = ChatTemplate(THINKING_TEMPLATE)
+    body = {
+        "messages": [{"role": "user", "content": "think"}],
+        "regex": "<think>\n[a-z]{4,12}\n</think>\n\n[a-z]{2,8}",
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    first = new_job(CHAT_COMPLETIONS, body)
+    reference = run(engine, first)
+    message = reference["choices"][0]["message"]
+    events = [json.loads(data) for _, data in first.pending]
+    text = "".join(e["text"] for e in events)
+    thinking, answer = text.removeprefix("<think>\n").split("\n</think>\n\n")
+    assert message["reasoning_content"] == thinking + "\n" and message["content"] == answer
+    deltas = [e["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == thinking + "\n"
+    assert "".join(d.get("content", "") for d in deltas) == answer
+    for cut in range(1, len(events)):
+        progress = StreamProgress(length=cut)
+        progress.choices[0] = StreamedChoice(
+            [e["token_id"] for e in events[:cut]], [e["text"] for e in events[:cut]]
+        )
+        resumed_job = new_job(CHAT_COMPLETIONS, body, progress)
+        resumed = run(engine, resumed_job)
+        for done in (resumed, reference):
+            done["usage"].pop("prompt_tokens_details", None)
+        assert resumed == reference
+        assert [json.loads(d)["delta"] for _, d in resumed_job.pending] == deltas[cut:]

@@ -62,6 +62,7 @@ class Completion(Body):
 class AssistantMessage(Body):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None  # vLLM's and llama.cpp's name for the thinking
     tool_calls: list[dict[str, Any]] | None = None
 
 
