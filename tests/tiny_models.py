@@ -168,6 +168,7 @@ TINY_ARCHS = {
         longrope=12,
     ),
     "smollm3": TinyArch(),  # every fourth layer without rope
+    "mistral3": TinyArch(key_length=24),  # Mistral Small's head size is not dim / heads
     # OLMo 3's shape: a window of 8 on three layers of four (llama.cpp's default pattern)
     "olmo2": TinyArch(norms="post", qk_norm="full", values=(("attention.sliding_window", 8),)),
     "granite": TinyArch(

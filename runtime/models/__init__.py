@@ -10,6 +10,7 @@ from runtime.models.gemma3 import Gemma3Model
 from runtime.models.granite import GraniteModel
 from runtime.models.layers import Decoder
 from runtime.models.llama import LlamaModel
+from runtime.models.mistral3 import Mistral3Model
 from runtime.models.olmo2 import Olmo2Model
 from runtime.models.phi3 import Phi3Model
 from runtime.models.qwen2 import Qwen2Model
@@ -26,6 +27,7 @@ ARCHITECTURES: dict[str, type[Decoder]] = {
     "smollm3": SmolLM3Model,
     "olmo2": Olmo2Model,
     "granite": GraniteModel,
+    "mistral3": Mistral3Model,
 }
 
 

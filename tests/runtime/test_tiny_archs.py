@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from runtime.engine import Engine, EngineConfig
+from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import get_backend
 from runtime.kernels.native import paged_attention
@@ -55,6 +56,14 @@ def test_each_layer_gets_its_window_and_rope(tmp_path: Path):
     assert olmo.kv_windows == [8, 8, 8, None]
     smol = load_model(GGUFFile(write_tiny_arch(tmp_path / "s.gguf", "smollm3")), get_backend())
     assert [layer.rope_key for layer in smol.layers] == ["global"] * 3 + [None]
+
+
+def test_mistral3s_variants_we_do_not_run_are_refused_at_load(tmp_path: Path):
+    f = GGUFFile(write_tiny_arch(tmp_path / "m.gguf", "mistral3"))
+    load_model(f, get_backend("numpy"))
+    f.metadata["mistral3.attention.temperature_scale"] = 0.1  # Ministral 3's
+    with pytest.raises(ModelFormatError, match="temperature scaling is not supported"):
+        load_model(f, get_backend("numpy"))
 
 
 def test_loads_and_caching_or_chunking_keeps_the_numbers(arch_path: Path):
