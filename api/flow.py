@@ -5,32 +5,30 @@ Shared by the `openai` blueprint (the three POSTs) and the `jobs` blueprint (POS
 
 from __future__ import annotations
 
-import logging
+import functools
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import redis
 from flask import Response, current_app, jsonify, request
 
 from api import loras, rate_limits, store
 from api.auth import bearer_token, caller_scope
 from api.chunks import ChunkStream, sse_data
 from api.config import redis_conn, replication, stream_hub
-from api.errors import InternalError, InvalidRequest, ServiceUnavailable, pool_exhausted
+from api.errors import APIError, InvalidRequest, ServiceUnavailable
 from api.model_texts import ModelTexts
 from api.responses import JobSummary
-from api.streams.events import SSE_HEADERS, DisconnectWatch, follow, follow_batches, idle_tick
+from api.streams.events import DisconnectWatch, follow, idle_tick
+from api.streams.relay import sse_response
+from api.streams.stream_hub import Event
 from api.token_budget import embedding_tokens, reserved_tokens
 from runtime.errors import LLMQRuntimeError
 from runtime.request import GenerationSpec
-from workers.wire.broker import NotReplicated, PoolExhausted
+from workers.wire.broker import NotReplicated
 from workers.wire.errors import engine_refusal
 from workers.wire.events import StreamDone, StreamError, StreamEvent, StreamToken
 from workers.wire.job import JobRecord
-
-log = logging.getLogger(__name__)
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no spaces
 
@@ -204,56 +202,28 @@ def wait(record: JobRecord) -> Response:
 
 
 def stream(record: JobRecord, req: Any) -> Response:
-    """OpenAI-style SSE chunks for the job, ending with `data: [DONE]`."""
+    """OpenAI-style SSE chunks for the job, ending with `data: [DONE]`; a client that hangs
+    up cancels the job (api/streams/relay.py)."""
     conn = redis_conn()
-    hub = stream_hub()
-    watch = DisconnectWatch(request.environ)
-    ping = current_app.config["PING_SECONDS"]
-    chunks = ChunkStream(record, req)
+    cancel = functools.partial(store.flag_and_dequeue, conn, record.id)
+    return sse_response(record.id, ChunkRenderer(ChunkStream(record, req)), on_hang_up=cancel)
 
-    def generate() -> Iterator[str]:
-        finished = False
-        last_sent = time.monotonic()
-        try:
-            first = chunks.start()
-            if not first:  # the server sends the headers at the first write, even an empty
-                yield ""  # one: now, not at the first token (or the first ping)
-            for chunk in first:
-                yield sse_data(chunk)
-            for batch in follow_batches(hub, record.id, tick=idle_tick(ping), watch=watch):
-                if watch.gone():
-                    return  # the finally clause cancels the job
-                if not batch:
-                    if time.monotonic() - last_sent >= ping:
-                        last_sent = time.monotonic()
-                        yield ": ping\n\n"
-                    continue
-                out = [item for event in batch for item in _chunks_for(chunks, event.message)]
-                finished = batch[-1].terminal
-                if out:  # what arrived together goes out in one write
-                    last_sent = time.monotonic()
-                    yield "".join(out)
-            finished = True
-        except PoolExhausted:  # this process is busy, Redis is not down: say which
-            finished = True
-            yield sse_data(pool_exhausted().body())
-            yield "data: [DONE]\n\n"
-        except redis.RedisError:  # the broker went away mid-stream: report it in-band
-            finished = True  # the job may still run; the client cannot be told more
-            yield sse_data(
-                ServiceUnavailable("The job broker is unavailable.", code="broker_down").body()
-            )
-            yield "data: [DONE]\n\n"
-        except Exception:
-            log.exception("stream for job %s failed", record.id)
-            finished = True
-            yield sse_data(InternalError().body())
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # client went away (GeneratorExit or a failed peek)
-                store.flag_and_dequeue(conn, record.id)
 
-    return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
+class ChunkRenderer:
+    """A streamed chat or completion as OpenAI sends it: `data:` chunks (api/chunks.py),
+    each end, an error too, followed by `data: [DONE]`."""
+
+    def __init__(self, chunks: ChunkStream) -> None:
+        self.chunks = chunks
+
+    def start(self) -> str:
+        return "".join(sse_data(chunk) for chunk in self.chunks.start())
+
+    def events(self, batch: list[Event]) -> str:
+        return "".join(item for event in batch for item in _chunks_for(self.chunks, event.message))
+
+    def error(self, error: APIError) -> str:
+        return sse_data(error.body()) + "data: [DONE]\n\n"
 
 
 def _chunks_for(chunks: ChunkStream, event: StreamEvent) -> list[str]:

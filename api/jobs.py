@@ -3,29 +3,25 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
 from typing import Any
 
-import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from api import store
 from api.auth import caller_scope, require_api_key
 from api.body import json_object
-from api.config import events_conn, redis_conn, stream_hub
-from api.errors import APIError, InvalidRequest, ServiceUnavailable, pool_exhausted
+from api.config import events_conn, redis_conn
+from api.errors import APIError, InvalidRequest
 from api.flow import accepted, submit_request
 from api.paging import int_arg, list_page
 from api.responses import Job, JobList
 from api.schemas import parse_request
-from api.streams.events import SSE_HEADERS, follow, idle_tick, parse_event_id, sse
+from api.streams.events import parse_event_id, sse
+from api.streams.relay import sse_response
+from api.streams.stream_hub import Event
 from workers import keys
-from workers.wire.broker import PoolExhausted
 from workers.wire.events import EVENT_ERROR, StreamError, StreamEvent, StreamToken
 from workers.wire.job import ENDPOINTS, JOB_STATUSES, TERMINAL_STATUSES, JobRecord
-
-BROKER_DOWN = ServiceUnavailable("The job broker is unavailable; reconnect.", code="broker_down")
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 bp.before_request(require_api_key)
@@ -146,34 +142,29 @@ def job_events(job_id: str) -> Response:
     else:
         after = parse_event_id(request.headers.get("Last-Event-ID"))
     store.require_record(conn, job_id, caller_scope())
-    ping = current_app.config["PING_SECONDS"]
-    retry_ms = current_app.config["SSE_RETRY_MS"]
-    hub = stream_hub()
+    # A listener that hangs up cancels nothing: async jobs outlive their watchers.
+    return sse_response(job_id, JobEventRenderer(current_app.config["SSE_RETRY_MS"]), after=after)
 
-    def generate() -> Iterator[str]:
-        yield f"retry: {retry_ms}\n\n"
-        last_sent = time.monotonic()
-        try:
-            for event in follow(hub, job_id, after, tick=idle_tick(ping)):
-                if event is None:
-                    if time.monotonic() - last_sent >= ping:
-                        last_sent = time.monotonic()
-                        yield ": ping\n\n"
-                    continue
-                last_sent = time.monotonic()
-                yield sse(
-                    json.dumps(_public_data(event.message), ensure_ascii=False),
-                    event=event.kind,
-                    id=event.id,
-                )
-        except (APIError, redis.RedisError) as exc:  # say so; the client reconnects and resumes
-            error = exc if isinstance(exc, APIError) else BROKER_DOWN
-            if isinstance(exc, PoolExhausted):
-                error = pool_exhausted()
-            yield sse(json.dumps(error.body()), event=EVENT_ERROR)
 
-    # A listener that disconnects does not cancel: async jobs outlive their watchers.
-    return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
+class JobEventRenderer:
+    """A job's events as `/v1/jobs/{id}/events` shows them: `event: token|done|error`, each
+    with its stream entry id as `id:` (docs/contract.md, Async jobs), after a `retry:`."""
+
+    def __init__(self, retry_ms: int) -> None:
+        self.retry_ms = retry_ms
+
+    def start(self) -> str:
+        return f"retry: {self.retry_ms}\n\n"
+
+    def events(self, batch: list[Event]) -> str:
+        return "".join(
+            sse(json.dumps(_public_data(e.message), ensure_ascii=False), event=e.kind, id=e.id)
+            for e in batch
+        )
+
+    def error(self, error: APIError) -> str:
+        """Said in-band; the client reconnects and resumes from its Last-Event-ID."""
+        return sse(json.dumps(error.body()), event=EVENT_ERROR)
 
 
 def _public_data(event: StreamEvent) -> dict[str, Any]:

@@ -14,29 +14,24 @@ the events after N), `POST .../cancel`, `DELETE`, `GET .../input_items`.
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from api import store
 from api.auth import caller_scope, require_api_key, visible
 from api.body import json_object
-from api.config import events_conn, redis_conn, stream_hub
+from api.config import events_conn, redis_conn
 from api.errors import (
     APIError,
     Conflict,
     ExpiredOrMissing,
-    InternalError,
     InvalidRequest,
     QueueFull,
-    ServiceUnavailable,
     UnsupportedFeature,
-    pool_exhausted,
 )
 from api.flow import error_from_event, submit_request, wait_end
 from api.paging import int_arg
@@ -48,10 +43,11 @@ from api.response_requests import (
     translate,
 )
 from api.schemas import parse_request
-from api.streams.events import SSE_HEADERS, DisconnectWatch, follow_batches, idle_tick, sse
+from api.streams.events import sse
+from api.streams.relay import sse_response
+from api.streams.stream_hub import Event
 from workers import keys
 from workers.wire import responses_api as wire
-from workers.wire.broker import PoolExhausted
 from workers.wire.events import StreamDone, StreamError
 from workers.wire.job import (
     CANCELLED,
@@ -62,8 +58,6 @@ from workers.wire.job import (
     JobRecord,
 )
 from workers.wire.webhooks import NOTIFY_RESPONSE, notify_fields
-
-log = logging.getLogger(__name__)
 
 bp = Blueprint("responses", __name__, url_prefix="/v1/responses")
 bp.before_request(require_api_key)
@@ -212,56 +206,38 @@ def stream_events(
     derived again from the start of its job's stream; `forget`: a `store: false` response,
     whose record and stream expire soon once its end went out."""
     conn, events = redis_conn(), events_conn()  # the generator runs outside the app context
-    hub = stream_hub()
-    watch = DisconnectWatch(request.environ)
-    ping = current_app.config["PING_SECONDS"]
-    derive = ResponseEvents(record)
+    cancel = functools.partial(store.flag_and_dequeue, conn, record.id)
+    expire = functools.partial(_forget, conn, events, record.id)
+    return sse_response(
+        record.id,
+        ResponseEventRenderer(ResponseEvents(record), after),
+        on_hang_up=cancel if cancel_on_disconnect else None,
+        on_end=expire if forget else None,
+    )
 
-    def messages(events: list[dict[str, Any]]) -> str:
+
+class ResponseEventRenderer:
+    """A response's typed events (api/response_events.py), those numbered after `after`
+    (a client resuming with `starting_after`); an error is OpenAI's `error` event."""
+
+    def __init__(self, derive: ResponseEvents, after: int) -> None:
+        self.derive, self.after = derive, after
+
+    def start(self) -> str:
+        return self._messages(self.derive.start())
+
+    def events(self, batch: list[Event]) -> str:
+        return self._messages([e for event in batch for e in self.derive.feed(event.message)])
+
+    def error(self, error: APIError) -> str:
+        return _error_event(self.derive, error)
+
+    def _messages(self, events: list[dict[str, Any]]) -> str:
         return "".join(
             sse(json.dumps(e, ensure_ascii=False), event=e["type"])
             for e in events
-            if e["sequence_number"] > after
+            if e["sequence_number"] > self.after
         )
-
-    def generate() -> Iterator[str]:
-        finished = False
-        last_sent = time.monotonic()
-        try:
-            yield messages(derive.start())  # "" still sends the headers now
-            for batch in follow_batches(hub, record.id, tick=idle_tick(ping), watch=watch):
-                if watch.gone():
-                    return  # the finally clause cancels a foreground response
-                if not batch:
-                    if time.monotonic() - last_sent >= ping:
-                        last_sent = time.monotonic()
-                        yield ": ping\n\n"
-                    continue
-                out = messages([e for event in batch for e in derive.feed(event.message)])
-                finished = batch[-1].terminal
-                if out:
-                    last_sent = time.monotonic()
-                    yield out
-            finished = True
-            if forget:
-                _forget(conn, events, record.id)
-        except (APIError, redis.RedisError) as exc:  # said in-band; a client resumes from N
-            finished = True
-            error = exc if isinstance(exc, APIError) else None
-            if isinstance(exc, PoolExhausted):
-                error = pool_exhausted()
-            if error is None:
-                error = ServiceUnavailable("The job broker is unavailable.", code="broker_down")
-            yield _error_event(derive, error)
-        except Exception:
-            log.exception("response stream %s failed", record.id)
-            finished = True
-            yield _error_event(derive, InternalError())
-        finally:
-            if not finished and cancel_on_disconnect:
-                store.flag_and_dequeue(conn, record.id)
-
-    return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
 
 
 def _error_event(derive: ResponseEvents, error: APIError) -> str:

@@ -17,22 +17,12 @@ from api.streams.stream_hub import (
     StreamHub,
     StreamReader,
 )
+from tests.api.job_streams import add_token as _token
+from tests.api.job_streams import finish as _finish
 from workers import keys
-from workers.wire.events import event_fields, token_event, write_ending
 from workers.wire.job import FINISHED
 
 pytestmark = pytest.mark.integration
-
-
-def _token(conn: redis.Redis, job_id: str, index: int) -> str:
-    fields = event_fields(token_event(0, index, f"t{index} ", index, None, None, 1))
-    return conn.xadd(keys.job_events(job_id), fields).decode()
-
-
-def _finish(conn: redis.Redis, job_id: str) -> None:
-    with conn.pipeline(transaction=False) as pipe:
-        write_ending(pipe, job_id, FINISHED, {"id": job_id, "choices": []})
-        pipe.execute()
 
 
 def _drain(follower, until_terminal: bool = True, timeout: float = 10.0) -> list:
