@@ -8,14 +8,16 @@ text comes from the GGUF file, so it is treated as untrusted and never leaves th
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import jinja2
 import jinja2.meta
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from runtime.errors import (
@@ -87,12 +89,20 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         """The prompt text for `messages`; extra kwargs (e.g. `tools`) become template vars."""
+        messages = normalize_messages(messages)
+        if not self.supports_system_role:
+            messages = system_into_user(messages)
+        return self._render(messages, add_generation_prompt, **kwargs)
+
+    def _render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
+    ) -> str:
         template = self._compiled()
         context = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             **kwargs,
-            "messages": normalize_messages(messages),
+            "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }
         try:
@@ -101,6 +111,19 @@ class ChatTemplate:
             raise ChatTemplateRenderError(
                 f"the chat template of {self.model_name} failed: {type(exc).__name__}: {exc}"
             ) from exc
+
+    @functools.cached_property
+    def supports_system_role(self) -> bool:
+        """Whether the template shows a system message at all: llama.cpp renders a probe
+        and, where its text is lost (Phi-3, Orion) or the template refuses the role (Gemma,
+        Mistral's first templates), puts system text into the next user message instead."""
+        if self._template is None:
+            return True
+        probe = [{"role": "system", "content": _NEEDLE}, {"role": "user", "content": "Hey"}]
+        try:
+            return _NEEDLE in self._render(probe, add_generation_prompt=False)
+        except ChatTemplateRenderError:
+            return False
 
     def _compiled(self) -> jinja2.Template:
         if self._template is not None:
@@ -117,7 +140,7 @@ class ChatTemplate:
 
     def _environment(self) -> ImmutableSandboxedEnvironment:
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlocks]
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = self._raise_exception
@@ -126,6 +149,28 @@ class ChatTemplate:
 
     def _raise_exception(self, message: str) -> NoReturn:
         raise ChatTemplateRenderError(f"the chat template of {self.model_name} says: {message}")
+
+
+_NEEDLE = "<System Needle>"
+
+
+def system_into_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages' text moved to the start of the next user message (joined by a
+    newline), as llama.cpp does for a template without a system role; text left after the
+    last user message becomes a user message of its own."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for message in messages:
+        if message.get("role") == "system":
+            pending.append(str(message.get("content") or ""))
+            continue
+        if message.get("role") == "user" and pending:
+            message = {**message, "content": "\n".join([*pending, message.get("content") or ""])}
+            pending = []
+        out.append(message)
+    if pending:
+        out.append({"role": "user", "content": "\n".join(pending)})
+    return out
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -186,10 +231,35 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    # Jinja's own tojson HTML-escapes <, > and &; chat templates want plain JSON.
+    # Jinja's own tojson HTML-escapes <, > and &; chat templates want plain JSON. A filter
+    # chain (`tools | map(attribute='function')`) hands over a generator: a JSON list, as
+    # llama.cpp's engine writes it.
     return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
+        sort_keys=sort_keys,
+        default=_json_list,
     )
+
+
+def _json_list(value: Any) -> list[Any]:
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks the assistant's tokens
+    with it for training masks; LFM2.5 and Laguna templates use it): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 def _strftime_now(fmt: str) -> str:
