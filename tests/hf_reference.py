@@ -60,6 +60,21 @@ CONFIGS: dict[str, tuple[str, dict]] = {
             rope_scaling=LONGROPE,
         ),
     ),
+    # llama.cpp scales q by 1/sqrt(head size) below the 27B, so query_pre_attn_scalar = 16
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            BASE,
+            head_dim=16,
+            num_hidden_layers=4,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    ),
     "smollm3": ("SmolLM3Config", dict(BASE, num_hidden_layers=4, pad_token_id=0)),
     "olmo2": ("Olmo2Config", dict(BASE, pad_token_id=0)),
     "olmo3": ("Olmo3Config", dict(BASE, num_hidden_layers=4, pad_token_id=0, sliding_window=8)),

@@ -171,6 +171,14 @@ TINY_ARCHS = {
     "mistral3": TinyArch(key_length=24),  # Mistral Small's head size is not dim / heads
     # OLMo 3's shape: a window of 8 on three layers of four (llama.cpp's default pattern)
     "olmo2": TinyArch(norms="post", qk_norm="full", values=(("attention.sliding_window", 8),)),
+    "gemma2": TinyArch(
+        norms="pre_post",
+        values=(
+            ("attention.sliding_window", 8),
+            ("attn_logit_softcapping", 5.0),
+            ("final_logit_softcapping", 3.0),
+        ),
+    ),
     "granite": TinyArch(
         values=(
             ("embedding_scale", 12.0),

@@ -159,7 +159,7 @@ class PagedAttention:
         self._fn = lib.llmq_paged_attention
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
-        self._fn.argtypes += [_i64, _i64, ctypes.c_int, _ptr]
+        self._fn.argtypes += [_i64, _i64, ctypes.c_float, ctypes.c_int, _ptr]
 
     def __call__(
         self,
@@ -167,6 +167,7 @@ class PagedAttention:
         keys: np.ndarray,  # [Hkv, slots, Dh] of the build's type, C-contiguous
         values: np.ndarray,
         rows: RowKeys,
+        softcap: float | None = None,  # Gemma 2's attention logit cap
     ) -> np.ndarray:
         n_rows, heads, head_dim = q.shape
         kv_heads, pool_slots, _ = keys.shape
@@ -190,6 +191,7 @@ class PagedAttention:
             kv_heads,
             head_dim,
             rows.max_count,
+            softcap or 0.0,
             threads(),
             address(out),
         )

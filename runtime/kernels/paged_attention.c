@@ -167,7 +167,7 @@ static void weighted_values(const float *restrict scores, int64_t stride, int64_
  * value is read once for all of them. Head g's arithmetic is the same whatever `group` is. */
 static void attend_group(const float *restrict q, int64_t group, const kv_t *restrict keys,
                          const kv_t *restrict values, const int64_t *restrict slots,
-                         int64_t count, int64_t head_dim, float *restrict scores,
+                         int64_t count, int64_t head_dim, float softcap, float *restrict scores,
                          float *restrict out) {
     const int64_t stride = count + 1; /* head g's scores, then the inverse of their sum */
     int64_t j = 0;
@@ -183,6 +183,12 @@ static void attend_group(const float *restrict q, int64_t group, const kv_t *res
         const kv_t *k = keys + slots[j] * head_dim;
         for (int64_t g = 0; g < group; g++)
             scores[g * stride + j] = dot(q + g * head_dim, k, head_dim);
+    }
+    if (softcap > 0.0f) { /* Gemma 2: cap * tanh(score / cap), as llama.cpp's attn_soft_cap */
+        const float inv = 1.0f / softcap;
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t j = 0; j < count; j++)
+                scores[g * stride + j] = tanhf(scores[g * stride + j] * inv) * softcap;
     }
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * stride;
@@ -211,7 +217,7 @@ int llmq_paged_attention(const float *q, int64_t q_stride, const kv_t *keys,
                          const kv_t *values, int64_t pool_slots, const int64_t *slots,
                          const int64_t *offset, const int64_t *count, int64_t rows,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_count,
-                         int threads, float *out) {
+                         float softcap, int threads, float *out) {
     const int64_t group = heads / kv_heads;
     /* Query heads per task: the whole group sharing a KV head (each key read once for all
      * of them), or one where that leaves too few tasks to keep the threads busy (a single
@@ -233,8 +239,8 @@ int llmq_paged_attention(const float *q, int64_t q_stride, const kv_t *keys,
             const int64_t t = task / tasks_per_row, first = (task % tasks_per_row) * per_task;
             const int64_t plane = (first / group) * pool_slots * head_dim;
             attend_group(q + t * q_stride + first * head_dim, per_task, keys + plane,
-                         values + plane, slots + offset[t], count[t], head_dim, scores,
-                         out + (t * heads + first) * head_dim);
+                         values + plane, slots + offset[t], count[t], head_dim, softcap,
+                         scores, out + (t * heads + first) * head_dim);
         }
         free(scores);
     }

@@ -6,6 +6,7 @@ from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, get_backend
 from runtime.lora import LinearSources
+from runtime.models.gemma2 import Gemma2Model
 from runtime.models.gemma3 import Gemma3Model
 from runtime.models.granite import GraniteModel
 from runtime.models.layers import Decoder
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, type[Decoder]] = {
     "olmo2": Olmo2Model,
     "granite": GraniteModel,
     "mistral3": Mistral3Model,
+    "gemma2": Gemma2Model,
 }
 
 

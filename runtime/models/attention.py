@@ -42,6 +42,7 @@ def attend(
     start: int,
     window: int | None = None,
     offset: int = 0,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
 
@@ -49,15 +50,15 @@ def attend(
     each keys `[Hkv, Dh, l]` (transposed views of the pool's slot-major keys) and values
     `[Hkv, l, Dh]`, together positions `offset ..
     start + n - 1` -> `[n, H * Dh]`. `window` limits each query to the keys less than
-    `window` positions behind it.
+    `window` positions behind it; `softcap` caps each score (`capped`).
     """
     n, n_heads, head_dim = q.shape
     n_kv = segments[0][0].shape[0]
     group = n_heads // n_kv
     if n == 1 and window is None and len(segments) == 1 and offset == 0:  # lean decode
         keys_t, values = segments[0]
-        scores = np.matmul(q.reshape(n_kv, group, head_dim), keys_t)  # [Hkv, G, L]
-        _softmax_inplace(scores)
+        scores = capped(np.matmul(q.reshape(n_kv, group, head_dim), keys_t), softcap)
+        _softmax_inplace(scores)  # [Hkv, G, L]
         return np.matmul(scores, values).reshape(1, n_heads * head_dim)
     total = offset + sum(k.shape[-1] for k, _ in segments)
     first = offset if window is None else max(offset, start + 1 - window)
@@ -68,7 +69,7 @@ def attend(
         qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, Dh]
         qg = qg.reshape(n_kv, group * n, head_dim)
     parts = [np.matmul(qg, keys_t) for keys_t, _ in segments]  # [Hkv, G*n, l] each
-    scores = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    scores = capped(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1), softcap)
     if n > 1:
         scores = scores.reshape(n_kv, group, n, -1)
         scores += _mask_bias(n, start, first, total, window)  # [n, L'] over heads
@@ -92,10 +93,12 @@ def attend_layout(
     v: np.ndarray,
     layout: BatchLayout,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """Store each sequence's new keys/values in its cache and attend over it.
 
-    q `[T, H, Dh]`, k and v `[T, Hkv, Dh]` for the packed tokens -> `[T, H * Dh]`.
+    q `[T, H, Dh]`, k and v `[T, Hkv, Dh]` for the packed tokens -> `[T, H * Dh]`;
+    `softcap` caps the scores (Gemma 2).
     """
     t, n_heads, head_dim = q.shape
     pool = _shared_pool(layout)
@@ -109,22 +112,49 @@ def attend_layout(
     kernel = paged_attention(keys.dtype)
     if kernel is not None:  # every row alike, whatever shares its forward pass
         rows = _plan(layout, ("rows", group, window), lambda lay: _row_keys(lay, group, window))
-        return kernel(q, keys, values, rows)
+        return kernel(q, keys, values, rows, softcap)
     out = np.empty((t, n_heads * head_dim), np.float32)
+    if softcap is not None:  # every chunk, decode rows too, through `attend`
+        return _attend_chunks(q, keys, values, layout, group, window, softcap, out)
     plan = _plan(
         layout, ("decode", group, window), lambda lay: _decode_groups(lay, group, window, n_heads)
     )
     for rows in plan:
         rows.attend(q, keys, values, out)
+    return _attend_chunks(q, keys, values, layout, group, window, None, out, min_rows=2)
+
+
+def _attend_chunks(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    layout: BatchLayout,
+    group: int,
+    window: int | None,
+    softcap: float | None,
+    out: np.ndarray,
+    min_rows: int = 1,
+) -> np.ndarray:
+    """Each sequence's chunk of at least `min_rows` rows over its runs of blocks."""
     for lo, hi, chunk in layout.spans:
-        if hi - lo > 1:  # prefill chunks; decode rows were done in groups
+        if hi - lo >= min_rows:  # (with 2: prefill chunks; decode rows were done in groups)
             first = 0 if window is None else max(0, chunk.start + 1 - window)
             runs = chunk.cache.runs(first, chunk.start + hi - lo, group)
             segments = [
                 (keys[:, a : a + n].transpose(0, 2, 1), values[:, a : a + n]) for a, n in runs
             ]
-            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window, offset=first)
+            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window, first, softcap)
     return out
+
+
+def capped(scores: np.ndarray, softcap: float | None) -> np.ndarray:
+    """cap * tanh(scores / cap) in place (as llama.cpp: times 1/cap, tanh, times cap)."""
+    if softcap is None:
+        return scores
+    scores *= np.float32(1.0 / softcap)
+    np.tanh(scores, out=scores)
+    scores *= np.float32(softcap)
+    return scores
 
 
 @dataclass

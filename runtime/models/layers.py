@@ -53,6 +53,7 @@ class DecoderArgs:
     residual_scale: float = 1.0
     logit_scale: float = 1.0  # logits are multiplied by this
     final_softcap: float | None = None  # gemma2: cap * tanh(logits / cap)
+    attn_softcap: float | None = None  # gemma2: the same on every attention score
     # a sliding window (0: none) over the layers marked in `sliding` (sliding_layers)
     sliding_window: int = 0
     sliding: tuple[bool, ...] = ()
@@ -229,7 +230,7 @@ class Block:
         else:
             q, k = self._normed_qk(qkv[:, :q_end], qkv[:, q_end:k_end])
             q, k = (ops.apply_rope(y, *rope) if rope else ops.no_rope(y) for y in (q, k))
-        out = ops.attend(self.index, q, k, v, layout, self.window)
+        out = ops.attend(self.index, q, k, v, layout, self.window, a.attn_softcap)
         return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
     def _normed_qk(self, q, k):

@@ -62,8 +62,10 @@ def attend_layout(
     v: torch.Tensor,
     layout: BatchLayout,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q `[T, H, Dh]` (already scaled by 1/sqrt(Dh)), k and v `[T, Hkv, Dh]` -> `[T, H*Dh]`."""
+    """q `[T, H, Dh]` (already scaled by 1/sqrt(Dh)), k and v `[T, Hkv, Dh]` -> `[T, H*Dh]`;
+    `softcap` caps the scores (Gemma 2: `capped`)."""
     t, n_heads, head_dim = q.shape
     pool = _shared_pool(layout)
     group = pool.group_of[layer]
@@ -80,25 +82,53 @@ def attend_layout(
         qd = q[rows.rows].unsqueeze(2).to(keys.dtype)  # [M, H, 1, Dh]
         kd = keys[rows.index].transpose(1, 2)  # [M, L, Hkv, Dh] -> [M, Hkv, L, Dh]
         vd = values[rows.index].transpose(1, 2)
-        o = decode_attention(qd, kd, vd, rows.mask)  # [M, H, 1, Dh]
+        o = decode_attention(qd, kd, vd, rows.mask, softcap)  # [M, H, 1, Dh]
         out[rows.rows] = o.reshape(len(rows.index), n_heads * head_dim).float()
     for rows in plan.prefill:
         if q.device.type != "cuda":
-            o = prompt_attention(q[rows.rows], keys[rows.index], values[rows.index], rows.mask)
+            qp, index = q[rows.rows], rows.index
+            o = prompt_attention(qp, keys[index], values[index], rows.mask, softcap)
             out[rows.rows] = o.reshape(-1, n_heads * head_dim)
             continue
         qp = q[rows.rows].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, H, n, Dh]
         kp = keys[rows.index].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
         vp = values[rows.index].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=rows.mask, scale=1.0, enable_gqa=True
-        )  # [1, H, n, Dh]
+        o = _gpu_attention(qp, kp, vp, rows.mask, softcap)  # [1, H, n, Dh]
         out[rows.rows] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim).float()
     return out
 
 
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) (as llama.cpp: times 1/cap, tanh, times cap)."""
+    if softcap is None:
+        return scores
+    return torch.tanh(scores * (1.0 / softcap)) * softcap
+
+
+def _gpu_attention(q, keys, values, visible, softcap: float | None) -> torch.Tensor:
+    """q `[B, H, n, Dh]` over keys and values `[B, Hkv, L, Dh]` where `visible` (booleans,
+    or a bias) on a GPU: the fused kernel, or, with a cap on the scores it cannot apply,
+    the scores, cap, mask and softmax written out (float32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, scale=1.0, enable_gqa=True
+        )
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (x.repeat_interleave(group, dim=1).float() for x in (keys, values))
+    scores = capped(q.float() @ keys.transpose(-1, -2), softcap)  # [B, H, n, L]
+    if visible.dtype == torch.bool:
+        scores = scores.masked_fill(~visible, -torch.inf)
+    else:
+        scores = scores + visible
+    return (torch.softmax(scores, dim=-1) @ values).to(q.dtype)
+
+
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per row over its gathered keys: q `[B, H, 1, Dh]`, keys and values
     `[B, Hkv, L, Dh]`, visible `[B, 1, 1, L]` (static_decode.attention_mask: a bias on a
@@ -115,9 +145,7 @@ def decode_attention(
         # heads as heads (enable_gqa), not a KV head's G queries: on an H200 the grouped
         # form measured 2.51 ms a SmolLM2 step at one row against 2.09
         # (bench/log/2026-11-27-gpu-h200-decode-graphs.md)
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=visible, scale=1.0, enable_gqa=True
-        )
+        return _gpu_attention(q, keys, values, visible, softcap)
     rows, n_heads, _, head_dim = q.shape
     n_kv, length = keys.shape[1], keys.shape[2]
     chunks = -(-length // KEY_CHUNK)
@@ -129,7 +157,8 @@ def decode_attention(
     keys = keys.reshape(rows, n_kv, chunks, KEY_CHUNK, head_dim)  # [B, Hkv, C, K, Dh]
     values = values.reshape(rows, n_kv, chunks, KEY_CHUNK, head_dim)
     seen = visible.reshape(rows, 1, chunks, 1, KEY_CHUNK)
-    scores = (grouped @ keys.transpose(-1, -2)).masked_fill(~seen, -torch.inf)  # [B,Hkv,C,G,K]
+    scores = capped(grouped @ keys.transpose(-1, -2), softcap)  # [B, Hkv, C, G, K]
+    scores = scores.masked_fill(~seen, -torch.inf)
     return _over_chunks(scores, values).reshape(rows, n_heads, 1, head_dim)
 
 
@@ -149,7 +178,11 @@ def _over_chunks(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def prompt_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A prompt's rows over its sequence's keys on the CPU, each row as `decode_attention`
     computes a decode row at its position (the same chunks of KEY_CHUNK keys from position
@@ -166,7 +199,8 @@ def prompt_attention(
     values = values.permute(1, 0, 2).reshape(n_kv, chunks, KEY_CHUNK, head_dim)
     seen = visible.reshape(n, 1, chunks, KEY_CHUNK).expand(n, g, chunks, KEY_CHUNK)
     seen = seen.permute(2, 0, 1, 3).reshape(1, chunks, n * g, KEY_CHUNK)
-    scores = (grouped @ keys.transpose(-1, -2)).masked_fill(~seen, -torch.inf)  # [Hkv,C,nG,K]
+    scores = capped(grouped @ keys.transpose(-1, -2), softcap)  # [Hkv, C, nG, K]
+    scores = scores.masked_fill(~seen, -torch.inf)
     out = _over_chunks(scores, values).reshape(n_kv, n, g, head_dim)
     return out.permute(1, 0, 2, 3).reshape(n, n_heads, head_dim)
 
@@ -178,6 +212,7 @@ def attend_static(
     v: torch.Tensor,
     layout: StaticDecodeLayout,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A static decode step's attention (static_decode.py): one query per row over the
     keys of its table window; q `[B, H, Dh]` (scaled), k and v `[B, Hkv, Dh]` -> `[B, H*Dh]`."""
@@ -193,7 +228,7 @@ def attend_static(
     qd = q.unsqueeze(2).to(keys.dtype)  # [B, H, 1, Dh]
     kd = keys[index].transpose(1, 2)  # [B, L, Hkv, Dh] -> [B, Hkv, L, Dh]
     vd = values[index].transpose(1, 2)
-    o = decode_attention(qd, kd, vd, layout.visible[group])  # [B, H, 1, Dh]
+    o = decode_attention(qd, kd, vd, layout.visible[group], softcap)  # [B, H, 1, Dh]
     # left in the keys' dtype: the output product rounds it to its own (fp16 -> bf16 is
     # the same rounding as through float32), and a static step has no LoRA rows
     return o.reshape(rows, n_heads * head_dim)

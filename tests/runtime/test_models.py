@@ -83,7 +83,7 @@ def test_batched_sequences_at_different_positions_equal_one_by_one(model):
     np.testing.assert_allclose(logits[2:], expected[2][4:], **TOL)
 
 
-def _naive_attention(q, keys, values, start, scale, window):
+def _naive_attention(q, keys, values, start, scale, window, softcap=None):
     n, n_heads, head_dim = q.shape
     n_kv = keys.shape[0]
     out = np.zeros((n, n_heads, head_dim))
@@ -93,6 +93,8 @@ def _naive_attention(q, keys, values, start, scale, window):
             kv = h // (n_heads // n_kv)
             visible = [j for j in range(pos + 1) if window is None or pos - j < window]
             scores = np.array([q[i, h] @ keys[kv, j] * scale for j in visible])
+            if softcap is not None:
+                scores = softcap * np.tanh(scores / softcap)
             weights = np.exp(scores - scores.max())
             weights /= weights.sum()
             out[i, h] = sum(w * values[kv, j] for w, j in zip(weights, visible, strict=True))
@@ -214,13 +216,16 @@ def attention_path(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_batch_attention_matches_naive_per_sequence(window, kv_dtype, attention_path):
+def test_paged_batch_attention_matches_naive_per_sequence(
+    window, kv_dtype, softcap, attention_path
+):
     """The pooled path: fragmented block tables (several runs per sequence), decode rows of
     very different lengths (several padded groups on numpy's path) mixed with a prefill
     chunk; over a float32 pool and over a half one (`KernelPlan.kv`), whose keys are the
-    reference's rounded to half."""
+    reference's rounded to half; with Gemma 2's cap on the scores too."""
     n_kv, n_heads, head_dim, block = 2, 6, 8, 4
     pool = BlockPool(
         1,
@@ -255,6 +260,7 @@ def test_paged_batch_attention_matches_naive_per_sequence(window, kv_dtype, atte
             np.concatenate([values[i][s] for i, s in pick]),
             BatchLayout(chunks),
             window,
+            softcap,
         )
         row = 0
         for i, s in pick:
@@ -262,7 +268,7 @@ def test_paged_batch_attention_matches_naive_per_sequence(window, kv_dtype, atte
                 keys[i][: s.stop].transpose(1, 0, 2).astype(kv_dtype).astype(np.float32),
                 values[i][: s.stop].transpose(1, 0, 2).astype(kv_dtype).astype(np.float32),
             )
-            want = _naive_attention(queries[i][s], k_all, v_all, s.start, 1.0, window)
+            want = _naive_attention(queries[i][s], k_all, v_all, s.start, 1.0, window, softcap)
             np.testing.assert_allclose(got[row : row + s.stop - s.start], want, **TOL)
             row += s.stop - s.start
         for chunk in chunks:
