@@ -350,8 +350,13 @@ def _split_owner(name: str) -> tuple[str, str | None]:
 # - RQ queue `llmq:webhooks`: one job per (event, endpoint); its FailedJobRegistry is the
 #   dead-letter list. Not a model's queue: its name has no "llmq-" head, so
 #   `wire.queues.llmq_queue_names` (the model queues' listing) leaves it out
+# - `llmq:webhooks:alive:{name}`   string: an `llmq webhooks` process's lease, short TTL,
+#                                  renewed while it lives (workers/webhook_reaper.py)
+# - `llmq:webhooks:takeover:{id}`  string: a reaper's claim on a dead process's delivery
 WEBHOOKS = f"{PREFIX}:webhooks"
 WEBHOOK_OUTBOX = f"{PREFIX}:webhooks:outbox"
 WEBHOOK_OUTBOX_GROUP = "dispatchers"
 WEBHOOK_QUEUE = f"{PREFIX}:webhooks"  # RQ's key for it is rq:queue:llmq:webhooks
 webhook_deliveries = _key_of("webhooks", ":deliveries")
+webhook_alive = _key_of("webhooks:alive")
+webhook_takeover = _key_of("webhooks:takeover")

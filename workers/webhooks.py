@@ -1,17 +1,20 @@
 """`llmq webhooks`: the outbox dispatcher and the RQ worker that delivers webhooks.
 
 The dispatcher reads `keys.WEBHOOK_OUTBOX` with a consumer group (XREADGROUP BLOCK; its own
-pending entries first after a restart, XAUTOCLAIM for those a dead dispatcher left), and
-for each entry and each endpoint subscribed to its event type enqueues one RQ job on
-`keys.WEBHOOK_QUEUE` with a deterministic id (`delivery_id`: a re-dispatch finds the job
-and enqueues nothing), then XACKs and XDELs the entry. The RQ job (`deliver`,
+pending entries first after a claim or an error, XAUTOCLAIM for those another dispatcher
+has held for a minute), and for each entry and each endpoint subscribed to its event type
+enqueues one RQ job on `keys.WEBHOOK_QUEUE` with a deterministic id (`delivery_id`, enqueued
+with RQ's atomic `unique`: a re-dispatch finds the job and enqueues nothing), then XACKs and
+XDELs the entry. The RQ job (`deliver`,
 workers/webhook_delivery.py) signs and POSTs; RQ's `Retry` reschedules a failure
 (`wire.webhook_jobs.WebhookSettings`), and a delivery that failed its last attempt stays in
 the queue's FailedJobRegistry: the dead-letter list (`wire.webhook_jobs.redeliver`).
 
-A webhooks process killed mid-delivery leaves an execution in RQ's StartedJobRegistry;
-RQ retries it after the job's timeout + 60 s, and a webhooks process on the same host
-retries it at once when it finds its worker's pid gone (`rescue_dead_deliveries`).
+What a webhooks process killed -9 leaves in flight (outbox entries read and not enqueued, a
+delivery dequeued or started and not recorded, RQ's scheduler lock) is taken over by the
+others, on any host, within `webhook_reaper.LEASE_SECONDS` + `REAP_SECONDS` (12 s): each
+process holds a short lease in Redis, and the dispatcher thread sweeps for the work of
+processes whose lease is gone (workers/webhook_reaper.py, docs/faults.md F24).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -27,15 +31,14 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.executions import Execution
+from rq.exceptions import DuplicateJobError
 from rq.job import Job, JobStatus
-from rq.registry import FailedJobRegistry, StartedJobRegistry
-from rq.scheduler import SCHEDULER_KEY_TEMPLATE, RQScheduler
+from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from workers import keys
 from workers.webhook_delivery import DeliveryFailed
-from workers.wire.text import as_str
+from workers.webhook_reaper import REAP_SECONDS, Presence, Reaper
 from workers.wire.webhook_jobs import (
     WebhookSettings,
     webhook_queue,
@@ -54,8 +57,7 @@ log = logging.getLogger("llmq.webhooks")
 DELIVER_FUNCTION = "workers.webhook_delivery.deliver"  # the only function this worker runs
 RESULT_TTL_SECONDS = 2 * 24 * 3600  # a delivered job's id stays: a re-dispatch finds it
 DEAD_TTL_SECONDS = 30 * 24 * 3600  # the dead-letter list keeps a delivery a month
-CLAIM_IDLE_MS = 60_000  # another dispatcher's unacknowledged entry is taken after this
-RESCUE_EVERY_SECONDS = 5.0
+CLAIM_IDLE_MS = 60_000  # a live dispatcher's entry unacknowledged this long is taken
 
 
 def delivery_id(event_id: str, endpoint_id: str) -> str:
@@ -79,9 +81,9 @@ class Dispatcher:
         self.conn = conn
         self.settings = settings
         self.queue = webhook_queue(conn)
-        self.consumer = consumer or worker_name()  # "webhooks.{host}.{pid}"
+        self.consumer = consumer or worker_name()  # its process's lease is under this name
         self.block_ms = block_ms
-        self._own_pending = True  # after a start: this consumer's unacknowledged entries
+        self.own_pending = True  # set when entries were claimed for this consumer
 
     def ensure_group(self) -> None:
         try:
@@ -91,33 +93,6 @@ class Dispatcher:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-
-    def take_over_dead(self) -> int:
-        """Claim the pending entries of consumers that ran on this host and are gone (a
-        dispatcher killed -9 between reading and acknowledging), at once rather than after
-        `CLAIM_IDLE_MS`; how many."""
-        host, taken = socket.gethostname(), 0
-        for info in self.conn.xinfo_consumers(keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP):
-            name = as_str(info["name"])
-            if name == self.consumer or not _dead_here(name, host):
-                continue
-            pending = self.conn.xpending_range(
-                keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP, "-", "+", 10_000, consumername=name
-            )
-            ids = [p["message_id"] for p in pending]
-            if ids:
-                self.conn.xclaim(
-                    keys.WEBHOOK_OUTBOX,
-                    keys.WEBHOOK_OUTBOX_GROUP,
-                    self.consumer,
-                    0,
-                    ids,
-                    justid=True,
-                )
-                taken += len(ids)
-                self._own_pending = True
-            self.conn.xgroup_delconsumer(keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP, name)
-        return taken
 
     def run_once(self) -> int:
         """Dispatch what waits (blocking up to `block_ms` when nothing does); how many."""
@@ -131,12 +106,12 @@ class Dispatcher:
         return len(entries)
 
     def _claimed(self) -> list[Any]:
-        if self._own_pending:  # a restart under the same consumer name: its pending first
+        if self.own_pending:  # claimed from a dead dispatcher, or left by an error here
             got = self.conn.xreadgroup(
                 keys.WEBHOOK_OUTBOX_GROUP, self.consumer, {keys.WEBHOOK_OUTBOX: "0"}, count=100
             )
             pending = got[0][1] if got else []
-            self._own_pending = bool(pending)
+            self.own_pending = bool(pending)
             if pending:
                 return pending
         reply = self.conn.xautoclaim(
@@ -182,21 +157,23 @@ class Dispatcher:
             if event_type not in endpoint.events:
                 continue
             job_id = delivery_id(event["id"], endpoint.id)
-            if Job.exists(job_id, connection=self.conn):
+            try:
+                self.queue.enqueue(
+                    DELIVER_FUNCTION,
+                    endpoint.id,
+                    event,
+                    entry.at_ms,
+                    job_id=job_id,
+                    unique=True,  # one script: checked, saved and pushed at once
+                    retry=self.settings.retry(),
+                    job_timeout=int(self.settings.timeout) + 10,
+                    result_ttl=RESULT_TTL_SECONDS,
+                    failure_ttl=DEAD_TTL_SECONDS,
+                    description=f"webhook {event_type} {event['id']} -> {endpoint.id}",
+                    meta={"attempts": len(self.settings.intervals) + 1},
+                )
+            except DuplicateJobError:
                 continue  # dispatched before (this entry again, or its end written twice)
-            self.queue.enqueue(
-                DELIVER_FUNCTION,
-                endpoint.id,
-                event,
-                entry.at_ms,
-                job_id=job_id,
-                retry=self.settings.retry(),
-                job_timeout=int(self.settings.timeout) + 10,
-                result_ttl=RESULT_TTL_SECONDS,
-                failure_ttl=DEAD_TTL_SECONDS,
-                description=f"webhook {event_type} {event['id']} -> {endpoint.id}",
-                meta={"attempts": len(self.settings.intervals) + 1},
-            )
             enqueued.append(job_id)
         return enqueued
 
@@ -243,115 +220,50 @@ class WebhookWorker(SimpleWorker):
 
 
 def worker_name() -> str:
-    return f"webhooks.{socket.gethostname()}.{os.getpid()}"
+    """A name no other start of a process shares (a restarted container may reuse its host
+    name and pid): the RQ worker's, the outbox consumer's and the lease's."""
+    return f"webhooks.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
-def _dead_here(name: str, host: str) -> bool:
-    """Whether the process named `name` (`worker_name`) ran on this host and is gone."""
-    prefix = f"webhooks.{host}."
-    if not name.startswith(prefix):
-        return False
-    try:
-        pid = int(name[len(prefix) :])
-    except ValueError:
-        return False
-    return pid != os.getpid() and _pid_gone(pid)
-
-
-def _pid_gone(pid: int) -> bool:
-    """No such process here, or only its zombie (killed, not yet reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def rescue_dead_deliveries(conn: redis.Redis) -> int:
-    """Retry at once the deliveries whose webhooks process on this host died mid-POST
-    (kill -9: RQ would wait for the job's timeout + 60 s); how many."""
-    queue = webhook_queue(conn)
-    registry = StartedJobRegistry(queue=queue)
-    host, rescued = socket.gethostname(), 0
-    for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
-        try:
-            worker = Execution.fetch(execution_id, job_id, connection=conn).worker_name
-        except ValueError:  # its hash expired: RQ's own cleanup takes it
-            continue
-        if not _dead_here(worker, host):
-            continue
-        try:
-            job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
-        except Exception:  # noqa: BLE001 - gone meanwhile: nothing to rescue
-            continue
-        with conn.pipeline() as pipe:
-            registry.remove_executions(job, pipeline=pipe)
-            if job.retries_left:
-                job.retry(queue, pipe)
-            else:
-                queue.enqueue_job(job, pipeline=pipe, at_front=True)  # one more try
-            pipe.execute()
-        log.warning("delivery %s: its worker %s died mid-delivery; retrying it", job_id, worker)
-        rescued += 1
-    return rescued
-
-
-_DELETE_IF = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end"
-
-
-def clear_dead_scheduler_lock(conn: redis.Redis) -> bool:
-    """Drop the webhook queue's RQ scheduler lock when its holder ran on this host and is
-    gone (kill -9), so this process's scheduler starts now, not after the lock's TTL."""
-    lock = RQScheduler.get_locking_key(keys.WEBHOOK_QUEUE)
-    holder = conn.get(lock)
-    if holder is None:
-        return False
-    info = {
-        as_str(k): as_str(v)
-        for k, v in conn.hgetall(SCHEDULER_KEY_TEMPLATE % as_str(holder)).items()
-    }
-    pid = int(info.get("pid") or 0)
-    if info.get("hostname") != socket.gethostname() or pid <= 0 or not _pid_gone(pid):
-        return False
-    return bool(conn.eval(_DELETE_IF, 1, lock, holder))
-
-
-def keep_scheduler(conn: redis.Redis, worker: SimpleWorker) -> None:
-    """Take over RQ's scheduler of the webhook queue when its holder is gone: what RQ's
-    worker does in its maintenance, which an idle worker blocked on its queue does not reach
-    (retries waiting in the ScheduledJobRegistry would then wait for the next new job)."""
+def keep_scheduler(worker: SimpleWorker) -> None:
+    """Start RQ's scheduler of the webhook queue here when its lock is free (a dead holder's
+    is dropped by `Reaper.drop_dead_scheduler_lock`): what RQ's worker does in its
+    maintenance, which an idle worker blocked on its queue does not reach (retries waiting
+    in the ScheduledJobRegistry would then wait for the next new job)."""
     scheduler = worker.scheduler
     if scheduler is None or (scheduler._process is not None and scheduler._process.is_alive()):
         return
-    clear_dead_scheduler_lock(conn)
     scheduler.acquire_locks(auto_start=True)
 
 
 def dispatch_forever(
-    conn: redis.Redis, settings: WebhookSettings, stop: threading.Event, worker: SimpleWorker
+    conn: redis.Redis,
+    settings: WebhookSettings,
+    stop: threading.Event,
+    worker: SimpleWorker,
+    name: str,
 ) -> None:
-    """The dispatcher's loop (a thread of `llmq webhooks`), with the rescues that must not
-    wait for the delivering worker; reconnects after Redis errors."""
-    dispatcher = Dispatcher(conn, settings)
-    rescued_at = 0.0
+    """The dispatcher's loop (a thread of `llmq webhooks`), with the reaper's sweeps that
+    must not wait for the delivering worker; carries on after any error."""
+    dispatcher = Dispatcher(conn, settings, consumer=name)
+    reaper = Reaper(conn, name)
+    reaped_at = float("-inf")
     while not stop.is_set():
         try:
             dispatcher.ensure_group()
             while not stop.is_set():
                 dispatcher.run_once()
-                if time.monotonic() - rescued_at > RESCUE_EVERY_SECONDS:
-                    dispatcher.take_over_dead()
-                    rescue_dead_deliveries(conn)
-                    keep_scheduler(conn, worker)
-                    rescued_at = time.monotonic()
-        except redis.RedisError as exc:
-            log.warning("webhook dispatcher: %s; retrying in 1 s", exc)
+                if time.monotonic() - reaped_at >= REAP_SECONDS:
+                    if reaper.sweep(dispatcher.consumer).entries:
+                        dispatcher.own_pending = True
+                    keep_scheduler(worker)
+                    reaped_at = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - Redis gone, or a bad entry: never stop
+            if isinstance(exc, redis.RedisError):
+                log.warning("webhook dispatcher: %s; retrying in 1 s", exc)
+            else:
+                log.exception("webhook dispatcher failed; retrying in 1 s")
+            dispatcher.own_pending = True  # what it had read is still pending for it
             stop.wait(1.0)
 
 
@@ -364,20 +276,20 @@ def run_webhooks(url: str | None, log_level: str = "INFO") -> int:
     broker = BrokerSettings.from_env(url=url)
     _stop_on_signals()  # until RQ's own handlers, and again after them
     conn = broker.connect(socket_timeout=30, health_check_interval=10)
-    stop = threading.Event()
-    clear_dead_scheduler_lock(conn)
-    rescue_dead_deliveries(conn)
+    stop, name = threading.Event(), worker_name()
+    presence = Presence(broker.connect(socket_timeout=5), name)
+    presence.start()  # before this process reads anything another could take over
     worker = WebhookWorker(
         [webhook_queue(conn)],
         connection=conn,
         serializer=JSONSerializer,
-        name=worker_name(),
+        name=name,
         log_job_description=False,
         maintenance_interval=10,
     )
     thread = threading.Thread(
         target=dispatch_forever,
-        args=(broker.connect(socket_timeout=30), settings, stop, worker),
+        args=(broker.connect(socket_timeout=30), settings, stop, worker, name),
         name="webhook-dispatcher",
         daemon=True,
     )
@@ -403,6 +315,7 @@ def run_webhooks(url: str | None, log_level: str = "INFO") -> int:
         # retries a run that lost Redis would otherwise reach a worker no longer running
         # and be ignored (a BUSY one's warm shutdown), leaving `llmq serve` to kill us
         _stop_on_signals()
+        presence.stop()  # what is left here is taken over at the others' next sweep
     return 0
 
 

@@ -17,13 +17,16 @@ import openai
 import pytest
 import redis
 from rq import Queue
+from rq.job import Job
 from rq.registry import FailedJobRegistry
+from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 
 from api import store
 from api.app import create_app
 from tests.workers.conftest import TINY, tokens, wait_done, wait_for
 from workers import keys, webhooks
+from workers import webhook_reaper as reaper
 from workers.webhook_delivery import (
     AddressRefused,
     is_allowed,
@@ -368,15 +371,17 @@ def test_dispatching_an_entry_twice_enqueues_its_delivery_once(conn, receivers, 
     assert len(receiver.requests) == 1
 
 
-def test_an_entry_a_dead_dispatcher_left_is_taken_over(conn, receivers, allow_loopback):
+def test_an_entry_a_live_dispatcher_held_past_the_claim_time_is_taken(
+    conn, receivers, allow_loopback
+):
     receiver = receivers()
     wire.create_endpoint(conn, receiver.url, ["response.failed"])
     end(conn, notifying_job(conn), FAILED, {"error": {"code": "x"}, "status": 500})
-    dead = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env(), consumer="gone")
-    dead.ensure_group()
-    assert dead._read()  # read, never acknowledged: its process died
+    stuck = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env(), consumer="stuck")
+    stuck.ensure_group()
+    assert stuck._read()  # read, never acknowledged, though its process lives
     alive = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env(), block_ms=10)
-    alive._own_pending = False
+    alive.own_pending = False
     assert alive.run_once() == 0  # not idle long enough yet
     webhooks.CLAIM_IDLE_MS, saved = 0, webhooks.CLAIM_IDLE_MS
     try:
@@ -386,6 +391,188 @@ def test_an_entry_a_dead_dispatcher_left_is_taken_over(conn, receivers, allow_lo
     assert conn.xlen(keys.WEBHOOK_OUTBOX) == 0
     deliver_all(conn)
     assert len(receiver.requests) == 1
+
+
+# ---------------------------------------------------------------- takeover after a death
+
+
+class Clock:
+    """The reaper's monotonic clock, moved by hand: what it must have watched for how long
+    is then exact, with no sleep."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def dispatched(conn: redis.Redis, receiver: Receiver) -> tuple[wire.Endpoint, str]:
+    """An endpoint of `receiver` and one delivery to it on the webhook queue."""
+    endpoint = wire.create_endpoint(conn, receiver.url, ["response.failed"])
+    end(conn, notifying_job(conn), FAILED, {"error": {"code": "x"}, "status": 500})
+    dispatcher = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings.from_env(), "d", 10)
+    dispatcher.ensure_group()
+    [entry] = outbox(conn)
+    [delivery] = dispatcher.dispatch(entry)
+    return endpoint, delivery
+
+
+def run_by_a_worker_that_dies(conn: redis.Redis, name: str, posted: bool = True) -> Job:
+    """What an `llmq webhooks` process named `name` (on another host: its pid is nowhere
+    looked at) leaves when killed during its delivery: the job dequeued as RQ's SimpleWorker
+    dequeues it, its run registered, and (`posted`) its start recorded, the POST sent and
+    never answered; its lease, taken at its start, then no longer renewed."""
+    reaper.Presence(conn, name, lease_s=LEASE).renew()
+    queue = webhook_jobs.webhook_queue(conn)
+    worker = webhooks.WebhookWorker([queue], connection=conn, serializer=JSONSerializer, name=name)
+    job, _ = Queue.dequeue_any([queue], None, connection=conn, serializer=JSONSerializer)
+    worker.prepare_execution(job)  # SimpleWorker.execute_job's first step
+    if posted:
+        worker.prepare_job_execution(job, remove_from_intermediate_queue=True)
+    return job
+
+
+LEASE = 1.0  # the dead worker's lease in these tests (LEASE_SECONDS in production)
+
+
+@pytest.mark.parametrize("posted", [True, False], ids=["posting", "before-its-post"])
+def test_a_delivery_whose_worker_died_is_redelivered_once_its_lease_lapses(
+    conn, receivers, allow_loopback, posted
+):
+    receiver = receivers()
+    endpoint, delivery = dispatched(conn, receiver)
+    killed = time.monotonic()  # its lease's last renewal is just after this
+    job = run_by_a_worker_that_dies(conn, "webhooks.elsewhere.7.dead", posted)
+    retries = job.retries_left
+    here = reaper.Reaper(conn, "webhooks.here.1.live", lease_s=LEASE)
+    assert here.sweep("webhooks.here.1.live").started == 0  # its lease holds: alive
+    # the lease lapses LEASE s after its last renewal; a sweep every REAP_SECONDS then
+    # finds it: wait for that outcome, bounded at 30 s for a busy machine
+    wait_for(lambda: here.sweep("webhooks.here.1.live").started, 30, "the takeover")
+    taken_after = time.monotonic() - killed
+    assert LEASE <= taken_after <= LEASE + reaper.REAP_SECONDS + 10
+    queue = webhook_jobs.webhook_queue(conn)
+    assert queue.get_job_ids() == [delivery]  # at the front, now: no retry interval
+    assert queue.started_job_registry.get_job_and_execution_ids(cleanup=False) == []
+    assert queue.intermediate_queue.get_job_ids() == []
+    deliver_all(conn, lambda: receiver.requests)
+    assert len(receiver.requests) == 1
+    log = wire.read_deliveries(conn, endpoint.id)[::-1]
+    if posted:  # the dead run was an attempt: logged, and a retry spent
+        assert [(a["attempt"], a["error"]) for a in log] == [(1, reaper.DIED), (2, None)]
+        assert Job.fetch(delivery, conn, serializer=JSONSerializer).retries_left == retries - 1
+    else:  # it died before its POST: nothing was attempted
+        assert [(a["attempt"], a["error"]) for a in log] == [(1, None)]
+    assert here.sweep("webhooks.here.1.live") == reaper.Swept()  # taken once
+
+
+def test_a_dead_workers_last_attempt_is_dead_lettered(conn, receivers, allow_loopback):
+    receiver = receivers()
+    _, delivery = dispatched(conn, receiver)
+    job = Job.fetch(delivery, conn, serializer=JSONSerializer)
+    job.retries_left = 0
+    job.save()
+    run_by_a_worker_that_dies(conn, "webhooks.elsewhere.8.dead")
+    conn.delete(keys.webhook_alive("webhooks.elsewhere.8.dead"))  # its lease lapsed
+    assert reaper.Reaper(conn, "webhooks.here.1.live").sweep("x").started == 1
+    [dead] = webhook_jobs.dead_deliveries(conn)
+    assert dead.id == delivery and receiver.requests == []
+
+
+def test_a_delivery_dequeued_by_a_worker_that_died_before_its_run_is_put_back(
+    conn, receivers, allow_loopback
+):
+    receiver = receivers()
+    _, delivery = dispatched(conn, receiver)
+    queue = webhook_jobs.webhook_queue(conn)
+    # RQ's dequeue, BLMOVE into the intermediate list, then a kill -9 before the worker
+    # registers its run (found there by tests/faults/test_webhooks_kill.py)
+    assert Queue.lmove(conn, queue.key, None)[1].decode() == delivery
+    clock = Clock()
+    here = reaper.Reaper(conn, "webhooks.here.1.live", lease_s=10, clock=clock)
+    assert here.sweep("x").dequeued == 0  # seen: a live worker holds one here briefly
+    clock.now += 9.9
+    assert here.sweep("x").dequeued == 0
+    clock.now += 0.1
+    assert here.sweep("x").dequeued == 1
+    assert queue.get_job_ids() == [delivery] and queue.intermediate_queue.get_job_ids() == []
+    deliver_all(conn, lambda: receiver.requests)
+    assert len(receiver.requests) == 1
+    assert Job.fetch(delivery, conn, serializer=JSONSerializer).get_status() == "finished"
+
+
+def test_a_delivery_a_live_worker_dequeued_is_left_to_it(conn, receivers, allow_loopback):
+    receiver = receivers()
+    _, delivery = dispatched(conn, receiver)
+    queue = webhook_jobs.webhook_queue(conn)
+    clock = Clock()
+    here = reaper.Reaper(conn, "webhooks.here.1.live", lease_s=10, clock=clock)
+    Queue.lmove(conn, queue.key, None)
+    assert here.sweep("x").dequeued == 0  # seen between its dequeue and its run
+    worker = webhooks.WebhookWorker([queue], connection=conn, serializer=JSONSerializer)
+    reaper.Presence(conn, worker.name, lease_s=60).renew()
+    worker.prepare_execution(Job.fetch(delivery, conn, serializer=JSONSerializer))
+    clock.now += 60
+    assert here.sweep("x") == reaper.Swept()  # its run is registered, its lease alive
+    assert queue.get_job_ids() == []
+
+
+def test_outbox_entries_of_a_dispatcher_whose_lease_lapsed_are_claimed_at_once(
+    conn, receivers, allow_loopback
+):
+    receiver = receivers()
+    wire.create_endpoint(conn, receiver.url, ["response.failed"])
+    end(conn, notifying_job(conn), FAILED, {"error": {"code": "x"}, "status": 500})
+    settings = webhook_jobs.WebhookSettings.from_env()
+    dead = webhooks.Dispatcher(conn, settings, consumer="webhooks.elsewhere.9.dead")
+    reaper.Presence(conn, dead.consumer, lease_s=60).renew()
+    dead.ensure_group()
+    assert dead._read()  # read, never acknowledged: its process is killed now
+    live = webhooks.Dispatcher(conn, settings, consumer="webhooks.here.1.live", block_ms=10)
+    live.own_pending = False
+    here = reaper.Reaper(conn, live.consumer)
+    assert here.sweep(live.consumer).entries == 0  # its lease holds
+    conn.delete(keys.webhook_alive(dead.consumer))  # it lapsed: nobody renewed it
+    assert here.sweep(live.consumer).entries == 1
+    live.own_pending = True  # as dispatch_forever sets it after a claim
+    assert live.run_once() == 1
+    names = [i["name"] for i in conn.xinfo_consumers(keys.WEBHOOK_OUTBOX, "dispatchers")]
+    assert names == [live.consumer.encode()] and conn.xlen(keys.WEBHOOK_OUTBOX) == 0
+    deliver_all(conn)
+    assert len(receiver.requests) == 1
+
+
+def test_a_scheduler_lock_whose_holder_stopped_beating_is_dropped(conn) -> None:
+    queue = webhook_jobs.webhook_queue(conn)
+    dying = RQScheduler([queue], connection=conn, name="sched-dying")
+    assert dying.acquire_locks() == {keys.WEBHOOK_QUEUE}
+    dying.register_birth()
+    clock = Clock()
+    here = reaper.Reaper(conn, "webhooks.here.1.live", lease_s=10, clock=clock)
+    assert not here.drop_dead_scheduler_lock()
+    for _ in range(3):  # alive: its heartbeat moves (RQ's is every second)
+        clock.now += 9
+        time.sleep(0.002)  # a new heartbeat's timestamp (microseconds) differs
+        dying.heartbeat()
+        assert not here.drop_dead_scheduler_lock()
+    clock.now += 9.9  # killed: no heartbeat since
+    assert not here.drop_dead_scheduler_lock()
+    clock.now += 0.1
+    assert here.drop_dead_scheduler_lock()
+    taker = RQScheduler([queue], connection=conn, name="sched-taker")
+    assert taker.acquire_locks() == {keys.WEBHOOK_QUEUE}
+
+
+def test_a_process_lease_lives_while_renewed_and_goes_at_its_stop(conn) -> None:
+    presence = reaper.Presence(conn, "webhooks.here.2.x", lease_s=5, renew_s=0.05)
+    presence.start()
+    assert reaper.alive(conn, [presence.name, "other"]) == {presence.name: True, "other": False}
+    assert 0 < conn.pttl(presence.key) <= 5000
+    conn.pexpire(presence.key, 300)
+    wait_for(lambda: conn.pttl(presence.key) > 300, 10, "a renewal")
+    presence.stop()
+    assert not conn.exists(presence.key)
 
 
 def test_a_deleted_endpoint_drops_its_deliveries(conn, receivers, allow_loopback):
