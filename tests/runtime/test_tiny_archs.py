@@ -22,7 +22,7 @@ from runtime.models import ARCHITECTURES, load_model
 from runtime.models.base import BatchLayout, SequenceChunk
 from tests import hf_reference
 from tests.runtime.generation_helpers import same_kernels
-from tests.runtime.test_decode_graphs import ROUNDING_BELOW_AVX512
+from tests.runtime.test_decode_graphs import ROUNDING_BELOW_AVX512, _side_by_side
 from tests.runtime.test_row_invariance import _check, _sequences, _with_adapters
 from tests.runtime.test_tensor_same_answer import _greedy, _logits_of
 from tests.tiny_models import TINY_ARCHS, TinyShape, write_tiny_arch
@@ -131,6 +131,18 @@ def test_tensor_path_logits_alone_batched_cached_and_resumed(tmp_path: Path):
         resumed_tokens, resumed = _logits_of(engine, [("probe", probe + sent, _greedy(5), 3)])
         assert resumed_tokens["probe"] == alone_tokens["probe"][3:], arch
         _assert_same_logits(np.stack(resumed["probe"]), expected[3:])
+
+
+def test_the_static_decode_step_gives_the_eager_logits(arch_path: Path):
+    """What a GPU captures as graphs (runtime/decode_graphs.py), run here on the CPU: rows
+    padded into buckets, past block boundaries and (olmo2, gemma2) their windows."""
+    engine = Engine.load(
+        str(arch_path),
+        EngineConfig(backend="torch", device="cpu", torch_forward=True, max_sequences=8),
+    )
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (40, 15, 16, 3, 9)]
+    assert _side_by_side(engine, prompts, steps=4) == 4 * len(prompts)
 
 
 def _have_converter() -> bool:
