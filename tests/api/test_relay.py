@@ -24,6 +24,7 @@ from api.streams.relay import PING, relay, stream_error
 from api.streams.stream_hub import Event, SharedReaders, StreamHub
 from tests.api.job_streams import add_token, finish
 from tests.api.sse import parse_text
+from tests.test_imports import import_graph, module_files
 from workers import keys
 from workers.wire.broker import PoolExhausted
 
@@ -296,3 +297,13 @@ def test_a_failed_write_cancels_before_the_end_and_not_after_it(
     assert "event: done" in pull(gen)
     gen.close()  # the write of the end failed: the job had ended, nothing to cancel
     assert ended_hang_up.count == 0
+
+
+def test_the_streams_package_imports_no_surface_that_uses_it() -> None:
+    """docs/architecture.md: api/streams/ lies below the blueprints and api/flow.py."""
+    graph = import_graph(module_files())
+    streams = {m: targets for m, targets in graph.items() if m.startswith("api.streams")}
+    assert "api.streams.relay" in streams
+    allowed = ("api.streams", "api.config", "api.errors", "workers.", "runtime.")
+    breaches = {m: sorted(t for t in ts if not t.startswith(allowed)) for m, ts in streams.items()}
+    assert {m: ts for m, ts in breaches.items() if ts} == {}
