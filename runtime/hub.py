@@ -190,14 +190,8 @@ def join_shards(shards: list[Path], target: Path) -> None:
     shard holds the metadata, each holds some tensors and `split.*` keys)."""
     readers = [gguf.GGUFReader(path) for path in shards]
     first = readers[0]
-    arch = first.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(target), arch)
-    for field in first.fields.values():
-        if field.name.startswith(("GGUF.", "split.")) or field.name == "general.architecture":
-            continue
-        value_type = field.types[0]
-        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    writer = gguf.GGUFWriter(str(target), first.fields["general.architecture"].contents())
+    copy_metadata(first, writer, skip=("split.",))
     tensors = [tensor for reader in readers for tensor in reader.tensors]
     for t in tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
@@ -208,3 +202,14 @@ def join_shards(shards: list[Path], target: Path) -> None:
         for t in reader.tensors:
             writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
     writer.close()
+
+
+def copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, skip: tuple = ()) -> None:
+    """Every key of `reader` into `writer` but the architecture (the writer was made with
+    it), the reader's own `GGUF.*` fields and the keys starting with `skip`."""
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", *skip)) or field.name == "general.architecture":
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)

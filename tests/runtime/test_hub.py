@@ -19,7 +19,7 @@ import pytest
 
 from runtime.errors import ModelNotFoundError
 from runtime.gguf_file import GGUFFile
-from runtime.hub import HubFile, HubReference, choose_files
+from runtime.hub import HubFile, HubReference, choose_files, copy_metadata
 from runtime.models import load_model
 from runtime.registry import load_registry, resolve
 from tests.tiny_models import write_tiny_llama
@@ -39,12 +39,7 @@ def split_gguf(source: Path, shards: int, out: Path, stem: str) -> list[Path]:
         path = out / f"{stem}-{n + 1:05d}-of-{shards:05d}.gguf"
         writer = gguf.GGUFWriter(str(path), arch)
         if n == 0:
-            for field in reader.fields.values():
-                if field.name.startswith("GGUF.") or field.name == "general.architecture":
-                    continue
-                vtype = field.types[0]
-                sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-                writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+            copy_metadata(reader, writer)
         writer.add_uint16("split.no", n)
         writer.add_uint16("split.count", shards)
         writer.add_int32("split.tensors.count", len(tensors))
