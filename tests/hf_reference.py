@@ -166,7 +166,8 @@ def build(name: str, out_dir: Path) -> tuple[Path, Path]:
     model.save_pretrained(hf_dir)
     _save_tokenizer(hf_dir)
     script = CONVERT.format(llama=str(LLAMA_CPP))
-    args = [str(hf_dir), "--outtype", "f32", "--outfile", str(gguf_path)]
+    # a name of its own: llama.cpp's vocabulary treats a model named "phi3" specially
+    args = [str(hf_dir), "--outtype", "f32", "--outfile", str(gguf_path), "--model-name", "tiny"]
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {name}:\n{done.stderr[-3000:]}")
