@@ -238,7 +238,11 @@ class Reaper:
         except NoSuchJobError:
             return False
         posted = job.get_status() == JobStatus.STARTED  # else killed before its POST
-        attempt = attempt_number(job)
+        if posted:  # in the delivery log before the next attempt can be
+            endpoint_id, event = job.args[0], job.args[1]
+            attempt, at = attempt_number(job), time.time()
+            died = DeliveryAttempt(job_id, event["id"], event["type"], attempt, None, DIED, 0.0, at)
+            log_delivery(self.conn, endpoint_id, died)
         with self.conn.pipeline() as pipe:  # one MULTI (enqueue_job's opens it: first)
             if not posted or job.retries_left:
                 if posted:
@@ -254,11 +258,6 @@ class Reaper:
             clear_started(pipe, self.conn, job)
             pipe.lrem(self.queue.intermediate_queue_key, 0, job_id)  # killed before its start
             pipe.execute()
-        if posted:
-            endpoint_id, event = job.args[0], job.args[1]
-            at = time.time()
-            died = DeliveryAttempt(job_id, event["id"], event["type"], attempt, None, DIED, 0.0, at)
-            log_delivery(self.conn, endpoint_id, died)
         log.warning("delivery %s: %s died running it; %s", job_id, owner, outcome)
         return True
 
