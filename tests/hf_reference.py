@@ -35,6 +35,7 @@ LONGROPE = dict(
     short_factor=[1.0 + 0.1 * i for i in range(6)],
     long_factor=[1.0 + 0.5 * i for i in range(6)],
 )
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
 LLAMA3_ROPE = dict(
     rope_type="llama3",
     factor=8.0,
@@ -46,6 +47,7 @@ PHI3 = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=None)
 # name -> (transformers config class name, its arguments): each exercises its variant
 CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", dict(BASE, head_dim=24, rope_theta=1e6)),
+    "qwen3-yarn": ("Qwen3Config", dict(BASE, head_dim=24, rope_theta=1e6, rope_scaling=YARN)),
     "qwen2": ("Qwen2Config", dict(BASE, rope_theta=1e6, tie_word_embeddings=True)),
     "llama3": ("LlamaConfig", dict(BASE, rope_theta=5e5, rope_scaling=LLAMA3_ROPE)),
     "mistral": ("MistralConfig", dict(BASE, head_dim=24, sliding_window=None)),
@@ -78,6 +80,21 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "smollm3": ("SmolLM3Config", dict(BASE, num_hidden_layers=4, pad_token_id=0)),
     "olmo2": ("Olmo2Config", dict(BASE, pad_token_id=0)),
     "olmo3": ("Olmo3Config", dict(BASE, num_hidden_layers=4, pad_token_id=0, sliding_window=8)),
+    # one base for both kinds of layer: llama.cpp's olmo2 graph rotates sliding layers with
+    # the main base whatever rope.freq_base_swa says
+    "olmo3-yarn": (
+        "Olmo3Config",
+        dict(
+            BASE,
+            num_hidden_layers=4,
+            pad_token_id=0,
+            sliding_window=8,
+            rope_parameters={
+                "full_attention": dict(YARN, rope_theta=5e5),
+                "sliding_attention": dict(rope_type="default", rope_theta=5e5),
+            },
+        ),
+    ),
     "granite": (
         "GraniteConfig",
         dict(

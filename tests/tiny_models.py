@@ -155,7 +155,16 @@ class TinyArch:
 
 
 TINY_ARCHS = {
-    "qwen3": TinyArch(qk_norm="head", key_length=24),
+    # with Qwen's long-context YaRN (factor 4 over an original context of 64)
+    "qwen3": TinyArch(
+        qk_norm="head",
+        key_length=24,
+        values=(
+            ("rope.scaling.type", "yarn"),
+            ("rope.scaling.factor", 4.0),
+            ("rope.scaling.original_context_length", 64),
+        ),
+    ),
     "qwen2": TinyArch(bias=True),
     # Phi-4-mini's shape: 3/4 of each head rotated, LongRoPE (long factors: context 256 > 64)
     "phi3": TinyArch(
@@ -192,7 +201,9 @@ TINY_ARCHS = {
 
 def _add_value(w: gguf.GGUFWriter, arch: str, key: str, value: object) -> None:
     name = f"{arch}.{key}"
-    if isinstance(value, bool):
+    if isinstance(value, str):
+        w.add_string(name, value)
+    elif isinstance(value, bool):
         w.add_bool(name, value)
     elif isinstance(value, int):
         w.add_uint32(name, value)

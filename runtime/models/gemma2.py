@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.models.base import rope_inv_freq
 from runtime.models.layers import GLOBAL, BlockShape, Decoder, DecoderArgs, sliding_layers
@@ -42,6 +43,8 @@ class Gemma2Model(Decoder):
     def read_args(f: GGUFFile) -> Gemma2Args:
         n_layers, dim = int(f.require("block_count")), int(f.require("embedding_length"))
         n_heads = int(f.require("attention.head_count"))
+        if f.arch_value("rope.scaling.type") == "yarn":
+            raise ModelFormatError(f"{f.path.name}: rope scaling 'yarn' is not supported")
         args = Gemma2Args.read(
             f,
             norm_eps=1e-6,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile
 from runtime.models.base import rope_inv_freq
 from runtime.models.layers import GLOBAL, BlockShape, Decoder, DecoderArgs
@@ -29,6 +30,8 @@ class Gemma3Args(DecoderArgs):
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> Gemma3Args:
         dim = int(f.require("embedding_length"))
+        if f.arch_value("rope.scaling.type") == "yarn":
+            raise ModelFormatError(f"{f.path.name}: rope scaling 'yarn' is not supported")
         return cls.read(
             f,
             norm_eps=1e-6,

@@ -31,6 +31,58 @@ GLOBAL = "global"  # the rope key of a layer with the model's main rope
 
 
 @dataclass
+class Yarn:
+    """YaRN rope scaling as llama.cpp applies it (ggml's rope_yarn with the attention
+    factor src/llama-context.cpp sets): per frequency a mix of interpolated (divided by
+    `factor`) and original, ramped between the correction dims, cos and sin times mscale."""
+
+    factor: float
+    original_context: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    ext_factor: float = 1.0
+    log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier (mscale_all_dim)
+    attn_factor: float = 1.0  # rope.scaling.yarn_attn_factor: used only without the ramp
+
+    @classmethod
+    def read(cls, f: GGUFFile) -> Yarn:
+        return cls(
+            factor=float(f.require("rope.scaling.factor")),
+            original_context=int(f.require("rope.scaling.original_context_length")),
+            beta_fast=float(f.arch_value("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(f.arch_value("rope.scaling.yarn_beta_slow", 1.0)),
+            ext_factor=float(f.arch_value("rope.scaling.yarn_ext_factor", 1.0)),
+            log_mul=float(f.arch_value("rope.scaling.yarn_log_multiplier", 0.0)),
+            attn_factor=float(f.arch_value("rope.scaling.yarn_attn_factor", 1.0)),
+        )
+
+    def corr_dims(self, n_rot: int, base: float) -> tuple[float, float]:
+        """ggml_rope_yarn_corr_dims: the frequency pairs where the ramp starts and ends."""
+
+        def dim(n_turns: float) -> float:
+            return (
+                n_rot * np.log(self.original_context / (n_turns * 2 * np.pi)) / (2 * np.log(base))
+            )
+
+        low, high = np.floor(dim(self.beta_fast)), np.ceil(dim(self.beta_slow))
+        return max(0.0, float(low)), min(n_rot - 1.0, float(high))
+
+    def apply(self, inv_freq: np.ndarray, n_rot: int, base: float) -> tuple[np.ndarray, float]:
+        """(the scaled inverse frequencies, cos/sin multiplier)."""
+        if self.ext_factor == 0.0:
+            return inv_freq / self.factor, self.attn_factor
+        low, high = self.corr_dims(n_rot, base)
+        y = (np.arange(len(inv_freq)) - low) / max(0.001, high - low)
+        ramp = (1 - np.clip(y, 0.0, 1.0)) * self.ext_factor
+        scaled = inv_freq * ((1 - ramp) / self.factor + ramp)
+
+        def mscale(m: float) -> float:
+            return 1.0 if self.factor <= 1.0 else 0.1 * m * float(np.log(self.factor)) + 1.0
+
+        return scaled, mscale(1.0) / mscale(self.log_mul) if self.log_mul else mscale(1.0)
+
+
+@dataclass
 class DecoderArgs:
     """Hyperparameters every decoder reads alike from GGUF; an architecture subclasses it
     for its own keys and for which layer gets which window and rope (`window`, `rope`)."""
@@ -53,6 +105,8 @@ class DecoderArgs:
     residual_scale: float = 1.0
     logit_scale: float = 1.0  # logits are multiplied by this
     final_softcap: float | None = None  # gemma2: cap * tanh(logits / cap)
+    yarn: Yarn | None = None  # YaRN rope scaling (then rope_scale is 1)
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor: cos and sin times this
     attn_softcap: float | None = None  # gemma2: the same on every attention score
     # a sliding window (0: none) over the layers marked in `sliding` (sliding_layers)
     sliding_window: int = 0
@@ -62,6 +116,7 @@ class DecoderArgs:
     def read(cls, f: GGUFFile, norm_eps: float = 1e-5, rope_base: float = 10000.0, **extra):
         dim, n_heads = int(f.require("embedding_length")), int(f.require("attention.head_count"))
         head_dim = int(f.arch_value("attention.key_length", dim // n_heads))
+        yarn = f.arch_value("rope.scaling.type") == "yarn"
         return cls(
             n_layers=int(f.require("block_count")),
             dim=dim,
@@ -71,7 +126,9 @@ class DecoderArgs:
             ffn_dim=int(f.require("feed_forward_length")),
             norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", norm_eps)),
             rope_base=float(f.arch_value("rope.freq_base", rope_base)),
-            rope_scale=f.linear_rope_scale(),
+            rope_scale=1.0 if yarn else f.linear_rope_scale(),
+            yarn=Yarn.read(f) if yarn else None,
+            rope_attn_factor=float(f.arch_value("rope.scaling.attn_factor", 1.0)),
             n_rot=int(f.arch_value("rope.dimension_count", head_dim)),
             context_length=int(f.require("context_length")),
             vocab_size=len(f.metadata["tokenizer.ggml.tokens"]),
@@ -278,9 +335,20 @@ class Decoder(DecoderModel):
         """Each rope key's arguments to `rope_tables` after the positions: (inverse
         frequencies, linear scale[, cos/sin multiplier]); llama 3's `rope_freqs` tensor
         divides the frequencies."""
-        a = self.args
         factors = f.tensor("rope_freqs.weight") if f.has_tensor("rope_freqs.weight") else None
-        return {GLOBAL: (rope_inv_freq(a.n_rot, a.rope_base, factors), a.rope_scale)}
+        return {GLOBAL: self.rope(factors)}
+
+    def rope(self, factors: np.ndarray | None = None) -> tuple:
+        """The main rope's `rope_tables` arguments: frequencies (divided by `factors`, then
+        YaRN's), linear scale, cos/sin multiplier (rope.scaling.attn_factor, YaRN's)."""
+        a = self.args
+        inv_freq, mscale = rope_inv_freq(a.n_rot, a.rope_base, factors), a.rope_attn_factor
+        if a.yarn is not None:
+            inv_freq, yarn_mscale = a.yarn.apply(inv_freq, a.n_rot, a.rope_base)
+            mscale *= yarn_mscale
+        if mscale == 1.0:
+            return inv_freq, a.rope_scale
+        return inv_freq, a.rope_scale, mscale
 
     def forward(self, tokens: np.ndarray, layout: BatchLayout):
         self.ops.prepare(layout, self.kv_windows)
@@ -291,8 +359,8 @@ class Decoder(DecoderModel):
         ropes = {key: self.ops.rope_tables(positions, *rope) for key, rope in self.ropes.items()}
         return self.run_layers(x, layout, ropes)
 
-    def logits(self, hidden):
-        out = self.output(hidden)  # [N, D] -> [N, V]
+    def logits(self, hidden, exact=None):
+        out = super().logits(hidden, exact)  # [N, D] -> [N, V]
         if self.args.logit_scale != 1.0:
             out = out * self.args.logit_scale
         if self.args.final_softcap is not None:

@@ -14,7 +14,6 @@ from collections.abc import Hashable
 import numpy as np
 
 from runtime.gguf_file import GGUFFile
-from runtime.models.base import rope_inv_freq
 from runtime.models.layers import GLOBAL, Decoder, DecoderArgs
 
 
@@ -34,9 +33,7 @@ class Phi3Model(Decoder):
         return DecoderArgs.read(f)
 
     def rope_freqs(self, f: GGUFFile) -> dict[Hashable, tuple]:
-        """LongRoPE's factors divide the frequencies; its attention factor multiplies cos
-        and sin, so only the rotated dims (not a partial rope's others)."""
-        a = self.args
-        factors = longrope_factors(f, a.context_length)
-        mscale = float(f.arch_value("rope.scaling.attn_factor", 1.0))
-        return {GLOBAL: (rope_inv_freq(a.n_rot, a.rope_base, factors), a.rope_scale, mscale)}
+        """LongRoPE's factors divide the frequencies; its attention factor
+        (rope.scaling.attn_factor, `Decoder.rope`) multiplies cos and sin, so only the
+        rotated dims (not a partial rope's others)."""
+        return {GLOBAL: self.rope(longrope_factors(f, self.args.context_length))}
