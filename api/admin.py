@@ -24,12 +24,7 @@ from rq.registry import (
 from api import loras, store
 from api import webhook_bodies as wb
 from api.auth import require_admin
-from api.body import json_object
-from api.config import redis_conn
-from api.errors import InvalidRequest, ModelNotFound, NotFound, ServiceUnavailable
-from api.history import points, read_samples
-from api.lora_rollout import FAILED, READY, AdapterRollout, adapter_states
-from api.responses import (
+from api.bodies import (
     BrokerState,
     History,
     HistoryPoint,
@@ -46,6 +41,11 @@ from api.responses import (
     WorkerList,
     WorkerObject,
 )
+from api.body import json_object
+from api.config import redis_conn
+from api.errors import InvalidRequest, ModelNotFound, NotFound, ServiceUnavailable
+from api.history import points, read_samples
+from api.lora_rollout import FAILED, READY, AdapterRollout, adapter_states
 from runtime.errors import LLMQRuntimeError
 from runtime.gguf_file import GGUFFile
 from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter

@@ -16,23 +16,15 @@ from typing import Any
 
 from flask import Flask, Response, current_app, g, request
 
-from api import (
-    admin,
-    batches,
-    files,
-    jobs,
-    openai_api,
-    openapi,
-    ops,
-    rate_limits,
-    responses_api,
-    ui,
-)
+from api import admin, jobs, openai_api, openapi, ops, rate_limits, ui
+from api.batches import files
+from api.batches import routes as batches
 from api.config import broker_settings, from_env, make_events, make_redis, redis_conn
 from api.directory import DirectoryCache
 from api.errors import register_error_handlers
 from api.model_texts import ModelTexts
 from api.request_counts import RequestCounts
+from api.responses import routes as responses_api
 from api.streams.slot_routing import BucketReaders
 from api.streams.stream_hub import MAX_READERS, StreamHub
 from workers.wire.broker import Replication

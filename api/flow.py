@@ -14,11 +14,11 @@ from flask import Response, current_app, jsonify, request
 
 from api import loras, rate_limits, store
 from api.auth import bearer_token, caller_scope
+from api.bodies import JobSummary
 from api.chunks import ChunkStream, sse_data
 from api.config import redis_conn, replication, stream_hub
 from api.errors import APIError, InvalidRequest, ServiceUnavailable
 from api.model_texts import ModelTexts
-from api.responses import JobSummary
 from api.streams.events import DisconnectWatch, follow, idle_tick
 from api.streams.relay import sse_response
 from api.streams.stream_hub import Event
@@ -49,7 +49,7 @@ def submit_request(
     marks: dict[str, str] | None = None,
 ) -> store.Submission:
     """Check the model and the context, then store and enqueue the job (or find its twin).
-    A response (api/responses_api.py) names its id, its Responses request, the fields that
+    A response (api/responses/routes.py) names its id, its Responses request, the fields that
     make its end notify the webhooks (`marks`) and, for the flex tier, a shorter queue it
     may join (`max_queue`)."""
     conn = redis_conn()

@@ -9,12 +9,12 @@ from flask import Blueprint, Response, current_app, jsonify, request
 
 from api import store
 from api.auth import caller_scope, require_api_key
+from api.bodies import Job, JobList
 from api.body import json_object
 from api.config import events_conn, redis_conn
 from api.errors import APIError, InvalidRequest
 from api.flow import accepted, submit_request
 from api.paging import int_arg, list_page
-from api.responses import Job, JobList
 from api.schemas import parse_request
 from api.streams.events import parse_event_id, sse
 from api.streams.relay import sse_response

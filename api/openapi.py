@@ -17,9 +17,9 @@ from flask import Blueprint, Response, abort, jsonify, send_from_directory
 from pydantic import BaseModel, Field
 from swagger_ui_bundle import swagger_ui_path
 
-from api import responses as r
+from api import bodies as r
 from api import webhook_bodies as wb
-from api.response_requests import ResponseRequest
+from api.responses.requests import ResponseRequest
 from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from workers.wire.job import BATCH_ENDPOINTS, ENDPOINTS, JOB_STATUSES
 
@@ -133,7 +133,7 @@ ROUTES: tuple[Op, ...] = (
         ok={200: {JSON: r.ModelObject}},
         errors=(404,),
     ),
-    # OpenAI's Responses API (api/responses_api.py)
+    # OpenAI's Responses API (api/responses/routes.py)
     Op(
         "post",
         "/v1/responses",

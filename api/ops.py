@@ -6,9 +6,9 @@ from flask import Blueprint, Response, current_app, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api import metrics, store
+from api.bodies import BrokerState, Health, Ready
 from api.config import redis_conn, stream_hub
 from api.errors import ServiceUnavailable
-from api.responses import BrokerState, Health, Ready
 from workers.wire.broker import replication_state
 from workers.wire.worker_info import LOADING, READY, WorkerInfo
 

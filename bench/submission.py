@@ -4,7 +4,7 @@ app to a real Redis, plain, with both rate limits on (`api/rate_limits.py`: one 
 script per request) and with a priority other than 0 (a level queue of its own,
 `workers/keys.py` `level_queue_name`); then an async chat job (`POST /v1/jobs`) beside a
 background Responses request (`POST /v1/responses`, `background: true`), which runs as the
-same chat job with its Responses request kept on the record (`api/responses_api.py`).
+same chat job with its Responses request kept on the record (`api/responses/routes.py`).
 
 The load test (`make test-load`, tests/README.md "Load") measures the same path under 200
 clients, where the access log's whole milliseconds and the run-to-run noise are larger

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from api.batch_cli import add_batch_commands
+from api.batches.cli import add_batch_commands
 from api.cli import add_api_commands
 from runtime.cli import add_runtime_commands
 from runtime.errors import LLMQRuntimeError

@@ -28,7 +28,7 @@ from workers import keys
 from workers.errors import ConstrainedDecodingError, InvalidJobRequest, JobFailure, JobRefused
 from workers.progress import StreamProgress
 from workers.requests import ChoicePlan, JobPlan, embedding_inputs, plan_generation
-from workers.responses import (
+from workers.result_bodies import (
     ChoiceOutput,
     LogprobRenderer,
     embeddings_body,

@@ -13,14 +13,14 @@ import redis
 from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from api import batch_store
 from api.auth import caller_scope, require_api_key
-from api.batch_lines import numbered_lines
+from api.batches import store as batch_store
+from api.batches.lines import numbered_lines
+from api.bodies import FileDeleted, FileList
 from api.body import UnsupportedMediaType
 from api.config import redis_conn, replication
 from api.errors import InvalidRequest, PayloadTooLarge
 from api.paging import int_arg, list_page
-from api.responses import FileDeleted, FileList
 from workers import keys
 from workers.wire.batches import FILE_PURPOSE_BATCH
 from workers.wire.broker import NotReplicated

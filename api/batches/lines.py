@@ -19,7 +19,7 @@ from api.body import json_type, parse_json
 from api.errors import APIError, InvalidRequest
 from api.flow import check_context
 from api.model_texts import ModelTexts
-from api.response_requests import (
+from api.responses.requests import (
     new_response_id,
     parse_response_request,
     responses_error,
@@ -184,7 +184,7 @@ def _response_line(
     adapters: dict[str, str],
 ) -> ValidLine:
     """A Responses request run as the chat request it translates to, as `POST /v1/responses`
-    runs it (`api.responses_api`); its record keeps the Responses request and the response
+    runs it (`api.responses.routes`); its record keeps the Responses request and the response
     id its output line answers with."""
     try:
         req = parse_response_request(body)
@@ -216,7 +216,7 @@ def _generation_line(
     translated: bool = False,
 ) -> ValidLine:
     """`translated`: `body` is a Responses request's chat translation, whose errors are
-    worded for the Responses request (`api.response_requests.responses_error`)."""
+    worded for the Responses request (`api.responses.requests.responses_error`)."""
     try:
         req = parse_request(endpoint, body)
         requested = req.model

@@ -15,15 +15,16 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from api import batch_store, rate_limits, store
+from api import rate_limits, store
 from api.auth import caller_scope, require_api_key
-from api.batch_lines import validate_lines
+from api.batches import store as batch_store
+from api.batches.lines import validate_lines
+from api.bodies import BatchList
 from api.body import json_object
 from api.config import redis_conn, replication
 from api.errors import APIError, InvalidRequest
 from api.loras import adapters_of
 from api.paging import int_arg, list_page
-from api.responses import BatchList
 from workers import keys
 from workers.wire.batches import FILE_PURPOSE_BATCH
 from workers.wire.broker import NotReplicated

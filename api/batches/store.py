@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import redis
 
 from api.auth import visible
-from api.batch_lines import InvalidLine, ValidLine
+from api.batches.lines import InvalidLine, ValidLine
 from api.errors import BatchNotFound, Conflict, ExpiredOrMissing, FileNotFound
 from api.paging import cursor_page
 from workers import keys

@@ -1,10 +1,10 @@
 """The `responses` blueprint: OpenAI's Responses API on the job system.
 
 A response is a chat-completion job whose record also carries the Responses request
-(api/response_requests.py translates it; workers/wire/responses_api.py renders the answer);
+(api/responses/requests.py translates it; workers/wire/responses_api.py renders the answer);
 the job id is the response id, so no other index exists. It runs on the same queues and
 workers as every job, and survives what a job survives: its stream events are derived from
-the job's event stream (api/response_events.py), so any API process replays them.
+the job's event stream (api/responses/events.py), so any API process replays them.
 
 `POST /v1/responses` answers as the request asks: the finished response, its events (SSE;
 a client that disconnects cancels it unless it runs in the background), or at once with
@@ -35,8 +35,8 @@ from api.errors import (
 )
 from api.flow import error_from_event, submit_request, wait_end
 from api.paging import int_arg
-from api.response_events import ResponseEvents
-from api.response_requests import (
+from api.responses.events import ResponseEvents
+from api.responses.requests import (
     new_response_id,
     parse_response_request,
     responses_error,
@@ -217,7 +217,7 @@ def stream_events(
 
 
 class ResponseEventRenderer:
-    """A response's typed events (api/response_events.py), those numbered after `after`
+    """A response's typed events (api/responses/events.py), those numbered after `after`
     (a client resuming with `starting_after`); an error is OpenAI's `error` event."""
 
     def __init__(self, derive: ResponseEvents, after: int) -> None:

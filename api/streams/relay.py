@@ -1,7 +1,7 @@
 """The one SSE relay: a job's events to one waiting client, however the surface shows them.
 
 Every stream of the API (a streamed chat or completion, api/flow.py; a job's `/events`,
-api/jobs.py; a response's events, api/responses_api.py) is this loop, and each surface
+api/jobs.py; a response's events, api/responses/routes.py) is this loop, and each surface
 gives only a `Renderer`: what goes out first, how a batch of events looks, how an error
 ends the stream. What the contract promises of every stream (docs/contract.md, "Streams at
 scale") is kept here once:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from api.batch_lines import numbered_lines, validate_lines
+from api.batches.lines import numbered_lines, validate_lines
 from workers.wire.defaults import MAX_LINE_BYTES
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from api import batch_store
-from api import files as files_module
-from api.batch_lines import ValidLine
+from api.batches import files as files_module
+from api.batches import store as batch_store
+from api.batches.lines import ValidLine
 from workers import keys
 from workers.batches import BatchDriver
 from workers.wire.batches import BATCH_FAILED
@@ -191,7 +191,7 @@ def test_files_and_batches_need_the_api_key(fake_redis, registered) -> None:
 
 
 def test_a_batch_that_fails_at_creation_is_a_webhook_event_in_the_same_write(fake_redis) -> None:
-    """api/batch_store.py: a batch refused whole (file-level errors) never runs, so its
+    """api/batches/store.py: a batch refused whole (file-level errors) never runs, so its
     creation is its terminal write, and its `batch.failed` outbox entry goes with it; a batch
     that will run appends nothing yet (the driver appends its end, tests/workers)."""
     failed = batch_store.create_batch(

@@ -16,7 +16,7 @@ import fakeredis
 import pytest
 
 from api.app import create_app
-from api.batch_lines import validate_lines
+from api.batches.lines import validate_lines
 from tests.api.fake_worker import FakeWorker
 from tests.tiny_models import write_lora, write_tiny_gemma3, write_tiny_llama
 from workers import keys

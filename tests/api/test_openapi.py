@@ -15,8 +15,8 @@ from openapi_spec_validator.validation.exceptions import OpenAPIValidationError
 from pydantic import BaseModel
 
 from api import admin
+from api.bodies import Completion, Job, WorkerList
 from api.openapi import JSON, ROUTES
-from api.responses import Completion, Job, WorkerList
 from workers import keys
 from workers.history import HistorySampler
 from workers.pool import PoolEntry

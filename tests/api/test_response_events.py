@@ -1,4 +1,4 @@
-"""A response's stream events derived from its job's events (api/response_events.py) and
+"""A response's stream events derived from its job's events (api/responses/events.py) and
 the Response object rendered from its record (workers/wire/responses_api.py); no Redis.
 Every event and object is parsed by the official client's own types."""
 
@@ -10,7 +10,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from api.response_events import ResponseEvents, response_events
+from api.responses.events import ResponseEvents, response_events
 from workers.wire import responses_api as wire
 from workers.wire.errors import cancelled_error, error_body
 from workers.wire.events import StreamDone, StreamError, StreamToken, decode, encode, event_fields

@@ -1,12 +1,12 @@
 """A Responses request checked and translated to the chat request a worker runs
-(api/response_requests.py); no Redis."""
+(api/responses/requests.py); no Redis."""
 
 from __future__ import annotations
 
 import pytest
 
 from api.errors import InvalidRequest, UnsupportedFeature
-from api.response_requests import (
+from api.responses.requests import (
     input_items,
     messages,
     parse_response_request,

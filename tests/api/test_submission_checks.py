@@ -10,7 +10,7 @@ import fakeredis
 import pytest
 
 from api.app import create_app
-from api.batch_lines import validate_lines
+from api.batches.lines import validate_lines
 from api.model_texts import ModelTexts
 from tests.api.fake_worker import FakeWorker
 from workers import keys

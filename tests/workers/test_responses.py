@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from api.responses import ChatCompletion as DocumentedChatCompletion
-from workers.responses import ChoiceOutput, chat_body, completion_body, embeddings_body, usage
+from api.bodies import ChatCompletion as DocumentedChatCompletion
+from workers.result_bodies import ChoiceOutput, chat_body, completion_body, embeddings_body, usage
 from workers.wire.bodies import ChatCompletion, Completion, EmbeddingList
 
 

@@ -1,9 +1,9 @@
 """The OpenAI bodies a job answers with: completions, chat completions, embeddings, errors;
 and the file and batch objects of the Batch API, built from their records.
 
-Workers build every result body from these models (`workers.responses`), the `done` event
+Workers build every result body from these models (`workers.result_bodies`), the `done` event
 and the job record carry it, and the API serves it as is; `/openapi.json` documents the
-same models (`api.responses` re-exports them beside the API's other bodies), so what is
+same models (`api.bodies` re-exports them beside the API's other bodies), so what is
 documented is what is built. They allow extra fields: a body may carry more than is
 documented (`usage.prompt_tokens_details`), never less. `dump` leaves out what the builder
 did not set, so an optional field is absent, not null, unless a builder says null.

@@ -1,7 +1,7 @@
 """OpenAI's Responses API objects, rendered from a job record and its chat result.
 
 A response is a chat-completion job whose record also carries the Responses request
-(`JobRecord.responses`, written by api/response_requests.py): the request's fields as the
+(`JobRecord.responses`, written by api/responses/requests.py): the request's fields as the
 client gave them (normalised), its input items with their ids, and `context`, the
 conversation of its `previous_response_id` (that response's context, input and output
 items). The job id is the response id (`resp_<hex>`). Everything here is a pure function of
