@@ -51,6 +51,25 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", dict(BASE, rope_theta=1e6, tie_word_embeddings=True)),
     "llama3": ("LlamaConfig", dict(BASE, rope_theta=5e5, rope_scaling=LLAMA3_ROPE)),
     "mistral": ("MistralConfig", dict(BASE, head_dim=24, sliding_window=None)),
+    # Ministral 3: YaRN (mscale and mscale_all_dim 1) and Llama 4's attention temperature
+    "ministral3": (
+        "Ministral3Config",
+        dict(
+            BASE,
+            head_dim=24,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=1e6,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                llama_4_scaling_beta=0.1,
+            ),
+        ),
+    ),
     "phi3": ("Phi3Config", dict(BASE, **PHI3)),
     "phi3-longrope": (
         "Phi3Config",

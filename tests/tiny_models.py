@@ -177,7 +177,17 @@ TINY_ARCHS = {
         longrope=12,
     ),
     "smollm3": TinyArch(),  # every fourth layer without rope
-    "mistral3": TinyArch(key_length=24),  # Mistral Small's head size is not dim / heads
+    # Ministral 3's: a head size other than dim / heads, YaRN, Llama 4's attention temperature
+    "mistral3": TinyArch(
+        key_length=24,
+        values=(
+            ("rope.scaling.type", "yarn"),
+            ("rope.scaling.factor", 4.0),
+            ("rope.scaling.original_context_length", 32),
+            ("rope.scaling.yarn_log_multiplier", 1.0),
+            ("attention.temperature_scale", 0.1),
+        ),
+    ),
     # OLMo 3's shape: a window of 8 on three layers of four (llama.cpp's default pattern)
     "olmo2": TinyArch(norms="post", qk_norm="full", values=(("attention.sliding_window", 8),)),
     "gemma2": TinyArch(

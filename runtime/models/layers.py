@@ -28,6 +28,7 @@ from runtime.models.base import (
 from runtime.models.ops import array_ops
 
 GLOBAL = "global"  # the rope key of a layer with the model's main rope
+Q_TEMPERATURE = "q temperature"  # beside the rope tables: each row's q multiplier
 
 
 @dataclass
@@ -107,6 +108,9 @@ class DecoderArgs:
     final_softcap: float | None = None  # gemma2: cap * tanh(logits / cap)
     yarn: Yarn | None = None  # YaRN rope scaling (then rope_scale is 1)
     rope_attn_factor: float = 1.0  # rope.scaling.attn_factor: cos and sin times this
+    # Llama 4's attention temperature (Ministral 3): q times 1 + t * log(floor(p / n) + 1)
+    q_temperature: float = 0.0
+    q_temperature_floor: int = 1
     attn_softcap: float | None = None  # gemma2: the same on every attention score
     # a sliding window (0: none) over the layers marked in `sliding` (sliding_layers)
     sliding_window: int = 0
@@ -255,7 +259,8 @@ class Block:
         return np.concatenate([q, k, v]).astype(np.float32)
 
     def __call__(self, x, layout: BatchLayout, ropes: dict) -> Any:
-        attn = self._residual(self.attention(x, layout, ropes.get(self.rope_key)), True)
+        rope, q_temperature = ropes.get(self.rope_key), ropes.get(Q_TEMPERATURE)
+        attn = self._residual(self.attention(x, layout, rope, q_temperature), True)
         h = x + attn
         return h + self._residual(self.mlp(h, layout), False)
 
@@ -274,7 +279,7 @@ class Block:
             return linear(x, weight, layout)
         return normed_linear(x, self.args.norm_eps, weight, layout, self.ops.rms_normalize)
 
-    def attention(self, x, layout: BatchLayout, rope: tuple | None):
+    def attention(self, x, layout: BatchLayout, rope: tuple | None, q_temperature=None):
         a, t, ops = self.args, x.shape[0], self.ops
         q_end, k_end = a.n_heads * a.head_dim, (a.n_heads + a.n_kv_heads) * a.head_dim
         qkv = self.project(x, self.wqkv, layout)  # [T, D] -> [T, (H+2Hkv)*Dh]
@@ -287,6 +292,8 @@ class Block:
         else:
             q, k = self._normed_qk(qkv[:, :q_end], qkv[:, q_end:k_end])
             q, k = (ops.apply_rope(y, *rope) if rope else ops.no_rope(y) for y in (q, k))
+        if q_temperature is not None:
+            q = q * q_temperature  # [T, H, Dh] * [T, 1, 1]
         out = ops.attend(self.index, q, k, v, layout, self.window, a.attn_softcap)
         return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
@@ -357,6 +364,10 @@ class Decoder(DecoderModel):
             x = x * np.float32(self.args.embed_scale)
         positions = layout.positions()
         ropes = {key: self.ops.rope_tables(positions, *rope) for key, rope in self.ropes.items()}
+        if self.args.q_temperature:
+            a = self.args
+            scale = self.ops.position_scale(positions, a.q_temperature, a.q_temperature_floor)
+            ropes[Q_TEMPERATURE] = scale
         return self.run_layers(x, layout, ropes)
 
     def logits(self, hidden, exact=None):

@@ -1,8 +1,8 @@
-"""Mistral 3 (Mistral Small 3.x's text model): llama's block on the rows llama's converter
-permutes (conversion/mistral3.py `Ministral3Model` is a LlamaModel); llama.cpp:
-src/models/mistral3.cpp. Its variants we do not run are refused at load: Llama 4's
-attention temperature (`attention.temperature_scale`, Ministral 3), whose files also
-use yarn rope (refused by GGUFFile.linear_rope_scale), and the MoE feed-forward.
+"""Mistral 3 (Mistral Small 3.x's text model, Ministral 3): llama's block on the rows
+llama's converter permutes (conversion/mistral3.py `Ministral3Model` is a LlamaModel);
+Ministral 3 adds YaRN rope and Llama 4's attention temperature: q times
+1 + t * log(floor(p / n) + 1), t `attention.temperature_scale`, n the original context.
+llama.cpp: src/models/mistral3.cpp. Its MoE feed-forward is refused at load.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ class Mistral3Model(Decoder):
 
     @staticmethod
     def read_args(f: GGUFFile) -> DecoderArgs:
-        if float(f.arch_value("attention.temperature_scale", 0.0)) != 0.0:
-            raise ModelFormatError(
-                f"{f.path.name}: mistral3 with attention temperature scaling is not supported"
-            )
         if f.has_tensor("blk.0.ffn_gate_inp.weight"):
             raise ModelFormatError(f"{f.path.name}: mistral3 with MoE layers is not supported")
-        return DecoderArgs.read(f)
+        context = int(f.require("context_length"))
+        return DecoderArgs.read(
+            f,
+            q_temperature=float(f.arch_value("attention.temperature_scale", 0.0)),
+            q_temperature_floor=int(f.arch_value("rope.scaling.original_context_length", context)),
+        )

@@ -36,6 +36,13 @@ class HostOps:
         return x
 
     @staticmethod
+    def position_scale(positions: np.ndarray, scale: float, floor: int) -> np.ndarray:
+        """Llama 4's attention temperature per row `[T, 1, 1]`: 1 + scale * log(floor(p /
+        floor) + 1) (Ministral 3's q, llama.cpp's llm_graph_input_attn_temp)."""
+        steps = np.floor(np.asarray(positions, np.float64) / floor)
+        return (1.0 + scale * np.log(steps + 1.0)).astype(np.float32)[:, None, None]
+
+    @staticmethod
     def softcap(x: np.ndarray, cap: float) -> np.ndarray:
         """cap * tanh(x / cap) (gemma2's final logits)."""
         return np.float32(cap) * np.tanh(x / np.float32(cap))

@@ -103,6 +103,12 @@ class TensorOps:
         leaves a rotated one."""
         return x.to(self.kv_dtype)
 
+    def position_scale(self, positions, scale: float, floor: int) -> torch.Tensor:
+        """Llama 4's attention temperature per row `[T, 1, 1]` (models/ops.py), computed on
+        the device from the positions, eager or captured alike."""
+        steps = torch.floor(as_index(positions, self.device).double() / floor)
+        return (1.0 + scale * torch.log(steps + 1.0)).float()[:, None, None]
+
     @staticmethod
     def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
         """cap * tanh(x / cap) (gemma2's final logits), in float32."""

@@ -58,11 +58,11 @@ def test_each_layer_gets_its_window_and_rope(tmp_path: Path):
     assert [layer.rope_key for layer in smol.layers] == ["global"] * 3 + [None]
 
 
-def test_mistral3s_variants_we_do_not_run_are_refused_at_load(tmp_path: Path):
+def test_mistral3s_moe_layers_are_refused_at_load(tmp_path: Path):
     f = GGUFFile(write_tiny_arch(tmp_path / "m.gguf", "mistral3"))
     load_model(f, get_backend("numpy"))
-    f.metadata["mistral3.attention.temperature_scale"] = 0.1  # Ministral 3's
-    with pytest.raises(ModelFormatError, match="temperature scaling is not supported"):
+    f._tensors["blk.0.ffn_gate_inp.weight"] = f._tensors["blk.0.ffn_up.weight"]
+    with pytest.raises(ModelFormatError, match="mistral3 with MoE layers is not supported"):
         load_model(f, get_backend("numpy"))
 
 
