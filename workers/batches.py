@@ -68,7 +68,7 @@ from workers.wire.job import (
     JobRecord,
 )
 from workers.wire.members import each_member
-from workers.wire.responses_api import render
+from workers.wire.responses_api import render, stored_request
 from workers.wire.rq_job import write_queued_rq_job
 from workers.wire.text import as_str
 from workers.wire.wake import push_wake
@@ -449,7 +449,7 @@ def _response_state(raw: dict[bytes, bytes]) -> list[Any]:
     record = JobRecord.from_hash(raw)
     result = None
     if record.status == FINISHED and record.result is not None:
-        response_id = (record.responses or {}).get("id", record.id)
+        response_id = stored_request(record).id or record.id
         result = json.dumps(render(replace(record, id=response_id)), ensure_ascii=False)
     return [record.status, result, raw.get(b"error")]
 

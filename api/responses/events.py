@@ -25,7 +25,7 @@ from typing import Any
 from api.chunks import ChunkStream
 from workers.wire import responses_api as wire
 from workers.wire.events import StreamDone, StreamError, StreamEvent, StreamToken
-from workers.wire.job import JobRecord
+from workers.wire.job import CANCELLED, FAILED, FINISHED, JobRecord
 
 _ONE_CHOICE = SimpleNamespace(include_usage=False, logprobs=False, choices=1, n=1)
 
@@ -51,7 +51,7 @@ class ResponseEvents:
 
     def start(self) -> list[dict[str, Any]]:
         """`response.created` and `response.in_progress`, before any token."""
-        first = "queued" if (self.record.responses or {}).get("background") else "in_progress"
+        first = "queued" if wire.stored_request(self.record).background else "in_progress"
         return [
             self._event("response.created", response=self._response(first)),
             self._event("response.in_progress", response=self._response("in_progress")),
@@ -190,9 +190,7 @@ class ResponseEvents:
 
     def _finish(self, result: dict[str, Any]) -> list[dict[str, Any]]:
         self.ended = True
-        choices = result.get("choices") or [{}]
-        cut = choices[0].get("finish_reason") == "length"
-        status = "incomplete" if cut else "completed"
+        status = wire.response_status(FINISHED, result)
         out = self._close(status)
         response = self._response(status, result=result)
         return [*out, self._event(f"response.{status}", response=response)]
@@ -200,10 +198,14 @@ class ResponseEvents:
     def _fail(self, error: dict[str, Any]) -> list[dict[str, Any]]:
         self.ended = True
         out = self._close("incomplete")
-        cancelled = ((error.get("error") or {}).get("code")) == "cancelled"
-        status = "cancelled" if cancelled else "failed"
+        status = wire.response_status(error_job_status(error), None)
         response = self._response(status, error=error)
         return [*out, self._event("response.failed", response=response)]
+
+
+def error_job_status(error: dict[str, Any]) -> str:
+    """The job status an `error` event ends a job with: a cancel, or a failure."""
+    return CANCELLED if (error.get("error") or {}).get("code") == "cancelled" else FAILED
 
 
 def response_events(record: JobRecord, events: Iterable[StreamEvent]) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from api.errors import (
 )
 from api.flow import error_from_event, submit_request, wait_end
 from api.paging import int_arg
-from api.responses.events import ResponseEvents
+from api.responses.events import ResponseEvents, error_job_status
 from api.responses.requests import (
     new_response_id,
     parse_response_request,
@@ -52,7 +52,6 @@ from workers.wire.events import StreamDone, StreamError
 from workers.wire.job import (
     CANCELLED,
     CHAT_COMPLETIONS,
-    FAILED,
     FINISHED,
     TERMINAL_STATUSES,
     JobRecord,
@@ -106,7 +105,7 @@ def stored_response(conn: Any, response_id: str, scope: str | None) -> JobRecord
     if (
         record is None
         or record.responses is None
-        or not record.responses.get("store", True)
+        or not wire.stored_request(record).store
         or not visible(record.owner, scope)
     ):
         raise ResponseNotFound(response_id)
@@ -169,7 +168,7 @@ def create_response() -> Response:
         return Response(status=499)  # nobody reads it; keeps the access log honest
     if not req.store:
         _forget(conn, events_conn(), record.id)
-    if isinstance(end, StreamError) and not _cancelled(end):
+    if isinstance(end, StreamError) and error_job_status(end.to_data()) != CANCELLED:
         return error_from_event(end)
     return jsonify(wire.render(_ended(record, end)))
 
@@ -180,10 +179,6 @@ def _forget(conn: Any, events: Any, response_id: str) -> None:
     events.expire(keys.job_events(response_id), UNSTORED_TTL_SECONDS)
 
 
-def _cancelled(end: StreamError) -> bool:
-    return (end.error or {}).get("code") == "cancelled"
-
-
 def _ended(record: JobRecord, end: StreamDone | StreamError) -> JobRecord:
     """`record` as its terminal event left it (the record itself may be written after the
     event, when the streams live on their own cluster)."""
@@ -191,7 +186,7 @@ def _ended(record: JobRecord, end: StreamDone | StreamError) -> JobRecord:
     if isinstance(end, StreamDone):
         record.status, record.result = FINISHED, end.result
     else:
-        record.status = CANCELLED if _cancelled(end) else FAILED
+        record.status = error_job_status(end.to_data())
         record.error = end.to_data()
     return record
 
@@ -312,7 +307,7 @@ def cancel_response(response_id: str) -> Response:
     conn = redis_conn()
     scope = caller_scope()
     record = stored_response(conn, response_id, scope)
-    if not (record.responses or {}).get("background"):
+    if not wire.stored_request(record).background:
         raise InvalidRequest(
             "Only responses created with background true can be cancelled.", param="response_id"
         )
@@ -348,7 +343,8 @@ def list_input_items(response_id: str) -> Response:
     if order not in ("asc", "desc"):
         raise InvalidRequest(f"order must be asc or desc, got {order!r}.", param="order")
     record = stored_response(redis_conn(), response_id, caller_scope())
-    items = [*((record.responses or {}).get("context") or []), *wire.input_items(record)]
+    asked = wire.stored_request(record)
+    items = [*asked.context, *asked.input]
     if order == "desc":
         items = items[::-1]
     after = request.args.get("after")

@@ -1,12 +1,13 @@
 """OpenAI's Responses API objects, rendered from a job record and its chat result.
 
 A response is a chat-completion job whose record also carries the Responses request
-(`JobRecord.responses`, written by api/responses/requests.py): the request's fields as the
-client gave them (normalised), its input items with their ids, and `context`, the
-conversation of its `previous_response_id` (that response's context, input and output
-items). The job id is the response id (`resp_<hex>`). Everything here is a pure function of
-the record (and of the chat result a worker wrote), so any API process renders the same
-object, and the batch worker can render a `/v1/responses` line's body with the same code.
+(`JobRecord.responses`, a `StoredRequest`: written by api/responses/requests.py with
+`encode`, read everywhere with `stored_request`): the request's fields as the client gave
+them (normalised), its input items with their ids, and `context`, the conversation of its
+`previous_response_id` (that response's context, input and output items). The job id is
+the response id (`resp_<hex>`). Everything here is a pure function of the record (and of
+the chat result a worker wrote), so any API process renders the same object, and the batch
+worker can render a `/v1/responses` line's body with the same code.
 
 Item ids are a function of the response id and the item's place in the output, so an
 output item streamed while the job runs has the id the finished response shows.
@@ -14,7 +15,10 @@ output item streamed while the job runs has the id the finished response shows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from workers.wire.bodies import Body
 from workers.wire.job import CANCELLED, FAILED, FINISHED, QUEUED, STARTED, JobRecord
@@ -159,6 +163,45 @@ class ResponseItemList(Body):
     has_more: bool
 
 
+# ---------------------------------------------------------------- the stored request
+
+
+class StoredRequest(BaseModel):
+    """`JobRecord.responses`: what a Response object shows of its request, every default in
+    this one place. `encode` writes it; `stored_request` reads it (a record written before a
+    field existed reads that field's default)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None  # a batch line's response id (its job has the line's own id)
+    input: list[dict[str, Any]] = Field(default_factory=list)  # items with their ids
+    context: list[dict[str, Any]] = Field(default_factory=list)  # the previous conversation
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    tools: list[dict[str, Any]] = Field(default_factory=list)  # Responses' flat function tools
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, str] = Field(default_factory=dict)
+    previous_response_id: str | None = None
+    background: bool = False
+    store: bool = True
+    stream: bool = False
+    service_tier: str = "default"
+    user: str | None = None
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON object `JobRecord.responses` holds."""
+        return self.model_dump(mode="json")
+
+
+def stored_request(record: JobRecord) -> StoredRequest:
+    """The Responses request a record keeps (every default, for a record without one)."""
+    return StoredRequest.model_validate(record.responses or {})
+
+
 # ---------------------------------------------------------------- ids
 
 
@@ -176,17 +219,29 @@ def item_id(kind: str, response_id: str, output_index: int) -> str:
 
 
 def status_of(record: JobRecord) -> str:
-    """The response's status from its job's: finished is completed, or incomplete when the
-    token limit cut it."""
-    if record.status == FINISHED:
-        return "incomplete" if _cut(record.result or {}) else "completed"
+    """The response's status from its job's (see `response_status`)."""
+    return response_status(record.status, record.result)
+
+
+def response_status(job_status: str, result: Mapping[str, Any] | None) -> str:
+    """A response's status, the one derivation of it: a finished job is `completed`, or
+    `incomplete` when the token limit cut it (`is_cut`); the others map by name."""
+    if job_status == FINISHED:
+        return "incomplete" if is_cut(result or {}) else "completed"
     return {QUEUED: "queued", STARTED: "in_progress", FAILED: "failed", CANCELLED: "cancelled"}.get(
-        record.status, "in_progress"
+        job_status, "in_progress"
     )
 
 
-def _cut(result: dict[str, Any]) -> bool:
-    return any(c.get("finish_reason") == "length" for c in result.get("choices") or [])
+def is_cut(result: Mapping[str, Any]) -> bool:
+    """A finished job's result says the token limit cut it: a chat body whose choice stopped
+    at `length`, or a Response body (a batch line's) that is `incomplete`."""
+    if result.get("status") == "incomplete" or result.get("incomplete_details"):
+        return True
+    choices = result.get("choices")
+    if not isinstance(choices, list):
+        return False
+    return any(isinstance(c, dict) and c.get("finish_reason") == "length" for c in choices)
 
 
 def output_items(response_id: str, result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -281,7 +336,7 @@ def render(
 ) -> dict[str, Any]:
     """The Response object of `record`: as the record is now, or, with `status` (and the
     `result` or `error` that ended it), as a stream event shows it at that point."""
-    asked = record.responses or {}
+    asked = stored_request(record)
     if status is None:
         status = status_of(record)
         result, error = record.result, record.error
@@ -292,39 +347,39 @@ def render(
         "object": "response",
         "created_at": int(record.created_at),
         "status": status,
-        "background": bool(asked.get("background", False)),
+        "background": asked.background,
         "completed_at": None if completed_at is None else int(completed_at),
         "error": failure(error) if status == "failed" else None,
         "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete" else None),
-        "instructions": asked.get("instructions"),
-        "max_output_tokens": asked.get("max_output_tokens"),
+        "instructions": asked.instructions,
+        "max_output_tokens": asked.max_output_tokens,
         "model": record.responds_as,
         "output": output,
-        "parallel_tool_calls": asked.get("parallel_tool_calls", True),
-        "previous_response_id": asked.get("previous_response_id"),
-        "service_tier": asked.get("service_tier", "default"),
-        "store": asked.get("store", True),
-        "temperature": asked.get("temperature", 1.0),
-        "text": asked.get("text") or {"format": {"type": "text"}},
-        "tool_choice": asked.get("tool_choice", "auto"),
-        "tools": asked.get("tools") or [],
-        "top_p": asked.get("top_p", 1.0),
+        "parallel_tool_calls": asked.parallel_tool_calls,
+        "previous_response_id": asked.previous_response_id,
+        "service_tier": asked.service_tier,
+        "store": asked.store,
+        "temperature": asked.temperature,
+        "text": asked.text,
+        "tool_choice": asked.tool_choice,
+        "tools": asked.tools,
+        "top_p": asked.top_p,
         "truncation": "disabled",
         "usage": usage(result.get("usage")) if result is not None else None,
-        "user": asked.get("user"),
-        "metadata": asked.get("metadata") or {},
+        "user": asked.user,
+        "metadata": asked.metadata,
     }
     return ResponseObject(**body).dump()
 
 
 def input_items(record: JobRecord) -> list[dict[str, Any]]:
     """The response's own input items, with their ids, in the order given."""
-    return list((record.responses or {}).get("input") or [])
+    return list(stored_request(record).input)
 
 
 def conversation(record: JobRecord) -> list[dict[str, Any]]:
     """What a response that names this one as `previous_response_id` continues: this one's
     context, its input items and its output items (its instructions are not carried)."""
-    asked = record.responses or {}
+    asked = stored_request(record)
     output = output_items(record.id, record.result) if record.result is not None else []
-    return [*(asked.get("context") or []), *input_items(record), *output]
+    return [*asked.context, *asked.input, *output]

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from workers import keys
+from workers.wire.responses_api import response_status
 from workers.wire.text import as_str
 
 NOTIFY_FIELD = "notify"  # a job record field: its value is the outbox entry's `kind`
@@ -53,22 +54,12 @@ def notify_fields(kind: str = NOTIFY_RESPONSE) -> dict[str, str]:
 
 
 def response_event_type(status: str, result: Mapping[str, Any] | None) -> str | None:
-    """The event a notifying job's end is: `finished` is `response.incomplete` when its
-    result says so (a Responses body with status `incomplete` or `incomplete_details`, or a
-    chat body whose choice stopped at `length`), else `response.completed`; `failed` and
-    `cancelled` map to theirs; any other status is no event."""
-    if status == "finished":
-        return RESPONSE_INCOMPLETE if _incomplete(result or {}) else RESPONSE_COMPLETED
-    return {"failed": RESPONSE_FAILED, "cancelled": RESPONSE_CANCELLED}.get(status)
-
-
-def _incomplete(result: Mapping[str, Any]) -> bool:
-    if result.get("status") == "incomplete" or result.get("incomplete_details"):
-        return True
-    choices = result.get("choices")
-    if not isinstance(choices, list):
-        return False
-    return any(isinstance(c, dict) and c.get("finish_reason") == "length" for c in choices)
+    """The event a notifying job's end is: `response.<status>` of the response's status
+    (`responses_api.response_status`: `finished` is `incomplete` when its result says the
+    token limit cut it, else `completed`); a status that is not an end is no event."""
+    if status not in ("finished", "failed", "cancelled"):
+        return None
+    return f"response.{response_status(status, result)}"
 
 
 def batch_event_type(status: str) -> str | None:
