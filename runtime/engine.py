@@ -271,7 +271,7 @@ class Engine:
             piece = ids[start : start + self.config.prefill_chunk]
             layout = BatchLayout([SequenceChunk(cache, start, len(piece), adapters)])
             hidden = self.model.forward(np.asarray(piece), layout)
-            logits = self.model.ops.to_host(self.model.logits(hidden))  # [n, V]
+            logits = self.model.ops.to_host(self.model.logits(hidden, True))  # [n, V]
             logprobs = logits - _logsumexp(logits)[:, None]
             for row, position in enumerate(range(start, start + len(piece))):
                 if position + 1 >= len(ids):

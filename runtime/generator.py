@@ -10,11 +10,14 @@ pool; when it runs out, the sequence with the highest priority value, most recen
 among equals, is preempted: its full blocks go to the prefix cache, its memory is freed, and it
 waits to be recomputed (prompt + what it generated so far), usually from cached blocks.
 
-Only rows whose next token is wanted go through the LM head; tokens become text events
-through each sequence's `TextAssembler` (UTF-8-safe detokenizing and stop strings), the one
-text path: callers publish the text they are given. A request that resumes an earlier run
-(`add(..., resume=k)`: its last k prompt tokens were generated and sent before) has those
-tokens replayed through its assembler, so its text continues exactly where the run stopped.
+Only rows whose next token is wanted go through the LM head, and only those whose logits are
+seen or sampled past their argmax (logprobs, a draw, a penalty, a grammar) pay for the
+file's own head where the plan's is a cheaper copy (runtime/kernels/heads.py). Tokens
+become text events through each sequence's `TextAssembler` (UTF-8-safe detokenizing and
+stop strings), the one text path: callers publish the text they are given. A request that
+resumes an earlier run (`add(..., resume=k)`: its last k prompt tokens were generated and
+sent before) has those tokens replayed through its assembler, so its text continues
+exactly where the run stopped.
 
 A request with a `constraint` (structured output) gets a grammar matcher at `add` (a resumed
 one replays its sent tokens into it). Each step computes the masks of the constrained rows
@@ -74,7 +77,7 @@ class CausalLM(Protocol):
     ops: Any  # models/ops.py: host or tensor operations
 
     def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray: ...
-    def logits(self, hidden: np.ndarray) -> np.ndarray: ...
+    def logits(self, hidden: np.ndarray, exact: Sequence[bool] | None = None) -> np.ndarray: ...
 
 
 @dataclass
@@ -281,7 +284,8 @@ class Generator:
             hidden = self.model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
             if not wanted:
                 return events
-            logits = self.model.logits(hidden[[row for row, _ in wanted]])  # [B, V]
+            exact = [_needs_full_logits(seq) for seq in sequences]
+            logits = self.model.logits(hidden[[row for row, _ in wanted]], exact)  # [B, V]
         if isinstance(logits, np.ndarray):
             samples = self._sample_on_host(logits, sequences)
         else:
@@ -510,6 +514,13 @@ class Generator:
         self._remember(seq, self._fed(seq))
         seq.cache.release()
         self._running.remove(seq)
+
+
+def _needs_full_logits(seq: _Sequence) -> bool:
+    """Whether `seq`'s next logits are seen or sampled from past their argmax (a logprob,
+    a draw, a penalty, a grammar's mask): then they come from the head at the file's
+    precision, where the plan's head is a cheaper copy (runtime/kernels/heads.py)."""
+    return seq.grammar is not None or seq.sampling.needs_full_logits
 
 
 def _samples_on_device(seq: _Sequence) -> bool:

@@ -312,6 +312,9 @@ class SequenceSamplingState:
             self.bias_ids.size or self.seen is not None or self.counts is not None
         )
         self.plain_greedy = params.greedy and not self.needs_processing and not params.logprobs
+        # whether anything past the argmax is used (a logprob, a draw, a penalty): such a
+        # row's logits come from the head at the file's precision (runtime/kernels/heads.py)
+        self.needs_full_logits = not self.plain_greedy or params.logprobs is not None
 
     def replay(self, token_ids: Sequence[int]) -> None:
         """Carry on after `token_ids` that an earlier run of this request sampled and sent

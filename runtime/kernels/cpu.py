@@ -69,6 +69,8 @@ LARGE_HEAD_ROWS = 100_000  # SmolLM2's head has 49,152 rows, Gemma 3's 262,144
 # bench/large_head.py, 2026-11-28: on an AMX Xeon 8.9 / 63.7 ms at 1 / 32 rows against
 # the codes' 10.4 / 58.5 (the codes 0.92x the time at 32 rows only); with the AVX2 build
 # there 9.9 / 79 against 13.8 / 152. Decode's single row decides, and the resident bytes.
+# The ranking (like int8 per row) serves greedy rows only: a row whose logits are seen or
+# sampled from takes the file's codes (torch_backend.FileHead, built on first use).
 LARGE_HEAD_KIND = "int4+rescore"
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from runtime.kernels import Embedding, Weight
+from runtime.kernels.heads import Exact, head_logits
 from runtime.kv_pool import BLOCK_SIZE, BlockPool, PagedKVCache
 from runtime.lora import AdapterStack, LinearSource, RowAdapters
 
@@ -235,10 +236,12 @@ class DecoderModel:
         layout.commit()
         return self.ops.rms_norm(x, self.norm, self.args.norm_eps)
 
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
+    def logits(self, hidden: np.ndarray, exact: Exact = None) -> np.ndarray:
         """`[N, D]` -> row-major `[N, V]`, as the sampler's per-row reductions want it (a
-        device tensor under the tensor ops: the sampler copies back only what it needs)."""
-        return self.output(hidden)
+        device tensor under the tensor ops: the sampler copies back only what it needs).
+        `exact` (a bool per row, or True): rows a user sees or samples from, which take the
+        file's precision where the head is cheaper (runtime/kernels/heads.py)."""
+        return head_logits(self.output, hidden, exact)
 
     def weight_kinds(self) -> dict[str, int]:
         """How many weights each kernel got, e.g. {"int4": 120, "int8": 1}."""
