@@ -38,13 +38,16 @@ from runtime.kernels.gguf_blocks import (
     FIVE_BIT_TYPES,
     FOUR_BIT_TYPES,
     GROUP_SIZE,
+    PER_16_TYPES,
+    TWO_BIT_TYPES,
     BlockCodes,
     GroupQuantized,
-    Q,
+    TwoBitCodes,
     quantize_groups,
     read_eight_bit,
     read_five_bit,
     read_four_bit,
+    read_two_bit,
 )
 from runtime.kernels.native import (
     INT8_GROUP,
@@ -440,6 +443,66 @@ class Int8BlockGroupHead(Int8BlockGroupWeight):
     fine = True
 
 
+class TwoBitWeight(_Product):
+    """GGUF Q2_K from its codes: `d * scale * code - dmin * min` per 16 weights. The codes
+    times their scales go to int8_rows.c as a Q6_K's would (`codes`: the plan's 8-bit
+    layout); the mins meet each 16 activations' sum, as llama.cpp's Q2_K dot meets them
+    with its Q8_K block sums: the sums `[T, K/16]` (in one fixed order per row) multiply
+    the 4-bit min codes with -dmin per 16 of them through int8_rows.c again, rounded in two
+    int8 passes (~15 bits). Each row's result is its own: both products and the sums are."""
+
+    kind = "two-bit-blocks"
+
+    def __init__(self, q: TwoBitCodes, grouped: bool, input_scale: np.ndarray | None) -> None:
+        layout = Int8BlockGroupWeight if grouped else Int8BlockWeight
+        self.shape: tuple[int, int] = q.shape
+        self.codes = layout(q.codes, input_scale)
+        n, sums = q.min_codes.shape
+        width = -(-sums // GROUP_SIZE) * GROUP_SIZE  # int8_rows.c takes whole blocks of 32
+        min_codes = np.zeros((n, width), np.int8)
+        min_codes[:, :sums] = q.min_codes
+        dmin = np.zeros((n, width // 16), np.float32)
+        dmin[:, : q.dmin.shape[1]] = -q.dmin
+        self.mins = Int8BlockHead(BlockCodes(min_codes, dmin), None)
+        self.input_scale = _scale(input_scale)
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        codes = {f"codes.{key}": t for key, t in self.codes.saved().items()}
+        return (
+            codes
+            | {"mins.codes": self.mins.codes, "mins.scales": self.mins.scales}
+            | ({} if self.input_scale is None else {"input_scale": self.input_scale})
+        )
+
+    @classmethod
+    def restored(cls, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> TwoBitWeight:
+        weight = cls.__new__(cls)
+        weight.shape, weight.input_scale = shape, tensors.get("input_scale")
+        codes = {key[6:]: t for key, t in tensors.items() if key.startswith("codes.")}
+        layout = Int8BlockGroupWeight if "packed" in codes else Int8BlockWeight
+        weight.codes = layout.restored(shape, codes)
+        mins = {"codes": tensors["mins.codes"], "scales": tensors["mins.scales"]}
+        weight.mins = Int8BlockHead.restored(tuple(mins["codes"].shape), mins)
+        return weight
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        rows, k = x.shape
+        scaled = x if self.input_scale is None else x * self.input_scale.numpy()
+        sums = np.zeros((rows, self.mins.shape[1]), np.float32)
+        sums[:, : k // 16] = scaled.reshape(rows, k // 16, 16).sum(axis=2, dtype=np.float32)
+        out = self.codes(x)
+        out += self.mins(sums)
+        return out
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self(x.numpy()))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.mins.nbytes
+
+
 class StackedWeight(_Product):
     """A fused weight whose parts take different kernels (Gemma 3's q and k are Q5_0, its v
     Q6_K): each run of parts is its own weight, and their outputs are set side by side."""
@@ -680,6 +743,7 @@ WEIGHT_CLASSES = {
         Int8BlockHead,
         Int8BlockGroupWeight,
         Int8BlockGroupHead,
+        TwoBitWeight,
         Bf16Weight,
         Fp16Weight,
         Fp16RowsWeight,
@@ -735,6 +799,8 @@ class TorchBackend:
             return "lowbit"
         if self.native_eight_bit and qtype in EIGHT_BIT_TYPES:
             return "int8-blocks"
+        if self.native_eight_bit and qtype in TWO_BIT_TYPES:
+            return TwoBitWeight.kind
         return ""
 
     def _runs(self, f: GGUFFile, parts: list[TensorPart]) -> list[list[TensorPart]]:
@@ -758,6 +824,10 @@ class TorchBackend:
             if self.plan.eight_bit == Int8BlockGroupWeight.kind:
                 return Int8BlockGroupWeight(fused, input_scale)
             return Int8BlockWeight(fused, input_scale)
+        if self.native_eight_bit and types <= TWO_BIT_TYPES:
+            two_bit = TwoBitCodes.concat([two_bit_part(f, p) for p in parts])
+            grouped = self.plan.eight_bit == Int8BlockGroupWeight.kind
+            return TwoBitWeight(two_bit, grouped, input_scale)
         four_bit = types <= FOUR_BIT_TYPES
         lowbit = self.native_lowbit and types <= FOUR_BIT_TYPES | FIVE_BIT_TYPES
         if lowbit or (four_bit and self.plan.four_bit == "int4"):
@@ -868,7 +938,11 @@ class TorchBackend:
         if self.native_eight_bit:
             grouped = self.plan.eight_bit == Int8BlockGroupWeight.kind
             layout = ", 16 rows side by side" if grouped else ""
-            described["8-bit weights"] = f"Q8_0 / Q6_K codes (int8_rows.c{layout}, int8 rows)"
+            described["8-bit weights"] = (
+                f"{' / '.join(sorted(t.name for t in EIGHT_BIT_TYPES))} codes "
+                f"(int8_rows.c{layout}, int8 rows)"
+            )
+            described["2-bit weights"] = "Q2_K codes and mins (int8_rows.c, int8 rows)"
         return described
 
     def stored_bytes(self, f: GGUFFile, name: str, role: str) -> int:
@@ -893,10 +967,14 @@ class TorchBackend:
             return n // 2 + 4 * (n // GROUP_SIZE)  # nibbles, then two halves a group
         if qtype in FIVE_BIT_TYPES and self.native_lowbit:
             return 5 * n // 8 + 4 * (n // GROUP_SIZE)  # nibbles and fifth bits, two halves
-        if qtype in EIGHT_BIT_TYPES and self.native_eight_bit:  # codes, a float32 per 32 or 16
+        two_bit = qtype in TWO_BIT_TYPES
+        if (qtype in EIGHT_BIT_TYPES or two_bit) and self.native_eight_bit:
+            # codes, a float32 per 32 or 16 (Q2_K: and its min codes, a float32 per 256)
+            mins = -(-shape[1] // 512) * 32 * shape[0] * 5 // 4 if two_bit else 0
             if self.plan.eight_bit == Int8BlockGroupWeight.kind:  # rows padded to 16
                 n = -(-shape[0] // INT8_GROUP) * INT8_GROUP * shape[1]
-            return n + 4 * (n // (16 if qtype == Q.Q6_K else GROUP_SIZE))
+            per_16 = qtype in PER_16_TYPES or two_bit
+            return n + 4 * (n // (16 if per_16 else GROUP_SIZE)) + mins
         return 2 * n
 
     def _head_kind(self, f: GGUFFile, name: str) -> str:
@@ -941,6 +1019,15 @@ def block_part(f: GGUFFile, part: TensorPart) -> BlockCodes:
     """One Q8_0 / Q6_K tensor's codes and scales with the part's row operations applied."""
     blocks, qtype, shape = f.blocks(part.name)
     q = read_eight_bit(blocks, qtype, (shape[0], shape[1]))
+    if part.row_order is not None:
+        q = q.take_rows(part.row_order)
+    return q.scaled(part.scale) if part.scale != 1.0 else q
+
+
+def two_bit_part(f: GGUFFile, part: TensorPart) -> TwoBitCodes:
+    """One Q2_K tensor's codes, scales and mins with the part's row operations applied."""
+    blocks, qtype, shape = f.blocks(part.name)
+    q = read_two_bit(blocks, qtype, (shape[0], shape[1]))
     if part.row_order is not None:
         q = q.take_rows(part.row_order)
     return q.scaled(part.scale) if part.scale != 1.0 else q

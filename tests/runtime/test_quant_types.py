@@ -1,0 +1,183 @@
+"""The quant types a Q4_K_M / Q5_K_M / IQ4_XS / MXFP4 file holds beyond Q4_K, Q6_K and Q8_0,
+each multiplied from its own codes (runtime/kernels/gguf_blocks.py reads them, the torch
+backend picks the kernel): Q5_K through lowbit_rows.c's 5-bit build as Q5_0 / Q5_1 go;
+Q3_K, IQ4_NL, IQ4_XS and MXFP4 as int8 codes with a float32 scale per 16 or 32 through
+int8_rows.c; Q2_K's codes the same way plus its mins against sums of the activations.
+Each against float32 products of gguf's own `dequantize` of the same blocks (llama.cpp's
+Python port), its rows independent of their batch, and no dense copy kept."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from runtime.gguf_file import GGUFFile
+from runtime.kernels import TensorPart
+from runtime.kernels.cpu import row_invariant_plan
+from runtime.kernels.cpu_features import cpu_features
+from runtime.kernels.gguf_blocks import (
+    EIGHT_BIT_TYPES,
+    FIVE_BIT_TYPES,
+    read_eight_bit,
+    read_five_bit,
+    read_two_bit,
+)
+from runtime.kernels.native import INT8_BLOCK, int8_rows, lowbit_builds
+from runtime.kernels.torch_backend import (
+    Int8BlockGroupWeight,
+    Int8BlockWeight,
+    LowBitWeight,
+    TorchBackend,
+    TwoBitWeight,
+)
+from tests.runtime.int8_activations import blockwise_rounded
+
+pytestmark = pytest.mark.skipif(
+    int8_rows() is None or not lowbit_builds(), reason="no C compiler for the kernels"
+)
+
+Q = gguf.GGMLQuantizationType
+NEW_TYPES = [Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
+# where each type keeps its float16 factor(s): (offset, count); MXFP4's is a byte exponent
+HALVES = {
+    Q.Q5_K: (0, 2),
+    Q.Q3_K: (108, 1),
+    Q.Q2_K: (80, 2),
+    Q.IQ4_NL: (0, 1),
+    Q.IQ4_XS: (0, 1),
+}
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid raw blocks: random codes and sub-block scales (every bit pattern is a valid
+    code), the float16 factors small, MXFP4's exponents near 2^-6 (gguf quantizes none of
+    the K-quants or IQ4 types)."""
+    rng = np.random.default_rng(seed)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
+    if qtype == Q.MXFP4:
+        raw[..., 0] = rng.integers(118, 124, raw.shape[:2])
+    else:
+        offset, count = HALVES[qtype]
+        halves = rng.uniform(0.001, 0.01, (rows, cols // block_size, count)).astype(np.float16)
+        raw[..., offset : offset + 2 * count] = halves.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def read(raw: np.ndarray, qtype: Q, shape: tuple[int, int]):
+    if qtype in FIVE_BIT_TYPES:
+        return read_five_bit(raw, qtype, shape)
+    if qtype in EIGHT_BIT_TYPES:
+        return read_eight_bit(raw, qtype, shape)
+    return read_two_bit(raw, qtype, shape)
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda q: q.name)
+def test_blocks_read_as_exactly_what_gguf_dequantizes(qtype):
+    raw = random_blocks(qtype, 24, 768)
+    q = read(raw, qtype, (24, 768))
+    expected = gguf.quants.dequantize(raw, qtype).reshape(24, 768)
+    np.testing.assert_array_equal(q.dequantize(), expected)
+
+
+def _rows(k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    x[1] *= 40.0  # a row far from unit scale
+    x[2, :INT8_BLOCK] = 0.0  # an all-zero block
+    return x
+
+
+def _weight(qtype: Q, raw: np.ndarray, shape: tuple[int, int], grouped: bool, scale):
+    q = read(raw, qtype, shape)
+    if qtype in FIVE_BIT_TYPES:
+        return LowBitWeight(q, 5, scale)
+    if qtype in EIGHT_BIT_TYPES:
+        return (Int8BlockGroupWeight if grouped else Int8BlockWeight)(q, scale)
+    return TwoBitWeight(q, grouped, scale)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["groups", "rows"])
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n, k", [(61, 256), (70, 1536)])
+def test_the_product_is_the_rounded_rows_times_ggufs_values(qtype, grouped, n, k):
+    """Our kernel against float32 products of gguf's dequantized blocks over the rows as the
+    plan rounds them (int8 per block of 32, after an RMSNorm weight): within float32
+    summation for the types that are exactly code * scale (Q5_K's sub-block scales and
+    mins are held as IEEE half, as Q4_K's are: llama.cpp's own product rounds them too);
+    Q2_K's codes meet the rounded rows and its mins the sums of the unrounded rows (each
+    16's), themselves rounded in two int8 passes: within ~2^-14 of the mins' term."""
+    if qtype in FIVE_BIT_TYPES and not grouped:
+        pytest.skip("lowbit_rows.c has one layout")
+    raw = random_blocks(qtype, n, k, seed=n)
+    x = _rows(k, seed=k)
+    input_scale = np.random.default_rng(1).uniform(0.5, 1.5, k).astype(np.float32)
+    weight = _weight(qtype, raw, (n, k), grouped, input_scale)
+    dense = gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    rounded = blockwise_rounded(x * input_scale)
+    expected = rounded @ dense.T
+    got = weight(x)
+    assert got.shape == (11, n) and got.dtype == np.float32
+    if qtype == Q.Q5_K:  # half scales: ~2^-11 of each term, as for Q4_K (test_lowbit_rows)
+        tolerance = 2e-3 * (np.abs(rounded) @ np.abs(dense).T)
+    elif qtype == Q.Q2_K:  # the codes meet the rounded rows, the mins the rows' own sums
+        q = read_two_bit(raw, qtype, (n, k))
+        mins = np.repeat(q.mins, 16, axis=1).astype(np.float64)
+        sums = (x * input_scale).astype(np.float64) @ mins.T
+        expected = rounded @ (dense - mins).T + sums
+        # the sums rounded in two int8 passes: ~2^-14 of each 32 sums' largest
+        tolerance = 1e-5 * np.abs(expected).max() + 1e-4 * np.abs(sums).max()
+    else:
+        tolerance = 1e-5 * np.abs(expected).max()
+    assert (np.abs(got - expected) <= tolerance).all(), np.abs(got - expected).max()
+    # and near the float product of the unrounded rows: int8 rounding is all that differs
+    exact = (x * input_scale).astype(np.float64) @ dense.T
+    relative = np.abs(got - exact).max() / np.abs(exact).max()
+    assert relative < 0.02, relative
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["groups", "rows"])
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda q: q.name)
+def test_a_rows_result_does_not_depend_on_its_batch(qtype, grouped):
+    raw = random_blocks(qtype, 45, 512, seed=3)  # rows not a multiple of any tile
+    weight = _weight(qtype, raw, (45, 512), grouped, None)
+    x = np.random.default_rng(4).standard_normal((33, 512)).astype(np.float32)
+    alone = np.concatenate([weight(x[i : i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 5, 8, 9, 32, 33):
+        assert np.array_equal(weight(x[:rows]), alone[:rows]), f"rows differ in {rows}"
+
+
+@pytest.mark.skipif(
+    cpu_features().level not in ("amx", "avx512_bf16", "avx512"), reason="an AVX-512 plan"
+)
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda q: q.name)
+def test_the_backend_keeps_each_type_as_its_codes(qtype, tmp_path):
+    """What a model load does: the plan's backend reads the file's tensor, fused with a
+    row order and a scale as a model's q/k are, into its own kernel and no float copy;
+    the product equals the same kernel over the same codes, and it holds about the file's
+    bytes (at most an int8 code and its scales a weight, where fp16 took 2 bytes)."""
+    f = _file(tmp_path, qtype)
+    backend = TorchBackend(row_invariant_plan(cpu_features()))
+    order = np.arange(48)[::-1].copy()
+    weight = backend.linear(f, [TensorPart("w0", row_order=order, scale=0.5)])
+    expected_class = {Q.Q5_K: LowBitWeight, Q.Q2_K: TwoBitWeight}.get(qtype, Int8BlockGroupWeight)
+    assert isinstance(weight, expected_class)
+    x = np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32)
+    dense = f.tensor("w0")[order] * np.float32(0.5)
+    exact = x.astype(np.float64) @ dense.T.astype(np.float64)
+    assert np.abs(weight(x) - exact).max() < 0.02 * np.abs(exact).max()
+    n = 48 * 512
+    assert weight.nbytes == backend.stored_bytes(f, "w0", "linear")
+    assert weight.nbytes < 1.35 * n  # fp16 held 2 bytes a weight
+
+
+def _file(tmp_path, qtype: Q) -> GGUFFile:
+    path = tmp_path / f"{qtype.name}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w0", random_blocks(qtype, 48, 512, seed=7), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(path)
