@@ -8,6 +8,11 @@ Python port), its rows independent of their batch, and no dense copy kept."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -148,9 +153,6 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype, grouped):
         assert np.array_equal(weight(x[:rows]), alone[:rows]), f"rows differ in {rows}"
 
 
-@pytest.mark.skipif(
-    cpu_features().level not in ("amx", "avx512_bf16", "avx512"), reason="an AVX-512 plan"
-)
 @pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda q: q.name)
 def test_the_backend_keeps_each_type_as_its_codes(qtype, tmp_path):
     """What a model load does: the plan's backend reads the file's tensor, fused with a
@@ -181,3 +183,35 @@ def _file(tmp_path, qtype: Q) -> GGUFFile:
     writer.write_tensors_to_file()
     writer.close()
     return GGUFFile(path)
+
+
+AVX2_SCRIPT = """
+import sys
+import numpy as np
+from tests.runtime.test_quant_types import NEW_TYPES, Q, _weight, random_blocks
+x = np.load(sys.argv[1])
+out = {}
+for qtype in NEW_TYPES:
+    raw = random_blocks(qtype, 40, 768, seed=9)
+    out[qtype.name] = _weight(qtype, raw, (40, 768), True, None)(x)
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.skipif(
+    "avx512f" not in cpu_features().flags, reason="this CPU builds the AVX2 path anyway"
+)
+def test_the_avx2_build_gives_the_avx512_builds_numbers(tmp_path):
+    """A process that answers as an AVX2-only CPU (`LLMQ_CPU_LEVEL=avx2`: kernels built
+    without AVX-512 or VNNI) gets the same products bitwise: vpmaddubsw's exact int32s and
+    the same float32 operations per row, so a sequence's logits match across CPU kinds."""
+    x = np.random.default_rng(8).standard_normal((5, 768)).astype(np.float32) * 20
+    np.save(tmp_path / "x.npy", x)
+    env = {**os.environ, "LLMQ_CPU_LEVEL": "avx2"}
+    command = [sys.executable, "-c", AVX2_SCRIPT, str(tmp_path / "x.npy"), str(tmp_path / "o")]
+    subprocess.run(command, env=env, check=True, timeout=600, cwd=Path(__file__).parents[2])
+    avx2 = np.load(tmp_path / "o.npz")
+    for qtype in NEW_TYPES:
+        raw = random_blocks(qtype, 40, 768, seed=9)
+        expected = _weight(qtype, raw, (40, 768), True, None)(x)
+        assert np.array_equal(avx2[qtype.name], expected), qtype.name
