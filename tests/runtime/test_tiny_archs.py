@@ -1,8 +1,10 @@
 """The architectures beyond llama and gemma3 (runtime/models/<arch>.py over layers.py): each
-tiny model (tests/tiny_models.py `write_tiny_arch`) loads, runs on the host path and on
-the tensor path, and keeps a row's logits bitwise the same alone, batched, cached and
-resumed; against a real reference, llama.cpp's converter on a transformers model with
-random weights must give transformers' float32 logits (tests/hf_reference.py).
+tiny model (tests/tiny_models.py `write_tiny_arch`) loads; on the host path a row's logits
+are bitwise the same alone and batched, with LoRA stacks; the tensor path equals the host
+path, agrees alone, batched, cached and resumed, and its static decode step (what a GPU
+captures) gives the eager logits. Against real references (slow): llama.cpp's own
+converter on a transformers model with random weights, then transformers' float32 logits
+and llama.cpp's (llama-cpp-python) on that file (tests/hf_reference.py).
 """
 
 from __future__ import annotations
