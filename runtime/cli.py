@@ -76,7 +76,18 @@ def add_runtime_commands(sub: argparse._SubParsersAction) -> None:
     )
     gen.set_defaults(handler=run_generate)
 
-    models = sub.add_parser("models", help="list the models the registry knows")
+    models = sub.add_parser(
+        "models",
+        help="list the models the registry knows",
+        description="list the models the registry knows: where their files are, their "
+        "architecture, backend and resident bytes, and under each the quant types it holds "
+        "and how each is kept (a type no kernel multiplies from its codes is named)",
+    )
+    models.add_argument(
+        "--supported",
+        action="store_true",
+        help="list the supported architectures and every quant type with how it is multiplied",
+    )
     models.set_defaults(handler=run_models)
 
 
@@ -145,7 +156,15 @@ def _lora_argument(item: str) -> tuple[str, float]:
 def run_models(args: argparse.Namespace) -> int:
     from runtime.gguf_file import GGUFFile
     from runtime.kernels import get_backend
-    from runtime.models import estimate_weight_bytes
+    from runtime.kernels.quant_types import describe_types, supported_lines, unmultiplied
+    from runtime.models import ARCHITECTURES, estimate_weight_bytes
+
+    if args.supported:
+        print("architectures:", ", ".join(sorted(ARCHITECTURES)))
+        print("quant types (the torch backend on the CPU):")
+        print("\n".join(supported_lines()))
+        return 0
+    types: dict[str, str] = {}
 
     rows = [("ID", "ARCH", "FILE", "BACKEND", "RESIDENT", "PATH")]
     for spec in load_registry().values():
@@ -154,6 +173,10 @@ def run_models(args: argparse.Namespace) -> int:
             f = GGUFFile(path)
             backend = get_backend(spec.backend)
             resident = estimate_weight_bytes(f, backend)
+            types[spec.id] = f"    types: {describe_types(f, backend)}"
+            if backend.name != "numpy" and unmultiplied(f, backend):
+                names = ", ".join(t.name for t in unmultiplied(f, backend))
+                types[spec.id] += f"\n    not multiplied from their codes yet: {names}"
             size = f"{path.stat().st_size / 2**20:.0f} MiB"
             rows.append(
                 (
@@ -170,4 +193,6 @@ def run_models(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row[:5], widths, strict=True)), row[5])
+        if row[0] in types:
+            print(types[row[0]])
     return 0

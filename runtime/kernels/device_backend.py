@@ -28,6 +28,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.kernels.base import TensorPart
 from runtime.kernels.cpu import KernelPlan
 from runtime.kernels.gguf_blocks import FOUR_BIT_TYPES, GROUP_SIZE, GroupQuantized
+from runtime.kernels.quant_types import log_types
 from runtime.kernels.torch_backend import (
     HEAD_CHUNK_ROWS,
     BlockEmbedding,
@@ -220,7 +221,10 @@ class DeviceBackend:
 
     def loading(self, f: GGUFFile) -> AbstractContextManager[None]:
         """On the CPU, the CPU backend's prepared weights; a GPU's are built at every load."""
-        return self.cpu.loading(f) if self.cpu is not None else contextlib.nullcontext()
+        if self.cpu is not None:
+            return self.cpu.loading(f)
+        log_types(f, self)  # each type and how it is kept; those held dequantized by name
+        return contextlib.nullcontext()
 
     def linear(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None = None):
         if self.cpu is not None:

@@ -65,6 +65,7 @@ from runtime.kernels.native import (
     pack_lowbit,
 )
 from runtime.kernels.prepared import PreparedWeights, SavedWeight, weight_key
+from runtime.kernels.quant_types import log_types
 
 INNER_K_TILES = 2  # what the CPU int4 packing accepts (2, 4 or 8); the CPU kernel ignores it
 HEAD_CHUNK_ROWS = 8192  # rows dequantized at a time while building a head
@@ -773,6 +774,7 @@ class TorchBackend:
         """A model's weights are built inside this: those an earlier load of the same file
         and plan prepared are mapped from LLMQ_CACHE_DIR (kernels/prepared.py), and the rest
         are saved there for the next load once the model is whole."""
+        log_types(f, self)  # each type and its kernel; those held dequantized by name
         self.prepared = PreparedWeights.for_file(f, self.describe())
         try:
             yield
