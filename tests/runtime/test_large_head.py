@@ -35,10 +35,12 @@ def test_every_plan_ranks_a_large_head_and_rescores_it(flags):
 @pytest.mark.skipif(int8_rows() is None, reason="no C compiler for int8_rows.c")
 def test_the_ranked_head_keeps_the_greedy_tokens_of_the_files_codes(gemma3_gguf_path):
     """Gemma 3 greedy on the reference prompts: the plan's ranked and rescored head and the
-    file's Q8_0 codes through int8_rows.c (two passes) pick the same tokens."""
+    file's Q8_0 codes through int8_rows.c (two passes) pick the same tokens; the rows that
+    need every logit get the codes head's."""
     from runtime.engine import Engine, EngineConfig
     from runtime.gguf_file import GGUFFile
     from runtime.kernels.cpu import default_plan
+    from runtime.models.base import BatchLayout, SequenceChunk
     from runtime.registry import ModelSpec
     from runtime.sampling import SamplingParams
 
@@ -59,3 +61,9 @@ def test_the_ranked_head_keeps_the_greedy_tokens_of_the_files_codes(gemma3_gguf_
         assert got == expected, (
             f"{prompt['text'][:40]!r}: {np.flatnonzero(np.array(got) != expected)}"
         )
+    # a row whose logits are seen or sampled from (logprobs, a temperature) takes the file's
+    # codes: every rank bitwise the codes head's (tests/runtime/test_head_precision.py
+    # holds both to float32), where the ranking alone was off by up to 2.4 past its best
+    layout = BatchLayout([SequenceChunk(ranked.model.new_cache(len(ids)), 0, len(ids))])
+    hidden = ranked.model.forward(np.asarray(ids), layout)  # the last prompt's [L, D]
+    assert np.array_equal(ranked.model.logits(hidden, True), codes.model.logits(hidden))
