@@ -5,9 +5,14 @@ The broker is the master `REDIS_SENTINELS` name, or `REDIS_URL`; else a real red
 loopback port, keeping its data under `LLMQ_CACHE_DIR`, so that queued and running jobs,
 batches and their files survive a stop and a restart of `llmq serve`. The API and the
 workers run as child processes (`llmq api`, `llmq worker`), restarted if they die
-(docs/faults.md L6: workers must run under a supervisor). Ctrl-C or SIGTERM stops every
-process this command started: children get SIGTERM (workers drain), then SIGKILL after a
-grace period.
+(docs/faults.md L6: workers must run under a supervisor). Ctrl-C, SIGTERM or SIGHUP (a closed
+terminal) stops every process this command started: children get SIGTERM (workers drain),
+then SIGKILL after a grace period.
+
+A kill -9 of this process does the same, a little faster: every child runs under a keeper
+(workers/child_death.py) that stops it and what it started once serve is gone. A restart
+then comes up on the same data: what an earlier serve of the same folder left running anyway
+is found and stopped first (workers/leftovers.py), a broker on its data folder above all.
 
 What a user sees must be true: a port already taken is refused before anything starts
 (as vLLM and llama.cpp do); "serving" is printed once `/ready` answers, with the models
@@ -38,13 +43,22 @@ from typing import IO
 
 from runtime.cache_dir import CACHE_ENV, cache_dir
 from runtime.cli_options import add_command, add_listen_options
+from workers import leftovers
+from workers.child_death import keeper_argv
 from workers.errors import ServeError
+from workers.leftovers import SERVED_BY_ENV
 from workers.redis_server import RedisServerMissing, RedisServerProcess, find_redis_server
 
 log = logging.getLogger("llmq.serve")
 
 RESTART_BACKOFF_SECONDS = (1, 2, 5, 10)
-STOP_GRACE_SECONDS = 30
+STOP_GRACE_SECONDS = 30  # a child's keeper SIGKILLs its group this long after SIGTERM
+KEEPER_SLACK_SECONDS = 10  # serve kills a keeper that has not ended this long after that
+# serve is gone: its children's keepers SIGTERM them and SIGKILL what is left this much later
+# (the broker fsyncs in milliseconds; a worker whose broker died with serve only waits here)
+ORPHAN_GRACE_SECONDS = 10
+WORKER_AGAIN_SECONDS = 1  # ... and a worker gets a second SIGTERM: checkpoint, do not drain
+BROKER_STOP_SECONDS = 10  # RedisServerProcess.stop's own wait before SIGKILL
 FAST_EXIT_SECONDS = 30.0  # a child that exits sooner than this after its start failed at once
 GIVE_UP_AFTER = 3  # consecutive fast exits of one child after which serve stops everything
 STDERR_TAIL_LINES = 15  # a child's last stderr lines kept, to say why it gave up
@@ -72,6 +86,11 @@ class ServeConfig:
         if os.environ.get(BROKER_DIR_ENV):
             return Path(os.environ[BROKER_DIR_ENV])
         return cache_dir() / "broker" / f"serve-{self.port}"
+
+    def home(self) -> Path:
+        """The folder that holds this serve's lock and names its processes (SERVED_BY_ENV):
+        its broker's folder, else the one a durable serve on this port would use."""
+        return self.broker_dir() or cache_dir() / "broker" / f"serve-{self.port}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -115,7 +134,9 @@ class Broker:
             # a directory per major version: Redis 7's append-only files are not Redis 6's
             data_dir = self.data_dir / f"redis{binary.version[0]}"
             self._lock = hold_lock(data_dir)
-        self.server = RedisServerProcess(binary, free_port(), data_dir)
+            # the lock is ours, so a server still writing there belongs to a serve that died
+            leftovers.stop(leftovers.redis_servers_in(data_dir), BROKER_STOP_SECONDS, "the broker")
+        self.server = KeptRedisServer(binary, free_port(), data_dir)
         try:
             self.url = self.server.start()
         except RedisServerMissing as exc:
@@ -134,12 +155,24 @@ class Broker:
             self._lock.close()  # closing the file releases its lock
 
 
-def hold_lock(directory: Path) -> IO[str]:
+class KeptRedisServer(RedisServerProcess):
+    """The embedded redis-server under a keeper (workers/child_death.py): it stops with
+    SIGTERM, writing and fsyncing its append-only file, when serve is killed. The keeper
+    passes RedisServerProcess.stop's SIGTERM on, and its SIGKILL takes the server along."""
+
+    def argv(self) -> list[str]:
+        return keeper_argv(
+            super().argv(), grace=BROKER_STOP_SECONDS, orphan_grace=ORPHAN_GRACE_SECONDS
+        )
+
+
+def hold_lock(directory: Path, name: str = "llmq-serve.lock") -> IO[str]:
     """Lock `directory` for this process (two servers must never write one append-only
     file); raises ServeError when another llmq serve holds it. The lock lasts as long as
-    the returned file stays open, and ends with the process however it ends."""
+    the returned file stays open, and ends with the process however it ends (the file is
+    opened close-on-exec: no child holds it after serve is gone)."""
     directory.mkdir(parents=True, exist_ok=True)
-    lock = (directory / "llmq-serve.lock").open("w")
+    lock = (directory / name).open("w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -159,6 +192,7 @@ class Child:
     name: str
     argv: list[str]
     env: dict[str, str]
+    again: float = 0.0  # when serve is gone: a second SIGTERM this long after the first
     process: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
@@ -170,9 +204,13 @@ class Child:
     def start(self) -> None:
         log.info("starting %s", self.name)
         self.tail.clear()
-        # own session: a Ctrl-C in the terminal reaches the supervisor, which stops children
+        # own session: a Ctrl-C in the terminal reaches the supervisor, which stops children;
+        # the keeper stops the child and its group if serve dies (workers/child_death.py)
+        argv = keeper_argv(
+            self.argv, grace=STOP_GRACE_SECONDS, orphan_grace=ORPHAN_GRACE_SECONDS, again=self.again
+        )
         self.process = subprocess.Popen(
-            self.argv,
+            argv,
             env=self.env,
             start_new_session=True,
             stderr=subprocess.PIPE,
@@ -190,8 +228,11 @@ class Child:
         with pipe:
             for line in pipe:
                 self.tail.append(line.rstrip("\n"))
-                sys.stderr.write(line)
-                sys.stderr.flush()
+                try:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass  # the terminal is gone: keep reading, or the child blocks on a full pipe
 
     def poll(self) -> None:
         """Notice an exit and schedule the restart; raises ServeError when the child has
@@ -336,6 +377,17 @@ def check_device_usable(device: str | None) -> None:
 
 
 def serve(config: ServeConfig) -> int:
+    home = config.home()
+    home_lock = hold_lock(home, "serve.lock")  # ours: no live serve owns what it names
+    try:
+        return _serve(config, home)
+    finally:
+        home_lock.close()
+
+
+def _serve(config: ServeConfig, home: Path) -> int:
+    # what a serve of this folder that died left running: an API on the port, workers
+    leftovers.stop(leftovers.marked(str(home)), STOP_GRACE_SECONDS, "processes")
     check_port_free(config.host, config.port)  # before anything starts: nothing to undo
     check_device_usable(config.device)
     from workers.wire.broker import URL_ENV, BrokerConfigError, BrokerSettings
@@ -349,7 +401,7 @@ def serve(config: ServeConfig) -> int:
     else:
         broker = Broker(config.redis_url or os.environ.get(URL_ENV), data_dir=config.broker_dir())
     url = broker.start()
-    env = {**os.environ, "HOST": config.host, "PORT": str(config.port)}
+    env = {**os.environ, "HOST": config.host, "PORT": str(config.port), SERVED_BY_ENV: str(home)}
     if url is not None:
         env[URL_ENV] = url
     children = [
@@ -363,7 +415,9 @@ def serve(config: ServeConfig) -> int:
     if config.device:
         worker_args += ["--device", config.device]
     for i in range(config.workers):
-        children.append(Child(f"worker-{i}", llmq_command(*worker_args), env))
+        children.append(
+            Child(f"worker-{i}", llmq_command(*worker_args), env, again=WORKER_AGAIN_SECONDS)
+        )
     # webhook deliveries (workers/webhooks.py): apart from the workers, so a slow receiver
     # never holds a decode step
     children.append(Child("webhooks", llmq_command("webhooks"), env))
@@ -376,6 +430,8 @@ def serve(config: ServeConfig) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # nohup: the user said no
+        signal.signal(signal.SIGHUP, request_stop)  # a closed terminal stops everything
     announcer = Announcer(config, broker.kind)
     try:
         for child in children:
@@ -394,7 +450,9 @@ def serve(config: ServeConfig) -> int:
 def _stop_children(children: list[Child]) -> None:
     for child in children:
         child.signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    # each keeper SIGKILLs its child's group after STOP_GRACE_SECONDS; a keeper that has
+    # not ended by then is killed here, and its child with it (PR_SET_PDEATHSIG)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS + KEEPER_SLACK_SECONDS
     for child in children:
         if child.process is None:
             continue
