@@ -71,7 +71,7 @@ def submit_request(
             )
         scoped = store.idempotency_key(bearer_token() or "", idem)
     tokens = _tokens(req, spec, prompt_tokens, info, texts)
-    admission = rate_limits.admit(tokens, "max_tokens" if spec is not None else "input")
+    admission = rate_limits.admit(tokens, req.param_name("max_tokens") if spec else "input")
     try:
         submission = store.submit(
             conn,
@@ -132,10 +132,11 @@ def check_context(
     context = info.get("context_length")
     max_tokens = getattr(req, "effective_max_tokens", getattr(req, "max_tokens", None))
     if isinstance(context, int) and isinstance(max_tokens, int) and max_tokens >= context:
+        name = req.param_name("max_tokens")
         raise InvalidRequest(
-            f"max_tokens must be less than the model's context length ({context} tokens), "
+            f"{name} must be less than the model's context length ({context} tokens), "
             f"got {max_tokens}.",
-            param="max_tokens",
+            param=name,
         )
     text = texts.get(req.model) if texts is not None and spec is not None else None
     if text is None:
@@ -144,7 +145,9 @@ def check_context(
         return text.check(spec, context if isinstance(context, int) else None)
     except LLMQRuntimeError as exc:
         default = "messages" if spec.chat else "prompt"
-        raise engine_refusal(exc, InvalidRequest, default_param=default, as_sentence=True) from None
+        error = engine_refusal(exc, InvalidRequest, default_param=default, as_sentence=True)
+        error.param = req.param_name(error.param)  # the engine's words, the client's field
+        raise error from None
 
 
 def job_summary(record: JobRecord) -> dict[str, Any]:

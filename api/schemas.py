@@ -290,6 +290,11 @@ class SamplingRequest(StrictModel):
     def choices(self) -> int:
         return self.n
 
+    def param_name(self, name: str) -> str:
+        """A field as the client's request calls it, for an error found later (the context,
+        a rate limit): its own name here; a response's chat request names its own field."""
+        return name
+
     def reject_unsupported(self) -> None:
         """Raise `UnsupportedFeature` for any contract feature the engine lacks."""
         if self.stream_options is not None and not self.stream:
@@ -615,10 +620,11 @@ def _param(loc: tuple[Any, ...]) -> str:
     return "".join(parts)
 
 
-def validation_error(exc: ValidationError) -> InvalidRequest:
-    """The first pydantic error as one 400 with a message naming the field and value."""
+def validation_error(exc: ValidationError, loc: tuple[Any, ...] | None = None) -> InvalidRequest:
+    """The first pydantic error as one 400 with a message naming the field and value;
+    `loc`: the field's place as the caller names it (a union's member names left out)."""
     err = exc.errors(include_url=False)[0]
-    param = _param(err["loc"]) or None
+    param = _param(err["loc"] if loc is None else loc) or None
     kind = err["type"]
     if kind == "extra_forbidden":
         return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)

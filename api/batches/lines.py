@@ -16,18 +16,13 @@ from typing import Any
 
 from api import loras
 from api.body import json_type, parse_json
-from api.errors import APIError, InvalidRequest
+from api.errors import APIError
 from api.flow import check_context
 from api.model_texts import ModelTexts
-from api.responses.requests import (
-    new_response_id,
-    parse_response_request,
-    responses_error,
-    translate,
-)
+from api.responses.requests import new_response_id, parse_response_request, translate
 from api.schemas import parse_request
 from workers.wire.defaults import MAX_LINE_BYTES
-from workers.wire.job import CHAT_COMPLETIONS, RESPONSES
+from workers.wire.job import RESPONSES
 
 BOM = b"\xef\xbb\xbf"
 MAX_CUSTOM_ID_CHARS = 512
@@ -188,20 +183,19 @@ def _response_line(
     id its output line answers with."""
     try:
         req = parse_response_request(body)
+        for name, why in (
+            ("background", "every batch line already runs in the background"),
+            ("previous_response_id", "a batch line cannot continue a stored response"),
+        ):
+            if getattr(req, name):
+                raise LineError("invalid_request", f"{name} is not available in a batch: {why}.")
+        response_id = new_response_id()
+        translation = translate(req, response_id, [])
     except APIError as exc:
-        raise LineError(exc.code or "invalid_request", exc.message) from None
-    for name, why in (
-        ("background", "every batch line already runs in the background"),
-        ("previous_response_id", "a batch line cannot continue a stored response"),
-    ):
-        if getattr(req, name):
-            raise LineError("invalid_request", f"{name} is not available in a batch: {why}.")
-    response_id = new_response_id()
-    translation = translate(req, response_id, [])
-    line = _generation_line(
-        number, CHAT_COMPLETIONS, translation.chat, custom_id, models, texts, adapters, True
-    )
-    line.responses = {**translation.stored, "id": response_id, "store": False}
+        raise _line_error(exc) from None
+    line = _checked_line(number, translation.chat, custom_id, models, texts, adapters)
+    stored = translation.stored.model_copy(update={"id": response_id, "store": False})
+    line.responses = stored.encode()
     return line
 
 
@@ -213,30 +207,38 @@ def _generation_line(
     models: dict[str, dict[str, Any]],
     texts: ModelTexts | None,
     adapters: dict[str, str],
-    translated: bool = False,
 ) -> ValidLine:
-    """`translated`: `body` is a Responses request's chat translation, whose errors are
-    worded for the Responses request (`api.responses.requests.responses_error`)."""
     try:
         req = parse_request(endpoint, body)
-        requested = req.model
-        loras.apply(req, models, adapters)  # a model naming an adapter; unknown adapters
     except APIError as exc:
-        raise _line_error(exc, translated) from None
-    info = models.get(req.model)
-    if info is None:
-        raise LineError("model_not_found", f"The model {req.model!r} does not exist.")
-    spec = req.to_spec()
+        raise _line_error(exc) from None
+    return _checked_line(number, req, custom_id, models, texts, adapters)
+
+
+def _checked_line(
+    number: int,
+    req: Any,
+    custom_id: str,
+    models: dict[str, dict[str, Any]],
+    texts: ModelTexts | None,
+    adapters: dict[str, str],
+) -> ValidLine:
+    """A parsed request checked against its model, as `api.flow.submit_request` checks it
+    (its errors name the fields as `req.param_name` calls them)."""
+    requested = req.model
     try:
+        loras.apply(req, models, adapters)  # a model naming an adapter; unknown adapters
+        info = models.get(req.model)
+        if info is None:
+            raise LineError("model_not_found", f"The model {req.model!r} does not exist.")
+        spec = req.to_spec()
         check_context(req, spec, info, texts)
     except APIError as exc:
-        raise _line_error(exc, translated) from None
+        raise _line_error(exc) from None
     record = None if spec is None else spec.to_record()
     named = requested if requested != req.model else None
     return ValidLine(number, custom_id, req.model, req.to_job_request(), record, named)
 
 
-def _line_error(error: APIError, translated: bool) -> LineError:
-    if translated and isinstance(error, InvalidRequest):
-        error = responses_error(error)
+def _line_error(error: APIError) -> LineError:
     return LineError(error.code or "invalid_request", error.message)

@@ -1,36 +1,58 @@
-"""A Responses API request (`POST /v1/responses`), checked and translated to the chat
-request a worker runs (workers/wire/responses_api.py renders the answer).
+"""A Responses API request (`POST /v1/responses`), typed, and the chat request a worker runs
+(workers/wire/responses_api.py renders the answer).
 
-The translation: `instructions` -> a system message first (never carried over from a
-previous response, as OpenAI does); the previous response's conversation (its context,
-input and output items) -> the messages after it, so that a turn's prompt starts with the
-tokens the last turn ran and its prefix comes from the prefix cache; then `input` (a string,
-or message / `function_call` / `function_call_output` items) -> messages;
-`max_output_tokens` -> `max_tokens`; `tools` (Responses' flat function tools) and
-`tool_choice` -> chat's; `text.format` -> `response_format`; `service_tier` -> llmq's
-integer `priority` (lower runs sooner). Every field OpenAI defines and llmq does not do is
-refused with a 400 naming it, never ignored.
+`input` items, `tools` and `tool_choice` are pydantic unions told apart by `type`
+(`InputItem`, `Tool`, `ToolChoice`), so a request is checked by its types, and an error
+names the Responses field it is about (`input[2].content[0].type`), never the chat request's.
+The translation (`ResponseRequest.to_chat_request`): `instructions` -> a system message
+first (never carried over from a previous response, as OpenAI does); the previous
+response's conversation (its context, input and output items) -> the messages after it, so
+that a turn's prompt starts with the tokens the last turn ran and its prefix comes from the
+prefix cache; then `input` -> messages; `max_output_tokens` -> `max_tokens`; flat function
+tools and `tool_choice` -> chat's; `text.format` -> `response_format`; `service_tier` ->
+llmq's integer `priority` (lower runs sooner). What the chat request checks later (the
+context, a rate limit) is named by `ResponsesChatRequest.param_name`. Every field OpenAI
+defines and llmq does not do is refused with a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from api.errors import InvalidRequest, UnsupportedFeature
+from api.errors import APIError, InvalidRequest, UnsupportedFeature
 from api.schemas import (
     MAX_MODEL_ID_CHARS,
     MAX_USER_CHARS,
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
     StrictModel,
     _in_range,
     _max_tokens,
     _short,
     validation_error,
 )
-from workers.wire.responses_api import RESPONSE_ID_PREFIX
+from api.schemas import (
+    Tool as ChatTool,
+)
+from runtime.constraints import Constraint, validate_constraint
+from runtime.errors import LLMQRuntimeError
+from workers.wire.responses_api import RESPONSE_ID_PREFIX, StoredRequest
 
 # service_tier -> (llmq priority, the tier the response reports); flex waits behind the rest
 SERVICE_TIERS: dict[str, tuple[int, str]] = {
@@ -53,18 +75,147 @@ UNSUPPORTED = (
     "context_management",
 )
 MAX_INPUT_ITEMS = 4096
+# the chat request's fields as a Responses client knows them (`ResponsesChatRequest`)
+CHAT_PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
 
 
 def new_response_id() -> str:
     return RESPONSE_ID_PREFIX + uuid.uuid4().hex
 
 
-class FunctionToolParam(StrictModel):
+def _type_of(default: str | None = None):
+    """The discriminator of a union told apart by `type` (`default` where it is absent)."""
+
+    def tag(value: Any) -> str | None:
+        if isinstance(value, dict):
+            return value.get("type", default)
+        return getattr(value, "type", None)
+
+    return tag
+
+
+# ---------------------------------------------------------------- input items
+
+
+class _Part(StrictModel):
+    model_config = ConfigDict(extra="ignore")  # a part's other fields (annotations) unread
+
+
+class InputTextPart(_Part):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputTextPart(_Part):
+    type: Literal["output_text"]
+    text: str
+
+
+ContentPart = Annotated[
+    Annotated[InputTextPart, Tag("input_text")] | Annotated[OutputTextPart, Tag("output_text")],
+    Discriminator(_type_of()),
+]
+ItemId = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class MessageItem(StrictModel):
+    type: Literal["message"] = "message"
+    id: ItemId | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[ContentPart] = Field(min_length=1)
+    status: Any = None  # as the client echoes it; a stored item is always completed
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [{"type": "input_text", "text": v}]
+        if not isinstance(v, list) or not v:
+            raise PydanticCustomError("shape", "must be a string or a non-empty list of parts")
+        return v
+
+    def stored(self, ident: str, param: str) -> dict[str, Any]:
+        """As the record keeps it: every part of the role's kind (an assistant's text is
+        output_text, the others' input_text)."""
+        kind = "output_text" if self.role == "assistant" else "input_text"
+        allowed = ("output_text", "input_text") if self.role == "assistant" else ("input_text",)
+        for i, part in enumerate(self.content):
+            if part.type not in allowed:
+                raise UnsupportedFeature(
+                    f"{param}.content[{i}].type must be {' or '.join(allowed)} (only text is "
+                    f"supported), got {part.type!r}.",
+                    param=f"{param}.content[{i}].type",
+                )
+        parts: list[dict[str, Any]] = [{"type": kind, "text": p.text} for p in self.content]
+        if self.role == "assistant":
+            parts = [{**p, "annotations": [], "logprobs": []} for p in parts]
+        return {
+            "id": self.id or f"msg_{ident}",
+            "type": "message",
+            "role": self.role,
+            "status": "completed",
+            "content": parts,
+        }
+
+
+class FunctionCallItem(StrictModel):
+    type: Literal["function_call"]
+    id: ItemId | None = None
+    call_id: str
+    name: str
+    arguments: str
+    status: Any = None
+
+    def stored(self, ident: str, param: str) -> dict[str, Any]:
+        fields = self.model_dump(include={"call_id", "name", "arguments"})
+        return {"id": self.id or f"fc_{ident}", "type": self.type, **fields, "status": "completed"}
+
+
+class FunctionCallOutputItem(StrictModel):
+    type: Literal["function_call_output"]
+    id: ItemId | None = None
+    call_id: str
+    output: str
+    status: Any = None
+
+    def stored(self, ident: str, param: str) -> dict[str, Any]:
+        fields = self.model_dump(include={"call_id", "output"})
+        return {"id": self.id or f"fco_{ident}", "type": self.type, **fields, "status": "completed"}
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_type_of("message")),  # an item without a type is a message
+]
+
+# ---------------------------------------------------------------- tools, format
+
+
+class FunctionTool(StrictModel):
+    """Responses' flat function tool (the only tool this server runs)."""
+
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+Tool = FunctionTool  # one kind so far: another is a tagged member here, as `InputItem`'s
+
+
+class FunctionChoice(StrictModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
 
 
 class TextFormat(StrictModel):
@@ -74,15 +225,38 @@ class TextFormat(StrictModel):
     description: str | None = None
     strict: bool | None = None
 
+    def response_format(self) -> ResponseFormat | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ResponseFormat(type="json_object")
+        schema: dict[str, Any] = {"name": self.name, "schema": self.schema_}
+        if self.strict is not None:
+            schema["strict"] = self.strict
+        if self.description is not None:
+            schema["description"] = self.description
+        return ResponseFormat(type="json_schema", json_schema=schema)
+
 
 class TextParam(StrictModel):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # the only verbosity a non-reasoning model has
 
 
+# ---------------------------------------------------------------- the request
+
+
+class ResponsesChatRequest(ChatCompletionRequest):
+    """The chat request a response runs as: a check made later, against the model (the
+    context, a rate limit), names the field as the Responses request calls it."""
+
+    def param_name(self, name: str) -> str:
+        return CHAT_PARAMS.get(name, name)
+
+
 class ResponseRequest(StrictModel):
     model: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
-    input: Any = None
+    input: list[InputItem] = Field(min_length=1, max_length=MAX_INPUT_ITEMS)
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -92,14 +266,23 @@ class ResponseRequest(StrictModel):
     store: bool = True
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = Field(default=None, max_length=64)
-    tools: list[Any] | None = Field(default=None, max_length=128)
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextParam | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     safety_identifier: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v: Any) -> Any:
+        if isinstance(v, str):  # a string is one user message
+            return [{"role": "user", "content": v}]
+        if not isinstance(v, list) or not v:
+            raise PydanticCustomError("shape", "must be a string or a non-empty list of items")
+        return v
 
     @field_validator("max_output_tokens")
     @classmethod
@@ -124,18 +307,181 @@ class ResponseRequest(StrictModel):
     def priority(self) -> int:
         return SERVICE_TIERS[self.service_tier or "auto"][0]
 
+    @property
+    def text_format(self) -> TextFormat | None:
+        return self.text.format if self.text is not None else None
+
+    def input_items(self, response_id: str) -> list[dict[str, Any]]:
+        """`input` as the record keeps it: items with their ids (given, or made from the
+        response id and the item's place)."""
+        suffix = response_id.removeprefix(RESPONSE_ID_PREFIX)
+        return [item.stored(f"{suffix}_in{i}", f"input[{i}]") for i, item in enumerate(self.input)]
+
+    def to_stored(self, items: list[dict[str, Any]], context: list[dict[str, Any]]):
+        """What the record keeps (`workers.wire.responses_api.StoredRequest`)."""
+        fmt = self.text_format
+        return StoredRequest(
+            input=items,
+            context=context,
+            instructions=self.instructions,
+            max_output_tokens=self.max_output_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            tools=[t.model_dump(exclude_none=True) for t in self.tools or []],
+            tool_choice=(
+                self.tool_choice.model_dump()
+                if isinstance(self.tool_choice, FunctionChoice)
+                else self.tool_choice or "auto"
+            ),
+            parallel_tool_calls=self.parallel_tool_calls,
+            text={"format": fmt.model_dump(exclude_none=True, by_alias=True)}
+            if fmt is not None
+            else {"format": {"type": "text"}},
+            metadata=self.metadata or {},
+            previous_response_id=self.previous_response_id,
+            background=self.background,
+            store=self.store,
+            stream=self.stream,
+            service_tier=self.tier,
+            user=self.user,
+        )
+
+    def to_chat_request(self, items: list[dict[str, Any]], context: list[dict[str, Any]]):
+        """The chat request the worker runs: the instructions, the previous conversation
+        (`context`) and this input (`items`, as `input_items` made them) as messages."""
+        chat_messages = []
+        if self.instructions:
+            chat_messages.append(ChatMessage(role="system", content=self.instructions))
+        chat_messages += [ChatMessage(**m) for m in messages([*context, *items])]
+        if all(not m.text.strip() and not m.tool_calls for m in chat_messages):
+            raise InvalidRequest("input must contain some non-empty content.", param="input")
+        fields: dict[str, Any] = {
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "tools": self._chat_tools(),
+            "tool_choice": self._chat_tool_choice(),
+            "response_format": self._response_format(),
+            "metadata": self.metadata,
+            "user": self.user,
+            "safety_identifier": self.safety_identifier,
+            "parallel_tool_calls": self.parallel_tool_calls if self.tools else None,
+            "priority": self.priority or None,
+        }
+        chat = ResponsesChatRequest(
+            model=self.model,
+            messages=chat_messages,
+            **{k: v for k, v in fields.items() if v is not None},
+        )
+        chat.reject_unsupported()
+        return chat
+
+    def _chat_tools(self) -> list[ChatTool] | None:
+        if self.tools is None:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            if tool.parameters is not None:
+                _compiles(Constraint("json_schema", tool.parameters, param="tools"), f"tools[{i}]")
+            function = FunctionDefinition(**tool.model_dump(exclude_none=True, exclude={"type"}))
+            out.append(ChatTool(type="function", function=function))
+        return out
+
+    def _chat_tool_choice(self) -> Any:
+        if isinstance(self.tool_choice, FunctionChoice):
+            return NamedToolChoice(
+                type="function", function=NamedFunction(name=self.tool_choice.name)
+            )
+        return self.tool_choice
+
+    def _response_format(self) -> ResponseFormat | None:
+        fmt = self.text_format
+        if fmt is None:
+            return None
+        if fmt.type == "json_schema":
+            if fmt.schema_ is None or not fmt.name:
+                raise InvalidRequest(
+                    "text.format of type json_schema needs a name and a schema.",
+                    param="text.format",
+                )
+            _compiles(Constraint("json_schema", fmt.schema_, param="text.format"), "text.format")
+        return fmt.response_format()
+
+
+def _compiles(constraint: Constraint, what: str) -> None:
+    """A schema the worker would refuse is a 400 naming its Responses field now."""
+    try:
+        validate_constraint(constraint)
+    except LLMQRuntimeError as exc:
+        raise InvalidRequest(f"{what}: {exc}", param=constraint.param) from None
+
+
+# ---------------------------------------------------------------- parsing and errors
+
+# the tags of the unions above, and pydantic's names of union members: not field names
+_NOT_FIELDS = frozenset(
+    {"message", "function_call", "function_call_output", "input_text", "output_text"}
+    | {"function", "str"}
+)
+
+
+def _error(exc: ValidationError) -> APIError:
+    """The first pydantic error as one 400 naming the Responses field: a `type` this
+    server does not run is refused as unsupported."""
+    err = exc.errors(include_url=False)[0]
+    loc = tuple(p for p in err["loc"] if isinstance(p, int) or _is_field(p))
+    param = validation_error(exc, loc=loc).param or ""
+    kind = err["type"]
+    if loc and loc[0] == "tool_choice":
+        return UnsupportedFeature(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": '
+            f"...}}, got {_short(exc.errors()[0]['input'])}.",
+            param="tool_choice",
+        )
+    tag_error = kind in ("union_tag_invalid", "union_tag_not_found")
+    if tag_error and not isinstance(err.get("input"), dict):
+        return InvalidRequest(
+            f"{param} must be an object, got {_short(err.get('input'))}.", param=param
+        )
+    if tag_error or (loc and loc[-1] == "type" and kind in ("literal_error", "missing")):
+        where = param if tag_error else param.removesuffix(".type")
+        got = err.get("ctx", {}).get("tag") if tag_error else err.get("input")
+        got = None if kind == "missing" else got
+        expected = _EXPECTED.get(_shape(loc if tag_error else loc[:-1]), "a supported type")
+        return UnsupportedFeature(
+            f"{where}.type must be {expected}, got {_short(got)}.", param=f"{where}.type"
+        )
+    if kind == "shape":
+        return InvalidRequest(f"{param} {err['msg']}.", param=param)
+    return validation_error(exc, loc=loc)
+
+
+def _is_field(part: str) -> bool:
+    return part not in _NOT_FIELDS and part.isidentifier()
+
+
+def _shape(loc: tuple[Any, ...]) -> str:
+    return ".".join("*" if isinstance(p, int) else p for p in loc)
+
+
+_EXPECTED = {
+    "input.*": "message, function_call or function_call_output",
+    "input.*.content.*": "input_text or output_text (only text is supported)",
+    "tools.*": "function (the only tool this server runs)",
+}
+
 
 def parse_response_request(body: dict[str, Any]) -> ResponseRequest:
     """Validate a `POST /v1/responses` body; raises `InvalidRequest` / `UnsupportedFeature`."""
     for name in UNSUPPORTED:
         if body.get(name) not in (None, [], {}):
             raise UnsupportedFeature(f"{name} is not supported by this server.", param=name)
+    if body.get("input") is None:
+        raise InvalidRequest("input is required.", param="input")
     try:
         req = ResponseRequest.model_validate(body)
     except ValidationError as exc:
-        raise validation_error(exc) from None
-    if req.input is None:
-        raise InvalidRequest("input is required.", param="input")
+        raise _error(exc) from None
     if req.truncation == "auto":
         raise UnsupportedFeature(
             "truncation 'auto' is not supported; the input must fit the context.",
@@ -154,108 +500,13 @@ def parse_response_request(body: dict[str, Any]) -> ResponseRequest:
     return req
 
 
-# ---------------------------------------------------------------- input items
-
-
-def input_items(value: Any, response_id: str) -> list[dict[str, Any]]:
-    """`input` as stored items with ids: a string is one user message."""
-    if isinstance(value, str):
-        value = [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest("input must be a string or a non-empty list of items.", param="input")
-    if len(value) > MAX_INPUT_ITEMS:
-        raise InvalidRequest(f"input must have at most {MAX_INPUT_ITEMS} items.", param="input")
-    suffix = response_id.removeprefix(RESPONSE_ID_PREFIX)
-    return [_item(item, f"input[{i}]", f"{suffix}_in{i}") for i, item in enumerate(value)]
-
-
-def _item(item: Any, param: str, suffix: str) -> dict[str, Any]:
-    if not isinstance(item, dict):
-        raise InvalidRequest(f"{param} must be an object, got {_short(item)}.", param=param)
-    kind = item.get("type", "message")
-    given = item.get("id")
-    if given is not None and (not isinstance(given, str) or not 1 <= len(given) <= 128):
-        raise InvalidRequest(f"{param}.id must be a string.", param=f"{param}.id")
-    if kind == "message":
-        return _message(item, param, given or f"msg_{suffix}")
-    if kind == "function_call":
-        fields = _strings(item, param, ("call_id", "name", "arguments"), {"type", "id", "status"})
-        return {"id": given or f"fc_{suffix}", "type": kind, **fields, "status": "completed"}
-    if kind == "function_call_output":
-        fields = _strings(item, param, ("call_id", "output"), {"type", "id", "status"})
-        return {"id": given or f"fco_{suffix}", "type": kind, **fields, "status": "completed"}
-    raise UnsupportedFeature(
-        f"{param}.type must be message, function_call or function_call_output, got {_short(kind)}.",
-        param=f"{param}.type",
-    )
-
-
-def _strings(item: dict[str, Any], param: str, names: tuple[str, ...], extra: set[str]):
-    unknown = sorted(set(item) - set(names) - extra)
-    if unknown:
-        name = f"{param}.{unknown[0]}"
-        raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name)
-    fields = {}
-    for name in names:
-        value = item.get(name)
-        if not isinstance(value, str):
-            raise InvalidRequest(
-                f"{param}.{name} must be a string, got {_short(value)}.", param=f"{param}.{name}"
-            )
-        fields[name] = value
-    return fields
-
-
-def _message(item: dict[str, Any], param: str, ident: str) -> dict[str, Any]:
-    unknown = sorted(set(item) - {"type", "id", "role", "content", "status"})
-    if unknown:
-        name = f"{param}.{unknown[0]}"
-        raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name)
-    role = item.get("role")
-    if role not in ("user", "system", "developer", "assistant"):
-        raise InvalidRequest(
-            f"{param}.role must be user, system, developer or assistant, got {_short(role)}.",
-            param=f"{param}.role",
-        )
-    part_type = "output_text" if role == "assistant" else "input_text"
-    content = item.get("content")
-    if isinstance(content, str):
-        texts = [content]
-    elif isinstance(content, list) and content:
-        texts = [_part(part, f"{param}.content[{i}]", role) for i, part in enumerate(content)]
-    else:
-        raise InvalidRequest(
-            f"{param}.content must be a string or a non-empty list of parts.",
-            param=f"{param}.content",
-        )
-    parts = [{"type": part_type, "text": t} for t in texts]
-    if role == "assistant":
-        parts = [{**p, "annotations": [], "logprobs": []} for p in parts]
-    return {"id": ident, "type": "message", "role": role, "status": "completed", "content": parts}
-
-
-def _part(part: Any, param: str, role: str) -> str:
-    kind = part.get("type") if isinstance(part, dict) else None
-    allowed = ("output_text", "input_text") if role == "assistant" else ("input_text",)
-    if kind not in allowed:
-        raise UnsupportedFeature(
-            f"{param}.type must be {' or '.join(allowed)} (only text is supported), got "
-            f"{_short(kind)}.",
-            param=f"{param}.type",
-        )
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise InvalidRequest(f"{param}.text must be a string.", param=f"{param}.text")
-    return text
-
-
 # ---------------------------------------------------------------- the chat request
 
 
 def messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Items as chat messages: an assistant's text and the function calls that follow it
-    are one assistant message (the turn the model generated), a call's output a tool
-    message."""
+    """Stored items as chat messages: an assistant's text and the function calls that
+    follow it are one assistant message (the turn the model generated), a call's output a
+    tool message, a reasoning item nothing (as OpenAI drops a finished turn's reasoning)."""
     out: list[dict[str, Any]] = []
     for item in items:
         kind = item["type"]
@@ -278,137 +529,14 @@ def messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools, checked, as chat tools."""
-    if tools is None:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise UnsupportedFeature(
-                f"tools[{i}].type must be function (the only tool this server runs), got "
-                f"{_short(kind)}.",
-                param=f"tools[{i}].type",
-            )
-        try:
-            checked = FunctionToolParam.model_validate(tool)
-        except ValidationError as exc:
-            error = validation_error(exc)
-            error.param = f"tools[{i}].{error.param}" if error.param else f"tools[{i}]"
-            raise error from None
-        function = checked.model_dump(exclude_none=True, exclude={"type"})
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def chat_tool_choice(choice: Any) -> Any:
-    if choice is None or choice in ("none", "auto", "required"):
-        return choice
-    if (
-        isinstance(choice, dict)
-        and choice.get("type") == "function"
-        and set(choice)
-        == {
-            "type",
-            "name",
-        }
-    ):
-        if isinstance(choice["name"], str) and choice["name"]:
-            return {"type": "function", "function": {"name": choice["name"]}}
-    raise UnsupportedFeature(
-        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}, '
-        f"got {_short(choice)}.",
-        param="tool_choice",
-    )
-
-
-def response_format(text: TextParam | None) -> dict[str, Any] | None:
-    fmt = text.format if text is not None else None
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return {"type": "json_object"}
-    if fmt.schema_ is None or not fmt.name:
-        raise InvalidRequest(
-            "text.format of type json_schema needs a name and a schema.", param="text.format"
-        )
-    schema = {"name": fmt.name, "schema": fmt.schema_}
-    if fmt.strict is not None:
-        schema["strict"] = fmt.strict
-    if fmt.description is not None:
-        schema["description"] = fmt.description
-    return {"type": "json_schema", "json_schema": schema}
-
-
 @dataclass
 class Translation:
-    chat: dict[str, Any]  # the chat request body the worker runs
-    stored: dict[str, Any]  # `JobRecord.responses`
+    chat: ResponsesChatRequest  # the chat request the worker runs
+    stored: StoredRequest  # `JobRecord.responses`
 
 
 def translate(req: ResponseRequest, response_id: str, context: list[dict[str, Any]]) -> Translation:
     """The chat request of `req` (whose previous response's conversation is `context`),
     and the Responses request the record keeps."""
-    items = input_items(req.input, response_id)
-    chat_messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    chat_messages += messages([*context, *items])
-    chat: dict[str, Any] = {"model": req.model, "messages": chat_messages}
-    optional = {
-        "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "tools": chat_tools(req.tools),
-        "tool_choice": chat_tool_choice(req.tool_choice),
-        "response_format": response_format(req.text),
-        "metadata": req.metadata,
-        "user": req.user,
-        "safety_identifier": req.safety_identifier,
-    }
-    chat.update({k: v for k, v in optional.items() if v is not None})
-    if req.tools:
-        chat["parallel_tool_calls"] = req.parallel_tool_calls
-    if req.priority:
-        chat["priority"] = req.priority
-    text = None
-    if req.text is not None and req.text.format is not None:
-        text = {"format": req.text.format.model_dump(exclude_none=True, by_alias=True)}
-    stored = {
-        "input": items,
-        "context": context,
-        "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "tools": [{"type": "function", **t["function"]} for t in chat.get("tools") or []],
-        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "parallel_tool_calls": req.parallel_tool_calls,
-        "text": text or {"format": {"type": "text"}},
-        "metadata": req.metadata or {},
-        "previous_response_id": req.previous_response_id,
-        "background": req.background,
-        "store": req.store,
-        "stream": req.stream,
-        "service_tier": req.tier,
-        "user": req.user,
-    }
-    return Translation(chat, stored)
-
-
-# chat parameter names as a Responses client knows them, for the errors of the chat request
-_PARAMS = {
-    "max_tokens": "max_output_tokens",
-    "response_format": "text.format",
-    "messages": "input",
-    "tools": "tools",
-}
-
-
-def responses_error(error: InvalidRequest) -> InvalidRequest:
-    """A 400 of the translated chat request, re-worded for the Responses request."""
-    param = error.param or ""
-    head = param.split(".")[0].split("[")[0]
-    if head in _PARAMS:
-        error.param = _PARAMS[head] + param[len(head) :] if head != "messages" else "input"
-        error.message = str(error.message).replace(head, _PARAMS[head], 1)
-    return error
+    items = req.input_items(response_id)
+    return Translation(req.to_chat_request(items, context), req.to_stored(items, context))

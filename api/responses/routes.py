@@ -39,10 +39,8 @@ from api.responses.events import ResponseEvents, error_job_status
 from api.responses.requests import (
     new_response_id,
     parse_response_request,
-    responses_error,
     translate,
 )
-from api.schemas import parse_request
 from api.streams.events import sse
 from api.streams.relay import sse_response
 from api.streams.stream_hub import Event
@@ -140,12 +138,11 @@ def create_response() -> Response:
     flex = req.tier == "flex"
     try:
         translation = translate(req, response_id, context)
-        chat = parse_request(CHAT_COMPLETIONS, translation.chat)
         submission = submit_request(
             CHAT_COMPLETIONS,
-            chat,
+            translation.chat,
             job_id=response_id,
-            responses=translation.stored,
+            responses=translation.stored.encode(),
             max_queue=flex_max_queue() if flex else None,
             # a background response's end is a `response.*` webhook event, as at OpenAI
             marks=notify_fields(NOTIFY_RESPONSE) if req.background else None,
@@ -154,8 +151,6 @@ def create_response() -> Response:
         if flex:
             raise FlexUnavailable(flex_max_queue()) from None
         raise
-    except InvalidRequest as exc:
-        raise responses_error(exc) from None
     record = submission.record
     if req.stream:
         return stream_events(

@@ -6,13 +6,8 @@ from __future__ import annotations
 import pytest
 
 from api.errors import InvalidRequest, UnsupportedFeature
-from api.responses.requests import (
-    input_items,
-    messages,
-    parse_response_request,
-    responses_error,
-    translate,
-)
+from api.flow import check_context
+from api.responses.requests import messages, parse_response_request, translate
 from api.schemas import parse_request
 from workers.wire.job import CHAT_COMPLETIONS
 
@@ -26,9 +21,23 @@ WEATHER = {
 }
 
 
-def _translate(body: dict, context: list | None = None):
+class _Dicts:
+    """A translation as JSON: the chat request as its fields were set, the stored request
+    as the record keeps it."""
+
+    def __init__(self, translation) -> None:
+        self.typed = translation.chat
+        self.chat = translation.chat.model_dump(exclude_unset=True)
+        self.stored = translation.stored.encode()
+
+
+def _translate(body: dict, context: list | None = None) -> _Dicts:
     req = parse_response_request({"model": "tiny", **body})
-    return translate(req, RID, context or [])
+    return _Dicts(translate(req, RID, context or []))
+
+
+def input_items(value: list, response_id: str) -> list:
+    return parse_response_request({"model": "tiny", "input": value}).input_items(response_id)
 
 
 def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
@@ -51,7 +60,8 @@ def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
         }
     ]
     assert t.stored["instructions"] == "Be brief." and t.stored["service_tier"] == "default"
-    parse_request(CHAT_COMPLETIONS, t.chat)  # what the worker runs is a valid chat request
+    # what the worker runs is a valid chat request, the same as parsed from its JSON
+    assert parse_request(CHAT_COMPLETIONS, t.chat).to_job_request() == t.typed.to_job_request()
 
 
 def test_items_become_messages_with_a_turns_text_and_calls_in_one_message() -> None:
@@ -139,7 +149,7 @@ def test_tools_tool_choice_text_format_and_service_tier() -> None:
     assert t.chat["parallel_tool_calls"] is False and t.chat["priority"] == -1
     assert (t.chat["temperature"], t.chat["top_p"], t.chat["metadata"]) == (0, 0.5, {"k": "v"})
     assert t.stored["tools"] == [WEATHER] and t.stored["service_tier"] == "priority"
-    parse_request(CHAT_COMPLETIONS, t.chat)
+    assert parse_request(CHAT_COMPLETIONS, t.chat).to_job_request() == t.typed.to_job_request()
 
     fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
     t = _translate({"input": "x", "text": {"format": fmt}, "service_tier": "flex"})
@@ -196,10 +206,14 @@ def test_bad_values_are_400s_naming_the_field(body: dict, param: str) -> None:
 
 
 def test_chat_errors_are_worded_for_the_responses_request() -> None:
-    error = responses_error(InvalidRequest("max_tokens must be less than 10.", param="max_tokens"))
-    assert (error.param, error.message) == (
+    chat = _translate({"input": "x", "max_output_tokens": 10}).typed
+    with pytest.raises(InvalidRequest) as caught:
+        check_context(chat, chat.to_spec(), {"context_length": 10})
+    assert (caught.value.param, caught.value.message) == (
         "max_output_tokens",
-        "max_output_tokens must be less than 10.",
+        "max_output_tokens must be less than the model's context length (10 tokens), got 10.",
     )
-    error = responses_error(InvalidRequest("bad schema", param="response_format"))
-    assert error.param == "text.format"
+    bad = {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}
+    with pytest.raises(InvalidRequest) as caught:
+        _translate({"input": "x", "text": {"format": bad}})
+    assert caught.value.param == "text.format"
