@@ -69,11 +69,12 @@ def redis_servers_in(directory: Path) -> list[int]:
     found = []
     for pid in _own_pids():
         try:
-            exe = os.readlink(PROC / str(pid) / "exe")
+            # its name, not its binary's: Debian's redis-server links to redis-check-rdb
+            name = (PROC / str(pid) / "comm").read_text().strip()
             cwd = Path(os.readlink(PROC / str(pid) / "cwd"))
         except OSError:
             continue
-        if Path(exe).name.startswith("redis-server") and cwd == target and running(pid):
+        if name == "redis-server" and cwd == target and running(pid):
             found.append(pid)
     return found
 

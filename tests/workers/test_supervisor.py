@@ -13,10 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
+import redis
 
 from tests.workers.conftest import REPO, wait_for
 from tests.workers.serve_run import Serve, free_port
+from workers import leftovers
+from workers.child_death import keeper_argv
+from workers.redis_server import RedisServerProcess, find_redis_server
+from workers.supervisor import Broker
 
 pytestmark = pytest.mark.integration
 
@@ -135,3 +141,88 @@ def test_serve_says_serving_once_the_default_model_is_loaded(serve, tmp_path: Pa
     run.process.send_signal(signal.SIGINT)
     assert run.wait(60) == 0, run.output()
     assert run.leftovers() == []
+
+
+def test_a_keeper_stops_its_child_and_the_child_s_group_when_its_parent_is_killed() -> None:
+    """workers/child_death.py: serve (here a stand-in process) killed -9; the child ignores
+    SIGTERM and has started a grandchild in its group: both are gone by the orphan grace."""
+    parent_code = (
+        "import subprocess, sys, time\n"
+        "from workers.child_death import keeper_argv\n"
+        "script = 'trap \"\" TERM; sleep 300 & wait'\n"
+        "keeper = subprocess.Popen(keeper_argv(['sh', '-c', script], grace=30, orphan_grace=2),"
+        " start_new_session=True)\n"
+        "print(keeper.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        keeper = psutil.Process(int(parent.stdout.readline()))
+        wait_for(lambda: len(keeper.children(recursive=True)) == 2, 20, "the child and its child")
+        kept = [keeper, *keeper.children(recursive=True)]
+        killed = time.monotonic()
+        parent.kill()
+        parent.wait(10)
+        _, alive = psutil.wait_procs(kept, timeout=2 + 20)  # orphan grace + slack
+        assert alive == []
+        assert time.monotonic() - killed >= 1.5  # the SIGTERM was ignored: SIGKILL at 2 s
+    finally:
+        parent.kill()
+        parent.wait(10)
+        parent.stdout.close()
+
+
+def test_a_keeper_exits_as_its_child_did() -> None:
+    exited = subprocess.run(keeper_argv(["sh", "-c", "exit 3"], grace=5, orphan_grace=5))
+    assert exited.returncode == 3
+    killed = subprocess.run(keeper_argv(["sh", "-c", "kill -9 $$"], grace=5, orphan_grace=5))
+    assert killed.returncode == -signal.SIGKILL
+
+
+def test_only_processes_marked_with_the_serve_s_folder_are_stopped(tmp_path: Path) -> None:
+    def sleeper(marker: str | None) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != leftovers.SERVED_BY_ENV}
+        if marker is not None:
+            env[leftovers.SERVED_BY_ENV] = marker
+        return subprocess.Popen(["sleep", "300"], env=env)
+
+    ours = sleeper(str(tmp_path))
+    others = [sleeper(str(tmp_path / "other")), sleeper(None)]
+    try:
+        wait_for(lambda: leftovers.marked(str(tmp_path)) == [ours.pid], 10, "the marked one")
+        leftovers.stop(leftovers.marked(str(tmp_path)), 10, "test processes")
+        assert ours.wait(10) == -signal.SIGTERM
+        assert all(other.poll() is None for other in others)
+    finally:
+        for proc in [ours, *others]:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_broker_left_running_on_the_data_folder_is_shut_down_and_its_data_kept(
+    tmp_path: Path,
+) -> None:
+    """A redis-server of a dead serve still on the folder (no keeper: an llmq serve from
+    before them): the next serve's broker stops it (SIGTERM, Redis's SHUTDOWN) before it
+    starts its own on the same append-only file, which holds what the old one acknowledged.
+    A redis-server on another folder is left alone."""
+    binary = find_redis_server()
+    data_dir = tmp_path / "broker" / f"redis{binary.version[0]}"
+    stale = RedisServerProcess(binary, free_port(), data_dir)
+    elsewhere = RedisServerProcess(binary, free_port(), tmp_path / "elsewhere")
+    broker = Broker(None, data_dir=tmp_path / "broker")
+    try:
+        with redis.Redis.from_url(stale.start()) as conn:
+            conn.set("acknowledged", "yes")
+        elsewhere.start()
+        assert leftovers.redis_servers_in(data_dir) == [stale.process.pid]
+        with redis.Redis.from_url(broker.start()) as conn:
+            assert conn.get("acknowledged") == b"yes"
+        assert stale.process.wait(10) == 0  # a clean shutdown, not a kill
+        assert elsewhere.process.poll() is None
+    finally:
+        broker.stop()
+        stale.stop()
+        elsewhere.stop()
