@@ -243,7 +243,27 @@ int llmq_int8_blocks(const float *x, const float *input_scale, int fine, int64_t
  * only which rows share a loaded block: a row's result does not depend on its batch. */
 
 #define GROUP 16
+#ifdef NIBBLE_TABLE
+/* Built with -DNIBBLE_TABLE=1 (llama.cpp's kvalues_iq4nl: IQ4_NL, IQ4_XS), 2
+ * (kvalues_mxfp4: MXFP4) or 3 (the nibble as a signed 4-bit number, -8..7: Q3_K's codes
+ * -4..3, Q2_K's 0..3), a group's block holds 4-bit indices into that table: half the
+ * bytes (native.py `pack_nibble_groups`). Byte c * 64 + j * 4 + i holds row j's index of
+ * column 4c + i in its low nibble and of column 16 + 4c + i in its high one (steps c and
+ * c + 4), and a shuffle through the table plus 128 gives exactly the codes + 128 the 8-bit
+ * layout holds: the same int32 dots, the same float32 operations, the same numbers. */
+#define GROUP_BYTES 256
+#if NIBBLE_TABLE == 1
+static const int8_t nibble_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#elif NIBBLE_TABLE == 2
+static const int8_t nibble_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#elif NIBBLE_TABLE == 3
+static const int8_t nibble_values[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+#else
+#error "NIBBLE_TABLE is 1, 2 or 3"
+#endif
+#else
 #define GROUP_BYTES 512
+#endif
 #ifndef GROUP_ROW_TILE
 #define GROUP_ROW_TILE 4 /* activation rows sharing each loaded block of a group */
 #endif
@@ -265,8 +285,18 @@ typedef __m512 gfvec;
 #define g_zero_f _mm512_setzero_ps
 #define g_store_f _mm512_storeu_ps
 #define GROUP_DPBUSD _mm512_dpbusd_epi32
+#define g_table(t) _mm512_broadcast_i32x4(t)
+#define g_shuffle _mm512_shuffle_epi8
+#define g_and _mm512_and_si512
+#define g_srli16 _mm512_srli_epi16
+#define g_set1_i8 _mm512_set1_epi8
 #else
 #define LANES 8
+#define g_table(t) _mm256_broadcastsi128_si256(t)
+#define g_shuffle _mm256_shuffle_epi8
+#define g_and _mm256_and_si256
+#define g_srli16 _mm256_srli_epi16
+#define g_set1_i8 _mm256_set1_epi8
 typedef __m256i gvec;
 typedef __m256 gfvec;
 #define g_load(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -338,6 +368,22 @@ static inline __attribute__((always_inline)) gfvec group_terms(gfvec acc, const 
     return g_fma(g_cvt(high), g_mul(ws[1], xs), acc);
 }
 
+/* a group's block of codes + 128, steps 0..7, for this vector's lanes (p: their first) */
+static inline __attribute__((always_inline)) void load_codes(gvec codes[8], const uint8_t *p) {
+#ifdef NIBBLE_TABLE
+    int8_t shifted[16];
+    for (int i = 0; i < 16; i++) shifted[i] = (int8_t)(nibble_values[i] ^ (int8_t)0x80);
+    const gvec table = g_table(_mm_loadu_si128((const __m128i *)shifted)), low = g_set1_i8(15);
+    for (int c = 0; c < 4; c++) {
+        const gvec v = g_load(p + 64 * c);
+        codes[c] = g_shuffle(table, g_and(v, low));
+        codes[c + 4] = g_shuffle(table, g_and(g_srli16(v, 4), low));
+    }
+#else
+    for (int t = 0; t < 8; t++) codes[t] = g_load(p + 64 * t);
+#endif
+}
+
 /* `mt` activation rows from m0 times lanes [h * LANES, (h + 1) * LANES) of group g */
 static inline __attribute__((always_inline)) void group_tile(grouped_pass x, grouped_pass x2, int fine, int64_t k,
                                                               const uint8_t *packed, const float *scales,
@@ -350,7 +396,7 @@ static inline __attribute__((always_inline)) void group_tile(grouped_pass x, gro
         const uint8_t *p = packed + (g * blocks + b) * GROUP_BYTES + 4 * LANES * h;
         const float *s = scales + ((g * blocks + b) * per_block) * GROUP + LANES * h;
         gvec codes[8];
-        for (int t = 0; t < 8; t++) codes[t] = g_load(p + 64 * t);
+        load_codes(codes, p);
         gfvec ws[2];
         ws[0] = g_load_f(s);
         ws[1] = per_block == 2 ? g_load_f(s + GROUP) : ws[0];

@@ -220,7 +220,8 @@ INT8_ENV = "LLMQ_TORCH_INT8"  # "1": int8 weights keep torch's kernel (benches c
 class Int8Rows:
     """`__call__` multiplies float32 rows by int8-per-row weights (int8_rows.c)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, group_bytes: int = 512) -> None:
+        self.group_bytes = group_bytes  # a grouped block's bytes: 256 in a nibble build
         self._fn = lib.llmq_int8_rows
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, ctypes.c_int, _ptr, _ptr]
@@ -359,8 +360,9 @@ class Int8GroupsProduct:
     ) -> None:
         groups, blocks, size = packed.shape
         k = blocks * INT8_BLOCK
-        if packed.dtype != np.uint8 or not packed.flags.c_contiguous or size != INT8_GROUP_BYTES:
-            raise ValueError("packed must be C-contiguous uint8 [N / 16, K / 32, 512]")
+        if packed.dtype != np.uint8 or not packed.flags.c_contiguous or size != kernel.group_bytes:
+            shape = f"[N / 16, K / 32, {kernel.group_bytes}]"
+            raise ValueError(f"packed must be C-contiguous uint8 {shape}")
         if groups != -(-n // INT8_GROUP):
             needed = -(-n // INT8_GROUP)
             raise ValueError(f"packed holds {groups} groups of 16 rows; {n} rows take {needed}")
@@ -405,6 +407,55 @@ class Int8GroupsProduct:
             address(out),
         )
         return out
+
+
+# int8_rows.c's nibble builds (-DNIBBLE_TABLE): each type's int8 values, indexed by a nibble
+NIBBLE_TABLES = {
+    "iq4": (1, (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)),
+    "mxfp4": (2, (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)),
+    "signed4": (3, (0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)),
+}
+
+
+def pack_nibble_groups(
+    codes: np.ndarray, scales: np.ndarray, table: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """`pack_int8_groups`' layout with each code as its 4-bit index into the table
+    (int8_rows.c's NIBBLE_TABLE build): packed `[N16 / 16, K / 32, 256]` uint8 (steps c and
+    c + 4 in one byte's low and high nibble), scales as there. Every code must be in the
+    table."""
+    values = np.array(NIBBLE_TABLES[table][1], np.int16)
+    index = np.full(256, 255, np.uint8)  # the first index of each value; 255: not held
+    for i in range(15, -1, -1):
+        index[values[i] & 255] = i
+    nibbles = index[codes.view(np.uint8)]
+    if (nibbles == 255).any():
+        raise ValueError(f"a code is not in the {table} table")
+    n, k = codes.shape
+    blocks = k // INT8_BLOCK
+    pad = -n % INT8_GROUP
+    if pad:
+        nibbles = np.concatenate([nibbles, np.zeros((pad, k), np.uint8)])
+        scales = np.concatenate([scales, np.zeros((pad, scales.shape[1]), np.float32)])
+    groups = (n + pad) // INT8_GROUP
+    steps = nibbles.reshape(groups, INT8_GROUP, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    packed = steps[:, :, :4] | (steps[:, :, 4:] << 4)  # [g, b, c, j, i]
+    per_block = scales.shape[1] * INT8_BLOCK // k
+    grouped = scales.astype(np.float32).reshape(groups, INT8_GROUP, blocks, per_block)
+    return (
+        np.ascontiguousarray(packed).reshape(groups, blocks, 256),
+        np.ascontiguousarray(grouped.transpose(0, 2, 3, 1)),
+    )
+
+
+@functools.cache
+def nibble_rows(table: str) -> Int8Rows | None:
+    """int8_rows.c built for 4-bit indices into `table` (NIBBLE_TABLES), or None where it
+    cannot be built here."""
+    if os.environ.get(INT8_ENV, "") not in ("", "0"):
+        return None
+    lib = _library(INT8_ROWS_SOURCE, (f"-DNIBBLE_TABLE={NIBBLE_TABLES[table][0]}",))
+    return Int8Rows(lib, 256) if lib is not None else None
 
 
 @functools.cache

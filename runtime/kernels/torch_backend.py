@@ -42,6 +42,7 @@ from runtime.kernels.gguf_blocks import (
     TWO_BIT_TYPES,
     BlockCodes,
     GroupQuantized,
+    Q,
     TwoBitCodes,
     quantize_groups,
     read_eight_bit,
@@ -60,9 +61,11 @@ from runtime.kernels.native import (
     lowbit_builds,
     lowbit_rows,
     lowbit_shape,
+    nibble_rows,
     pack_int8_groups,
     pack_int8_rows,
     pack_lowbit,
+    pack_nibble_groups,
 )
 from runtime.kernels.prepared import PreparedWeights, SavedWeight, weight_key
 from runtime.kernels.quant_types import log_types
@@ -444,6 +447,54 @@ class Int8BlockGroupHead(Int8BlockGroupWeight):
     fine = True
 
 
+# the types whose codes a 4-bit index into one of int8_rows.c's nibble tables holds
+NIBBLE_TABLE_OF = {Q.IQ4_NL: "iq4", Q.IQ4_XS: "iq4", Q.MXFP4: "mxfp4", Q.Q3_K: "signed4"}
+NIBBLE_TABLE_OF[Q.Q2_K] = "signed4"  # its codes 0..3 (TwoBitWeight)
+NIBBLE_TABLE_NAMES = tuple(dict.fromkeys(NIBBLE_TABLE_OF.values()))
+
+
+def nibble_table(types: set) -> str:
+    """The one nibble table that holds every code of `types` ("" for none, or none that
+    builds here): IQ4_NL / IQ4_XS, MXFP4, and Q3_K / Q2_K keep 4 bits a code where the
+    8-bit layout took 8."""
+    tables = {NIBBLE_TABLE_OF.get(t) for t in types}
+    table = tables.pop() if len(tables) == 1 else None
+    return table if table is not None and nibble_rows(table) is not None else ""
+
+
+class NibbleGroupWeight(Int8BlockGroupWeight):
+    """`Int8BlockGroupWeight` with each code held as its 4-bit index into a table of int8
+    values (native.py `pack_nibble_groups`, int8_rows.c's NIBBLE_TABLE builds): IQ4_NL,
+    IQ4_XS and MXFP4 (their own value tables) and Q3_K / Q2_K (signed 4-bit codes) at half
+    the bytes, multiplied to the same numbers bitwise (the shuffle through the table gives
+    the 8-bit layout's codes)."""
+
+    kind = "nibble-block-groups"
+
+    def __init__(self, q: BlockCodes, table: str, input_scale: np.ndarray | None) -> None:
+        self.shape: tuple[int, int] = q.shape
+        self.table = table
+        packed, scales = pack_nibble_groups(q.codes, np.asarray(q.scales, np.float32), table)
+        self.packed, self.scales = torch.from_numpy(packed), torch.from_numpy(scales)
+        self.input_scale = _scale(input_scale)
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        table = torch.tensor([NIBBLE_TABLE_NAMES.index(self.table)], dtype=torch.uint8)
+        return super().saved() | {"table": table}
+
+    @classmethod
+    def restored(cls, shape: tuple[int, int], tensors: dict[str, torch.Tensor]):
+        weight = super().restored(shape, tensors)
+        weight.table = NIBBLE_TABLE_NAMES[int(tensors["table"][0])]
+        return weight
+
+    @functools.cached_property
+    def _bound(self) -> Int8GroupsProduct:
+        scale = None if self.input_scale is None else self.input_scale.numpy()
+        packed, scales = self.packed.numpy(), self.scales.numpy()
+        return nibble_rows(self.table).bind_groups(packed, scales, self.shape[0], scale)
+
+
 class TwoBitWeight(_Product):
     """GGUF Q2_K from its codes: `d * scale * code - dmin * min` per 16 weights. The codes
     times their scales go to int8_rows.c as a Q6_K's would (`codes`: the plan's 8-bit
@@ -455,9 +506,12 @@ class TwoBitWeight(_Product):
     kind = "two-bit-blocks"
 
     def __init__(self, q: TwoBitCodes, grouped: bool, input_scale: np.ndarray | None) -> None:
-        layout = Int8BlockGroupWeight if grouped else Int8BlockWeight
         self.shape: tuple[int, int] = q.shape
-        self.codes = layout(q.codes, input_scale)
+        if grouped and nibble_table({Q.Q2_K}):
+            self.codes = NibbleGroupWeight(q.codes, nibble_table({Q.Q2_K}), input_scale)
+        else:
+            layout = Int8BlockGroupWeight if grouped else Int8BlockWeight
+            self.codes = layout(q.codes, input_scale)
         n, sums = q.min_codes.shape
         width = -(-sums // GROUP_SIZE) * GROUP_SIZE  # int8_rows.c takes whole blocks of 32
         min_codes = np.zeros((n, width), np.int8)
@@ -481,6 +535,7 @@ class TwoBitWeight(_Product):
         weight.shape, weight.input_scale = shape, tensors.get("input_scale")
         codes = {key[6:]: t for key, t in tensors.items() if key.startswith("codes.")}
         layout = Int8BlockGroupWeight if "packed" in codes else Int8BlockWeight
+        layout = NibbleGroupWeight if "table" in codes else layout
         weight.codes = layout.restored(shape, codes)
         mins = {"codes": tensors["mins.codes"], "scales": tensors["mins.scales"]}
         weight.mins = Int8BlockHead.restored(tuple(mins["codes"].shape), mins)
@@ -744,6 +799,7 @@ WEIGHT_CLASSES = {
         Int8BlockHead,
         Int8BlockGroupWeight,
         Int8BlockGroupHead,
+        NibbleGroupWeight,
         TwoBitWeight,
         Bf16Weight,
         Fp16Weight,
@@ -823,6 +879,8 @@ class TorchBackend:
         types = {f.blocks(p.name)[1] for p in parts}
         if self.native_eight_bit and types <= EIGHT_BIT_TYPES:
             fused = BlockCodes.concat([block_part(f, p) for p in parts])
+            if self.plan.eight_bit == Int8BlockGroupWeight.kind and nibble_table(types):
+                return NibbleGroupWeight(fused, nibble_table(types), input_scale)
             if self.plan.eight_bit == Int8BlockGroupWeight.kind:
                 return Int8BlockGroupWeight(fused, input_scale)
             return Int8BlockWeight(fused, input_scale)
@@ -973,10 +1031,12 @@ class TorchBackend:
         if (qtype in EIGHT_BIT_TYPES or two_bit) and self.native_eight_bit:
             # codes, a float32 per 32 or 16 (Q2_K: and its min codes, a float32 per 256)
             mins = -(-shape[1] // 512) * 32 * shape[0] * 5 // 4 if two_bit else 0
-            if self.plan.eight_bit == Int8BlockGroupWeight.kind:  # rows padded to 16
+            grouped = self.plan.eight_bit == Int8BlockGroupWeight.kind
+            if grouped:  # rows padded to 16
                 n = -(-shape[0] // INT8_GROUP) * INT8_GROUP * shape[1]
             per_16 = qtype in PER_16_TYPES or two_bit
-            return n + 4 * (n // (16 if per_16 else GROUP_SIZE)) + mins
+            codes = n // 2 if grouped and nibble_table({qtype}) else n  # 4-bit indices
+            return codes + 4 * (n // (16 if per_16 else GROUP_SIZE)) + mins
         return 2 * n
 
     def _head_kind(self, f: GGUFFile, name: str) -> str:

@@ -33,8 +33,10 @@ from runtime.kernels.torch_backend import (
     Int8BlockGroupWeight,
     Int8BlockWeight,
     LowBitWeight,
+    NibbleGroupWeight,
     TorchBackend,
     TwoBitWeight,
+    nibble_table,
 )
 from tests.runtime.int8_activations import blockwise_rounded
 
@@ -98,8 +100,10 @@ def _weight(qtype: Q, raw: np.ndarray, shape: tuple[int, int], grouped: bool, sc
     q = read(raw, qtype, shape)
     if qtype in FIVE_BIT_TYPES:
         return LowBitWeight(q, 5, scale)
+    if qtype in EIGHT_BIT_TYPES and grouped:  # 4-bit indices, the plan's grouped layout
+        return NibbleGroupWeight(q, nibble_table({qtype}), scale)
     if qtype in EIGHT_BIT_TYPES:
-        return (Int8BlockGroupWeight if grouped else Int8BlockWeight)(q, scale)
+        return Int8BlockWeight(q, scale)
     return TwoBitWeight(q, grouped, scale)
 
 
@@ -163,15 +167,18 @@ def test_the_backend_keeps_each_type_as_its_codes(qtype, tmp_path):
     backend = TorchBackend(row_invariant_plan(cpu_features()))
     order = np.arange(48)[::-1].copy()
     weight = backend.linear(f, [TensorPart("w0", row_order=order, scale=0.5)])
-    expected_class = {Q.Q5_K: LowBitWeight, Q.Q2_K: TwoBitWeight}.get(qtype, Int8BlockGroupWeight)
-    assert isinstance(weight, expected_class)
+    grouped = backend.plan.eight_bit == Int8BlockGroupWeight.kind
+    group = NibbleGroupWeight if grouped else Int8BlockWeight
+    expected_class = {Q.Q5_K: LowBitWeight, Q.Q2_K: TwoBitWeight}.get(qtype, group)
+    assert type(weight) is expected_class
     x = np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32)
     dense = f.tensor("w0")[order] * np.float32(0.5)
     exact = x.astype(np.float64) @ dense.T.astype(np.float64)
     assert np.abs(weight(x) - exact).max() < 0.02 * np.abs(exact).max()
     n = 48 * 512
     assert weight.nbytes == backend.stored_bytes(f, "w0", "linear")
-    assert weight.nbytes < 1.35 * n  # fp16 held 2 bytes a weight
+    # fp16 held 2 bytes a weight; 4-bit indices (and Q2_K's mins) and float32 scales
+    assert weight.nbytes < (0.85 if grouped else 1.35) * n
 
 
 def _file(tmp_path, qtype: Q) -> GGUFFile:
@@ -196,6 +203,18 @@ for qtype in NEW_TYPES:
     out[qtype.name] = _weight(qtype, raw, (40, 768), True, None)(x)
 np.savez(sys.argv[2], **out)
 """
+
+
+@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4], ids=lambda q: q.name)
+def test_4_bit_indices_give_the_8_bit_layouts_numbers(qtype):
+    """The nibble builds (a shuffle through the type's value table) multiply exactly as the
+    8-bit grouped layout does over the same codes, at half its bytes."""
+    raw = random_blocks(qtype, 45, 768, seed=2)
+    q = read(raw, qtype, (45, 768))
+    x = _rows(768, seed=6)
+    wide, narrow = Int8BlockGroupWeight(q, None), NibbleGroupWeight(q, nibble_table({qtype}), None)
+    assert np.array_equal(narrow(x), wide(x))
+    assert narrow.packed.nbytes * 2 == wide.packed.nbytes
 
 
 @pytest.mark.skipif(
