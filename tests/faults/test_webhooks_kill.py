@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +29,9 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from bench.webhooks import CountingReceiver, end_jobs, expected_id, notifying_jobs, start_webhooks
-from tests.workers.conftest import wait_for
+from bench.webhooks import CountingReceiver, end_jobs, expected_id, notifying_jobs
+from tests.faults.conftest import print_log_if_failed
+from tests.workers.conftest import REPO, wait_for
 from workers import keys
 from workers.webhook_reaper import LEASE_SECONDS, REAP_SECONDS
 from workers.webhooks import delivery_id
@@ -49,14 +54,14 @@ START_WAIT = 60  # a process's start and its first deliveries: ~3 s idle
 DONE_WAIT = 120  # retries 1-2 s apart and one takeover (12 s); 10x for a busy machine
 
 
-def test_webhooks_killed_mid_burst_and_receiver_down_lose_nothing(fault_redis) -> None:
+def test_webhooks_killed_mid_burst_and_receiver_down_lose_nothing(fault_redis, webhooks) -> None:
     server = fault_redis()
     conn = redis.Redis.from_url(server.url)
     receiver = CountingReceiver()
     receiver.up()
     endpoint = wire.create_endpoint(conn, receiver.url, ["response.cancelled"])
     receiver.secret = endpoint.secret
-    procs = start_webhooks(server.url, 1, ENV)
+    procs = [webhooks(server.url, ENV)]
     try:
         ids = notifying_jobs(conn, EVENTS)
         wanted = {expected_id(j) for j in ids}
@@ -67,7 +72,7 @@ def test_webhooks_killed_mid_burst_and_receiver_down_lose_nothing(fault_redis) -
         receiver.down()
         killed_at = len(receiver.counts)
         assert killed_at < EVENTS, "the burst ended before the kill: nothing was tested"
-        procs += start_webhooks(server.url, 1, ENV)
+        procs.append(webhooks(server.url, ENV))
         # attempts meet the closed port and are rescheduled: seen in the delivery log
         wait_for(lambda: refused(conn, endpoint.id) >= 5, START_WAIT, "refused attempts")
         receiver.up()
@@ -85,13 +90,12 @@ def test_webhooks_killed_mid_burst_and_receiver_down_lose_nothing(fault_redis) -
         pending = conn.xpending(keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOX_GROUP)
         assert pending["pending"] == 0
     finally:
-        stop(procs)
         receiver.down()
         conn.close()
 
 
 def test_a_delivery_dequeued_and_not_yet_run_at_the_kill_arrives_within_the_bound(
-    fault_redis,
+    fault_redis, webhooks
 ) -> None:
     """The kill lands between RQ's BLMOVE (the job in the queue's intermediate list) and the
     MULTI that registers its run: the process group is stopped (SIGSTOP) as soon as the
@@ -103,7 +107,7 @@ def test_a_delivery_dequeued_and_not_yet_run_at_the_kill_arrives_within_the_boun
     endpoint = wire.create_endpoint(conn, receiver.url, ["response.cancelled"])
     receiver.secret = endpoint.secret
     queue = webhook_queue(conn)
-    procs = start_webhooks(server.url, 1, ENV)
+    procs = [webhooks(server.url, ENV)]
     try:
         ids = notifying_jobs(conn, EVENTS)
         wanted = {expected_id(j) for j in ids}
@@ -115,7 +119,7 @@ def test_a_delivery_dequeued_and_not_yet_run_at_the_kill_arrives_within_the_boun
         killed = time.time()
         [event_id] = [e for e in wanted if delivery_id(e, endpoint.id) == stuck]
         assert event_id not in receiver.counts
-        procs += start_webhooks(server.url, 1, ENV)
+        procs.append(webhooks(server.url, ENV))
         assert receiver.wait(lambda: wanted <= receiver.counts.keys(), DONE_WAIT), (
             f"{len(wanted - receiver.counts.keys())} of {EVENTS} events never arrived: "
             + where(conn, wanted - receiver.counts.keys(), endpoint.id)
@@ -127,20 +131,19 @@ def test_a_delivery_dequeued_and_not_yet_run_at_the_kill_arrives_within_the_boun
             assert all(receiver.counts[i] == 1 for i in wanted)  # no POST was in flight
         assert queue.intermediate_queue.get_job_ids() == [] and dead_deliveries(conn) == []
     finally:
-        stop(procs)
         receiver.down()
         conn.close()
 
 
 def test_a_delivery_posted_and_unanswered_at_the_kill_is_sent_again_within_the_bound(
-    fault_redis,
+    fault_redis, webhooks
 ) -> None:
     server = fault_redis()
     conn = redis.Redis.from_url(server.url)
     receiver = HoldingReceiver()
     endpoint = wire.create_endpoint(conn, receiver.url, ["response.cancelled"])
     env = {**ENV, "LLMQ_WEBHOOK_TIMEOUT_SECONDS": "60"}  # RQ alone: 60 + 10 + 60 s
-    procs = start_webhooks(server.url, 1, env)
+    procs = [webhooks(server.url, env)]
     try:
         [job_id] = notifying_jobs(conn, 1)
         end_jobs(conn, [job_id])
@@ -148,7 +151,7 @@ def test_a_delivery_posted_and_unanswered_at_the_kill_is_sent_again_within_the_b
         os.killpg(procs[0].pid, signal.SIGKILL)  # its POST is held, unanswered
         procs[0].wait(10)
         killed = time.time()
-        procs += start_webhooks(server.url, 1, env)
+        procs.append(webhooks(server.url, env))
         wait_for(lambda: len(receiver.arrivals) == 2, DONE_WAIT, "the POST sent again")
         (first_id, _), (second_id, second_at) = receiver.arrivals
         assert first_id == second_id == expected_id(job_id)  # the same webhook-id: deduped
@@ -161,12 +164,42 @@ def test_a_delivery_posted_and_unanswered_at_the_kill_is_sent_again_within_the_b
         log = wire.read_deliveries(conn, endpoint.id)[::-1]
         assert [(a["attempt"], a["status"]) for a in log] == [(1, None), (2, 204)]
     finally:
-        stop(procs)
         receiver.close()
         conn.close()
 
 
 # ---------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def webhooks(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[str, dict[str, str]], subprocess.Popen[bytes]]]:
+    """Starts `llmq webhooks` processes, each in its own session (a kill of its group
+    reaches RQ's scheduler) and logging to a file; kills what is left after the test and
+    prints their logs when it failed."""
+    started: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(url: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        path = tmp_path / f"webhooks-{len(started)}.log"
+        with path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "llmq", "webhooks", "--log-level", "INFO"],
+                cwd=REPO,
+                env={**os.environ, **env, "REDIS_URL": url},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        started.append((proc, path))
+        return proc
+
+    yield start
+    for n, (proc, path) in enumerate(started):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        print_log_if_failed(request, f"llmq webhooks #{n}", path.read_text(errors="replace"))
 
 
 class HoldingReceiver:
@@ -238,13 +271,6 @@ def drained(conn: redis.Redis) -> bool:
         or queue.scheduled_job_registry.count
         or conn.xlen(keys.WEBHOOK_OUTBOX)
     )
-
-
-def stop(procs: list[Any]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def where(conn: redis.Redis, missing: set[str], endpoint_id: str) -> str:
