@@ -9,7 +9,14 @@ gate/up [3072, 576] and down [576, 1536]), on random Q4 weights, best of 5, ms p
 - torch's int4 kernel (`Int4Weight`, bf16 activations; `LLMQ_TORCH_INT4=1`);
 - fbgemm's fp16 (`Fp16Weight`: the AVX2 plan's kernel for the other weights).
 
-Usage: .venv/bin/python bench/lowbit_products.py [--rows 1,4,32,128]
+With `--types`: each quant type a Q4_K_M / Q5_K_M / Q3_K_M / Q2_K / IQ4 / MXFP4 file holds
+beyond Q4_K / Q6_K / Q8_0, one Llama 3.2 1B layer's four fused products (qkv [3072, 2048],
+o [2048, 2048], gate/up [16384, 2048], down [2048, 8192]) on random valid blocks: the
+kernel the plan now gives it (its codes) against the dense fp16 copy it had before (the
+plan's `other` kind: fbgemm's fp16 on AVX-512, dense_rows.c's on AVX2), ms per layer and
+bytes per weight held.
+
+Usage: .venv/bin/python bench/lowbit_products.py [--rows 1,4,32,128] [--types]
 """
 
 from __future__ import annotations
@@ -63,11 +70,102 @@ def best_ms(run: Callable[[], None], repeat: int = 5) -> float:
     return best * 1000
 
 
+LAYER_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # Llama 3.2 1B
+NEW_TYPES = ("Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+
+
+def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid raw blocks: random codes and scales, small float16 factors (MXFP4: exponents
+    near 2^-6), where each type keeps them."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // block_size, block_bytes), dtype=np.uint8)
+    halves = {q.Q5_K: (0, 2), q.Q3_K: (108, 1), q.Q2_K: (80, 2), q.IQ4_NL: (0, 1)}
+    halves[q.IQ4_XS] = (0, 1)
+    if qtype == q.MXFP4:
+        raw[..., 0] = rng.integers(118, 124, raw.shape[:2])
+    else:
+        at, count = halves[qtype]
+        factors = rng.uniform(0.001, 0.01, (n, k // block_size, count)).astype(np.float16)
+        raw[..., at : at + 2 * count] = factors.view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def type_products(rows: list[int]) -> None:
+    """`--types`: each new type's layer on its kernel against its old fp16 copy."""
+    import gguf
+
+    from runtime.kernels.cpu import cpu_features, row_invariant_plan
+    from runtime.kernels.torch_backend import TorchBackend
+
+    backend = TorchBackend(row_invariant_plan(cpu_features()))
+    rng = np.random.default_rng(0)
+    weights = sum(n * k for n, k in LAYER_SHAPES)
+    print(
+        f"cpu: {cpu_features().level}, {cpu_features().cores} cores; one Llama 3.2 1B layer "
+        f"({weights / 1e6:.1f}M weights, 4 fused products), ms per layer (best of 5)"
+    )
+    print("| type | kernel | bytes/weight (file) | " + " | ".join(f"{m} rows" for m in rows) + " |")
+    print("| --- | --- | --- |" + " --- |" * len(rows))
+    for name in NEW_TYPES:
+        qtype = gguf.GGMLQuantizationType[name]
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        ours, dense = [], []
+        for n, k in LAYER_SHAPES:
+            raw = random_blocks(qtype, n, k, rng)
+            ours.append((_built(backend, raw, qtype, n, k), k))
+            values = gguf.quants.dequantize(raw, qtype).reshape(n, k)
+            dense.append((backend._dense(backend.plan.other, values), k))
+        for label, layer in ((ours[0][0].kind, ours), (f"{backend.plan.other} (before)", dense)):
+            held = sum(w.nbytes for w, _ in layer) / weights
+            cells = []
+            for m in rows:
+                xs = {k: rng.standard_normal((m, k)).astype(np.float32) for _, k in layer}
+
+                def one_layer(xs: dict = xs, layer: list = layer) -> None:
+                    for w, k in layer:
+                        w(xs[k])
+
+                cells.append(f"{best_ms(one_layer):.2f}")
+            file_bytes = block_bytes / block_size
+            print(
+                f"| {name} | {label} | {held:.3f} ({file_bytes:.3f}) | " + " | ".join(cells) + " |",
+                flush=True,
+            )
+        del ours, dense
+
+
+def _built(backend, raw: np.ndarray, qtype, n: int, k: int):
+    """The weight the backend builds from a file holding `raw` (a one-tensor GGUF)."""
+    import tempfile
+
+    import gguf
+
+    from runtime.gguf_file import GGUFFile
+    from runtime.kernels import TensorPart
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "w.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_tensor("w", raw, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return backend.linear(GGUFFile(path), [TensorPart("w")])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,4,32,128")
+    parser.add_argument("--types", action="store_true", help="the quant types, see above")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    if args.types:
+        type_products(rows)
+        return
 
     import torch
 
