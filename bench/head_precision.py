@@ -8,7 +8,8 @@ Heads: the plan's fast product (what every row got before, what a greedy row get
 the file's product (`FileHead`: what a logprobs / sampled row gets now) and bf16 dense (the
 GPU's head, runtime/kernels/device_backend.py, here on the CPU). Cost: the median decode
 step of a batch of greedy rows, and of the same batch with one row asking for a
-temperature or for logprobs (the file's head built before timing; its build time shown).
+temperature or for logprobs (the file's head built before timing; its build time shown),
+and the head alone at those batch sizes.
 
     .venv/bin/python bench/head_precision.py [--models smollm2-135m-instruct,gemma-3-270m]
 """
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.engine import Engine, EngineConfig  # noqa: E402
 from runtime.gguf_file import GGUFFile  # noqa: E402
 from runtime.kernels.cpu import cpu_features  # noqa: E402
+from runtime.kernels.heads import head_logits  # noqa: E402
 from runtime.models.base import BatchLayout, SequenceChunk  # noqa: E402
 from runtime.registry import ModelSpec, resolve  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
@@ -132,6 +134,27 @@ def step_times(engine: Engine, batch: int, extra: SamplingParams | None, steps: 
     return statistics.median(times)
 
 
+def head_times(engine: Engine, batches: list[int], repeat: int) -> None:
+    """The head alone, the least of `repeat` interleaved runs (steadier than whole steps on
+    a shared machine): every row fast, one row of the batch exact, every row exact."""
+    head = engine.model.output
+    if getattr(head, "full", None) is None:
+        return
+    rng = np.random.default_rng(0)
+    for batch in batches:
+        x = rng.standard_normal((batch, head.shape[1])).astype(np.float32)
+        one = np.arange(batch) == 0
+        runs = {"fast": None, "1 row exact": one, "all exact": True}
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(repeat):
+            for name, exact in runs.items():
+                started = time.perf_counter()
+                head_logits(head, x, exact)
+                best[name] = min(best[name], time.perf_counter() - started)
+        cells = ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in best.items())
+        print(f"  head alone, {batch} rows: {cells}")
+
+
 def cost(engine: Engine, batches: list[int], steps: int) -> None:
     """Step times with every row on the fast head (as before the file's head existed), then
     with the rows that need it on the file's head."""
@@ -170,6 +193,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--repeat", type=int, default=15)
     args = p.parse_args()
     features = cpu_features()
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -181,7 +205,9 @@ def main() -> None:
         fixture = json.loads((FIXTURES / f"{model_id}.json").read_text())
         prompts = [q["token_ids"] for q in fixture["prompts"][: args.prompts]]
         print(f"{model_id}: head {engine.model.output.kind}, {len(prompts)} prompts")
-        cost(engine, [int(b) for b in args.batches.split(",")], args.steps)
+        batches = [int(b) for b in args.batches.split(",")]
+        cost(engine, batches, args.steps)
+        head_times(engine, batches, args.repeat)
         precision(engine, path, prompts)
 
 
