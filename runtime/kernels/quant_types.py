@@ -29,7 +29,12 @@ SUPPORTED: dict[Q, str] = {
     **{t: "its codes: lowbit_rows.c (4-bit, int8 activations)" for t in FOUR_BIT_TYPES},
     **{t: "its codes: lowbit_rows.c (5-bit, int8 activations)" for t in FIVE_BIT_TYPES},
     **{t: "its codes: int8_rows.c (int8 codes, int8 activations)" for t in EIGHT_BIT_TYPES},
-    Q.Q2_K: "its codes and mins: int8_rows.c (int8 activations)",
+    # 4-bit indices into the type's values (torch_backend.NibbleGroupWeight)
+    **{
+        t: "its codes: int8_rows.c (4-bit indices into its int8 values, int8 activations)"
+        for t in (Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
+    },
+    Q.Q2_K: "its codes and mins: int8_rows.c (4-bit indices, int8 activations)",
     **{t: "fp16 (dense: fbgemm; dense_rows.c on AVX2)" for t in (Q.F32, Q.F16, Q.BF16)},
 }
 CODE_TYPES = FOUR_BIT_TYPES | FIVE_BIT_TYPES | EIGHT_BIT_TYPES | TWO_BIT_TYPES
