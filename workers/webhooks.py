@@ -218,6 +218,21 @@ class WebhookWorker(SimpleWorker):
         self.stop_signalled = True
         super().request_stop(signum, frame)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # RQ starts its scheduler in `work()` and its maintenance, and `keep_scheduler` from
+        # the dispatcher thread: one at a time, or two could see none running and both fork
+        # one (two schedulers would enqueue a due retry twice)
+        self.scheduler_lock = threading.Lock()
+
+    def _start_scheduler(self, *args: Any, **kwargs: Any) -> None:
+        with self.scheduler_lock:
+            super()._start_scheduler(*args, **kwargs)
+
+    def run_maintenance_tasks(self) -> None:
+        with self.scheduler_lock:
+            super().run_maintenance_tasks()
+
 
 def worker_name() -> str:
     """A name no other start of a process shares (a restarted container may reuse its host
@@ -225,22 +240,23 @@ def worker_name() -> str:
     return f"webhooks.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
-def keep_scheduler(worker: SimpleWorker) -> None:
+def keep_scheduler(worker: WebhookWorker) -> None:
     """Start RQ's scheduler of the webhook queue here when its lock is free (a dead holder's
     is dropped by `Reaper.drop_dead_scheduler_lock`): what RQ's worker does in its
     maintenance, which an idle worker blocked on its queue does not reach (retries waiting
     in the ScheduledJobRegistry would then wait for the next new job)."""
-    scheduler = worker.scheduler
-    if scheduler is None or (scheduler._process is not None and scheduler._process.is_alive()):
-        return
-    scheduler.acquire_locks(auto_start=True)
+    with worker.scheduler_lock:
+        scheduler = worker.scheduler
+        if scheduler is None or (scheduler._process is not None and scheduler._process.is_alive()):
+            return
+        scheduler.acquire_locks(auto_start=True)
 
 
 def dispatch_forever(
     conn: redis.Redis,
     settings: WebhookSettings,
     stop: threading.Event,
-    worker: SimpleWorker,
+    worker: WebhookWorker,
     name: str,
 ) -> None:
     """The dispatcher's loop (a thread of `llmq webhooks`), with the reaper's sweeps that
