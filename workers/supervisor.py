@@ -380,7 +380,7 @@ def serve(config: ServeConfig) -> int:
     home = config.home()
     home_lock = hold_lock(home, "serve.lock")  # ours: no live serve owns what it names
     try:
-        return _serve(config, home)
+        return _serve(config, home.resolve())  # one name for it, whatever the cwd
     finally:
         home_lock.close()
 
