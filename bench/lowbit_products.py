@@ -25,6 +25,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -60,13 +61,15 @@ def products() -> dict[str, list[tuple[Callable[[np.ndarray], np.ndarray], int]]
     return {name: weights * LAYERS for name, weights in kernels.items() if weights}
 
 
-def best_ms(run: Callable[[], None], repeat: int = 5) -> float:
+def best_ms(
+    run: Callable[[], None], repeat: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> float:
     run()
     best = float("inf")
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         run()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best * 1000
 
 
@@ -93,19 +96,22 @@ def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray
     return raw.reshape(n, -1)
 
 
-def type_products(rows: list[int]) -> None:
+def type_products(rows: list[int], repeat: int = 5, cpu_time: bool = False) -> None:
     """`--types`: each new type's layer on its kernel against its old fp16 copy."""
     import gguf
 
     from runtime.kernels.cpu import cpu_features, row_invariant_plan
     from runtime.kernels.torch_backend import TorchBackend
 
-    backend = TorchBackend(row_invariant_plan(cpu_features()))
+    plan = row_invariant_plan(cpu_features())
+    backend = TorchBackend(replace(plan, threads=1) if cpu_time else plan)
+    clock = time.process_time if cpu_time else time.perf_counter
     rng = np.random.default_rng(0)
     weights = sum(n * k for n, k in LAYER_SHAPES)
     print(
         f"cpu: {cpu_features().level}, {cpu_features().cores} cores; one Llama 3.2 1B layer "
-        f"({weights / 1e6:.1f}M weights, 4 fused products), ms per layer (best of 5)"
+        f"({weights / 1e6:.1f}M weights, 4 fused products), ms per layer (best of {repeat}"
+        f"{', CPU time on one thread' if cpu_time else ''})"
     )
     print("| type | kernel | bytes/weight (file) | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("| --- | --- | --- |" + " --- |" * len(rows))
@@ -128,7 +134,7 @@ def type_products(rows: list[int]) -> None:
                     for w, k in layer:
                         w(xs[k])
 
-                cells.append(f"{best_ms(one_layer):.2f}")
+                cells.append(f"{best_ms(one_layer, repeat, clock):.2f}")
             file_bytes = block_bytes / block_size
             print(
                 f"| {name} | {label} | {held:.3f} ({file_bytes:.3f}) | " + " | ".join(cells) + " |",
@@ -161,10 +167,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,4,32,128")
     parser.add_argument("--types", action="store_true", help="the quant types, see above")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs, the best kept")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="--types on one thread, timed by the process's CPU time (a machine shared with "
+        "other work: its wall time measures the others)",
+    )
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.types:
-        type_products(rows)
+        type_products(rows, args.repeat, args.cpu_time)
         return
 
     import torch
