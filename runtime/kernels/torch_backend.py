@@ -495,6 +495,13 @@ class NibbleGroupWeight(Int8BlockGroupWeight):
         return nibble_rows(self.table).bind_groups(packed, scales, self.shape[0], scale)
 
 
+class NibbleGroupHead(NibbleGroupWeight):
+    """`Int8BlockHead`'s two rounding passes over 4-bit indices."""
+
+    kind = "nibble-block-groups-fine"
+    fine = True
+
+
 class TwoBitWeight(_Product):
     """GGUF Q2_K from its codes: `d * scale * code - dmin * min` per 16 weights. The codes
     times their scales go to int8_rows.c as a Q6_K's would (`codes`: the plan's 8-bit
@@ -504,6 +511,7 @@ class TwoBitWeight(_Product):
     int8 passes (~15 bits). Each row's result is its own: both products and the sums are."""
 
     kind = "two-bit-blocks"
+    fine = False  # the codes' activations rounded in two passes (`TwoBitHead`)
 
     def __init__(self, q: TwoBitCodes, grouped: bool, input_scale: np.ndarray | None) -> None:
         self.shape: tuple[int, int] = q.shape
@@ -536,6 +544,12 @@ class TwoBitWeight(_Product):
         codes = {key[6:]: t for key, t in tensors.items() if key.startswith("codes.")}
         layout = Int8BlockGroupWeight if "packed" in codes else Int8BlockWeight
         layout = NibbleGroupWeight if "table" in codes else layout
+        if cls.fine:  # the codes' rows rounded in two passes too (`TwoBitHead`)
+            layout = {
+                Int8BlockGroupWeight: Int8BlockGroupHead,
+                Int8BlockWeight: Int8BlockHead,
+                NibbleGroupWeight: NibbleGroupHead,
+            }[layout]
         weight.codes = layout.restored(shape, codes)
         mins = {"codes": tensors["mins.codes"], "scales": tensors["mins.scales"]}
         weight.mins = Int8BlockHead.restored(tuple(mins["codes"].shape), mins)
@@ -557,6 +571,13 @@ class TwoBitWeight(_Product):
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.mins.nbytes
+
+
+class TwoBitHead(TwoBitWeight):
+    """A Q2_K head: `Int8BlockHead`'s two rounding passes for the codes' rows too."""
+
+    kind = "two-bit-blocks-fine"
+    fine = True
 
 
 class StackedWeight(_Product):
@@ -800,7 +821,9 @@ WEIGHT_CLASSES = {
         Int8BlockGroupWeight,
         Int8BlockGroupHead,
         NibbleGroupWeight,
+        NibbleGroupHead,
         TwoBitWeight,
+        TwoBitHead,
         Bf16Weight,
         Fp16Weight,
         Fp16RowsWeight,
@@ -934,6 +957,10 @@ class TorchBackend:
             head = self._build(f, [TensorPart(name)], None)
             if isinstance(head, Int8BlockWeight):
                 return Int8BlockHead.restored(head.shape, head.saved())
+            if isinstance(head, TwoBitWeight):  # a Q2_K head
+                return TwoBitHead.restored(head.shape, head.saved())
+            if isinstance(head, NibbleGroupWeight):  # an IQ4 / MXFP4 / Q3_K head
+                return NibbleGroupHead.restored(head.shape, head.saved())
             if isinstance(head, Int8BlockGroupWeight):
                 return Int8BlockGroupHead.restored(head.shape, head.saved())
             return head

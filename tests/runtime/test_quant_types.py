@@ -30,6 +30,7 @@ from runtime.kernels.gguf_blocks import (
 )
 from runtime.kernels.native import INT8_BLOCK, int8_rows, lowbit_builds
 from runtime.kernels.torch_backend import (
+    WEIGHT_CLASSES,
     Int8BlockGroupWeight,
     Int8BlockWeight,
     LowBitWeight,
@@ -234,3 +235,18 @@ def test_the_avx2_build_gives_the_avx512_builds_numbers(tmp_path):
         raw = random_blocks(qtype, 40, 768, seed=9)
         expected = _weight(qtype, raw, (40, 768), True, None)(x)
         assert np.array_equal(avx2[qtype.name], expected), qtype.name
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ4_XS, Q.MXFP4, Q.Q3_K, Q.Q2_K], ids=lambda q: q.name)
+def test_a_head_of_the_type_takes_the_files_product(qtype, tmp_path):
+    """A head in one of these types, as the file's own product (the AVX2 plan's head, and
+    every plan's `full` head): its query rows rounded in two int8 passes, so within ~2^-14
+    of the float product of gguf's values."""
+    f = _file(tmp_path, qtype)
+    backend = TorchBackend(row_invariant_plan(cpu_features()))
+    head = backend._file_head(f, "w0")
+    x = np.random.default_rng(6).standard_normal((3, 512)).astype(np.float32)
+    exact = x.astype(np.float64) @ f.tensor("w0").T.astype(np.float64)
+    assert np.abs(head(x) - exact).max() < 1e-3 * np.abs(exact).max()
+    again = WEIGHT_CLASSES[head.kind].restored(head.shape, head.saved())  # a prepared load's
+    assert np.array_equal(again(x), head(x))
