@@ -127,3 +127,30 @@ def test_a_type_no_kernel_takes_is_named_in_the_load_log(tmp_path, caplog):
         log_types(f, TorchBackend(row_invariant_plan(cpu_features())))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "IQ2_XXS" in warnings[0] and "Q8_0" not in warnings[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant", ["Q3_K_M", "Q2_K", "IQ4_XS"])
+def test_a_second_load_maps_the_same_weights_and_answers_bitwise_alike(
+    quant, tmp_path, monkeypatch
+):
+    """The prepared store (runtime/kernels/prepared.py) restores the new kinds (4-bit
+    indices and their table, Q2_K's codes and mins) as they were built."""
+    from runtime.kernels import prepared
+    from runtime.models.base import BatchLayout, SequenceChunk
+
+    monkeypatch.setenv("LLMQ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(prepared.DISABLE_ENV, raising=False)
+    path, tokens = ARCH / f"llama-q-{quant}.gguf", np.array([1, 5, 9, 2, 7, 3, 11, 4])
+
+    def logits(model) -> np.ndarray:
+        layout = BatchLayout([SequenceChunk(model.new_cache(len(tokens)), 0, len(tokens))])
+        return model.logits(model.forward(tokens, layout))
+
+    plan = row_invariant_plan(cpu_features())
+    built = load_model(GGUFFile(path), TorchBackend(plan))
+    monkeypatch.setattr(TorchBackend, "_build", None)  # a second build would fail
+    mapped = load_model(GGUFFile(path), TorchBackend(plan))
+    kinds = [w.kind for w in _layer_weights(mapped)]
+    assert kinds == [w.kind for w in _layer_weights(built)]
+    np.testing.assert_array_equal(logits(mapped), logits(built))
