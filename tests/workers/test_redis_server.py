@@ -122,7 +122,7 @@ def test_every_write_a_durable_server_acknowledged_survives_its_kill_9(
     acknowledged write of every round is there. With `busy`, a thread rewrites and fsyncs
     64 MiB beside the append-only file all along (bench/busy_disk.py). Under that load
     `appendfsync everysec`, the setting before this one, lost acknowledged writes in most
-    rounds (docs/faults.md F27); `always` writes and fsyncs before every reply."""
+    rounds (docs/faults.md L13); `always` writes and fsyncs before every reply."""
     binary = find_redis_server(path)
     data = tmp_path / "data"
     data.mkdir()
