@@ -20,7 +20,7 @@ from runtime.kernels.native import dense_rows, int8_rows, lowbit_builds
 class KernelPlan:
     """The storage and product of each kind of weight."""
 
-    # GGUF Q4_0 / Q4_1 / Q4_K; "int4" also takes Q5_0 / Q5_1 where lowbit_rows.c builds
+    # GGUF Q4_0 / Q4_1 / Q4_K; "int4" also takes Q5_0 / Q5_1 / Q5_K where lowbit_rows.c builds
     # (runtime/kernels/torch_backend.py `LowBitWeight`)
     four_bit: str
     # Q5_* (where not int4's), Q6_K and Q8_0 (where not `eight_bit`'s), F16, BF16, F32
@@ -43,9 +43,11 @@ class KernelPlan:
     # the same rules as any head): on AVX2 "int4+rescore", since fp16 read all of Gemma 3's
     # 262k-row head, 335 MB, at every decode step (bench/log/2026-11-24-avx2-epyc.md)
     large_head: str = ""
-    # Q8_0 and Q6_K: the file's codes through int8_rows.c, "int8-block-groups" (16 rows
-    # side by side, torch_backend.py `Int8BlockGroupWeight`) or "int8-blocks" (a row at a
-    # time, `Int8BlockWeight`; `LLMQ_INT8_LAYOUT=rows`), or "" for `other`'s kind
+    # Q8_0 and Q6_K (and Q3_K, Q2_K, IQ4_NL, IQ4_XS, MXFP4: gguf_blocks.py EIGHT_BIT_TYPES,
+    # TWO_BIT_TYPES): the file's codes through int8_rows.c, "int8-block-groups" (16 rows
+    # side by side, torch_backend.py `Int8BlockGroupWeight`; the types a nibble indexes
+    # as 4-bit indices, `NibbleGroupWeight`) or "int8-blocks" (a row at a time,
+    # `Int8BlockWeight`; `LLMQ_INT8_LAYOUT=rows`), or "" for `other`'s kind
     eight_bit: str = ""
 
     def describe(self) -> dict[str, str]:

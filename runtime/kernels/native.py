@@ -6,9 +6,11 @@ with ctypes.
 - `int8_rows.c` is the product with int8-per-row weights (the LM head where int8 holds it,
   runtime/kernels/torch_backend.py `Int8Weight`): integer dot products over activations
   rounded to int8 per block of 32, as llama.cpp multiplies its Q8_0 head; and with a file's
-  Q8_0 / Q6_K codes, a row at a time or 16 rows side by side (`pack_int8_groups`, 512-bit
-  VNNI where the build has it).
-- `lowbit_rows.c` is the product with GGUF's 4- and 5-bit weights (`LowBitWeight` there),
+  Q8_0 / Q6_K codes (and Q3_K, Q2_K, IQ4_NL, IQ4_XS, MXFP4), a row at a time or 16 rows
+  side by side (`pack_int8_groups`, 512-bit VNNI where the build has it); its NIBBLE_TABLE
+  builds take 4-bit indices into a type's values (`pack_nibble_groups`, `nibble_rows`).
+- `lowbit_rows.c` is the product with GGUF's 4- and 5-bit weights (Q4_0, Q4_1, Q4_K,
+  Q5_0, Q5_1, Q5_K; `LowBitWeight` there),
   over activations rounded the same way, as llama.cpp multiplies Q4_1 by Q8_1;
   `pack_lowbit` lays the weights out for it.
 - `dense_rows.c` multiplies fp16 weights (`Fp16RowsWeight`) and adds LoRA deltas
