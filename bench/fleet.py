@@ -72,6 +72,7 @@ from bench.token_path import SimJob, result_body  # noqa: E402
 from runtime.request import GenerationSpec  # noqa: E402
 from workers import keys  # noqa: E402
 from workers.claims import Claims  # noqa: E402
+from workers.event_store import events_of  # noqa: E402
 from workers.event_writer import EventWriter  # noqa: E402
 from workers.leases import Leases  # noqa: E402
 from workers.redis_server import (  # noqa: E402
@@ -112,7 +113,10 @@ class SimWorker:
     ) -> None:
         self.conn = connect(url)  # the worker's own client settings
         settings = EventsSettings.from_env({EVENTS_CLUSTER_ENV: events_nodes})
-        self.events = settings.connect(self.conn, socket_timeout=5, socket_connect_timeout=2)
+        # the token path's mode, chosen once here and handed to the parts below
+        self.events = events_of(
+            self.conn, settings.connect(self.conn, socket_timeout=5, socket_connect_timeout=2)
+        )
         self.name = name
         self.interval = 1.0 / rate
         self.max_sequences = max_sequences
@@ -180,7 +184,7 @@ class SimWorker:
             spec = GenerationSpec.from_record(record.spec or {})
             job = SimJob(record, claim.attempt, self.leases.name(claim.attempt), None, None)
             job.max_tokens = spec.max_tokens or 16
-            job.written = self.events.xlen(keys.job_events(job.id))
+            job.written = self.events.client.xlen(keys.job_events(job.id))
             with self.conn.pipeline() as pipe:
                 pipe.hset(keys.job(job.id), mapping={"status": STARTED, "worker": self.name})
                 pipe.hsetnx(keys.job(job.id), "started_at", time.time())

@@ -41,6 +41,7 @@ from bench.harness import cpu_name  # noqa: E402
 from bench.token_path import SimJob, result_body  # noqa: E402
 from workers import keys  # noqa: E402
 from workers.claims import Claims  # noqa: E402
+from workers.event_store import Events, events_of  # noqa: E402
 from workers.event_writer import EventWriter  # noqa: E402
 from workers.leases import Leases  # noqa: E402
 from workers.wire.broker import EVENTS_CLUSTER_ENV, EventsSettings, redact  # noqa: E402
@@ -53,12 +54,9 @@ SCRIPT_COMMANDS = ("eval", "evalsha", "fcall")
 WORKER = "sim-worker"
 
 
-def claim_jobs(
-    conn: redis.Redis, count: int, worker: str = WORKER, events: Any = None
-) -> list[SimJob]:
+def claim_jobs(conn: redis.Redis, count: int, events: Events, worker: str = WORKER) -> list[SimJob]:
     """`count` job records as the API stores them, claimed with the worker's claim script
     (from a private list: no RQ queue is needed to hold a lease)."""
-    events = conn if events is None else events
     leases = Leases(events, worker, ttl_seconds=600)
     hand = f"{keys.PREFIX}:bench:hand:{worker}"
     jobs = []
@@ -90,10 +88,12 @@ def primaries(events: Any) -> list[redis.Redis]:
     return [events.get_redis_connection(node) for node in events.get_primaries()]
 
 
-def run(conn: redis.Redis, jobs: int, steps: int, events: Any = None) -> dict[str, Any]:
-    sim = claim_jobs(conn, jobs, events=events)
+def run(conn: redis.Redis, jobs: int, steps: int, cluster: Any = None) -> dict[str, Any]:
+    """`cluster`: the events cluster's client, or None for the streams on `conn`."""
+    events = events_of(conn, cluster)  # the token path's mode, chosen once here
+    sim = claim_jobs(conn, jobs, events)
     writer = EventWriter(conn, WORKER, own_models=set(), events=events)
-    nodes = primaries(events) if events is not None else []
+    nodes = primaries(cluster) if cluster is not None else []
     for node in [conn, *nodes]:
         node.config_resetstat()
     cpu0 = token_path.redis_cpu(conn)

@@ -40,7 +40,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from workers import keys
-from workers.event_store import Events, events_of
+from workers.event_store import Events
 from workers.wire.batch_output import error_line, output_line
 from workers.wire.batches import (
     BATCH_CANCELLED,
@@ -132,11 +132,11 @@ class BatchDriver:
         self,
         conn: redis.Redis,
         owner: str,
-        events: Events | Any = None,
+        events: Events,
         queue_depth: int = QUEUE_DEPTH,
     ) -> None:
         self.conn = conn
-        self.events = events_of(conn, events)  # where the jobs' streams are
+        self.events = events  # where the jobs' streams are
         self.owner = owner
         self.queue_depth = queue_depth
 

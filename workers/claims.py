@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers import scripts
-from workers.event_store import Events, events_of
+from workers.event_store import Events
 from workers.jobs import ActiveJob
 from workers.leases import Leases
 from workers.recovery import requeue
@@ -31,10 +31,10 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, connection: Any, leases: Leases, events: Events | Any = None) -> None:
+    def __init__(self, connection: Any, leases: Leases, events: Events) -> None:
         self.connection = connection
         self.leases = leases
-        self.events = events_of(connection, events)  # where leases live
+        self.events = events  # where leases live
 
     def take(
         self, queue_keys: Sequence[str], kind_ranks: Sequence[int] | None = None

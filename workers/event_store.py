@@ -236,16 +236,13 @@ class ClusterEvents(Events):
         self.client.close()
 
 
-def events_of(queue: Any, events: Any = None) -> Events:
-    """The token path's object for a worker whose records are on `queue`: `events` itself
-    if it is one already, else built for the client that holds the streams (`events`, or
-    `queue` when None): the one place a client's kind decides the mode
-    (`EventsSettings.connect` gives a `RedisCluster` for `LLMQ_EVENTS_CLUSTER`)."""
-    if isinstance(events, Events):
-        return events
-    if isinstance(queue, Events) and events is None:
-        return queue
-    client = queue if events is None else events
+def events_of(queue: Any, client: Any = None) -> Events:
+    """The token path's object for a process whose records are on `queue`, built where it
+    starts (`LLMQWorker`, a test's fixture) and handed to every part that needs one: the
+    streams and leases on `client` (`queue` when None). The one place a client's kind decides
+    the mode (`EventsSettings.connect` gives a `RedisCluster` for `LLMQ_EVENTS_CLUSTER`, else
+    `queue` itself)."""
+    client = queue if client is None else client
     if isinstance(client, RedisCluster):
         return ClusterEvents(queue, client)
     return RedisEvents(client)

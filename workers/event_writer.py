@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers import affinity, metrics, scripts
-from workers.event_store import Events, events_of
+from workers.event_store import Events
 from workers.jobs import ActiveJob
 from workers.wire import rate_limit
 from workers.wire.errors import cancelled_error
@@ -77,10 +77,10 @@ class EventWriter:
         connection: Any,
         worker_name: str,
         own_models: set[str],
-        events: Events | Any = None,
+        events: Events,
     ) -> None:
         self.connection = connection  # the records and metrics
-        self.events = events_of(connection, events)  # where the streams and leases are
+        self.events = events  # where the streams and leases are
         self.worker = worker_name
         self.own_models = own_models  # models whose replies record prefix affinity
         self.throughput = metrics.Throughput()

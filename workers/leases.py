@@ -9,17 +9,16 @@ another worker now runs, writes nothing more (docs/faults.md, F12). The reaper
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
-from workers.event_store import Events, events_of
+from workers.event_store import Events
 from workers.jobs import ActiveJob
 
 
 class Leases:
-    def __init__(self, events: Events | Any, worker_name: str, ttl_seconds: float) -> None:
-        """`events`: where the leases are (`workers.event_store`; a bare client is taken as
-        the one that holds them)."""
-        self.events = events_of(events)
+    def __init__(self, events: Events, worker_name: str, ttl_seconds: float) -> None:
+        """`events`: where the leases are (`workers.event_store`, built once by whoever
+        started the process)."""
+        self.events = events
         self.worker = worker_name
         self.ttl_ms = int(ttl_seconds * 1000)
 

@@ -23,7 +23,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from workers import affinity, keys, metrics, scripts
-from workers.event_store import Events, events_of
+from workers.event_store import Events
 from workers.presence import wake
 from workers.wire.errors import error_body
 from workers.wire.job import FAILED, TERMINAL_STATUSES
@@ -48,14 +48,11 @@ def clear_started(pipe: Any, connection: Any, rq_job: Job) -> None:
     pipe.delete(executions.key)
 
 
-def requeue(
-    connection: Any, job_id: str, lease: str, rq_job: Job, events: Events | Any = None
-) -> bool:
+def requeue(connection: Any, job_id: str, lease: str, rq_job: Job, events: Events) -> bool:
     """Put a job that holds `lease` back at the front of its queue; False if the lease was
     no longer `lease` (someone else owns the job now). Where the lease is (`events`,
     `workers.event_store`) says who checks it and gives it up: the requeue script itself on
     the queue Redis, the events cluster before and after it."""
-    events = events_of(connection, events)
     fence = events.requeue_fence(job_id, lease)
     if fence is None:
         return False
@@ -76,11 +73,9 @@ class Reaper:
     cluster, one whose stream already ends (its worker died between its final events and
     its record's end, `workers.cluster_step`) is finished from its stream instead."""
 
-    def __init__(
-        self, connection: Any, worker_name: str, lease_ms: int, events: Events | Any = None
-    ) -> None:
+    def __init__(self, connection: Any, worker_name: str, lease_ms: int, events: Events) -> None:
         self.connection = connection
-        self.events = events_of(connection, events)  # where leases live
+        self.events = events  # where leases live
         self.worker = worker_name
         self.lease = f"reaper:{worker_name}"
         self.lease_ms = lease_ms

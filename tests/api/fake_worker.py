@@ -31,6 +31,7 @@ from runtime.request import GenerationSpec
 from workers import keys
 from workers.claims import CANCELLED as CLAIMED_CANCELLED
 from workers.claims import Claims
+from workers.event_store import RedisEvents
 from workers.event_writer import EventWriter
 from workers.jobs import ActiveJob
 from workers.leases import Leases
@@ -68,9 +69,10 @@ class FakeWorker:
         self.slow_delay = slow_delay
         self.paused = threading.Event()  # set: registered and alive, but takes no jobs
         self.processed: list[str] = []
-        self.leases = Leases(conn, name, LEASE_MS / 1000)
-        self.claims = Claims(conn, self.leases)
-        self.writer = EventWriter(conn, name, own_models=set())
+        self.events = RedisEvents(conn)  # the token path's mode, chosen once here
+        self.leases = Leases(self.events, name, LEASE_MS / 1000)
+        self.claims = Claims(conn, self.leases, self.events)
+        self.writer = EventWriter(conn, name, set(), self.events)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

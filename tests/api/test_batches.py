@@ -15,6 +15,7 @@ from api.batches import store as batch_store
 from api.batches.lines import ValidLine
 from workers import keys
 from workers.batches import BatchDriver
+from workers.event_store import RedisEvents
 from workers.wire.batches import BATCH_FAILED
 from workers.wire.job import CHAT_COMPLETIONS
 from workers.wire.webhooks import OutboxEntry
@@ -165,7 +166,7 @@ def test_cancel_moves_to_cancelling_and_a_finished_batch_cannot_be_cancelled(
     assert cancelled.status_code == 200
     assert cancelled.json["status"] == "cancelling" and cancelled.json["cancelling_at"]
     assert client.post(f"/v1/batches/{batch_id}/cancel").json["status"] == "cancelling"
-    BatchDriver(fake_redis, "test").tick()
+    BatchDriver(fake_redis, "test", RedisEvents(fake_redis)).tick()
     batch = client.get(f"/v1/batches/{batch_id}").json
     assert batch["status"] == "cancelled" and batch["request_counts"]["failed"] == 1
     again = client.post(f"/v1/batches/{batch_id}/cancel")

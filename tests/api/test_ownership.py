@@ -23,6 +23,7 @@ from api.auth import owner_of
 from tests.api.fake_worker import FakeWorker
 from workers import keys
 from workers.batches import BatchDriver
+from workers.event_store import RedisEvents
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS
 
 KEY_A, KEY_B, ADMIN = "sk-a-CANARY-7f3a", "sk-b", "sk-admin"
@@ -188,7 +189,7 @@ def test_admin_endpoints_still_see_every_keys_work(keyed) -> None:
 
 def test_a_batchs_jobs_and_output_files_inherit_its_owner(keyed, fake_redis) -> None:
     batch_id = create_batch(keyed, A, upload(keyed, A))
-    driver = BatchDriver(fake_redis, "test")
+    driver = BatchDriver(fake_redis, "test", RedisEvents(fake_redis))
     driver.tick()  # in progress, lines fed as jobs
     job_ids = [keys.batch_job_id(batch_id, line) for line in (1, 2)]
     assert_not_found(keyed.get(f"/v1/jobs/{job_ids[0]}", headers=B), "job_not_found")
@@ -230,7 +231,7 @@ def clients(server: str) -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
 
 def drive_batch(real_redis, oai: openai.OpenAI, batch_id: str) -> Any:
     """The real batch driver, ticked here (the fake worker runs the lines) until it ends."""
-    driver = BatchDriver(real_redis, "test-driver")
+    driver = BatchDriver(real_redis, "test-driver", RedisEvents(real_redis))
     deadline = time.monotonic() + 20
     while (batch := oai.batches.retrieve(batch_id)).status not in ("completed", "failed"):
         assert time.monotonic() < deadline, f"batch still {batch.status}"

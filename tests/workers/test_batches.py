@@ -28,7 +28,7 @@ class Harness:
         self.redis = fakeredis.FakeRedis()
         self.worker = FakeWorker(self.redis).register()
         self.client = create_app({"TESTING": True, "REDIS_CLIENT": self.redis}).test_client()
-        self.driver = BatchDriver(self.redis, "driver-1", queue_depth=4)
+        self.driver = BatchDriver(self.redis, "driver-1", self.worker.events, queue_depth=4)
 
     def submit(self, *contents: str, bad: int = 0, **extra: Any) -> str:
         lines = [_line(f"r{i}", text) for i, text in enumerate(contents)]
@@ -116,7 +116,7 @@ def test_collecting_twice_or_feeding_twice_never_answers_a_line_twice(h: Harness
     h.run_queued()
     h.redis.sadd(keys.batch_inflight(batch_id), 1)  # as if a driver died before its SREM
     h.worker.process(keys.batch_job_id(batch_id, 1))  # and the job record were still there
-    other = BatchDriver(h.redis, "driver-2", queue_depth=4)
+    other = BatchDriver(h.redis, "driver-2", h.worker.events, queue_depth=4)
     other.tick()
     h.driver.tick()
     batch = h.batch(batch_id)

@@ -41,7 +41,7 @@ def rq_queue(conn) -> Queue:
 def claimed(conn, leases: Leases) -> ActiveJob:
     """A job submitted as the API submits it, claimed by `leases`' worker."""
     job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
-    claim = Claims(conn, leases).take([rq_queue(conn).key])
+    claim = Claims(conn, leases, leases.events).take([rq_queue(conn).key])
     assert claim == Claim(0, job_id, 1)
     record = JobRecord.from_hash(conn.hgetall(keys.job(job_id)))
     rq_job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
@@ -49,28 +49,31 @@ def claimed(conn, leases: Leases) -> ActiveJob:
 
 
 def test_claims_take_a_job_under_a_lease_and_give_it_back_to_the_front(conn):
-    leases = Leases(conn, "w", ttl_seconds=10)
+    leases = Leases(RedisEvents(conn), "w", ttl_seconds=10)
     job = claimed(conn, leases)
     assert conn.get(keys.job_lease(job.id)) == b"w:1"
     assert 9_000 < conn.pttl(keys.job_lease(job.id)) <= 10_000
-    assert Claims(conn, leases).take([rq_queue(conn).key]) is None
+    assert Claims(conn, leases, leases.events).take([rq_queue(conn).key]) is None
 
-    assert Claims(conn, leases).give_back(job)
+    assert Claims(conn, leases, leases.events).give_back(job)
     assert rq_queue(conn).get_job_ids() == [job.id]
     assert not conn.exists(keys.job_lease(job.id)) and not conn.smembers(keys.RUNNING)
-    assert not Claims(conn, leases).give_back(job)  # the lease is gone: not ours to give
+    assert not Claims(conn, leases, leases.events).give_back(
+        job
+    )  # the lease is gone: not ours to give
 
 
 def test_claims_report_a_cancelled_job_without_a_lease(conn):
     job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
     conn.set(keys.job_cancel(job_id), "1")
-    claim = Claims(conn, Leases(conn, "w", 10)).take([rq_queue(conn).key])
+    events = RedisEvents(conn)
+    claim = Claims(conn, Leases(events, "w", 10), events).take([rq_queue(conn).key])
     assert claim == Claim(0, job_id, CANCELLED)
     assert not conn.exists(keys.job_lease(job_id))
 
 
 def test_leases_renew_their_own_and_report_the_lost_ones(conn):
-    leases = Leases(conn, "w", ttl_seconds=10)
+    leases = Leases(RedisEvents(conn), "w", ttl_seconds=10)
     kept, lost = claimed(conn, leases), claimed(conn, leases)
     conn.pexpire(keys.job_lease(kept.id), 500)
     conn.set(keys.job_lease(lost.id), "other:2")
@@ -81,20 +84,20 @@ def test_leases_renew_their_own_and_report_the_lost_ones(conn):
 
 
 def test_two_reapers_that_both_saw_a_lapsed_lease_requeue_the_job_once(conn, monkeypatch):
-    job = claimed(conn, Leases(conn, "w", ttl_seconds=10))
+    job = claimed(conn, Leases(RedisEvents(conn), "w", ttl_seconds=10))
     conn.delete(keys.job_lease(job.id))  # its worker went away
     seen = list(RedisEvents(conn).leases_of_running())
     assert seen == [(job.id, 0)]
-    assert Reaper(conn, "r1", 10_000).run() == [job.id]
+    assert Reaper(conn, "r1", 10_000, RedisEvents(conn)).run() == [job.id]
     # the second reaper looked before the first requeued, and takes its lock after
     monkeypatch.setattr(RedisEvents, "leases_of_running", lambda _self: seen)
-    assert Reaper(conn, "r2", 10_000).run() == []
+    assert Reaper(conn, "r2", 10_000, RedisEvents(conn)).run() == []
     assert rq_queue(conn).get_job_ids() == [job.id]
     assert not conn.exists(keys.job_lease(job.id))
 
 
 def test_a_requeue_of_a_job_no_longer_running_pushes_nothing_and_gives_the_lock_up(conn):
-    job = claimed(conn, Leases(conn, "w", ttl_seconds=10))
+    job = claimed(conn, Leases(RedisEvents(conn), "w", ttl_seconds=10))
     queue_key, rq_key = rq_queue(conn).key, f"rq:job:{job.id}"
     assert scripts.requeue(conn, job.id, "w:1", queue_key, rq_key) == 1
     conn.set(keys.job_lease(job.id), "reaper:late")
@@ -104,13 +107,13 @@ def test_a_requeue_of_a_job_no_longer_running_pushes_nothing_and_gives_the_lock_
 
 
 def test_event_writer_flushes_fenced_events_and_reports_lost_jobs_and_cancel_flags(conn):
-    leases = Leases(conn, "w", 10)
+    leases = Leases(RedisEvents(conn), "w", 10)
     ours, stolen = claimed(conn, leases), claimed(conn, leases)
     conn.set(keys.job_lease(stolen.id), "other:2")
     conn.set(keys.job_cancel(ours.id), "1")
     for job in (ours, stolen):
         job.pending.append(("token", json.dumps({"index": 0, "text": "a"})))
-    writer = EventWriter(conn, "w", own_models=set())
+    writer = EventWriter(conn, "w", set(), leases.events)
     assert writer.has_output([ours, stolen])
 
     flushed = writer.flush([ours, stolen], step_sizes={TINY: 2})
@@ -122,9 +125,9 @@ def test_event_writer_flushes_fenced_events_and_reports_lost_jobs_and_cancel_fla
 
 
 def test_event_writer_ends_a_job_once_and_only_under_its_lease(conn):
-    leases = Leases(conn, "w", 10)
+    leases = Leases(RedisEvents(conn), "w", 10)
     job = claimed(conn, leases)
-    writer = EventWriter(conn, "w", own_models=set())
+    writer = EventWriter(conn, "w", set(), leases.events)
     body = {"error": {"message": "no", "type": "server_error"}}
     assert writer.end(job, FAILED, body)
     assert [kind for kind, _ in stream(conn, job.id)] == ["error"]
@@ -142,9 +145,9 @@ def indexes(conn, job_id: str) -> list[int]:
 
 
 def test_event_writer_sends_a_step_beside_the_next_and_reports_it_on_collect(conn):
-    leases = Leases(conn, "w", 10)
+    leases = Leases(RedisEvents(conn), "w", 10)
     jobs = [claimed(conn, leases) for _ in range(3)]
-    writer = EventWriter(conn, "w", own_models=set())
+    writer = EventWriter(conn, "w", set(), leases.events)
     try:
         for step in range(4):
             for job in jobs:
@@ -165,9 +168,9 @@ def test_event_writer_sends_a_step_beside_the_next_and_reports_it_on_collect(con
 
 
 def test_event_writer_end_is_fenced_after_the_step_in_flight(conn):
-    leases = Leases(conn, "w", 10)
+    leases = Leases(RedisEvents(conn), "w", 10)
     job = claimed(conn, leases)
-    writer = EventWriter(conn, "w", own_models=set())
+    writer = EventWriter(conn, "w", set(), leases.events)
     job.pending.append(token(0))
     writer.send([job], None, background=True)
     job.pending.append(token(1))  # made by the next step, while the first is in flight
@@ -178,10 +181,10 @@ def test_event_writer_end_is_fenced_after_the_step_in_flight(conn):
 
 
 def test_a_lost_lease_in_flight_gives_the_events_back_and_writes_nothing(conn):
-    leases = Leases(conn, "w", 10)
+    leases = Leases(RedisEvents(conn), "w", 10)
     job = claimed(conn, leases)
     conn.set(keys.job_lease(job.id), "other:2")
-    writer = EventWriter(conn, "w", own_models=set())
+    writer = EventWriter(conn, "w", set(), leases.events)
     job.pending.append(token(0))
     writer.send([job], None, background=True)
     job.pending.append(token(1))
@@ -191,9 +194,9 @@ def test_a_lost_lease_in_flight_gives_the_events_back_and_writes_nothing(conn):
 
 
 def test_a_step_whose_reply_was_lost_is_sent_again_as_it_was_and_lands_once(conn, monkeypatch):
-    leases = Leases(conn, "w", 10)
+    leases = Leases(RedisEvents(conn), "w", 10)
     job = claimed(conn, leases)
-    writer = EventWriter(conn, "w", own_models=set())
+    writer = EventWriter(conn, "w", set(), leases.events)
     real_round_trip = resp.round_trip
 
     def land_then_lose_the_reply(*args, **kwargs):
@@ -228,7 +231,7 @@ def registries(conn, name: str = "w") -> RQRegistries:
 def two_open_jobs(conn) -> tuple[RQRegistries, ActiveJob, ActiveJob]:
     """Worker "w"'s RQ registries with two claimed jobs opened in them (claimed first, then
     opened in that order, as the worker starts them)."""
-    rq, leases = registries(conn), Leases(conn, "w", 10)
+    rq, leases = registries(conn), Leases(RedisEvents(conn), "w", 10)
     first, second = claimed(conn, leases), claimed(conn, leases)
     for job in (first, second):
         opened(rq, job, conn)
@@ -307,10 +310,12 @@ def test_presence_tells_a_changed_pool_state_from_moving_step_figures(conn):
 
 
 def job_ends(conn) -> tuple[JobEnds, Leases]:
-    leases = Leases(conn, "w", 10)
+    leases = Leases(RedisEvents(conn), "w", 10)
     running = RunningJobs(pool=None, max_sequences=4)  # type: ignore[arg-type]  # no sequences here
-    writer = EventWriter(conn, "w", own_models=set())
-    return JobEnds(conn, running, writer, registries(conn), Claims(conn, leases)), leases
+    writer = EventWriter(conn, "w", set(), leases.events)
+    return JobEnds(
+        conn, running, writer, registries(conn), Claims(conn, leases, leases.events)
+    ), leases
 
 
 def opened(rq: RQRegistries, job: ActiveJob, conn) -> ActiveJob:

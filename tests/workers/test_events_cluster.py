@@ -204,7 +204,7 @@ def test_the_reaper_resumes_a_vanished_workers_job_or_finishes_one_that_had_ende
     ended = _claim(conn, events)
     assert cluster_step.append_events(events, [_final(ended)]) == [True]  # died after this
     events.pexpire(keys.job_lease(resumed), 100)
-    reaper = Reaper(conn, "reaper-test", 5_000, events)
+    reaper = Reaper(conn, "reaper-test", 5_000, events_of(conn, events))
     wait_for(lambda: resumed in reaper.run(), what="the job to be requeued")
     assert record(conn, ended).status == "finished"  # from its stream, not run again
     assert conn.hget(keys.METRIC_JOBS, "finished") == b"1"
@@ -220,7 +220,7 @@ def test_leases_on_the_cluster_are_renewed_in_one_pipeline_and_a_stolen_one_is_r
     ours, stolen = _claim(conn, events), _claim(conn, events)
     events.pexpire(keys.job_lease(ours), 500)
     events.set(keys.job_lease(stolen), "other:2")
-    leases = Leases(events, "w", ttl_seconds=30)
+    leases = Leases(events_of(conn, events), "w", ttl_seconds=30)
     jobs = [
         ActiveJob(JobRecord(j, COMPLETIONS, TINY, {}), 1, "w:1", None, None) for j in (ours, stolen)
     ]
@@ -271,7 +271,7 @@ def test_a_step_whose_record_write_failed_is_sent_again_and_ends_the_job_once(co
     job.pending.append(TOKEN)
     job.result = done
     dead = redis.Redis(port=1, socket_connect_timeout=0.2)  # the queue Redis, down
-    writer = EventWriter(dead, "w", own_models=set(), events=events)
+    writer = EventWriter(dead, "w", own_models=set(), events=events_of(dead, events))
     writer.send([job], None, background=True)  # as the worker's loop sends a step
     with pytest.raises(redis.ConnectionError):
         writer.collect()

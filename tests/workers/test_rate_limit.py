@@ -15,6 +15,7 @@ import pytest
 
 from tests.workers.conftest import TINY, submit
 from workers import keys, scripts
+from workers.event_store import RedisEvents
 from workers.event_writer import EventWriter
 from workers.wire import rate_limit
 from workers.wire.job import COMPLETIONS, JobRecord
@@ -224,6 +225,6 @@ def test_a_job_cancelled_before_a_worker_ran_it_gives_back_its_whole_reservation
     limits = (0, 6000)
     job_id = submit(conn, COMPLETIONS, {"prompt": "x"})
     _reserve(conn, job_id, 700, limits)
-    EventWriter(conn, "w", own_models=set()).cancel_unclaimed(job_id)
+    EventWriter(conn, "w", set(), RedisEvents(conn)).cancel_unclaimed(job_id)
     assert conn.hget(keys.job(job_id), "status") == b"cancelled"
     assert figures(look(conn, A, limits))[TOKENS] == (6000, 6000)

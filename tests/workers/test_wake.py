@@ -26,6 +26,7 @@ from tests.workers.conftest import (
     wait_for,
 )
 from workers import affinity, keys, recovery, scripts, supervisor
+from workers.event_store import RedisEvents
 from workers.presence import wake
 from workers.redis_server import path_without_redis_server
 from workers.wire.job import CHAT_COMPLETIONS, COMPLETIONS, FINISHED, JobRecord
@@ -87,7 +88,7 @@ def test_a_requeued_job_resumes_at_once(conn, idle_worker):
     assert scripts.claim(conn, [queue_key], "ghost", lease_ms=60_000) == (0, job_id, 1)
     rq_job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
     submitted = time.monotonic()
-    assert recovery.requeue(conn, job_id, "ghost:1", rq_job)
+    assert recovery.requeue(conn, job_id, "ghost:1", rq_job, RedisEvents(conn))
     assert seconds_to_first_token(conn, job_id, submitted) < 1.0
     assert wait_done(conn, job_id).attempts == 2
 
