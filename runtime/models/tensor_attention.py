@@ -12,6 +12,7 @@ launch device work, so no layer waits on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,7 +141,9 @@ def decode_attention(
     differently at widths 512 and 1024); so the CPU takes the keys KEY_CHUNK at a time:
     per chunk the scores, exp against the row's max, their sum and their product with the
     values, then the chunks added in order, where chunks of masked keys add exact zeros
-    (the G query heads that share a KV head as that head's G queries)."""
+    (the G query heads that share a KV head as that head's G queries). Each chunk's two
+    products are one item of a batched BLAS call of the same shape and layout for every
+    row (`_per_item`)."""
     if q.device.type == "cuda":
         # heads as heads (enable_gqa), not a KV head's G queries: on an H200 the grouped
         # form measured 2.51 ms a SmolLM2 step at one row against 2.09
@@ -153,27 +156,75 @@ def decode_attention(
         extra = chunks * KEY_CHUNK - length
         keys, values = F.pad(keys, (0, 0, 0, extra)), F.pad(values, (0, 0, 0, extra))
         visible = F.pad(visible, (0, extra), value=False)
-    grouped = q.reshape(rows, n_kv, 1, n_heads // n_kv, head_dim)  # [B, Hkv, 1, G, Dh]
+    g = n_heads // n_kv
+    grouped = q.reshape(rows, n_kv, 1, g, head_dim).expand(rows, n_kv, chunks, g, head_dim)
     keys = keys.reshape(rows, n_kv, chunks, KEY_CHUNK, head_dim)  # [B, Hkv, C, K, Dh]
     values = values.reshape(rows, n_kv, chunks, KEY_CHUNK, head_dim)
     seen = visible.reshape(rows, 1, chunks, 1, KEY_CHUNK)
-    scores = capped(grouped @ keys.transpose(-1, -2), softcap)  # [B, Hkv, C, G, K]
+    scores = capped(_per_item(grouped, keys, transposed=True), softcap)  # [B, Hkv, C, G, K]
     scores = scores.masked_fill(~seen, -torch.inf)
-    return _over_chunks(scores, values).reshape(rows, n_heads, 1, head_dim)
+    out = _over_chunks(scores, values, 2, lambda w, v: _per_item(w, v, transposed=False))
+    return out.reshape(rows, n_heads, 1, head_dim)
 
 
-def _over_chunks(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Attention from masked scores `[..., C, M, K]` and values `[..., C, K, Dh]` (dim -3
-    the key chunks): exp against each query's max over all chunks, per chunk the sum and
-    the product with the values, then the chunks added in order, where chunks of masked
-    keys add exact zeros -> `[..., M, Dh]`."""
-    top = scores.amax(dim=-1, keepdim=True).amax(dim=-3, keepdim=True)  # [..., 1, M, 1]
+# Why every attention product on the CPU is a batch of items of one shape and layout:
+# torch's CPU matmul hands BLAS (MKL) whatever its operands' strides allow, and MKL's
+# rounding of a row depends on the product's row count and on whether an operand is read
+# transposed. On an AMD EPYC Zen 4 (MKL 2024.2 in torch 2.13) a row of [M, 16] @ [16, 256]
+# came out differently with M = 4 or more than with M = 2, and with the [16, 256] operand
+# read transposed or not; a row decoded alone gave keys torch's matmul reads transposed
+# in place, two rows or more a contiguous copy, so a request's logits moved by up to
+# 7e-7 beside batch mates (tests/runtime/test_lora_graphs.py, test_tensor_same_answer.py
+# resumed). With G query rows per item, keys read transposed from [K, Dh] and values
+# read as [K, Dh], every item is the same product however many rows share the call, and
+# a prompt's row (`_shared_keys`) is the product a decode row computes at its position.
+
+
+def _per_item(a: torch.Tensor, b: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`a [..., G, X]` times each item of `b` (`[..., Y, X]` transposed, or `[..., X, Y]`),
+    the same leading dims: one batched product whose items are all `[G, X]` by a
+    contiguous `b` item -> `[..., G, Y]`."""
+    lead = a.shape[:-2]
+    a = a.contiguous().view(-1, *a.shape[-2:])
+    b = b.contiguous().view(-1, *b.shape[-2:])
+    out = torch.bmm(a, b.transpose(1, 2) if transposed else b)
+    return out.view(*lead, *out.shape[-2:])
+
+
+def _shared_keys(a: torch.Tensor, b: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`_per_item` where a chunk's keys or values serve all n rows of a prompt: `a` is
+    `[Hkv, C, n, G, X]`, `b` `[Hkv, C, Y, X]` (transposed) or `[Hkv, C, X, Y]`; per KV head
+    and chunk, one batched product of n items that all read the same `b` item (a batch
+    stride of 0, not n copies) -> `[Hkv, C, n, G, Y]`."""
+    n_kv, chunks, n, g, _ = a.shape
+    a, b = a.contiguous(), b.contiguous()
+    width = b.shape[-2] if transposed else b.shape[-1]
+    out = torch.empty((n_kv, chunks, n, g, width), dtype=a.dtype, device=a.device)
+    for h in range(n_kv):
+        for c in range(chunks):
+            item = b[h, c].t() if transposed else b[h, c]
+            torch.bmm(a[h, c], item.expand(n, *item.shape), out=out[h, c])
+    return out
+
+
+def _over_chunks(
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    dim: int,
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Attention from masked scores `[..., M, K]` whose dim `dim` is the key chunks, and
+    their values: exp against each query's max over all chunks, per chunk the sum and the
+    product with the values (`product(weights, values)`, chunks at `dim` too), then the
+    chunks added in order, where chunks of masked keys add exact zeros -> the product's
+    shape without `dim`."""
+    top = scores.amax(dim=-1, keepdim=True).amax(dim=dim, keepdim=True)
     weights = torch.exp(scores - top)  # a masked key's is 0
-    sums = weights.sum(dim=-1, keepdim=True)  # [..., C, M, 1]
-    parts = weights @ values  # [..., C, M, Dh]
-    total, norm = parts.select(-3, 0), sums.select(-3, 0)
-    for c in range(1, scores.shape[-3]):
-        total, norm = total + parts.select(-3, c), norm + sums.select(-3, c)
+    sums = weights.sum(dim=-1, keepdim=True)  # chunks at `dim`, [..., M, 1]
+    parts = product(weights, values)  # chunks at `dim`, [..., M, Dh]
+    total, norm = parts.select(dim, 0), sums.select(dim, 0)
+    for c in range(1, scores.shape[dim]):
+        total, norm = total + parts.select(dim, c), norm + sums.select(dim, c)
     return total / norm
 
 
@@ -194,15 +245,16 @@ def prompt_attention(
     n, n_heads, head_dim = q.shape
     length, n_kv = keys.shape[0], keys.shape[1]
     g, chunks = n_heads // n_kv, length // KEY_CHUNK
-    grouped = q.reshape(n, n_kv, g, head_dim).permute(1, 0, 2, 3).reshape(n_kv, 1, n * g, -1)
+    grouped = q.reshape(n, n_kv, 1, g, head_dim).permute(1, 2, 0, 3, 4)  # [Hkv, 1, n, G, Dh]
+    grouped = grouped.expand(n_kv, chunks, n, g, head_dim)
     keys = keys.permute(1, 0, 2).reshape(n_kv, chunks, KEY_CHUNK, head_dim)  # [Hkv, C, K, Dh]
     values = values.permute(1, 0, 2).reshape(n_kv, chunks, KEY_CHUNK, head_dim)
-    seen = visible.reshape(n, 1, chunks, KEY_CHUNK).expand(n, g, chunks, KEY_CHUNK)
-    seen = seen.permute(2, 0, 1, 3).reshape(1, chunks, n * g, KEY_CHUNK)
-    scores = capped(grouped @ keys.transpose(-1, -2), softcap)  # [Hkv, C, nG, K]
+    seen = visible.reshape(n, chunks, KEY_CHUNK).transpose(0, 1)  # [C, n, K]
+    seen = seen.reshape(1, chunks, n, 1, KEY_CHUNK)
+    scores = capped(_shared_keys(grouped, keys, transposed=True), softcap)  # [Hkv, C, n, G, K]
     scores = scores.masked_fill(~seen, -torch.inf)
-    out = _over_chunks(scores, values).reshape(n_kv, n, g, head_dim)
-    return out.permute(1, 0, 2, 3).reshape(n, n_heads, head_dim)
+    out = _over_chunks(scores, values, 1, lambda w, v: _shared_keys(w, v, transposed=False))
+    return out.permute(1, 0, 2, 3).reshape(n, n_heads, head_dim)  # [Hkv, n, G, Dh] ->
 
 
 def attend_static(

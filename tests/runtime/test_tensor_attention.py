@@ -1,0 +1,121 @@
+"""The CPU's attention on the tensor path (runtime/models/tensor_attention.py), alone: a
+row's numbers do not depend on the rows beside it, nor on whether its position is
+prefilled or decoded, nor on torch's thread count (runtime/kernels/core_share.py changes it
+while other processes hold cores). Bitwise, on every CPU: BLAS rounds a row of a product by
+the product's row count and its operands' layout (on an AMD EPYC Zen 4 a decode row alone
+came out up to 7e-7 from the same row beside a mate, and a prefilled row from the decoded
+one), so the attention hands BLAS items of one shape and layout whatever the batch. Each
+case also holds the result to float64 attention, so an answer equal everywhere is also
+the right one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.models.tensor_attention import decode_attention, prompt_attention
+
+# (query heads, KV heads, head size): the tiny llama, the tiny gemma3, SmolLM2-135M,
+# Gemma 3 270M (one KV head, 256 wide), and heads that share nothing (G = 1)
+SHAPES = [(4, 2, 16), (4, 2, 32), (9, 3, 64), (4, 1, 256), (4, 4, 64)]
+POOL_SLOTS = 2048
+
+
+def _pool(rng: torch.Generator, n_kv: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values as the pool keeps them, `[slots, Hkv, Dh]`."""
+    keys = torch.randn(POOL_SLOTS, n_kv, head_dim, generator=rng)
+    return keys, torch.randn(POOL_SLOTS, n_kv, head_dim, generator=rng)
+
+
+def _decode(q, keys, values, index, visible, softcap=None) -> torch.Tensor:
+    """Rows `q [M, H, Dh]` over their gathered windows `index [M, L]`, as the static step
+    (attend_static) and the eager step (attend_layout) gather them -> `[M, H, Dh]`."""
+    kd, vd = keys[index].transpose(1, 2), values[index].transpose(1, 2)  # [M, Hkv, L, Dh]
+    out = decode_attention(q.unsqueeze(2), kd, vd, visible[:, None, None, :], softcap)
+    return out[:, :, 0]
+
+
+def _reference(q, keys, values, index, visible, softcap=None) -> torch.Tensor:
+    """float64 softmax attention, each query head over its KV head -> `[M, H, Dh]`."""
+    group = q.shape[1] // keys.shape[1]
+    kd = keys[index].double().repeat_interleave(group, dim=2)  # [M, L, H, Dh]
+    vd = values[index].double().repeat_interleave(group, dim=2)
+    scores = torch.einsum("mhd,mlhd->mhl", q.double(), kd)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible[:, None, :], -torch.inf)
+    return torch.einsum("mhl,mlhd->mhd", torch.softmax(scores, dim=-1), vd)
+
+
+DECODE_CASES = [
+    *[(shape, width, None) for shape in SHAPES for width in (48, 256, 512)],
+    ((4, 2, 16), 256, 50.0),  # Gemma 2's capped scores
+    ((9, 3, 64), 512, 50.0),
+]
+
+
+@pytest.mark.parametrize(
+    "shape, width, softcap",
+    DECODE_CASES,
+    ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c),
+)
+def test_a_decode_rows_attention_does_not_depend_on_its_batch(shape, width, softcap):
+    """Nine rows of random visible lengths in one call; each row alone, and in the first
+    two, gives the same bits (48 positions: a sliding window's width, padded to a chunk),
+    at one thread as at the process's own."""
+    n_heads, n_kv, head_dim = shape
+    rng = torch.Generator().manual_seed(sum(shape) + width)
+    keys, values = _pool(rng, n_kv, head_dim)
+    rows = 9
+    q = torch.randn(rows, n_heads, head_dim, generator=rng) / head_dim**0.5
+    index = torch.randint(0, POOL_SLOTS, (rows, width), generator=rng)
+    seen = torch.randint(1, width + 1, (rows, 1), generator=rng)
+    visible = torch.arange(width)[None, :] < seen  # [M, L]
+
+    batched = _decode(q, keys, values, index, visible, softcap)
+    want = _reference(q, keys, values, index, visible, softcap)
+    torch.testing.assert_close(batched.double(), want, rtol=0, atol=1e-5)
+    for i in range(rows):
+        alone = _decode(q[i : i + 1], keys, values, index[i : i + 1], visible[i : i + 1], softcap)
+        assert torch.equal(alone[0], batched[i]), f"row {i} alone"
+    pair = _decode(q[:2], keys, values, index[:2], visible[:2], softcap)
+    assert torch.equal(pair, batched[:2])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_decode(q, keys, values, index, visible, softcap), batched)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("start, rows", [(0, 40), (290, 30), (500, 3)])
+def test_a_prompts_rows_attend_as_decode_rows(shape, start, rows):
+    """A prompt chunk's rows (prefilled from `start`, as attend_layout gives the CPU's
+    prompt rows their decode width) each give the bits of that row decoded alone at its
+    position, in one and two threads: so a resumed request, or one whose prompt partly hit
+    the prefix cache, gets the numbers it got decoding."""
+    n_heads, n_kv, head_dim = shape
+    rng = torch.Generator().manual_seed(sum(shape) + start + rows)
+    keys, values = _pool(rng, n_kv, head_dim)
+    end = start + rows
+    width = 256 if end <= 256 else 512  # static_decode's width for the chunk's last row
+    index = torch.randperm(POOL_SLOTS, generator=rng)[:width]  # the sequence's slots
+    q = torch.randn(rows, n_heads, head_dim, generator=rng) / head_dim**0.5
+    positions = torch.arange(start, end)[:, None]
+    visible = torch.arange(width)[None, :] <= positions  # [n, L]: causal
+
+    prompt = prompt_attention(q, keys[index], values[index], visible)
+    every = index[None, :].expand(rows, width)
+    want = _reference(q, keys, values, every, visible)
+    torch.testing.assert_close(prompt.double(), want, rtol=0, atol=1e-5)
+    for i in range(rows):
+        decoded = _decode(q[i : i + 1], keys, values, every[i : i + 1], visible[i : i + 1])
+        assert torch.equal(decoded[0], prompt[i]), f"row {i} (position {start + i})"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(prompt_attention(q, keys[index], values[index], visible), prompt)
+    finally:
+        torch.set_num_threads(threads)
