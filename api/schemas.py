@@ -153,6 +153,19 @@ IGNORED_FIELDS = (
 )
 
 
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on `metadata` (a chat request's, a response's)."""
+    if v is not None and len(v) > MAX_METADATA_PAIRS:
+        raise ValueError(f"metadata must have at most {MAX_METADATA_PAIRS} pairs, got {len(v)}.")
+    for key, value in (v or {}).items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(
+                f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters and values "
+                f"at most {MAX_METADATA_VALUE_CHARS}."
+            )
+    return v
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -230,17 +243,7 @@ class SamplingRequest(StrictModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and len(v) > MAX_METADATA_PAIRS:
-            raise ValueError(
-                f"metadata must have at most {MAX_METADATA_PAIRS} pairs, got {len(v)}."
-            )
-        for key, value in (v or {}).items():
-            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
-                raise ValueError(
-                    f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters and values "
-                    f"at most {MAX_METADATA_VALUE_CHARS}."
-                )
-        return v
+        return check_metadata(v)
 
     @field_validator("seed")
     @classmethod

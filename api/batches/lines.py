@@ -99,7 +99,9 @@ def validate_lines(
                     f"custom_id {custom_id!r} was already used on an earlier line.",
                 )
             seen.add(custom_id)
-            line = _validate(number, data, custom_id, endpoint, models, texts, adapters or {})
+            req, responses = _request(data, endpoint)
+            line = _checked_line(number, req, custom_id, models, texts, adapters or {})
+            line.responses = responses
             valid.append(line)
         except LineError as exc:
             invalid.append(InvalidLine(number, custom_id, exc.code, exc.message))
@@ -141,15 +143,9 @@ def _custom_id(data: dict[str, Any]) -> str:
     return custom_id
 
 
-def _validate(
-    number: int,
-    data: dict[str, Any],
-    custom_id: str,
-    endpoint: str,
-    models: dict[str, dict[str, Any]],
-    texts: ModelTexts | None,
-    adapters: dict[str, str],
-) -> ValidLine:
+def _request(data: dict[str, Any], endpoint: str) -> tuple[Any, dict[str, Any] | None]:
+    """The line's request, parsed as its endpoint parses it, and a `/v1/responses` line's
+    `JobRecord.responses`."""
     unknown = sorted(set(data) - set(LINE_FIELDS))
     if unknown:
         raise LineError("invalid_request", f"Unrecognized field in the line: {unknown[0]}")
@@ -165,54 +161,29 @@ def _validate(
         raise LineError("invalid_request", "body must be a JSON object (the request body).")
     if body.get("stream") is True:
         raise LineError("invalid_request", "stream is not available in a batch.")
-    if endpoint == RESPONSES:
-        return _response_line(number, body, custom_id, models, texts, adapters)
-    return _generation_line(number, endpoint, body, custom_id, models, texts, adapters)
-
-
-def _response_line(
-    number: int,
-    body: dict[str, Any],
-    custom_id: str,
-    models: dict[str, dict[str, Any]],
-    texts: ModelTexts | None,
-    adapters: dict[str, str],
-) -> ValidLine:
-    """A Responses request run as the chat request it translates to, as `POST /v1/responses`
-    runs it (`api.responses.routes`); its record keeps the Responses request and the response
-    id its output line answers with."""
     try:
-        req = parse_response_request(body)
-        for name, why in (
-            ("background", "every batch line already runs in the background"),
-            ("previous_response_id", "a batch line cannot continue a stored response"),
-        ):
-            if getattr(req, name):
-                raise LineError("invalid_request", f"{name} is not available in a batch: {why}.")
-        response_id = new_response_id()
-        translation = translate(req, response_id, [])
+        if endpoint == RESPONSES:
+            return _response_request(body)
+        return parse_request(endpoint, body), None
     except APIError as exc:
         raise _line_error(exc) from None
-    line = _checked_line(number, translation.chat, custom_id, models, texts, adapters)
+
+
+def _response_request(body: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A Responses request as the chat request it translates to, as `POST /v1/responses`
+    runs it (`api.responses.routes`), and what its record keeps: the Responses request and
+    the response id its output line answers with."""
+    req = parse_response_request(body)
+    for name, why in (
+        ("background", "every batch line already runs in the background"),
+        ("previous_response_id", "a batch line cannot continue a stored response"),
+    ):
+        if getattr(req, name):
+            raise LineError("invalid_request", f"{name} is not available in a batch: {why}.")
+    response_id = new_response_id()
+    translation = translate(req, response_id, [])
     stored = translation.stored.model_copy(update={"id": response_id, "store": False})
-    line.responses = stored.encode()
-    return line
-
-
-def _generation_line(
-    number: int,
-    endpoint: str,
-    body: dict[str, Any],
-    custom_id: str,
-    models: dict[str, dict[str, Any]],
-    texts: ModelTexts | None,
-    adapters: dict[str, str],
-) -> ValidLine:
-    try:
-        req = parse_request(endpoint, body)
-    except APIError as exc:
-        raise _line_error(exc) from None
-    return _checked_line(number, req, custom_id, models, texts, adapters)
+    return translation.chat, stored.encode()
 
 
 def _checked_line(

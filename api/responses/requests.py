@@ -45,6 +45,7 @@ from api.schemas import (
     _in_range,
     _max_tokens,
     _short,
+    check_metadata,
     validation_error,
 )
 from api.schemas import (
@@ -162,11 +163,14 @@ class MessageItem(StrictModel):
         }
 
 
+CallId = Annotated[str, Field(min_length=1, max_length=MAX_USER_CHARS)]  # as chat's
+
+
 class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     id: ItemId | None = None
-    call_id: str
-    name: str
+    call_id: CallId
+    name: str = Field(min_length=1, max_length=64)
     arguments: str
     status: Any = None
 
@@ -178,7 +182,7 @@ class FunctionCallItem(StrictModel):
 class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     id: ItemId | None = None
-    call_id: str
+    call_id: CallId
     output: str
     status: Any = None
 
@@ -288,6 +292,11 @@ class ResponseRequest(StrictModel):
     @classmethod
     def _max(cls, v: int | None) -> int | None:
         return _max_tokens("max_output_tokens", v)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(v)
 
     @field_validator("temperature")
     @classmethod
@@ -506,7 +515,8 @@ def parse_response_request(body: dict[str, Any]) -> ResponseRequest:
 def messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Stored items as chat messages: an assistant's text and the function calls that
     follow it are one assistant message (the turn the model generated), a call's output a
-    tool message, a reasoning item nothing (as OpenAI drops a finished turn's reasoning)."""
+    tool message, a reasoning item nothing (a finished turn's thinking is left out of the
+    prompt, as Qwen3's and gpt-oss's templates leave it)."""
     out: list[dict[str, Any]] = []
     for item in items:
         kind = item["type"]

@@ -248,7 +248,7 @@ class FakeWorker:
         """The prompt as the script reads it (the body: embeddings have no spec)."""
         req = record.request
         if record.endpoint == CHAT_COMPLETIONS:
-            return req["messages"][-1]["content"]
+            return req["messages"][-1].get("content") or ""  # none: a turn of tool calls
         value = req.get("prompt", req.get("input", ""))
         return value if isinstance(value, str) else json.dumps(value)  # texts or token ids
 
