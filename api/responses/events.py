@@ -10,10 +10,12 @@ resumes a job continues its stream without re-sending a token (workers/wire/even
 the derivation continues too.
 
 The chat chunks of api/chunks.py (`ChunkStream`, which turns a token into its content and
-tool-call deltas) are mapped to the Responses events: text opens a `message` item and its
-`output_text` part, a tool call's first delta opens a `function_call` item (id, call id and
-name) whose argument fragments follow. A cancelled job ends with `response.failed` whose
-response's status is `cancelled` (OpenAI's streams have no cancelled event type).
+tool-call deltas) are mapped to the Responses events: a thinking model's thinking
+(`reasoning_content`) opens a `reasoning` item whose `reasoning_text` deltas follow; text
+opens a `message` item and its `output_text` part, a tool call's first delta opens a
+`function_call` item (id, call id and name) whose argument fragments follow. A cancelled
+job ends with `response.failed` whose response's status is `cancelled` (OpenAI's streams
+have no cancelled event type).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class ResponseEvents:
                 return []
             chunk = self.chunks.token(event)
             delta = chunk["choices"][0]["delta"] if chunk is not None else {}
-            out = self._text(delta.get("content") or "")
+            out = self._reasoning(delta.get("reasoning_content") or "")
+            out += self._text(delta.get("content") or "")
             for call in delta.get("tool_calls") or []:
                 out += self._call(call)
             return out
@@ -77,6 +80,28 @@ class ResponseEvents:
         return []
 
     # ------------------------------------------------------------ items
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        """A thinking model's thinking: a `reasoning` item before the message, its text as
+        `response.reasoning_text.delta` events (as OpenAI streams gpt-oss's reasoning)."""
+        if not text:
+            return []
+        out: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self._close("completed")
+            index = self.items
+            self.items += 1
+            item = wire.item_id("rs", self.record.id, index)
+            self.open = {"type": "reasoning", "id": item, "index": index, "text": ""}
+            added = wire.reasoning_item(item, None)
+            out.append(self._event("response.output_item.added", output_index=index, item=added))
+        self.open["text"] += text
+        out.append(
+            self._event(
+                "response.reasoning_text.delta", **self._where(), content_index=0, delta=text
+            )
+        )
+        return out
 
     def _text(self, text: str) -> list[dict[str, Any]]:
         if not text:
@@ -155,6 +180,16 @@ class ResponseEvents:
         if item is None:
             return []
         where = {"item_id": item["id"], "output_index": item["index"]}
+        if item["type"] == "reasoning":
+            text = item["text"]
+            return [
+                self._event("response.reasoning_text.done", **where, content_index=0, text=text),
+                self._event(
+                    "response.output_item.done",
+                    output_index=item["index"],
+                    item=wire.reasoning_item(item["id"], text),
+                ),
+            ]
         if item["type"] == "message":
             text = item["text"]
             return [

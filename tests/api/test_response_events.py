@@ -11,6 +11,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from api.responses.events import ResponseEvents, response_events
+from api.responses.requests import messages
 from workers.wire import responses_api as wire
 from workers.wire.errors import cancelled_error, error_body
 from workers.wire.events import StreamDone, StreamError, StreamToken, decode, encode, event_fields
@@ -72,6 +73,18 @@ def _tool_job() -> list:
     return [*tokens, StreamDone(_result("Sure. ", "tool_calls", [call]))]
 
 
+def _message_events(deltas: int) -> list[str]:
+    """The event types of one streamed `message` item with `deltas` text deltas."""
+    return [
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+
+
 def _checked(events: list[dict]) -> list[dict]:
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     for e in events:
@@ -84,13 +97,7 @@ def test_a_text_answer_streams_as_openai_sends_it() -> None:
     assert [e["type"] for e in events] == [
         "response.created",
         "response.in_progress",
-        "response.output_item.added",
-        "response.content_part.added",
-        "response.output_text.delta",
-        "response.output_text.delta",
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
+        *_message_events(2),
         "response.completed",
     ]
     assert [e["delta"] for e in events if e["type"].endswith("text.delta")] == ["Hel", "lo"]
@@ -198,3 +205,60 @@ def test_the_response_object_follows_the_job() -> None:
     assert wire.render(record)["status"] == "cancelled"
     assert wire.conversation(record)[-1]["content"][0]["text"] == "hi"
     assert wire.status_of(JobRecord("resp_1", CHAT_COMPLETIONS, "m", {}, status=QUEUED)) == "queued"
+
+
+def _thinking_job() -> list:
+    """A thinking model's deltas (workers/jobs.py): the thinking as `reasoning_content`,
+    the token that closes it carrying the first content, then the answer."""
+    deltas = [
+        {"reasoning_content": "Let me "},
+        {},  # a token held back while it may be `</think>`
+        {"reasoning_content": "see.\n", "content": "Hi"},
+        {"content": " there"},
+    ]
+    tokens = [StreamToken(0, i, "x", 100 + i, delta=d) for i, d in enumerate(deltas)]
+    result = _result("Hi there")
+    result["choices"][0]["message"]["reasoning_content"] = "Let me see.\n"
+    return [*tokens, StreamDone(result)]
+
+
+def test_a_thinking_models_thinking_is_a_reasoning_item_before_the_message() -> None:
+    events = _checked(response_events(_record(), _thinking_job()))
+    assert [e["type"] for e in events[2:]] == [
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        *_message_events(2),
+        "response.completed",
+    ]
+    rs, msg = f"rs_{RID[5:]}_0", f"msg_{RID[5:]}_1"
+    assert events[2]["item"] == {"id": rs, "type": "reasoning", "summary": [], "content": []}
+    assert [e["delta"] for e in events[3:5]] == ["Let me ", "see.\n"]
+    assert all((e["item_id"], e["output_index"]) == (rs, 0) for e in events[3:6])
+    assert events[5]["text"] == "Let me see.\n"
+    reasoning = {
+        "id": rs,
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "Let me see.\n"}],
+    }
+    assert events[6]["item"] == reasoning
+    assert (events[7]["output_index"], events[7]["item"]["id"]) == (1, msg)
+    final = events[-1]["response"]
+    # the stream's items, indexes and ids are the final output's
+    assert final["output"] == [reasoning, events[13]["item"]]
+    parsed = Response.model_validate(final)
+    assert parsed.output_text == "Hi there"  # the thinking is never in the answer
+    assert parsed.output[0].content[0].text == "Let me see.\n"
+    record = _record()
+    record.status, record.result = FINISHED, _thinking_job()[-1].result
+    assert wire.render(record)["output"] == final["output"]
+    # a continuation lists the reasoning among its input items, and leaves it out of the prompt
+    conversation = wire.conversation(record)
+    assert conversation == final["output"]
+    wire.ResponseItemList(
+        object="list", data=conversation, first_id=rs, last_id=msg, has_more=False
+    )
+    assert messages(conversation) == [{"role": "assistant", "content": "Hi there"}]

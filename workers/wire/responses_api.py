@@ -75,8 +75,23 @@ class FunctionCallOutput(Body):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | FunctionCall
-Item = InputMessage | OutputMessage | FunctionCall | FunctionCallOutput
+class ReasoningText(Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(Body):
+    """A thinking model's thinking (`reasoning_content` of the chat result), shown as OpenAI
+    shows gpt-oss's: its text as `reasoning_text` content, no summary."""
+
+    id: str
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]]
+    content: list[ReasoningText]
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCall
+Item = InputMessage | ReasoningItem | OutputMessage | FunctionCall | FunctionCallOutput
 
 
 class FunctionTool(Body):
@@ -210,8 +225,8 @@ def is_response_id(job_id: str) -> bool:
 
 
 def item_id(kind: str, response_id: str, output_index: int) -> str:
-    """The id of output item `output_index` (`kind`: msg or fc), the same in the stream and
-    in the finished response."""
+    """The id of output item `output_index` (`kind`: rs, msg or fc), the same in the stream
+    and in the finished response."""
     return f"{kind}_{response_id.removeprefix(RESPONSE_ID_PREFIX)}_{output_index}"
 
 
@@ -245,15 +260,20 @@ def is_cut(result: Mapping[str, Any]) -> bool:
 
 
 def output_items(response_id: str, result: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat result's message as output items: its text as one `message` (when there is
-    text), then one `function_call` per tool call."""
+    """A chat result's message as output items, in the order the stream opens them: its
+    thinking as one `reasoning` item (when there is any), its text as one `message` (when
+    there is text), then one `function_call` per tool call."""
     choices = result.get("choices") or [{}]
     choice = choices[0]
     message = choice.get("message") or {}
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
     items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        thinking = message["reasoning_content"]
+        items.append(reasoning_item(item_id("rs", response_id, len(items)), thinking))
     if message.get("content"):
-        items.append(message_item(item_id("msg", response_id, 0), message["content"], status))
+        msg = item_id("msg", response_id, len(items))
+        items.append(message_item(msg, message["content"], status))
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         items.append(
@@ -278,6 +298,12 @@ def message_item(item: str, text: str | None, status: str) -> dict[str, Any]:
         "status": status,
         "content": content,
     }
+
+
+def reasoning_item(item: str, text: str | None) -> dict[str, Any]:
+    """A `reasoning` item: without content while it is only announced (None)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": item, "type": "reasoning", "summary": [], "content": content}
 
 
 def text_part(text: str) -> dict[str, Any]:
