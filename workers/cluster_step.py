@@ -40,7 +40,6 @@ from redis.exceptions import (
 )
 
 from workers import keys, resp, scripts
-from workers.wire import rate_limit, webhooks
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.events import (
     EVENT_DONE,
@@ -101,8 +100,7 @@ return table.concat(out)
 # as notifying, `wire.webhooks`, once). A step of running jobs with nothing new
 # for their records (most steps: counters go every second) is one MGET here.
 _RECORD_STEP = (
-    rate_limit.SETTLE_LUA
-    + webhooks.NOTIFY_LUA
+    scripts.END_JOB_LUA
     + """
 local call = redis.call
 local running, jobs_metric, outbox = KEYS[1], KEYS[2], KEYS[3]
@@ -121,10 +119,7 @@ for k = 4 + c, #KEYS do
   if n > 0 then call('HSET', record_key, unpack(ARGV, f, f + 2 * n - 1)) end
   if mode ~= '1' then call('EXPIRE', record_key, ttl) end
   if mode == '3' and call('SREM', running, job_id) == 1 then
-    local status = call('HGET', record_key, 'status')
-    if status then call('HINCRBY', jobs_metric, status, 1) end
-    if used then llmq_settle(record_key, used) end
-    llmq_notify(record_key, outbox, job_id, status)
+    llmq_end(record_key, jobs_metric, outbox, job_id, used)
   end
   a = f + 2 * n
 end

@@ -91,6 +91,25 @@ end
 return {best_index, id, attempt}
 """
 
+# Lua, prepended to every script that writes a job's end (`_APPEND`, `_WRITE_STEP` here,
+# `cluster_step._RECORD_STEP`): `llmq_end(record, jobs_metric, outbox, job_id, used)`, called
+# once the job has left the running set, counts the job under its final status, settles its
+# rate-limit reservation at the tokens it used (`wire.rate_limit`; nothing when it reserved
+# none, or `used` is nil) and appends the outbox entry of a job marked as notifying
+# (`wire.webhooks`). One text, so the three ways a job ends count it alike.
+END_JOB_LUA = (
+    rate_limit.SETTLE_LUA
+    + webhooks.NOTIFY_LUA
+    + """
+local function llmq_end(record_key, jobs_metric, outbox, job_id, used)
+  local status = redis.call('HGET', record_key, 'status')
+  if status then redis.call('HINCRBY', jobs_metric, status, 1) end
+  if used then llmq_settle(record_key, used) end
+  llmq_notify(record_key, outbox, job_id, status)
+end
+"""
+)
+
 # KEYS: lease, events stream, record, running set, jobs metric hash, webhook outbox.
 # ARGV: expected lease, job id, ttl (s), "1" if this ends the job, stream length the writer
 # expects before its events, n record fields, tokens the job used ('' if not known), 2n
@@ -103,8 +122,7 @@ return {best_index, id, attempt}
 # reservation at the tokens it used (`wire.rate_limit`; nothing when it reserved none), and
 # appends the outbox entry of a job marked as notifying (`wire.webhooks`).
 _APPEND = (
-    rate_limit.SETTLE_LUA
-    + webhooks.NOTIFY_LUA
+    END_JOB_LUA
     + """
 local lease_key, events_key, record_key, running, jobs_metric, outbox = unpack(KEYS)
 local lease, job_id, ttl, final, expected, n = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
@@ -132,10 +150,7 @@ if last ~= '' then redis.call('EXPIRE', events_key, ttl) end
 if final == '1' then
   redis.call('DEL', lease_key)
   redis.call('SREM', running, job_id)
-  local status = redis.call('HGET', record_key, 'status')
-  if status then redis.call('HINCRBY', jobs_metric, status, 1) end
-  if used then llmq_settle(record_key, used) end
-  llmq_notify(record_key, outbox, job_id, status)
+  llmq_end(record_key, jobs_metric, outbox, job_id, used)
 end
 return last
 """
@@ -158,8 +173,7 @@ return last
 # written); then "1" if its cancel flag is set, else "0" (one string: cheaper to build and to
 # read than 2 integers a job).
 _WRITE_STEP = (
-    rate_limit.SETTLE_LUA
-    + webhooks.NOTIFY_LUA
+    END_JOB_LUA
     + """
 local call = redis.call
 local running, jobs_metric, outbox = KEYS[1], KEYS[2], KEYS[3]
@@ -190,10 +204,7 @@ local function write(j, lease_key, events_key, record_key, mode, expected, used,
   if mode == '3' then
     call('DEL', lease_key)
     call('SREM', running, ARGV[f - 7])
-    local status = call('HGET', record_key, 'status')
-    if status then call('HINCRBY', jobs_metric, status, 1) end
-    if used then llmq_settle(record_key, used) end
-    llmq_notify(record_key, outbox, ARGV[f - 7], status)
+    llmq_end(record_key, jobs_metric, outbox, ARGV[f - 7], used)
   end
   return 1
 end
