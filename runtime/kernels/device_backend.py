@@ -28,7 +28,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.kernels.base import TensorPart
 from runtime.kernels.cpu import KernelPlan
 from runtime.kernels.gguf_blocks import FOUR_BIT_TYPES, GROUP_SIZE, GroupQuantized
-from runtime.kernels.quant_types import log_types
+from runtime.kernels.quant_types import device_kept_as, log_types
 from runtime.kernels.torch_backend import (
     HEAD_CHUNK_ROWS,
     BlockEmbedding,
@@ -218,6 +218,10 @@ class DeviceBackend:
             self.dense_dtype = torch.float16
         self.int4 = self.cuda  # until a weight's check fails on this GPU
         self.int4_checked: set[tuple[int, int]] = set()  # shapes whose product matched
+
+    def describe_kept(self, qtype) -> str:
+        """How a weight of `qtype` is kept and multiplied (`llmq models`, the load log)."""
+        return device_kept_as(self, qtype)
 
     def loading(self, f: GGUFFile) -> AbstractContextManager[None]:
         """On the CPU, the CPU backend's prepared weights; a GPU's are built at every load."""

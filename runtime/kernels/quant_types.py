@@ -46,27 +46,34 @@ def tensor_types(f) -> Counter:
 
 
 def kept_as(backend, qtype: Q) -> str:
-    """How `backend` keeps and multiplies a weight of `qtype`, in a few words."""
-    from runtime.kernels.device_backend import DeviceBackend
-    from runtime.kernels.torch_backend import TorchBackend
-
-    if isinstance(backend, DeviceBackend):
-        if backend.cpu is not None:
-            return kept_as(backend.cpu, qtype)
-        if qtype in FOUR_BIT_TYPES and backend.int4:
-            return "int4 (CUDA)"
-        return "dequantized to bf16 (CUDA)"
-    if isinstance(backend, TorchBackend):
-        family = backend._family(qtype)
-        if family == "lowbit":
-            return "its codes (lowbit_rows.c)"
-        if family:
-            return "its codes (int8_rows.c)"
-        if qtype in FOUR_BIT_TYPES and backend.plan.four_bit == "int4":
-            return "int4 (torch)"
-        dense = backend._dense_kind(backend.plan.other, 8)
-        return dense if qtype in DENSE_TYPES else f"dequantized to {dense}"
+    """How `backend` keeps and multiplies a weight of `qtype`, in a few words: the backend
+    says (`describe_kept`, on the torch and device backends); numpy keeps float32."""
+    describe = getattr(backend, "describe_kept", None)
+    if describe is not None:
+        return describe(qtype)
     return "float32" if qtype in DENSE_TYPES else "dequantized to float32"
+
+
+def torch_kept_as(backend, qtype: Q) -> str:
+    """`TorchBackend.describe_kept`: its codes through a native kernel, int4, or dense."""
+    family = backend._family(qtype)
+    if family == "lowbit":
+        return "its codes (lowbit_rows.c)"
+    if family:
+        return "its codes (int8_rows.c)"
+    if qtype in FOUR_BIT_TYPES and backend.plan.four_bit == "int4":
+        return "int4 (torch)"
+    dense = backend._dense_kind(backend.plan.other, 8)
+    return dense if qtype in DENSE_TYPES else f"dequantized to {dense}"
+
+
+def device_kept_as(backend, qtype: Q) -> str:
+    """`DeviceBackend.describe_kept`: the CPU plan's answer, or what CUDA holds."""
+    if backend.cpu is not None:
+        return kept_as(backend.cpu, qtype)
+    if qtype in FOUR_BIT_TYPES and backend.int4:
+        return "int4 (CUDA)"
+    return "dequantized to bf16 (CUDA)"
 
 
 def unmultiplied(f, backend) -> list[Q]:

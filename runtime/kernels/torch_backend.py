@@ -68,7 +68,7 @@ from runtime.kernels.native import (
     pack_nibble_groups,
 )
 from runtime.kernels.prepared import PreparedWeights, SavedWeight, weight_key
-from runtime.kernels.quant_types import log_types
+from runtime.kernels.quant_types import log_types, torch_kept_as
 
 INNER_K_TILES = 2  # what the CPU int4 packing accepts (2, 4 or 8); the CPU kernel ignores it
 HEAD_CHUNK_ROWS = 8192  # rows dequantized at a time while building a head
@@ -847,6 +847,10 @@ class TorchBackend:
     def kv_dtype(self) -> np.dtype:
         """The host path's KV pool element type on this plan (runtime/models/ops.py)."""
         return np.dtype(self.plan.kv)
+
+    def describe_kept(self, qtype) -> str:
+        """How a weight of `qtype` is kept and multiplied (`llmq models`, the load log)."""
+        return torch_kept_as(self, qtype)
 
     @contextlib.contextmanager
     def loading(self, f: GGUFFile) -> Iterator[None]:
