@@ -42,13 +42,18 @@ def register(conn, name: str, path: str, base: str = TINY) -> None:
     loras.register(conn, name, path, base)
 
 
-def expected_tokens(tiny_model: Path, adapter: Path | None, prompt: str) -> list[int]:
+def expected_tokens(
+    tiny_model: Path, adapter: Path | None, prompt: str, logprobs: int | None = None
+) -> list[int]:
+    """The engine's own greedy tokens; `logprobs` as the job asks, since a row that reports
+    logprobs takes the file's own head (runtime/kernels/heads.py), whose argmax may differ
+    from the fast head's at a near-tie."""
     engine = Engine(ModelSpec(TINY, str(tiny_model), lambda: tiny_model), GGUFFile(tiny_model))
     lora = []
     if adapter is not None:
         engine.load_adapter("style", adapter)
         lora = [("style", 1.0)]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=logprobs)
     return [e.token_id for e in engine.generate(engine.encode(prompt), params, lora)]
 
 
@@ -166,5 +171,5 @@ def test_a_job_naming_an_adapter_registered_since_the_heartbeat_runs(
     assert done.status == FINISHED, done.error
     texts = "".join(t["text"] for t in tokens(conn, job_id))
     engine = Engine(ModelSpec(TINY, str(tiny_model), lambda: tiny_model), GGUFFile(tiny_model))
-    with_adapter = expected_tokens(tiny_model, adapter_dir / "style.gguf", "hello")
+    with_adapter = expected_tokens(tiny_model, adapter_dir / "style.gguf", "hello", logprobs=1)
     assert texts == engine.tokenizer.decode(with_adapter)
