@@ -33,6 +33,7 @@ from tests.api.sse import Message, parse
 from tests.redis_db import redis_binary
 from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import REPO, WorkerProcess, signal_then_kill, wait_for
+from tests.workers.serve_run import Serve
 from workers.supervisor import STOP_GRACE_SECONDS
 from workers.wire.job import TERMINAL_STATUSES
 
@@ -489,3 +490,12 @@ class Served:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         self.log.close()
+
+
+@pytest.fixture
+def serve_runs() -> Iterator[list[Serve]]:
+    """`llmq serve` runs a test starts (append each), stopped after it, however it ends."""
+    runs: list[Serve] = []
+    yield runs
+    for run in runs:
+        run.stop()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -34,14 +33,6 @@ JOBS, TOKENS = 6, 60
 # the keepers SIGKILL what is left ORPHAN_GRACE_SECONDS after serve is gone; the rest is
 # slack for a 2-core machine shared with other test runs (process exits, the /proc scans)
 GONE_WITHIN = ORPHAN_GRACE_SECONDS + 20
-
-
-@pytest.fixture
-def serve_runs() -> Iterator[list[Serve]]:
-    runs: list[Serve] = []
-    yield runs
-    for run in runs:
-        run.stop()
 
 
 def names(run: Serve) -> list[str]:

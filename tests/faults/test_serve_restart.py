@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -36,14 +35,6 @@ from workers.supervisor import BROKER_DIR_ENV
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 JOBS, TOKENS, BATCH_LINES = 6, 150, 8
-
-
-@pytest.fixture
-def serve_runs() -> Iterator[list[Serve]]:
-    runs: list[Serve] = []
-    yield runs
-    for run in runs:
-        run.stop()
 
 
 def upload_batch(base: str) -> str:
