@@ -153,6 +153,16 @@ class BlockPool:
         n_layers = len(self.groups[group].layers)
         return n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * self.value_bytes
 
+    def layer_storage(self, layer: int, window: int | None) -> tuple[int, Any, Any]:
+        """`layer`'s group and its keys and values, for a layer attending over `window`
+        positions (None: all); a pool that keeps fewer positions for it is refused."""
+        group = self.group_of[layer]
+        if self.groups[group].window not in (None, window):
+            raise ValueError(
+                f"layer {layer} attends over {window} positions, its KV pool keeps less"
+            )
+        return group, self.keys[layer], self.values[layer]
+
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block of every layer: the KV memory of `block_size` tokens."""

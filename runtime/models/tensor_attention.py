@@ -69,10 +69,7 @@ def attend_layout(
     `softcap` caps the scores (Gemma 2: `capped`)."""
     t, n_heads, head_dim = q.shape
     pool = _shared_pool(layout)
-    group = pool.group_of[layer]
-    if pool.groups[group].window not in (None, window):
-        raise ValueError(f"layer {layer} attends over {window} positions, its KV pool keeps less")
-    keys, values = pool.keys[layer], pool.values[layer]  # [slots, Hkv, Dh]
+    group, keys, values = pool.layer_storage(layer, window)  # keys, values [slots, Hkv, Dh]
     plan = _plan(
         layout, ("tensor", group, window), lambda lay: _build(lay, group, window, q.device)
     )
@@ -270,10 +267,7 @@ def attend_static(
     keys of its table window; q `[B, H, Dh]` (scaled), k and v `[B, Hkv, Dh]` -> `[B, H*Dh]`."""
     rows, n_heads, head_dim = q.shape
     pool = layout.pool
-    group = pool.group_of[layer]
-    if pool.groups[group].window not in (None, window):
-        raise ValueError(f"layer {layer} attends over {window} positions, its KV pool keeps less")
-    keys, values = pool.keys[layer], pool.values[layer]  # [slots, Hkv, Dh]
+    group, keys, values = pool.layer_storage(layer, window)  # keys, values [slots, Hkv, Dh]
     keys.index_copy_(0, layout.write_slots[group], k.to(keys.dtype))
     values.index_copy_(0, layout.write_slots[group], v.to(values.dtype))
     index = layout.gather[group]  # [B, L]
