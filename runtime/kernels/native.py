@@ -161,7 +161,7 @@ class PagedAttention:
         self._fn = lib.llmq_paged_attention
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
-        self._fn.argtypes += [_i64, _i64, ctypes.c_float, ctypes.c_int, _ptr]
+        self._fn.argtypes += [_i64, _i64, ctypes.c_float, _ptr, ctypes.c_int, _ptr]
 
     def __call__(
         self,
@@ -170,6 +170,7 @@ class PagedAttention:
         values: np.ndarray,
         rows: RowKeys,
         softcap: float | None = None,  # Gemma 2's attention logit cap
+        sinks: np.ndarray | None = None,  # [H] float32: gpt-oss's per-head sink logits
     ) -> np.ndarray:
         n_rows, heads, head_dim = q.shape
         kv_heads, pool_slots, _ = keys.shape
@@ -180,6 +181,8 @@ class PagedAttention:
                 raise ValueError(f"{name} must be C-contiguous {self.kv_dtype} {keys.shape}")
         if len(rows.offset) != n_rows or rows.max_slot >= pool_slots:
             raise ValueError("the row keys do not fit these queries and this pool")
+        if sinks is not None and (sinks.dtype != np.float32 or sinks.shape != (heads,)):
+            raise ValueError(f"sinks must be float32 ({heads},), got {sinks.dtype} {sinks.shape}")
         out = np.empty((n_rows, heads * head_dim), np.float32)
         failed = self._fn(
             address(q),
@@ -194,6 +197,7 @@ class PagedAttention:
             head_dim,
             rows.max_count,
             softcap or 0.0,
+            None if sinks is None else address(np.ascontiguousarray(sinks)),
             threads(),
             address(out),
         )

@@ -14,6 +14,8 @@
  *        half the bytes to read per key, which is what decode attention waits on)
  * slots  int64: for row t, slots[offset[t] .. offset[t] + count[t]) are the pool slots of
  *        the keys it sees, in position order
+ * sinks  NULL, or [heads] float32: a learned logit per head that joins each row's softmax
+ *        denominator and weighs no value (gpt-oss's attn_sinks, as ggml's soft_max with sinks)
  * out    [rows, heads * head_dim] float32
  */
 #include <immintrin.h>
@@ -167,8 +169,8 @@ static void weighted_values(const float *restrict scores, int64_t stride, int64_
  * value is read once for all of them. Head g's arithmetic is the same whatever `group` is. */
 static void attend_group(const float *restrict q, int64_t group, const kv_t *restrict keys,
                          const kv_t *restrict values, const int64_t *restrict slots,
-                         int64_t count, int64_t head_dim, float softcap, float *restrict scores,
-                         float *restrict out) {
+                         int64_t count, int64_t head_dim, float softcap, const float *sinks,
+                         float *restrict scores, float *restrict out) {
     const int64_t stride = count + 1; /* head g's scores, then the inverse of their sum */
     int64_t j = 0;
     for (; j + 4 <= count; j += 4) {
@@ -194,7 +196,13 @@ static void attend_group(const float *restrict q, int64_t group, const kv_t *res
         float *s = scores + g * stride;
         float peak = -INFINITY;
         for (int64_t j = 0; j < count; j++) peak = s[j] > peak ? s[j] : peak;
-        s[count] = 1.0f / exp_shifted(s, count, peak);
+        if (sinks == NULL) {
+            s[count] = 1.0f / exp_shifted(s, count, peak);
+            continue;
+        }
+        peak = sinks[g] > peak ? sinks[g] : peak; /* the sink joins the softmax, as a key would */
+        const float total = exp_shifted(s, count, peak);
+        s[count] = 1.0f / (total + expf(sinks[g] - peak));
     }
     if (head_dim % VALUE_TILE == 0) {
         weighted_values(scores, stride, group, values, slots, count, head_dim, out);
@@ -217,7 +225,7 @@ int llmq_paged_attention(const float *q, int64_t q_stride, const kv_t *keys,
                          const kv_t *values, int64_t pool_slots, const int64_t *slots,
                          const int64_t *offset, const int64_t *count, int64_t rows,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_count,
-                         float softcap, int threads, float *out) {
+                         float softcap, const float *sinks, int threads, float *out) {
     const int64_t group = heads / kv_heads;
     /* Query heads per task: the whole group sharing a KV head (each key read once for all
      * of them), or one where that leaves too few tasks to keep the threads busy (a single
@@ -240,7 +248,8 @@ int llmq_paged_attention(const float *q, int64_t q_stride, const kv_t *keys,
             const int64_t plane = (first / group) * pool_slots * head_dim;
             attend_group(q + t * q_stride + first * head_dim, per_task, keys + plane,
                          values + plane, slots + offset[t], count[t], head_dim, softcap,
-                         scores, out + (t * heads + first) * head_dim);
+                         sinks == NULL ? NULL : sinks + first, scores,
+                         out + (t * heads + first) * head_dim);
         }
         free(scores);
     }

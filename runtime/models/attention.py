@@ -43,6 +43,7 @@ def attend(
     window: int | None = None,
     offset: int = 0,
     softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Causal GQA attention of `n` queries at positions `start..` over one sequence's cache.
 
@@ -50,15 +51,18 @@ def attend(
     each keys `[Hkv, Dh, l]` (transposed views of the pool's slot-major keys) and values
     `[Hkv, l, Dh]`, together positions `offset ..
     start + n - 1` -> `[n, H * Dh]`. `window` limits each query to the keys less than
-    `window` positions behind it; `softcap` caps each score (`capped`).
+    `window` positions behind it; `softcap` caps each score (`capped`); `sinks` `[H]` are
+    logits that join each head's softmax denominator and weigh no value (gpt-oss).
     """
     n, n_heads, head_dim = q.shape
     n_kv = segments[0][0].shape[0]
     group = n_heads // n_kv
+    # [Hkv, G*n, 1]: a row's sink beside its scores (rows of one head are adjacent)
+    sink = None if sinks is None else np.repeat(sinks.reshape(n_kv, group, 1), n, axis=1)
     if n == 1 and window is None and len(segments) == 1 and offset == 0:  # lean decode
         keys_t, values = segments[0]
         scores = capped(np.matmul(q.reshape(n_kv, group, head_dim), keys_t), softcap)
-        _softmax_inplace(scores)  # [Hkv, G, L]
+        _softmax_inplace(scores, sink)  # [Hkv, G, L]
         return np.matmul(scores, values).reshape(1, n_heads * head_dim)
     total = offset + sum(k.shape[-1] for k, _ in segments)
     first = offset if window is None else max(offset, start + 1 - window)
@@ -74,7 +78,7 @@ def attend(
         scores = scores.reshape(n_kv, group, n, -1)
         scores += _mask_bias(n, start, first, total, window)  # [n, L'] over heads
         scores = scores.reshape(n_kv, group * n, -1)
-    _softmax_inplace(scores)
+    _softmax_inplace(scores, sink)
     out, offset = None, 0
     for _, values in segments:
         part = np.matmul(scores[..., offset : offset + values.shape[1]], values)  # [Hkv, G*n, Dh]
@@ -94,11 +98,12 @@ def attend_layout(
     layout: BatchLayout,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Store each sequence's new keys/values in its cache and attend over it.
 
     q `[T, H, Dh]`, k and v `[T, Hkv, Dh]` for the packed tokens -> `[T, H * Dh]`;
-    `softcap` caps the scores (Gemma 2).
+    `softcap` caps the scores (Gemma 2); `sinks` `[H]` join each head's softmax (gpt-oss).
     """
     t, n_heads, head_dim = q.shape
     pool = _shared_pool(layout)
@@ -112,10 +117,10 @@ def attend_layout(
     kernel = paged_attention(keys.dtype)
     if kernel is not None:  # every row alike, whatever shares its forward pass
         rows = _plan(layout, ("rows", group, window), lambda lay: _row_keys(lay, group, window))
-        return kernel(q, keys, values, rows, softcap)
+        return kernel(q, keys, values, rows, softcap, sinks)
     out = np.empty((t, n_heads * head_dim), np.float32)
-    if softcap is not None:  # every chunk, decode rows too, through `attend`
-        return _attend_chunks(q, keys, values, layout, group, window, softcap, out)
+    if softcap is not None or sinks is not None:  # every chunk, decode rows too: `attend`
+        return _attend_chunks(q, keys, values, layout, group, window, softcap, out, sinks=sinks)
     plan = _plan(
         layout, ("decode", group, window), lambda lay: _decode_groups(lay, group, window, n_heads)
     )
@@ -134,6 +139,7 @@ def _attend_chunks(
     softcap: float | None,
     out: np.ndarray,
     min_rows: int = 1,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Each sequence's chunk of at least `min_rows` rows over its runs of blocks."""
     for lo, hi, chunk in layout.spans:
@@ -143,7 +149,7 @@ def _attend_chunks(
             segments = [
                 (keys[:, a : a + n].transpose(0, 2, 1), values[:, a : a + n]) for a, n in runs
             ]
-            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window, first, softcap)
+            out[lo:hi] = attend(q[lo:hi], segments, chunk.start, window, first, softcap, sinks)
     return out
 
 
@@ -361,10 +367,18 @@ def _from_position(
     return kept
 
 
-def _softmax_inplace(scores: np.ndarray) -> None:
-    scores -= scores.max(axis=-1, keepdims=True)
+def _softmax_inplace(scores: np.ndarray, sink: np.ndarray | None = None) -> None:
+    """Softmax over the last axis; `sink` (broadcast to `scores[..., :1]`) is one more
+    logit in each denominator, whose weight is dropped (ggml's soft_max with sinks)."""
+    if sink is None:
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        return
+    peak = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+    scores -= peak
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores /= scores.sum(axis=-1, keepdims=True) + np.exp(sink - peak)
 
 
 @functools.lru_cache(maxsize=16)  # every layer of one forward pass asks for the same mask

@@ -83,7 +83,8 @@ def test_batched_sequences_at_different_positions_equal_one_by_one(model):
     np.testing.assert_allclose(logits[2:], expected[2][4:], **TOL)
 
 
-def _naive_attention(q, keys, values, start, scale, window, softcap=None):
+def _naive_attention(q, keys, values, start, scale, window, softcap=None, sinks=None):
+    """`sinks` [H]: one more logit in each head's softmax, weighing no value (gpt-oss)."""
     n, n_heads, head_dim = q.shape
     n_kv = keys.shape[0]
     out = np.zeros((n, n_heads, head_dim))
@@ -95,8 +96,10 @@ def _naive_attention(q, keys, values, start, scale, window, softcap=None):
             scores = np.array([q[i, h] @ keys[kv, j] * scale for j in visible])
             if softcap is not None:
                 scores = softcap * np.tanh(scores / softcap)
+            if sinks is not None:
+                scores = np.append(scores, sinks[h])
             weights = np.exp(scores - scores.max())
-            weights /= weights.sum()
+            weights = (weights / weights.sum())[: len(visible)]
             out[i, h] = sum(w * values[kv, j] for w, j in zip(weights, visible, strict=True))
     return out.reshape(n, n_heads * head_dim)
 
@@ -216,16 +219,17 @@ def attention_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(None, False), (2.0, False), (None, True)])
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_batch_attention_matches_naive_per_sequence(
-    window, kv_dtype, softcap, attention_path
+    window, kv_dtype, softcap, with_sinks, attention_path
 ):
     """The pooled path: fragmented block tables (several runs per sequence), decode rows of
     very different lengths (several padded groups on numpy's path) mixed with a prefill
     chunk; over a float32 pool and over a half one (`KernelPlan.kv`), whose keys are the
-    reference's rounded to half; with Gemma 2's cap on the scores too."""
+    reference's rounded to half; with Gemma 2's cap on the scores too, or gpt-oss's sinks
+    (some above every score, some below)."""
     n_kv, n_heads, head_dim, block = 2, 6, 8, 4
     pool = BlockPool(
         1,
@@ -248,6 +252,7 @@ def test_paged_batch_attention_matches_naive_per_sequence(
     keys = [rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for n in lengths]
     values = [rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for n in lengths]
     queries = [rng.standard_normal((n, n_heads, head_dim)).astype(np.float32) for n in lengths]
+    sinks = (4 * rng.standard_normal(n_heads)).astype(np.float32) if with_sinks else None
 
     def step(spans: list[tuple[int, int]]) -> None:
         """One batched call: sequence i gets positions spans[i] = (start, end)."""
@@ -261,6 +266,7 @@ def test_paged_batch_attention_matches_naive_per_sequence(
             BatchLayout(chunks),
             window,
             softcap,
+            sinks,
         )
         row = 0
         for i, s in pick:
@@ -268,7 +274,9 @@ def test_paged_batch_attention_matches_naive_per_sequence(
                 keys[i][: s.stop].transpose(1, 0, 2).astype(kv_dtype).astype(np.float32),
                 values[i][: s.stop].transpose(1, 0, 2).astype(kv_dtype).astype(np.float32),
             )
-            want = _naive_attention(queries[i][s], k_all, v_all, s.start, 1.0, window, softcap)
+            want = _naive_attention(
+                queries[i][s], k_all, v_all, s.start, 1.0, window, softcap, sinks
+            )
             np.testing.assert_allclose(got[row : row + s.stop - s.start], want, **TOL)
             row += s.stop - s.start
         for chunk in chunks:
