@@ -22,6 +22,13 @@ from runtime.errors import ModelFormatError
 from runtime.gguf_header import GGUFHeader, TensorInfo
 
 _MAGIC = b"GGUF"
+EXPERT_MARK = "#"  # "blk.0.ffn_up_exps.weight#3": expert 3's slice, a tensor of its own
+
+
+def expert_tensor(name: str, expert: int) -> str:
+    """The name every GGUFFile method takes for expert `expert`'s `[out, in]` slice of the
+    3-D expert tensor `name` (`ffn_up_exps`: `[E, out, in]`)."""
+    return f"{name}{EXPERT_MARK}{expert}"
 
 
 class GGUFFile:
@@ -110,9 +117,29 @@ class GGUFFile:
 
     def _info(self, name: str) -> TensorInfo:
         info = self._tensors.get(name)
+        if info is None and EXPERT_MARK in name:
+            return self._expert_info(*name.rsplit(EXPERT_MARK, 1))
         if info is None:
             raise ModelFormatError(f"{self.path.name}: tensor {name!r} is missing")
         return info
+
+    def _expert_info(self, name: str, expert: str) -> TensorInfo:
+        """One expert's `[out, in]` of a 3-D expert tensor `[E, out, in]`, a view of its
+        blocks: each expert is a weight of its own, kept in the file's type."""
+        info = self._info(name)
+        e = int(expert)
+        if len(info.shape) != 3 or not 0 <= e < info.shape[0]:
+            raise ModelFormatError(
+                f"{self.path.name}: tensor {name!r} of shape {list(info.shape)} has no expert {e}"
+            )
+        data = info.data[e]
+        return TensorInfo(
+            name + EXPERT_MARK + expert,
+            info.shape[1:],
+            info.tensor_type,
+            data,
+            info.offset + e * info.data.strides[0],
+        )
 
     def _dequantize(self, name: str, data: np.ndarray, qtype) -> np.ndarray:
         try:

@@ -246,11 +246,7 @@ class DecoderModel:
     def weight_kinds(self) -> dict[str, int]:
         """How many weights each kernel got, e.g. {"int4": 120, "int8": 1}."""
         kinds: dict[str, int] = {}
-        weights = [self.output] + [
-            w
-            for layer in self.layers
-            for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-        ]
+        weights = [self.output] + [w for layer in self.layers for w in _layer_weights(layer)]
         for weight in weights:
             kinds[weight.kind] = kinds.get(weight.kind, 0) + 1
         return kinds
@@ -261,5 +257,12 @@ class DecoderModel:
         storage counts 0)."""
         total = self.embed.nbytes + self.output.nbytes + self.norm.nbytes
         for layer in self.layers:
-            total += sum(w.nbytes for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+            total += sum(w.nbytes for w in _layer_weights(layer))
         return total
+
+
+def _layer_weights(layer: Any) -> list[Weight]:
+    """A layer's linear weights: its own list where it has one (a MoE layer's experts)."""
+    if hasattr(layer, "weights"):
+        return layer.weights()
+    return [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]

@@ -211,13 +211,21 @@ class Block:
         if shape.qkv_bias:
             self.bias = ops.vector(self._qkv_bias(f, p))
         self.wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
+        self.activation_mul = getattr(ops, shape.activation + "_mul")
+        self.build_mlp(f, p, backend)
+
+    def build_mlp(self, f: GGUFFile, p: str, backend: Backend) -> None:
+        """The feed-forward weights (a MoE block, runtime/models/moe.py, builds its own)."""
         fused = not f.has_tensor(p + "ffn_gate.weight")  # phi3: ffn_up holds gate then up
         names = ("up",) if fused else ("gate", "up")
         gate_up = [TensorPart(p + f"ffn_{n}.weight") for n in names]
         ffn_norm = f.tensor(p + "ffn_norm.weight") if self.pre_norm else None
         self.w_gate_up = backend.linear(f, gate_up, ffn_norm)  # [2F, D]
         self.w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
-        self.activation_mul = getattr(ops, shape.activation + "_mul")
+
+    def weights(self) -> list[Any]:
+        """The layer's linear weights (what `weight_kinds` and `nbytes` count)."""
+        return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
 
     def _vector(self, f: GGUFFile, name: str, wanted: bool) -> Any:
         return self.ops.vector(f.tensor(name)) if wanted else None
@@ -321,6 +329,7 @@ class Decoder(DecoderModel):
     files set `shape` and `read_args`, and `rope_freqs` where their rope differs."""
 
     shape = BlockShape()
+    block: type[Block] = Block  # the layer class (runtime/models/moe.py: `MoEBlock`)
 
     @staticmethod
     def read_args(f: GGUFFile) -> DecoderArgs:
@@ -336,7 +345,7 @@ class Decoder(DecoderModel):
             self.output = backend.head(f, "token_embd.weight", tied=self.embed)
         self.norm = ops.vector(f.tensor("output_norm.weight"))
         self.ropes = self.rope_freqs(f)
-        self.layers = [Block(f, i, a, backend, ops, self.shape) for i in range(a.n_layers)]
+        self.layers = [self.block(f, i, a, backend, ops, self.shape) for i in range(a.n_layers)]
 
     def rope_freqs(self, f: GGUFFile) -> dict[Hashable, tuple]:
         """Each rope key's arguments to `rope_tables` after the positions: (inverse
