@@ -64,9 +64,11 @@ def attend_layout(
     layout: BatchLayout,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q `[T, H, Dh]` (already scaled by 1/sqrt(Dh)), k and v `[T, Hkv, Dh]` -> `[T, H*Dh]`;
-    `softcap` caps the scores (Gemma 2: `capped`)."""
+    `softcap` caps the scores (Gemma 2: `capped`); `sinks` `[H]` float32 join each head's
+    softmax denominator and weigh no value (gpt-oss)."""
     t, n_heads, head_dim = q.shape
     pool = _shared_pool(layout)
     group, keys, values = pool.layer_storage(layer, window)  # keys, values [slots, Hkv, Dh]
@@ -80,18 +82,18 @@ def attend_layout(
         qd = q[rows.rows].unsqueeze(2).to(keys.dtype)  # [M, H, 1, Dh]
         kd = keys[rows.index].transpose(1, 2)  # [M, L, Hkv, Dh] -> [M, Hkv, L, Dh]
         vd = values[rows.index].transpose(1, 2)
-        o = decode_attention(qd, kd, vd, rows.mask, softcap)  # [M, H, 1, Dh]
+        o = decode_attention(qd, kd, vd, rows.mask, softcap, sinks)  # [M, H, 1, Dh]
         out[rows.rows] = o.reshape(len(rows.index), n_heads * head_dim).float()
     for rows in plan.prefill:
         if q.device.type != "cuda":
             qp, index = q[rows.rows], rows.index
-            o = prompt_attention(qp, keys[index], values[index], rows.mask, softcap)
+            o = prompt_attention(qp, keys[index], values[index], rows.mask, softcap, sinks)
             out[rows.rows] = o.reshape(-1, n_heads * head_dim)
             continue
         qp = q[rows.rows].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, H, n, Dh]
         kp = keys[rows.index].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
         vp = values[rows.index].transpose(0, 1).unsqueeze(0)
-        o = _gpu_attention(qp, kp, vp, rows.mask, softcap)  # [1, H, n, Dh]
+        o = _gpu_attention(qp, kp, vp, rows.mask, softcap, sinks)  # [1, H, n, Dh]
         out[rows.rows] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim).float()
     return out
 
@@ -103,11 +105,11 @@ def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(scores * (1.0 / softcap)) * softcap
 
 
-def _gpu_attention(q, keys, values, visible, softcap: float | None) -> torch.Tensor:
+def _gpu_attention(q, keys, values, visible, softcap: float | None, sinks=None) -> torch.Tensor:
     """q `[B, H, n, Dh]` over keys and values `[B, Hkv, L, Dh]` where `visible` (booleans,
-    or a bias) on a GPU: the fused kernel, or, with a cap on the scores it cannot apply,
-    the scores, cap, mask and softmax written out (float32)."""
-    if softcap is None:
+    or a bias) on a GPU: the fused kernel, or, with a cap on the scores or sinks it cannot
+    apply, the scores, cap, mask and softmax written out (float32)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=1.0, enable_gqa=True
         )
@@ -118,7 +120,11 @@ def _gpu_attention(q, keys, values, visible, softcap: float | None) -> torch.Ten
         scores = scores.masked_fill(~visible, -torch.inf)
     else:
         scores = scores + visible
-    return (torch.softmax(scores, dim=-1) @ values).to(q.dtype)
+    if sinks is None:
+        return (torch.softmax(scores, dim=-1) @ values).to(q.dtype)
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # one more logit per row
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (weights @ values).to(q.dtype)
 
 
 def decode_attention(
@@ -127,25 +133,26 @@ def decode_attention(
     values: torch.Tensor,
     visible: torch.Tensor,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row over its gathered keys: q `[B, H, 1, Dh]`, keys and values
-    `[B, Hkv, L, Dh]`, visible `[B, 1, 1, L]` (static_decode.attention_mask: a bias on a
-    GPU, booleans on the CPU) -> `[B, H, 1, Dh]`. Each row's result must not depend on
-    how many rows there are, nor on how many masked keys pad its row (the width its batch
-    takes): on a GPU the fused kernel works per row and head, over blocks of keys in order.
-    On the CPU, torch's fused kernel splits its work by the batch's size, and a softmax
-    and product over all L keys sum them by L's blocking (a row at position ~300 came out
-    differently at widths 512 and 1024); so the CPU takes the keys KEY_CHUNK at a time:
-    per chunk the scores, exp against the row's max, their sum and their product with the
-    values, then the chunks added in order, where chunks of masked keys add exact zeros
+    `[B, Hkv, L, Dh]`, visible `[B, 1, 1, L]` (static_decode.attention_mask: a bias on a GPU,
+    booleans on the CPU), sinks `[H]` or None -> `[B, H, 1, Dh]`. Each row's result must not
+    depend on how many rows there are, nor on how many masked keys pad its row (the width
+    its batch takes): on a GPU the fused kernel works per row and head, over blocks of keys
+    in order. On the CPU, torch's fused kernel splits its work by the batch's size, and a
+    softmax and product over all L keys sum them by L's blocking (a row at position ~300
+    came out differently at widths 512 and 1024); so the CPU takes the keys KEY_CHUNK at a
+    time: per chunk the scores, exp against the row's max, their sum and their product with
+    the values, then the chunks added in order, where chunks of masked keys add exact zeros
     (the G query heads that share a KV head as that head's G queries). Each chunk's two
-    products are one item of a batched BLAS call of the same shape and layout for every
-    row (`_per_item`)."""
+    products are one item of a batched BLAS call of the same shape and layout for every row
+    (`_per_item`)."""
     if q.device.type == "cuda":
         # heads as heads (enable_gqa), not a KV head's G queries: on an H200 the grouped
         # form measured 2.51 ms a SmolLM2 step at one row against 2.09
         # (bench/log/2026-11-27-gpu-h200-decode-graphs.md)
-        return _gpu_attention(q, keys, values, visible, softcap)
+        return _gpu_attention(q, keys, values, visible, softcap, sinks)
     rows, n_heads, _, head_dim = q.shape
     n_kv, length = keys.shape[1], keys.shape[2]
     chunks = -(-length // KEY_CHUNK)
@@ -160,7 +167,8 @@ def decode_attention(
     seen = visible.reshape(rows, 1, chunks, 1, KEY_CHUNK)
     scores = capped(_per_item(grouped, keys, transposed=True), softcap)  # [B, Hkv, C, G, K]
     scores = scores.masked_fill(~seen, -torch.inf)
-    out = _over_chunks(scores, values, 2, lambda w, v: _per_item(w, v, transposed=False))
+    sink = None if sinks is None else sinks.view(1, n_kv, 1, g, 1)
+    out = _over_chunks(scores, values, 2, lambda w, v: _per_item(w, v, False), sink)
     return out.reshape(rows, n_heads, 1, head_dim)
 
 
@@ -209,19 +217,25 @@ def _over_chunks(
     values: torch.Tensor,
     dim: int,
     product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention from masked scores `[..., M, K]` whose dim `dim` is the key chunks, and
     their values: exp against each query's max over all chunks, per chunk the sum and the
     product with the values (`product(weights, values)`, chunks at `dim` too), then the
     chunks added in order, where chunks of masked keys add exact zeros -> the product's
-    shape without `dim`."""
+    shape without `dim`. `sink` (shaped as the max, a size-1 `dim`): one more logit per
+    query in the max and, after the chunks, in the sum."""
     top = scores.amax(dim=-1, keepdim=True).amax(dim=dim, keepdim=True)
+    if sink is not None:
+        top = torch.maximum(top, sink)
     weights = torch.exp(scores - top)  # a masked key's is 0
     sums = weights.sum(dim=-1, keepdim=True)  # chunks at `dim`, [..., M, 1]
     parts = product(weights, values)  # chunks at `dim`, [..., M, Dh]
     total, norm = parts.select(dim, 0), sums.select(dim, 0)
     for c in range(1, scores.shape[dim]):
         total, norm = total + parts.select(dim, c), norm + sums.select(dim, c)
+    if sink is not None:
+        norm = norm + torch.exp(sink - top).select(dim, 0)
     return total / norm
 
 
@@ -231,6 +245,7 @@ def prompt_attention(
     values: torch.Tensor,
     visible: torch.Tensor,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A prompt's rows over its sequence's keys on the CPU, each row as `decode_attention`
     computes a decode row at its position (the same chunks of KEY_CHUNK keys from position
@@ -250,7 +265,8 @@ def prompt_attention(
     seen = seen.reshape(1, chunks, n, 1, KEY_CHUNK)
     scores = capped(_shared_keys(grouped, keys, transposed=True), softcap)  # [Hkv, C, n, G, K]
     scores = scores.masked_fill(~seen, -torch.inf)
-    out = _over_chunks(scores, values, 1, lambda w, v: _shared_keys(w, v, transposed=False))
+    sink = None if sinks is None else sinks.view(n_kv, 1, 1, g, 1)
+    out = _over_chunks(scores, values, 1, lambda w, v: _shared_keys(w, v, False), sink)
     return out.permute(1, 0, 2, 3).reshape(n, n_heads, head_dim)  # [Hkv, n, G, Dh] ->
 
 
@@ -262,6 +278,7 @@ def attend_static(
     layout: StaticDecodeLayout,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A static decode step's attention (static_decode.py): one query per row over the
     keys of its table window; q `[B, H, Dh]` (scaled), k and v `[B, Hkv, Dh]` -> `[B, H*Dh]`."""
@@ -274,7 +291,7 @@ def attend_static(
     qd = q.unsqueeze(2).to(keys.dtype)  # [B, H, 1, Dh]
     kd = keys[index].transpose(1, 2)  # [B, L, Hkv, Dh] -> [B, Hkv, L, Dh]
     vd = values[index].transpose(1, 2)
-    o = decode_attention(qd, kd, vd, layout.visible[group], softcap)  # [B, H, 1, Dh]
+    o = decode_attention(qd, kd, vd, layout.visible[group], softcap, sinks)  # [B, H, 1, Dh]
     # left in the keys' dtype: the output product rounds it to its own (fp16 -> bf16 is
     # the same rounding as through float32), and a static step has no LoRA rows
     return o.reshape(rows, n_heads * head_dim)

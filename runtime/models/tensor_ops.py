@@ -139,10 +139,10 @@ class TensorOps:
         tensor_attention.prepare(layout, windows, self.device)
 
     @staticmethod
-    def attend(layer, q, k, v, layout, window=None, softcap=None) -> torch.Tensor:
+    def attend(layer, q, k, v, layout, window=None, softcap=None, sinks=None) -> torch.Tensor:
         if isinstance(layout, StaticDecodeLayout):
-            return tensor_attention.attend_static(layer, q, k, v, layout, window, softcap)
-        return tensor_attention.attend_layout(layer, q, k, v, layout, window, softcap)
+            return tensor_attention.attend_static(layer, q, k, v, layout, window, softcap, sinks)
+        return tensor_attention.attend_layout(layer, q, k, v, layout, window, softcap, sinks)
 
     def kv_storage(self, n_kv_heads: int, tokens: int, head_dim: int) -> torch.Tensor:
         """One layer's keys (or values), slot-major `[slots, Hkv, Dh]` so that a gather

@@ -28,16 +28,17 @@ def _pool(rng: torch.Generator, n_kv: int, head_dim: int) -> tuple[torch.Tensor,
     return keys, torch.randn(POOL_SLOTS, n_kv, head_dim, generator=rng)
 
 
-def _decode(q, keys, values, index, visible, softcap=None) -> torch.Tensor:
+def _decode(q, keys, values, index, visible, softcap=None, sinks=None) -> torch.Tensor:
     """Rows `q [M, H, Dh]` over their gathered windows `index [M, L]`, as the static step
     (attend_static) and the eager step (attend_layout) gather them -> `[M, H, Dh]`."""
     kd, vd = keys[index].transpose(1, 2), values[index].transpose(1, 2)  # [M, Hkv, L, Dh]
-    out = decode_attention(q.unsqueeze(2), kd, vd, visible[:, None, None, :], softcap)
+    out = decode_attention(q.unsqueeze(2), kd, vd, visible[:, None, None, :], softcap, sinks)
     return out[:, :, 0]
 
 
-def _reference(q, keys, values, index, visible, softcap=None) -> torch.Tensor:
-    """float64 softmax attention, each query head over its KV head -> `[M, H, Dh]`."""
+def _reference(q, keys, values, index, visible, softcap=None, sinks=None) -> torch.Tensor:
+    """float64 softmax attention, each query head over its KV head -> `[M, H, Dh]`; `sinks`
+    `[H]`: one more logit in each head's softmax, weighing no value (gpt-oss)."""
     group = q.shape[1] // keys.shape[1]
     kd = keys[index].double().repeat_interleave(group, dim=2)  # [M, L, H, Dh]
     vd = values[index].double().repeat_interleave(group, dim=2)
@@ -45,22 +46,28 @@ def _reference(q, keys, values, index, visible, softcap=None) -> torch.Tensor:
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible[:, None, :], -torch.inf)
+    if sinks is not None:
+        sink = sinks.double()[None, :, None].expand(*scores.shape[:2], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("mhl,mlhd->mhd", weights, vd)
     return torch.einsum("mhl,mlhd->mhd", torch.softmax(scores, dim=-1), vd)
 
 
 DECODE_CASES = [
-    *[(shape, width, None) for shape in SHAPES for width in (48, 256, 512)],
-    ((4, 2, 16), 256, 50.0),  # Gemma 2's capped scores
-    ((9, 3, 64), 512, 50.0),
+    *[(shape, width, None, False) for shape in SHAPES for width in (48, 256, 512)],
+    ((4, 2, 16), 256, 50.0, False),  # Gemma 2's capped scores
+    ((9, 3, 64), 512, 50.0, False),
+    ((4, 2, 16), 48, None, True),  # gpt-oss's sinks
+    ((4, 2, 16), 512, None, True),
 ]
 
 
 @pytest.mark.parametrize(
-    "shape, width, softcap",
+    "shape, width, softcap, with_sinks",
     DECODE_CASES,
     ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c),
 )
-def test_a_decode_rows_attention_does_not_depend_on_its_batch(shape, width, softcap):
+def test_a_decode_rows_attention_does_not_depend_on_its_batch(shape, width, softcap, with_sinks):
     """Nine rows of random visible lengths in one call; each row alone, and in the first
     two, gives the same bits (48 positions: a sliding window's width, padded to a chunk),
     at one thread as at the process's own."""
@@ -72,26 +79,30 @@ def test_a_decode_rows_attention_does_not_depend_on_its_batch(shape, width, soft
     index = torch.randint(0, POOL_SLOTS, (rows, width), generator=rng)
     seen = torch.randint(1, width + 1, (rows, 1), generator=rng)
     visible = torch.arange(width)[None, :] < seen  # [M, L]
+    sinks = 3 * torch.randn(n_heads, generator=rng) if with_sinks else None
 
-    batched = _decode(q, keys, values, index, visible, softcap)
-    want = _reference(q, keys, values, index, visible, softcap)
+    batched = _decode(q, keys, values, index, visible, softcap, sinks)
+    want = _reference(q, keys, values, index, visible, softcap, sinks)
     torch.testing.assert_close(batched.double(), want, rtol=0, atol=1e-5)
     for i in range(rows):
-        alone = _decode(q[i : i + 1], keys, values, index[i : i + 1], visible[i : i + 1], softcap)
+        one = slice(i, i + 1)
+        alone = _decode(q[one], keys, values, index[one], visible[one], softcap, sinks)
         assert torch.equal(alone[0], batched[i]), f"row {i} alone"
-    pair = _decode(q[:2], keys, values, index[:2], visible[:2], softcap)
+    pair = _decode(q[:2], keys, values, index[:2], visible[:2], softcap, sinks)
     assert torch.equal(pair, batched[:2])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(_decode(q, keys, values, index, visible, softcap), batched)
+        assert torch.equal(_decode(q, keys, values, index, visible, softcap, sinks), batched)
     finally:
         torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("start, rows", [(0, 40), (290, 30), (500, 3)])
-def test_a_prompts_rows_attend_as_decode_rows(shape, start, rows):
+@pytest.mark.parametrize(
+    "start, rows, with_sinks", [(0, 40, False), (290, 30, False), (500, 3, False), (0, 40, True)]
+)
+def test_a_prompts_rows_attend_as_decode_rows(shape, start, rows, with_sinks):
     """A prompt chunk's rows (prefilled from `start`, as attend_layout gives the CPU's
     prompt rows their decode width) each give the bits of that row decoded alone at its
     position, in one and two threads: so a resumed request, or one whose prompt partly hit
@@ -105,17 +116,38 @@ def test_a_prompts_rows_attend_as_decode_rows(shape, start, rows):
     q = torch.randn(rows, n_heads, head_dim, generator=rng) / head_dim**0.5
     positions = torch.arange(start, end)[:, None]
     visible = torch.arange(width)[None, :] <= positions  # [n, L]: causal
+    sinks = 3 * torch.randn(n_heads, generator=rng) if with_sinks else None
 
-    prompt = prompt_attention(q, keys[index], values[index], visible)
+    prompt = prompt_attention(q, keys[index], values[index], visible, None, sinks)
     every = index[None, :].expand(rows, width)
-    want = _reference(q, keys, values, every, visible)
+    want = _reference(q, keys, values, every, visible, None, sinks)
     torch.testing.assert_close(prompt.double(), want, rtol=0, atol=1e-5)
     for i in range(rows):
-        decoded = _decode(q[i : i + 1], keys, values, every[i : i + 1], visible[i : i + 1])
+        one = slice(i, i + 1)
+        decoded = _decode(q[one], keys, values, every[one], visible[one], None, sinks)
         assert torch.equal(decoded[0], prompt[i]), f"row {i} (position {start + i})"
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(prompt_attention(q, keys[index], values[index], visible), prompt)
+        again = prompt_attention(q, keys[index], values[index], visible, None, sinks)
+        assert torch.equal(again, prompt)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_gpus_written_out_attention_with_sinks_equals_the_reference():
+    """What a GPU runs where the fused kernel takes no sinks (`_gpu_attention`), here on the
+    CPU's tensors: the scores, mask, softmax with each head's sink, and the values."""
+    from runtime.models.tensor_attention import _gpu_attention
+
+    n_heads, n_kv, head_dim, rows, width = 4, 2, 16, 3, 48
+    rng = torch.Generator().manual_seed(5)
+    keys, values = _pool(rng, n_kv, head_dim)
+    q = torch.randn(rows, n_heads, head_dim, generator=rng) / head_dim**0.5
+    index = torch.randint(0, POOL_SLOTS, (rows, width), generator=rng)
+    visible = torch.arange(width)[None, :] < torch.tensor([[5], [48], [17]])
+    sinks = 3 * torch.randn(n_heads, generator=rng)
+    kd, vd = keys[index].transpose(1, 2), values[index].transpose(1, 2)
+    got = _gpu_attention(q.unsqueeze(2), kd, vd, visible[:, None, None, :], None, sinks)
+    want = _reference(q, keys, values, index, visible, None, sinks)
+    torch.testing.assert_close(got[:, :, 0].double(), want, rtol=0, atol=1e-5)
