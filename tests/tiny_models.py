@@ -67,6 +67,22 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types + [6] * len(bytes_) + [1] * len(words)
 
 
+def _add_gpt2_tokenizer(w: gguf.GGUFWriter) -> int:
+    """The GPT-2 vocabulary (`_gpt2_vocab`) with BOS = EOS = 0 and a ChatML template; its
+    size."""
+    tokens, types, merges = _gpt2_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    return len(tokens)
+
+
 def _add_quantized(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype) -> None:
     # the quantized array's byte layout tells the writer the logical shape
     writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
@@ -102,20 +118,11 @@ def write_tiny_llama(
     """A tiny llama; `int_embeddings` stores token_embd as I32, a type no loader accepts;
     `layer_type` stores every layer weight in that one type (default: a Q8_0/F16 mix)."""
     s, rng = shape or TinyShape(), np.random.default_rng(seed)
-    tokens, types, merges = _gpt2_vocab()
     w = _writer(path, "llama", s)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
-    vocab, q_dim, kv = len(tokens), s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    vocab = _add_gpt2_tokenizer(w)
+    q_dim, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     if int_embeddings:
         w.add_tensor("token_embd.weight", np.zeros((vocab, s.dim), np.int32))
     else:
@@ -228,7 +235,6 @@ def write_tiny_arch(path: Path, arch: str, shape: TinyShape | None = None, seed:
     and F16, with the tensors and keys its variant adds, named as llama.cpp's converter
     names them (an untied head; q/k rows unpermuted, as for NeoX-rope architectures)."""
     spec, s, rng = TINY_ARCHS[arch], shape or TinyShape(n_layers=4), np.random.default_rng(seed)
-    tokens, types, merges = _gpt2_vocab()
     w = _writer(path, arch, s)
     head_dim = spec.key_length or s.dim // s.n_heads
     if spec.key_length:
@@ -238,16 +244,7 @@ def write_tiny_arch(path: Path, arch: str, shape: TinyShape | None = None, seed:
     w.add_layer_norm_rms_eps(1e-6)
     for key, value in spec.values:
         _add_value(w, arch, key, value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
-    vocab = len(tokens)
+    vocab = _add_gpt2_tokenizer(w)
     _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
     w.add_tensor("output_norm.weight", _norm(rng, s.dim))
     _add_quantized(w, "output.weight", _weights(rng, vocab, s.dim), Q8_0)
