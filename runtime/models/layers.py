@@ -211,6 +211,11 @@ class Block:
         if shape.qkv_bias:
             self.bias = ops.vector(self._qkv_bias(f, p))
         self.wo = backend.linear(f, [TensorPart(p + "attn_output.weight")])  # [D, H*Dh]
+        # gpt-oss: attn_output's bias, and a sink logit per head in attention's softmax
+        self.out_bias, self.sinks = (
+            self._vector(f, p + name, f.has_tensor(p + name))
+            for name in ("attn_output.bias", "attn_sinks.weight")
+        )
         self.activation_mul = getattr(ops, shape.activation + "_mul")
         self.build_mlp(f, p, backend)
 
@@ -302,8 +307,9 @@ class Block:
             q, k = (ops.apply_rope(y, *rope) if rope else ops.no_rope(y) for y in (q, k))
         if q_temperature is not None:
             q = q * q_temperature  # [T, H, Dh] * [T, 1, 1]
-        out = ops.attend(self.index, q, k, v, layout, self.window, a.attn_softcap)
-        return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
+        out = ops.attend(self.index, q, k, v, layout, self.window, a.attn_softcap, self.sinks)
+        out = linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
+        return out if self.out_bias is None else out + self.out_bias
 
     def _normed_qk(self, q, k):
         """q `[T, H*Dh]`, k `[T, Hkv*Dh]` -> per head, through their norms if any."""
