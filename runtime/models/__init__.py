@@ -8,6 +8,7 @@ from runtime.kernels import Backend, get_backend
 from runtime.lora import LinearSources
 from runtime.models.gemma2 import Gemma2Model
 from runtime.models.gemma3 import Gemma3Model
+from runtime.models.gemma4 import Gemma4Model
 from runtime.models.granite import GraniteModel
 from runtime.models.layers import Decoder
 from runtime.models.llama import LlamaModel
@@ -16,6 +17,7 @@ from runtime.models.olmo2 import Olmo2Model
 from runtime.models.phi3 import Phi3Model
 from runtime.models.qwen2 import Qwen2Model
 from runtime.models.qwen3 import Qwen3Model
+from runtime.models.qwen3moe import Qwen3MoeModel
 from runtime.models.smollm3 import SmolLM3Model
 
 # GGUF general.architecture -> its model class: the one registry (`llmq models --supported`)
@@ -23,6 +25,7 @@ ARCHITECTURES: dict[str, type[Decoder]] = {
     "llama": LlamaModel,
     "gemma3": Gemma3Model,
     "qwen3": Qwen3Model,
+    "qwen3moe": Qwen3MoeModel,
     "qwen2": Qwen2Model,
     "phi3": Phi3Model,
     "smollm3": SmolLM3Model,
@@ -30,6 +33,7 @@ ARCHITECTURES: dict[str, type[Decoder]] = {
     "granite": GraniteModel,
     "mistral3": Mistral3Model,
     "gemma2": Gemma2Model,
+    "gemma4": Gemma4Model,
 }
 
 
