@@ -33,6 +33,25 @@ def _device(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _add_redis_and_log_options(parser: argparse.ArgumentParser) -> None:
+    """`--redis-url` and `--log-level`, which `llmq worker` and `llmq webhooks` both take."""
+    parser.add_argument(
+        "--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="least severe log records written to stderr",
+    )
+
+
+def _log_to_stderr(level: str) -> None:
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
 WORKER_HELP = """run a worker: take jobs from Redis and generate with warm engines
 
 Take jobs for the given models from their RQ queues (interactive before batch), keep the
@@ -134,15 +153,7 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "worker at once, so this only bounds jobs queued without a wake-up (default: 0.05, "
         "at most 4)",
     )
-    worker.add_argument(
-        "--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0"
-    )
-    worker.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="least severe log records written to stderr",
-    )
+    _add_redis_and_log_options(worker)
     worker.set_defaults(handler=run_worker)
     add_webhook_command(sub)
 
@@ -166,26 +177,14 @@ def add_webhook_command(sub: argparse._SubParsersAction) -> None:
         "LLMQ_WEBHOOK_TIMEOUT_SECONDS (each POST, default 10), LLMQ_WEBHOOK_RETRY_INTERVALS "
         "(comma-separated seconds between attempts; default 1,2,4,...,2048 then 3600 x 23).",
     )
-    webhooks.add_argument(
-        "--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0"
-    )
-    webhooks.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="least severe log records written to stderr",
-    )
+    _add_redis_and_log_options(webhooks)
     webhooks.set_defaults(handler=run_webhooks)
 
 
 def run_webhooks(args: argparse.Namespace) -> int:
-    from workers.webhooks import run_webhooks as run
+    from workers.webhooks.dispatcher import run_webhooks as run
 
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    _log_to_stderr(args.log_level)
     return _connected(lambda: run(args.redis_url, args.log_level))
 
 
@@ -193,11 +192,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from workers.config import WorkerConfig
     from workers.worker import LLMQWorker
 
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    _log_to_stderr(args.log_level)
     config = WorkerConfig.from_env(
         redis_url=args.redis_url,
         name=args.name,
