@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from runtime.errors import ModelFormatError
-from runtime.gguf_file import GGUFFile
+from runtime.gguf_file import GGUFFile, expert_tensor
 from runtime.kernels import Backend, get_backend
 from runtime.lora import LinearSources
 from runtime.models.gemma2 import Gemma2Model
@@ -58,7 +58,7 @@ def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> Decoder:
 
 LINEAR_SUFFIXES = ("_q.weight", "_k.weight", "_v.weight", "_qkv.weight", "_output.weight")
 LINEAR_SUFFIXES += ("_gate.weight",)
-LINEAR_SUFFIXES += ("_up.weight", "_down.weight")
+LINEAR_SUFFIXES += ("_up.weight", "_down.weight", "_shexp.weight")
 
 
 def estimate_weight_bytes(gguf_file: GGUFFile, backend: Backend) -> int:
@@ -73,6 +73,9 @@ def estimate_weight_bytes(gguf_file: GGUFFile, backend: Backend) -> int:
                 total += backend.stored_bytes(gguf_file, name, "tied head")
         elif name == "output.weight":
             total += backend.stored_bytes(gguf_file, name, "head")
+        elif name.startswith("blk.") and name.endswith("_exps.weight"):  # [E, out, in]
+            experts = gguf_file.blocks(name)[2][0]
+            total += experts * backend.stored_bytes(gguf_file, expert_tensor(name, 0), "linear")
         elif name.startswith("blk.") and name.endswith(LINEAR_SUFFIXES):
             total += backend.stored_bytes(gguf_file, name, "linear")
         else:
