@@ -73,6 +73,28 @@ def best_ms(
     return best * 1000
 
 
+def ms_per_set(
+    products: list[tuple[Callable[[np.ndarray], np.ndarray], int]],
+    ks: list[int],
+    rows: list[int],
+    rng: np.random.Generator,
+    repeat: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[str]:
+    """A table's cells: for each row count, `best_ms` of running every product once on
+    random rows of its K (one input per K in `ks`, drawn in that order)."""
+    cells = []
+    for m in rows:
+        xs = {k: rng.standard_normal((m, k)).astype(np.float32) for k in ks}
+
+        def one_set(xs: dict = xs) -> None:
+            for w, k in products:
+                w(xs[k])
+
+        cells.append(f"{best_ms(one_set, repeat, clock):.2f}")
+    return cells
+
+
 LAYER_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # Llama 3.2 1B
 NEW_TYPES = ("Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
@@ -126,15 +148,7 @@ def type_products(rows: list[int], repeat: int = 5, cpu_time: bool = False) -> N
             dense.append((backend._dense(backend.plan.other, values), k))
         for label, layer in ((ours[0][0].kind, ours), (f"{backend.plan.other} (before)", dense)):
             held = sum(w.nbytes for w, _ in layer) / weights
-            cells = []
-            for m in rows:
-                xs = {k: rng.standard_normal((m, k)).astype(np.float32) for _, k in layer}
-
-                def one_layer(xs: dict = xs, layer: list = layer) -> None:
-                    for w, k in layer:
-                        w(xs[k])
-
-                cells.append(f"{best_ms(one_layer, repeat, clock):.2f}")
+            cells = ms_per_set(layer, [k for _, k in layer], rows, rng, repeat, clock)
             file_bytes = block_bytes / block_size
             print(
                 f"| {name} | {label} | {held:.3f} ({file_bytes:.3f}) | " + " | ".join(cells) + " |",
@@ -194,15 +208,7 @@ def main() -> None:
     print("| kernel | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("| --- |" + " --- |" * len(rows))
     for name, weights in kernels.items():
-        cells = []
-        for m in rows:
-            xs = {k: rng.standard_normal((m, k)).astype(np.float32) for _, k in SHAPES}
-
-            def one_set(xs: dict = xs, weights: list = weights) -> None:
-                for w, k in weights:
-                    w(xs[k])
-
-            cells.append(f"{best_ms(one_set):.2f}")
+        cells = ms_per_set(weights, [k for _, k in SHAPES], rows, rng)
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
