@@ -44,6 +44,9 @@ class Yarn:
     ext_factor: float = 1.0
     log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier (mscale_all_dim)
     attn_factor: float = 1.0  # rope.scaling.yarn_attn_factor: used only without the ramp
+    # the correction dims rounded out to whole pairs, as ggml does; OpenAI's gpt-oss and
+    # transformers' `truncate: false` keep them fractional (no GGUF key says which)
+    truncate: bool = True
 
     @classmethod
     def read(cls, f: GGUFFile) -> Yarn:
@@ -58,14 +61,17 @@ class Yarn:
         )
 
     def corr_dims(self, n_rot: int, base: float) -> tuple[float, float]:
-        """ggml_rope_yarn_corr_dims: the frequency pairs where the ramp starts and ends."""
+        """ggml_rope_yarn_corr_dims: the frequency pairs where the ramp starts and ends
+        (rounded down and up unless `truncate` is off)."""
 
         def dim(n_turns: float) -> float:
             return (
                 n_rot * np.log(self.original_context / (n_turns * 2 * np.pi)) / (2 * np.log(base))
             )
 
-        low, high = np.floor(dim(self.beta_fast)), np.ceil(dim(self.beta_slow))
+        low, high = dim(self.beta_fast), dim(self.beta_slow)
+        if self.truncate:
+            low, high = np.floor(low), np.ceil(high)
         return max(0.0, float(low)), min(n_rot - 1.0, float(high))
 
     def apply(self, inv_freq: np.ndarray, n_rot: int, base: float) -> tuple[np.ndarray, float]:
