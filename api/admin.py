@@ -284,7 +284,7 @@ def delete_lora(name: str) -> Response:
 
 # ---------------------------------------------------------------- webhooks
 # Endpoints and their delivery logs live in Redis (`workers.wire.webhooks`); deliveries are
-# RQ jobs run by `llmq webhooks` (workers/webhooks.py).
+# RQ jobs run by `llmq webhooks` (workers/webhooks/).
 
 
 def _endpoint_body(endpoint: webhooks.Endpoint) -> dict[str, Any]:

@@ -340,7 +340,7 @@ def _split_owner(name: str) -> tuple[str, str | None]:
     return name[: at + len(marker) - 1], name[at + len(marker) :]
 
 
-# Webhooks (`workers.wire.webhooks`; admin routes in api/admin.py, delivery in workers/webhooks.py):
+# Webhooks (`workers.wire.webhooks`; admin routes in api/admin.py, delivery in workers/webhooks/):
 # - `llmq:webhooks`                hash endpoint id -> JSON endpoint (url, events, secret)
 # - `llmq:webhooks:outbox`         stream: one entry per terminal write of a job or batch that
 #                                  notifies (fields `kind`, `id`, `status`), appended by that
@@ -351,7 +351,7 @@ def _split_owner(name: str) -> tuple[str, str | None]:
 #   dead-letter list. Not a model's queue: its name has no "llmq-" head, so
 #   `wire.queues.llmq_queue_names` (the model queues' listing) leaves it out
 # - `llmq:webhooks:alive:{name}`   string: an `llmq webhooks` process's lease, short TTL,
-#                                  renewed while it lives (workers/webhook_reaper.py)
+#                                  renewed while it lives (workers/webhooks/reaper.py)
 # - `llmq:webhooks:takeover:{id}`  string: a reaper's claim on a dead process's delivery
 WEBHOOKS = f"{PREFIX}:webhooks"
 WEBHOOK_OUTBOX = f"{PREFIX}:webhooks:outbox"

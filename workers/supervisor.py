@@ -418,7 +418,7 @@ def _serve(config: ServeConfig, home: Path) -> int:
         children.append(
             Child(f"worker-{i}", llmq_command(*worker_args), env, again=WORKER_AGAIN_SECONDS)
         )
-    # webhook deliveries (workers/webhooks.py): apart from the workers, so a slow receiver
+    # webhook deliveries (workers/webhooks/): apart from the workers, so a slow receiver
     # never holds a decode step
     children.append(Child("webhooks", llmq_command("webhooks"), env))
 

@@ -5,7 +5,7 @@ the receiver back a few seconds later: every event arrives, none is lost; counte
 it by that id, which Standard Webhooks makes the same on every attempt).
 
 And the two states a kill can leave a delivery in, each forced, each taken over within the
-bound of workers/webhook_reaper.py (the dead process's lease, then a sweep): dequeued by
+bound of workers/webhooks/reaper.py (the dead process's lease, then a sweep): dequeued by
 RQ's BLMOVE and not yet registered as a run (where F24 once lost an event for 412 s: RQ
 alone waits for a maintenance pass, every 405 s on an idle worker), and POSTed with no
 answer yet (RQ alone: the job's timeout + 60 s).
@@ -33,8 +33,8 @@ from bench.webhooks import CountingReceiver, end_jobs, expected_id, notifying_jo
 from tests.faults.conftest import print_log_if_failed
 from tests.workers.conftest import REPO, wait_for
 from workers import keys
-from workers.webhook_reaper import LEASE_SECONDS, REAP_SECONDS
-from workers.webhooks import delivery_id
+from workers.webhooks.dispatcher import delivery_id
+from workers.webhooks.reaper import LEASE_SECONDS, REAP_SECONDS
 from workers.wire import webhooks as wire
 from workers.wire.webhook_jobs import dead_deliveries, webhook_queue
 

@@ -25,9 +25,10 @@ from rq.serializers import JSONSerializer
 from api import store
 from api.app import create_app
 from tests.workers.conftest import TINY, tokens, wait_done, wait_for
-from workers import keys, webhooks
-from workers import webhook_reaper as reaper
-from workers.webhook_delivery import (
+from workers import keys
+from workers.webhooks import dispatcher as webhooks
+from workers.webhooks import reaper
+from workers.webhooks.delivery import (
     AddressRefused,
     is_allowed,
     is_forbidden,
@@ -369,6 +370,24 @@ def test_dispatching_an_entry_twice_enqueues_its_delivery_once(conn, receivers, 
     assert dispatcher.dispatch(entry) == []
     deliver_all(conn)
     assert len(receiver.requests) == 1
+
+
+def test_a_delivery_enqueued_under_the_former_function_name_still_runs(
+    conn, receivers, allow_loopback
+):
+    receiver = receivers()
+    endpoint = wire.create_endpoint(conn, receiver.url, ["response.failed"])
+    event = wire.event_body("response.failed", "resp_old", int(time.time()))
+    [former] = webhooks.FORMER_DELIVER_FUNCTIONS
+    queue = webhook_jobs.webhook_queue(conn)
+    job = queue.enqueue(former, endpoint.id, event, 0, job_id="whd_former")
+    deliver_all(conn, lambda: receiver.requests)
+    assert [json.loads(body)["id"] for _, body in receiver.requests] == [event["id"]]
+    job = Job.fetch(job.id, conn, serializer=JSONSerializer)
+    assert job.get_status() == "finished" and job.func_name == webhooks.DELIVER_FUNCTION
+    other = queue.enqueue("workers.keys.job", "x", job_id="whd_other")  # still refused (F19)
+    deliver_all(conn)
+    assert Job.fetch(other.id, conn, serializer=JSONSerializer).get_status() == "failed"
 
 
 def test_an_entry_a_live_dispatcher_held_past_the_claim_time_is_taken(

@@ -6,15 +6,15 @@ has held for a minute), and for each entry and each endpoint subscribed to its e
 enqueues one RQ job on `keys.WEBHOOK_QUEUE` with a deterministic id (`delivery_id`, enqueued
 with RQ's atomic `unique`: a re-dispatch finds the job and enqueues nothing), then XACKs and
 XDELs the entry. The RQ job (`deliver`,
-workers/webhook_delivery.py) signs and POSTs; RQ's `Retry` reschedules a failure
+workers/webhooks/delivery.py) signs and POSTs; RQ's `Retry` reschedules a failure
 (`wire.webhook_jobs.WebhookSettings`), and a delivery that failed its last attempt stays in
 the queue's FailedJobRegistry: the dead-letter list (`wire.webhook_jobs.redeliver`).
 
 What a webhooks process killed -9 leaves in flight (outbox entries read and not enqueued, a
 delivery dequeued or started and not recorded, RQ's scheduler lock) is taken over by the
-others, on any host, within `webhook_reaper.LEASE_SECONDS` + `REAP_SECONDS` (12 s): each
+others, on any host, within `reaper.LEASE_SECONDS` + `REAP_SECONDS` (12 s): each
 process holds a short lease in Redis, and the dispatcher thread sweeps for the work of
-processes whose lease is gone (workers/webhook_reaper.py, docs/faults.md F24).
+processes whose lease is gone (workers/webhooks/reaper.py, docs/faults.md F24).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from workers import keys
-from workers.webhook_delivery import DeliveryFailed
-from workers.webhook_reaper import REAP_SECONDS, Presence, Reaper
+from workers.webhooks.delivery import DeliveryFailed
+from workers.webhooks.reaper import REAP_SECONDS, Presence, Reaper
 from workers.wire.webhook_jobs import (
     WebhookSettings,
     webhook_queue,
@@ -54,7 +54,10 @@ from workers.wire.webhooks import (
 
 log = logging.getLogger("llmq.webhooks")
 
-DELIVER_FUNCTION = "workers.webhook_delivery.deliver"  # the only function this worker runs
+DELIVER_FUNCTION = "workers.webhooks.delivery.deliver"  # the only function this worker runs
+# its name in deliveries enqueued before workers/webhooks/ was a package: queued, scheduled
+# for a retry or dead-lettered (a month), each still runs as `DELIVER_FUNCTION`
+FORMER_DELIVER_FUNCTIONS = ("workers.webhook_delivery.deliver",)
 RESULT_TTL_SECONDS = 2 * 24 * 3600  # a delivered job's id stays: a re-dispatch finds it
 DEAD_TTL_SECONDS = 30 * 24 * 3600  # the dead-letter list keeps a delivery a month
 CLAIM_IDLE_MS = 60_000  # a live dispatcher's entry unacknowledged this long is taken
@@ -199,6 +202,8 @@ class WebhookWorker(SimpleWorker):
     else found on its queue is failed, never called)."""
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        if job.func_name in FORMER_DELIVER_FUNCTIONS:
+            job.func_name = DELIVER_FUNCTION  # saved so with the run's outcome
         if job.func_name != DELIVER_FUNCTION:
             log.error("refused job %s: %s is not a webhook delivery", job.id, job.func_name)
             job.set_status(JobStatus.FAILED)

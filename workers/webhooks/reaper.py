@@ -55,7 +55,7 @@ from rq.serializers import JSONSerializer
 
 from workers import keys
 from workers.recovery import clear_started
-from workers.webhook_delivery import attempt_number
+from workers.webhooks.delivery import attempt_number
 from workers.wire.text import as_str
 from workers.wire.webhook_jobs import webhook_queue
 from workers.wire.webhooks import DeliveryAttempt, log_delivery

@@ -30,7 +30,7 @@ class WebhookSettingsError(ValueError):
 class WebhookSettings:
     """`LLMQ_WEBHOOK_TIMEOUT_SECONDS` (each POST), `LLMQ_WEBHOOK_RETRY_INTERVALS` (comma-
     separated seconds between attempts; its last repeats for no more), `LLMQ_WEBHOOK_ALLOW`
-    (hosts or CIDRs that may be private, loopback ...: workers/webhook_delivery.py)."""
+    (hosts or CIDRs that may be private, loopback ...: workers/webhooks/delivery.py)."""
 
     timeout: float = DEFAULT_TIMEOUT_SECONDS
     intervals: tuple[int, ...] = DEFAULT_INTERVALS

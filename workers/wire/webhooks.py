@@ -9,7 +9,7 @@ anyone is told, and a process killed after the write loses nothing. A job withou
 costs that final write one HGET, nothing per step. A batch's terminal write appends its
 entry the same way (`queue_batch_event`), always: batches are few.
 
-The dispatcher (workers/webhooks.py) turns an entry into an event with `event_type` and
+The dispatcher (workers/webhooks/dispatcher.py) turns an entry into an event with `event_type` and
 `event_body` (ids are a function of the event, so a re-dispatch names the same event) and
 enqueues one delivery per endpoint subscribed to its type. Endpoints are JSON in the hash
 `keys.WEBHOOKS`; each one's last deliveries are a capped list (`log_delivery`).
