@@ -131,7 +131,8 @@ class DecoderArgs:
             n_layers=int(f.require("block_count")),
             dim=dim,
             n_heads=n_heads,
-            n_kv_heads=int(f.arch_value("attention.head_count_kv", n_heads)),
+            # a list per layer (Gemma 4's full layers have their own): the most, the pool's
+            n_kv_heads=int(np.max(f.arch_value("attention.head_count_kv", n_heads))),
             head_dim=head_dim,
             ffn_dim=int(f.require("feed_forward_length")),
             norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", norm_eps)),
@@ -177,6 +178,10 @@ class BlockShape:
     qkv_bias: bool = False  # qwen2
     permuted_qk: bool = False  # converter interleaved q/k rows for llama.cpp's NORM rope
     activation: str = "silu"  # or "gelu_tanh"
+    # False: the pre-norms' weights multiply the activations instead of being folded into
+    # the products' columns, where a fold re-rounds fp16 weights (Gemma 4, whose unscaled
+    # q.k magnifies that: 2.1e-3 of its largest logit from float32, unfolded 2e-6)
+    fold_norms: bool = True
 
 
 def unpermute_order(out_dim: int, n_heads: int) -> np.ndarray:
@@ -212,7 +217,7 @@ class Block:
             q_norm = f.tensor(p + "attn_q_norm.weight")
             self.q_norm = ops.vector(_q_scaled(q_norm, args.attn_scale, args.head_dim))
             self.k_norm = ops.vector(f.tensor(p + "attn_k_norm.weight"))
-        attn_norm = f.tensor(p + "attn_norm.weight") if self.pre_norm else None
+        attn_norm, self.attn_norm = self._pre_norm(f, p + "attn_norm.weight")
         self.wqkv = backend.linear(f, self._qkv_parts(f, p), attn_norm)  # [(H+2Hkv)*Dh, D]
         if shape.qkv_bias:
             self.bias = ops.vector(self._qkv_bias(f, p))
@@ -230,13 +235,21 @@ class Block:
         fused = not f.has_tensor(p + "ffn_gate.weight")  # phi3: ffn_up holds gate then up
         names = ("up",) if fused else ("gate", "up")
         gate_up = [TensorPart(p + f"ffn_{n}.weight") for n in names]
-        ffn_norm = f.tensor(p + "ffn_norm.weight") if self.pre_norm else None
+        ffn_norm, self.ffn_norm = self._pre_norm(f, p + "ffn_norm.weight")
         self.w_gate_up = backend.linear(f, gate_up, ffn_norm)  # [2F, D]
         self.w_down = backend.linear(f, [TensorPart(p + "ffn_down.weight")])  # [D, F]
 
     def weights(self) -> list[Any]:
         """The layer's linear weights (what `weight_kinds` and `nbytes` count)."""
         return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
+
+    def _pre_norm(self, f: GGUFFile, name: str) -> tuple[np.ndarray | None, Any]:
+        """A pre-norm's weight as (folded into the product after it, or kept beside it)."""
+        if not self.pre_norm:
+            return None, None
+        if self.shape.fold_norms:
+            return f.tensor(name), None
+        return None, self.ops.vector(f.tensor(name))
 
     def _vector(self, f: GGUFFile, name: str, wanted: bool) -> Any:
         return self.ops.vector(f.tensor(name)) if wanted else None
@@ -292,8 +305,11 @@ class Block:
             out = out * self.args.residual_scale
         return out
 
-    def project(self, x, weight, layout: BatchLayout):
-        """`x`'s product with `weight`, through the pre-norm when the layer has one."""
+    def project(self, x, weight, layout: BatchLayout, norm=None):
+        """`x`'s product with `weight`, through the pre-norm when the layer has one (its
+        weight `norm` where it is not folded into `weight`)."""
+        if norm is not None:
+            return linear(self.ops.rms_norm(x, norm, self.args.norm_eps), weight, layout)
         if not self.pre_norm:
             return linear(x, weight, layout)
         return normed_linear(x, self.args.norm_eps, weight, layout, self.ops.rms_normalize)
@@ -301,7 +317,7 @@ class Block:
     def attention(self, x, layout: BatchLayout, rope: tuple | None, q_temperature=None):
         a, t, ops = self.args, x.shape[0], self.ops
         q_end, k_end = a.n_heads * a.head_dim, (a.n_heads + a.n_kv_heads) * a.head_dim
-        qkv = self.project(x, self.wqkv, layout)  # [T, D] -> [T, (H+2Hkv)*Dh]
+        qkv = self.project(x, self.wqkv, layout, self.attn_norm)  # [T, D] -> [T, (H+2Hkv)*Dh]
         if self.bias is not None:
             qkv = qkv + self.bias
         v = qkv[:, k_end:].reshape(t, a.n_kv_heads, a.head_dim)
@@ -331,7 +347,7 @@ class Block:
         return q, k
 
     def mlp(self, x, layout: BatchLayout):
-        gate_up = self.project(x, self.w_gate_up, layout)  # [T, D] -> [T, 2F]
+        gate_up = self.project(x, self.w_gate_up, layout, self.ffn_norm)  # [T, D] -> [T, 2F]
         return gated_mlp(gate_up, self.w_down, self.activation_mul, layout)
 
 
