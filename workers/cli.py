@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -145,6 +146,15 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         "checkpointed and requeued (default: 25)",
     )
     worker.add_argument(
+        "--nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the worker's threads at nice N, 0-19, so that an API and a broker on the "
+        "same machine go first when its cores are busy (workers/priority.py) (default: "
+        "$LLMQ_WORKER_NICE, else 0; `llmq serve` starts its workers at 10)",
+    )
+    worker.add_argument(
         "--poll-interval",
         type=float,
         default=None,
@@ -182,7 +192,7 @@ def add_webhook_command(sub: argparse._SubParsersAction) -> None:
 
 
 def run_webhooks(args: argparse.Namespace) -> int:
-    from workers.webhooks.dispatcher import run_webhooks as run
+    from workers.webhooks.process import run_webhooks as run
 
     _log_to_stderr(args.log_level)
     return _connected(lambda: run(args.redis_url, args.log_level))
@@ -193,6 +203,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from workers.worker import LLMQWorker
 
     _log_to_stderr(args.log_level)
+    _lower_priority(args.nice)
     config = WorkerConfig.from_env(
         redis_url=args.redis_url,
         name=args.name,
@@ -214,6 +225,15 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     worker.work()
     return 0
+
+
+def _lower_priority(nice: int | None) -> None:
+    """Before any engine thread starts (they inherit it): `--nice`, else $LLMQ_WORKER_NICE."""
+    from workers.priority import NICE_ENV, lower_threads, worker_nice
+
+    if nice is None and not os.environ.get(NICE_ENV):
+        return
+    lower_threads(worker_nice(nice))
 
 
 def _connected(make: Callable[[], T]) -> T:

@@ -27,7 +27,7 @@ from api.app import create_app
 from tests.workers.conftest import TINY, tokens, wait_done, wait_for
 from workers import keys
 from workers.webhooks import dispatcher as webhooks
-from workers.webhooks import reaper
+from workers.webhooks import process, reaper
 from workers.webhooks.delivery import (
     AddressRefused,
     is_allowed,
@@ -139,7 +139,7 @@ def deliver_all(conn: redis.Redis, until: Any = None, timeout: float = 20.0) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dispatcher.run_once()
-        worker = webhooks.WebhookWorker([queue], connection=conn, serializer=JSONSerializer)
+        worker = process.WebhookWorker([queue], connection=conn, serializer=JSONSerializer)
         worker.work(burst=True, with_scheduler=True, logging_level="WARNING")
         if until is not None and until():
             return
@@ -378,7 +378,7 @@ def test_a_delivery_enqueued_under_the_former_function_name_still_runs(
     receiver = receivers()
     endpoint = wire.create_endpoint(conn, receiver.url, ["response.failed"])
     event = wire.event_body("response.failed", "resp_old", int(time.time()))
-    [former] = webhooks.FORMER_DELIVER_FUNCTIONS
+    [former] = process.FORMER_DELIVER_FUNCTIONS
     queue = webhook_jobs.webhook_queue(conn)
     job = queue.enqueue(former, endpoint.id, event, 0, job_id="whd_former")
     deliver_all(conn, lambda: receiver.requests)
@@ -444,7 +444,7 @@ def run_by_a_worker_that_dies(conn: redis.Redis, name: str, posted: bool = True)
     never answered; its lease, taken at its start, then no longer renewed."""
     reaper.Presence(conn, name, lease_s=LEASE).renew()
     queue = webhook_jobs.webhook_queue(conn)
-    worker = webhooks.WebhookWorker([queue], connection=conn, serializer=JSONSerializer, name=name)
+    worker = process.WebhookWorker([queue], connection=conn, serializer=JSONSerializer, name=name)
     job, _ = Queue.dequeue_any([queue], None, connection=conn, serializer=JSONSerializer)
     worker.prepare_execution(job)  # SimpleWorker.execute_job's first step
     if posted:
@@ -529,7 +529,7 @@ def test_a_delivery_a_live_worker_dequeued_is_left_to_it(conn, receivers, allow_
     here = reaper.Reaper(conn, "webhooks.here.1.live", lease_s=10, clock=clock)
     Queue.lmove(conn, queue.key, None)
     assert here.sweep("x").dequeued == 0  # seen between its dequeue and its run
-    worker = webhooks.WebhookWorker([queue], connection=conn, serializer=JSONSerializer)
+    worker = process.WebhookWorker([queue], connection=conn, serializer=JSONSerializer)
     reaper.Presence(conn, worker.name, lease_s=60).renew()
     worker.prepare_execution(Job.fetch(delivery, conn, serializer=JSONSerializer))
     clock.now += 60

@@ -2,6 +2,7 @@
 
 | module | what it holds |
 | --- | --- |
+| `process.py` | `llmq webhooks`: the dispatcher's thread beside `WebhookWorker` (RQ's) |
 | `dispatcher.py` | `Dispatcher`: outbox entries -> one RQ delivery job per subscribed endpoint |
 | `delivery.py` | `deliver`, the RQ job: the SSRF check, the Standard Webhooks signature, one POST |
 | `reaper.py` | `Presence` (a process's lease) and `Reaper` (taking over a dead process's work) |
