@@ -159,6 +159,8 @@ class TinyArch:
     key_length: int | None = None  # a head size other than dim / heads
     values: tuple[tuple[str, object], ...] = ()  # more `<arch>.` keys: (key, value)
     longrope: int = 0  # LongRoPE factors (phi3) for this many rotated dims
+    experts: int = 0  # a MoE FFN of this many experts (qwen3moe) in place of the dense one
+    expert_ffn: int = 32
 
 
 TINY_ARCHS = {
@@ -173,6 +175,12 @@ TINY_ARCHS = {
         ),
     ),
     "qwen2": TinyArch(bias=True),
+    # 8 experts, 3 used: a batch's rows share some experts and not others
+    "qwen3moe": TinyArch(
+        qk_norm="head",
+        experts=8,
+        values=(("expert_count", 8), ("expert_used_count", 3), ("expert_feed_forward_length", 32)),
+    ),
     # Phi-4-mini's shape: 3/4 of each head rotated, LongRoPE (long factors: context 256 > 64)
     "phi3": TinyArch(
         fused=True,
@@ -275,6 +283,9 @@ def _add_tiny_layer(
     else:
         for name, rows, qtype in (("q", q_dim, Q8_0), ("k", kv, Q8_0), ("v", kv, F16)):
             _add_quantized(w, p + f"attn_{name}.weight", _weights(rng, rows, s.dim), qtype)
+    if spec.experts:
+        _add_tiny_experts(w, p, spec, s, rng)
+    elif not spec.fused:
         _add_quantized(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
         _add_quantized(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), F16)
     if spec.bias:
@@ -282,7 +293,18 @@ def _add_tiny_layer(
             bias = 0.5 * rng.standard_normal(rows).astype(np.float32)
             w.add_tensor(p + f"attn_{name}.bias", bias)
     _add_quantized(w, p + "attn_output.weight", _weights(rng, s.dim, q_dim), Q8_0)
-    _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+    if not spec.experts:
+        _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+
+
+def _add_tiny_experts(w: gguf.GGUFWriter, p: str, spec: TinyArch, s: TinyShape, rng) -> None:
+    """A float32 router and 3-D expert tensors `[E, out, in]`, named as llama.cpp's
+    converter names them; the router's rows spread so that tokens choose different experts."""
+    e, f = spec.experts, spec.expert_ffn
+    w.add_tensor(p + "ffn_gate_inp.weight", 4 * _weights(rng, e, s.dim))
+    _add_quantized(w, p + "ffn_gate_exps.weight", _weights(rng, e, f, s.dim), Q8_0)
+    _add_quantized(w, p + "ffn_up_exps.weight", _weights(rng, e, f, s.dim), F16)
+    _add_quantized(w, p + "ffn_down_exps.weight", _weights(rng, e, s.dim, f), Q8_0)
 
 
 def _gemma3_writer(
