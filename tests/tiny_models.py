@@ -213,6 +213,8 @@ TINY_ARCHS = {
             ("final_logit_softcapping", 3.0),
         ),
     ),
+    # written by write_tiny_gemma4 (its layers differ in head size, KV heads and v)
+    "gemma4": TinyArch(norms="pre_post", qk_norm="head"),
     "granite": TinyArch(
         values=(
             ("embedding_scale", 12.0),
@@ -242,6 +244,8 @@ def write_tiny_arch(path: Path, arch: str, shape: TinyShape | None = None, seed:
     """A tiny model of `arch` (a key of TINY_ARCHS): llama's GPT-2 vocabulary, weights Q8_0
     and F16, with the tensors and keys its variant adds, named as llama.cpp's converter
     names them (an untied head; q/k rows unpermuted, as for NeoX-rope architectures)."""
+    if arch == "gemma4":
+        return write_tiny_gemma4(path, shape, seed)
     spec, s, rng = TINY_ARCHS[arch], shape or TinyShape(n_layers=4), np.random.default_rng(seed)
     w = _writer(path, arch, s)
     head_dim = spec.key_length or s.dim // s.n_heads
@@ -261,6 +265,61 @@ def write_tiny_arch(path: Path, arch: str, shape: TinyShape | None = None, seed:
             w.add_tensor(name + ".weight", 1 + rng.random(spec.longrope // 2).astype(np.float32))
     for i in range(s.n_layers):
         _add_tiny_layer(w, f"blk.{i}.", spec, s, head_dim, rng)
+    _finish(w)
+    return path
+
+
+def write_tiny_gemma4(path: Path, shape: TinyShape | None = None, seed: int = 0) -> Path:
+    """A tiny dense Gemma 4 as llama.cpp's converter writes one: sliding layers (head size
+    `head_dim`, `n_kv_heads`, all of it rotated at base 1e4) between full ones (twice the
+    head size, one KV head, no attn_v: v is k's projection; a quarter of each head rotated
+    through rope_freqs), per-layer output scales, a final softcap, a tied head."""
+    s, rng = shape or TinyShape(n_layers=4), np.random.default_rng(seed)
+    sliding = [i % 2 == 0 for i in range(s.n_layers)]
+    swa_dim, full_dim = s.head_dim, 2 * s.head_dim
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_block_count(s.n_layers)
+    w.add_context_length(s.context_length)
+    w.add_embedding_length(s.dim)
+    w.add_feed_forward_length(s.ffn_dim)
+    w.add_head_count(s.n_heads)
+    w.add_head_count_kv([s.n_kv_heads if slides else 1 for slides in sliding])
+    w.add_key_length(full_dim)
+    w.add_value_length(full_dim)
+    w.add_key_length_swa(swa_dim)
+    w.add_value_length_swa(swa_dim)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_rope_freq_base_swa(10_000.0)
+    w.add_rope_dimension_count(full_dim)
+    w.add_rope_dimension_count_swa(swa_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(s.sliding_window)
+    w.add_sliding_window_pattern(sliding)
+    w.add_shared_kv_layers(0)
+    w.add_embedding_length_per_layer_input(0)
+    w.add_final_logit_softcapping(30.0)
+    vocab = _add_gpt2_tokenizer(w)
+    _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
+    w.add_tensor("output_norm.weight", _norm(rng, s.dim))
+    rotated = full_dim // 8  # of full_dim / 2 frequencies: partial_rotary_factor 0.25
+    factors = [1.0] * rotated + [1e30] * (full_dim // 2 - rotated)
+    w.add_tensor("rope_freqs.weight", np.array(factors, np.float32))
+    for i, slides in enumerate(sliding):
+        p, head = f"blk.{i}.", swa_dim if slides else full_dim
+        kv = (s.n_kv_heads if slides else 1) * head
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            w.add_tensor(p + norm + ".weight", _norm(rng, head))
+        _add_quantized(w, p + "attn_q.weight", _weights(rng, s.n_heads * head, s.dim), Q8_0)
+        _add_quantized(w, p + "attn_k.weight", _weights(rng, kv, s.dim), Q8_0)
+        if slides:
+            _add_quantized(w, p + "attn_v.weight", _weights(rng, kv, s.dim), F16)
+        _add_quantized(w, p + "attn_output.weight", _weights(rng, s.dim, s.n_heads * head), Q8_0)
+        _add_quantized(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
+        _add_quantized(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), F16)
+        _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+        w.add_tensor(p + "layer_output_scale.weight", np.array([0.8 + 0.1 * i], np.float32))
     _finish(w)
     return path
 
