@@ -99,31 +99,13 @@ LAYER_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # Llam
 NEW_TYPES = ("Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
-def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Valid raw blocks: random codes and scales, small float16 factors (MXFP4: exponents
-    near 2^-6), where each type keeps them."""
-    import gguf
-
-    q = gguf.GGMLQuantizationType
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (n, k // block_size, block_bytes), dtype=np.uint8)
-    halves = {q.Q5_K: (0, 2), q.Q3_K: (108, 1), q.Q2_K: (80, 2), q.IQ4_NL: (0, 1)}
-    halves[q.IQ4_XS] = (0, 1)
-    if qtype == q.MXFP4:
-        raw[..., 0] = rng.integers(118, 124, raw.shape[:2])
-    else:
-        at, count = halves[qtype]
-        factors = rng.uniform(0.001, 0.01, (n, k // block_size, count)).astype(np.float16)
-        raw[..., at : at + 2 * count] = factors.view(np.uint8)
-    return raw.reshape(n, -1)
-
-
 def type_products(rows: list[int], repeat: int = 5, cpu_time: bool = False) -> None:
     """`--types`: each new type's layer on its kernel against its old fp16 copy."""
     import gguf
 
     from runtime.kernels.cpu import cpu_features, row_invariant_plan
     from runtime.kernels.torch_backend import TorchBackend
+    from tests.runtime.quant_blocks import random_blocks
 
     plan = row_invariant_plan(cpu_features())
     backend = TorchBackend(replace(plan, threads=1) if cpu_time else plan)

@@ -24,29 +24,16 @@ from runtime.kernels.torch_backend import (
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.sampling import SamplingParams
+from tests.runtime.quant_blocks import random_blocks
 from tests.tiny_models import write_tiny_llama
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 48, 512  # two Q4_K / Q6_K super-blocks per row
-# where each type keeps its float16 factors inside a block: (offset, count)
-HALF_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1), Q.Q4_0: (0, 1), Q.Q4_1: (0, 2)}
-
-
-def random_blocks(qtype: Q, rows: int = ROWS, cols: int = COLS, seed: int = 0) -> np.ndarray:
-    """Valid raw blocks of any type: random bytes with sane float16 factors, so the K-quants
-    (which gguf can dequantize but not quantize) are covered too."""
-    rng = np.random.default_rng(seed)
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
-    offset, count = HALF_FIELDS[qtype]
-    halves = (rng.uniform(0.001, 0.01, (rows, cols // block_size, count))).astype(np.float16)
-    raw[..., offset : offset + 2 * count] = halves.view(np.uint8)
-    return raw.reshape(rows, -1)
 
 
 def quantized(qtype: Q, seed: int = 0) -> np.ndarray:
-    if qtype in HALF_FIELDS and qtype not in (Q.Q4_0, Q.Q4_1):
-        return random_blocks(qtype, seed=seed)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # gguf dequantizes the K-quants, quantizes none
+        return random_blocks(qtype, ROWS, COLS, seed)
     w = np.random.default_rng(seed).standard_normal((ROWS, COLS)).astype(np.float32) * 0.05
     return gguf.quants.quantize(w, qtype)
 

@@ -40,6 +40,7 @@ from runtime.kernels.torch_backend import (
     nibble_table,
 )
 from tests.runtime.int8_activations import blockwise_rounded
+from tests.runtime.quant_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(
     int8_rows() is None or not lowbit_builds(), reason="no C compiler for the kernels"
@@ -47,30 +48,6 @@ pytestmark = pytest.mark.skipif(
 
 Q = gguf.GGMLQuantizationType
 NEW_TYPES = [Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
-# where each type keeps its float16 factor(s): (offset, count); MXFP4's is a byte exponent
-HALVES = {
-    Q.Q5_K: (0, 2),
-    Q.Q3_K: (108, 1),
-    Q.Q2_K: (80, 2),
-    Q.IQ4_NL: (0, 1),
-    Q.IQ4_XS: (0, 1),
-}
-
-
-def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Valid raw blocks: random codes and sub-block scales (every bit pattern is a valid
-    code), the float16 factors small, MXFP4's exponents near 2^-6 (gguf quantizes none of
-    the K-quants or IQ4 types)."""
-    rng = np.random.default_rng(seed)
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
-    if qtype == Q.MXFP4:
-        raw[..., 0] = rng.integers(118, 124, raw.shape[:2])
-    else:
-        offset, count = HALVES[qtype]
-        halves = rng.uniform(0.001, 0.01, (rows, cols // block_size, count)).astype(np.float16)
-        raw[..., offset : offset + 2 * count] = halves.view(np.uint8)
-    return raw.reshape(rows, -1)
 
 
 def read(raw: np.ndarray, qtype: Q, shape: tuple[int, int]):
