@@ -9,6 +9,7 @@ from runtime.lora import LinearSources
 from runtime.models.gemma2 import Gemma2Model
 from runtime.models.gemma3 import Gemma3Model
 from runtime.models.gemma4 import Gemma4Model
+from runtime.models.gpt_oss import GptOssModel
 from runtime.models.granite import GraniteModel
 from runtime.models.layers import Decoder
 from runtime.models.llama import LlamaModel
@@ -26,6 +27,7 @@ ARCHITECTURES: dict[str, type[Decoder]] = {
     "gemma3": Gemma3Model,
     "qwen3": Qwen3Model,
     "qwen3moe": Qwen3MoeModel,
+    "gpt-oss": GptOssModel,
     "qwen2": Qwen2Model,
     "phi3": Phi3Model,
     "smollm3": SmolLM3Model,

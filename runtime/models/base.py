@@ -111,6 +111,21 @@ def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE
+
+
+def swiglu_oai_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gpt-oss's clamped GLU (ggml_swiglu_oai): x = min(gate, 7), x * sigmoid(1.702 x) *
+    (clip(up, -7, 7) + 1), as ggml writes it: x / (1 + e^(-1.702 x))."""
+    x = np.minimum(gate, np.float32(SWIGLU_OAI_LIMIT))
+    out = x * np.float32(-SWIGLU_OAI_ALPHA)
+    np.exp(out, out=out)
+    out += 1.0
+    np.divide(x, out, out=out)
+    out *= np.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + np.float32(1.0)
+    return out
+
+
 def linear(x: np.ndarray, weight: Weight, layout: BatchLayout | None = None) -> np.ndarray:
     """`x` `[T, in]` through `weight` `[out, in]` -> `[T, out]`, however the backend stores it;
     with a `layout`, each row also gets the LoRA deltas of its own sequence's adapters."""

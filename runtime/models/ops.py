@@ -28,6 +28,7 @@ class HostOps:
     apply_rope = staticmethod(base.apply_rope)
     silu_mul = staticmethod(base.silu_mul)
     gelu_tanh_mul = staticmethod(base.gelu_tanh_mul)
+    swiglu_oai_mul = staticmethod(base.swiglu_oai_mul)
     attend = staticmethod(attention.attend_layout)
 
     @staticmethod

@@ -122,6 +122,13 @@ class TensorOps:
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self._into_product(F.gelu(gate.float(), approximate="tanh"), up)
 
+    def swiglu_oai_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's clamped GLU (base.swiglu_oai_mul), in float32."""
+        x = gate.float().clamp(max=base.SWIGLU_OAI_LIMIT)
+        activated = x / (torch.exp(x * -base.SWIGLU_OAI_ALPHA) + 1.0)
+        limit = base.SWIGLU_OAI_LIMIT
+        return self._into_product(activated, up.float().clamp(-limit, limit) + 1.0)
+
     def _into_product(self, activated: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.product_dtype is None:
             return activated * up

@@ -63,17 +63,24 @@ def load_cases() -> list[ArchCase]:
     return cases
 
 
-def llmq_logits(path: Path, tokens: np.ndarray, backend: str | None = None) -> np.ndarray:
+def llmq_logits(
+    path: Path, tokens: np.ndarray, backend: str | None = None, yarn_truncate: bool = True
+) -> np.ndarray:
     """llmq's teacher-forced logits `[n, V]` over `tokens` in one forward pass, the model
     loaded as a user's would be (runtime.models.load_model, the default backend), every row
     at the file's precision (`exact`: the rows a user sees or samples from; a greedy row
-    may take a cheaper int8 head, runtime/kernels/torch_backend.py)."""
+    may take a cheaper int8 head, runtime/kernels/torch_backend.py). `yarn_truncate`
+    False: YaRN's correction dims kept fractional, as transformers' gpt-oss keeps them
+    (runtime/models/layers.py `Yarn.truncate`; llmq rounds them as llama.cpp does)."""
     from runtime.gguf_file import GGUFFile
     from runtime.kernels import get_backend
     from runtime.models import load_model
     from runtime.models.base import BatchLayout, SequenceChunk
 
     model = load_model(GGUFFile(path), get_backend(backend))
+    if not yarn_truncate and model.args.yarn is not None:
+        model.args.yarn.truncate = False
+        model.ropes = model.rope_freqs(GGUFFile(path))
     cache_ = model.new_cache(len(tokens))
     layout = BatchLayout([SequenceChunk(cache_, 0, len(tokens))])
     hidden = model.forward(np.asarray(tokens), layout)
