@@ -68,6 +68,32 @@ def test_mistral3s_moe_layers_are_refused_at_load(tmp_path: Path):
         load_model(f, get_backend("numpy"))
 
 
+@pytest.mark.parametrize(
+    "key, value, refusal",
+    [
+        ("embedding_length_per_layer_input", 8, "per-layer embeddings"),
+        ("attention.shared_kv_layers", 2, "KV cache shared across layers"),
+        ("expert_count", 4, "mixture-of-experts layers"),
+    ],
+)
+def test_what_gemma4_cannot_run_is_refused_at_load_by_name(key, value, refusal, tmp_path):
+    """E2B/E4B's per-layer embeddings and shared KV layers, 26B-A4B's experts."""
+    f = GGUFFile(write_tiny_arch(tmp_path / "g.gguf", "gemma4"))
+    load_model(f, get_backend("numpy"))
+    f.metadata[f"gemma4.{key}"] = value
+    with pytest.raises(ModelFormatError, match=f"Gemma 4's {refusal} .*not supported"):
+        load_model(f, get_backend("numpy"))
+
+
+def test_gemma4s_layers_keep_their_own_head_size_kv_heads_and_rope(tmp_path: Path):
+    """As llama.cpp's gemma4.cpp reads them: the full layers' head size, KV heads, v from
+    k, rope key; the KV pool keeps the largest of each."""
+    model = load_model(GGUFFile(write_tiny_arch(tmp_path / "g.gguf", "gemma4")), get_backend())
+    shapes = [(b.args.head_dim, b.args.n_kv_heads, b.k_eq_v, b.rope_key) for b in model.layers]
+    assert shapes == [(16, 2, False, "local"), (32, 1, True, "global")] * 2
+    assert model.kv_windows == [8, None, 8, None] and model.kv_shape == (4, 2, 32)
+
+
 def test_loads_and_caching_or_chunking_keeps_the_numbers(arch_path: Path):
     model = load_model(GGUFFile(arch_path), get_backend("numpy"))
     assert model.architecture == arch_path.stem
