@@ -37,6 +37,25 @@ def new_job(endpoint: str, body: dict, progress: StreamProgress | None = None) -
     return ActiveJob(record, 2, "w:2", None, None, progress or StreamProgress())
 
 
+def resumed_alike(
+    engine: Engine, body: dict, events: list[dict], cut: int, reference: dict
+) -> ActiveJob:
+    """The chat job of `body` run again, resumed after the first `cut` of the stream entries
+    `events` of its first run, whose body `reference` it must give (less the prompt's
+    cached tokens: only a resumed run finds its prompt in the prefix cache)."""
+    progress = StreamProgress(length=cut)
+    progress.choices[0] = StreamedChoice(
+        [e["token_id"] for e in events[:cut]], [e["text"] for e in events[:cut]]
+    )
+    job = new_job(CHAT_COMPLETIONS, body, progress)
+    resumed = run(engine, job)
+    uncached = [{**done, "usage": dict(done["usage"])} for done in (resumed, reference)]
+    for done in uncached:
+        done["usage"].pop("prompt_tokens_details")
+    assert uncached[0] == uncached[1]
+    return job
+
+
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT_COMPLETIONS])
 def test_a_resumed_job_continues_after_the_streamed_tokens(engine, endpoint):
     body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
@@ -143,15 +162,7 @@ def test_a_job_resumed_inside_a_tool_call_names_and_finishes_it_as_before(tiny_m
     assert message["content"] is None and message["tool_calls"][0]["id"].startswith("call_")
     events = [json.loads(data) for _, data in first.pending]
     cut = next(i for i, e in enumerate(events) if e["delta"].get("tool_calls")) + 1
-    progress = StreamProgress(length=cut)
-    progress.choices[0] = StreamedChoice(
-        [e["token_id"] for e in events[:cut]], [e["text"] for e in events[:cut]]
-    )
-    second = new_job(CHAT_COMPLETIONS, body, progress)
-    resumed = run(engine, second)
-    for done in (resumed, reference):
-        done["usage"].pop("prompt_tokens_details")
-    assert resumed == reference
+    second = resumed_alike(engine, body, events, cut, reference)
     later = [json.loads(data)["delta"] for _, data in second.pending]
     assert later == [e["delta"] for e in events[cut:]]  # no call started twice
 
@@ -186,13 +197,5 @@ def test_a_thinking_models_thinking_is_returned_apart_and_resumes_alike(tiny_mod
     assert "".join(d.get("reasoning_content", "") for d in deltas) == thinking + "\n"
     assert "".join(d.get("content", "") for d in deltas) == answer
     for cut in range(1, len(events)):
-        progress = StreamProgress(length=cut)
-        progress.choices[0] = StreamedChoice(
-            [e["token_id"] for e in events[:cut]], [e["text"] for e in events[:cut]]
-        )
-        resumed_job = new_job(CHAT_COMPLETIONS, body, progress)
-        resumed = run(engine, resumed_job)
-        for done in (resumed, reference):
-            done["usage"].pop("prompt_tokens_details", None)
-        assert resumed == reference
+        resumed_job = resumed_alike(engine, body, events, cut, reference)
         assert [json.loads(d)["delta"] for _, d in resumed_job.pending] == deltas[cut:]
