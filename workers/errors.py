@@ -72,6 +72,10 @@ class PoolFull(WorkerError):
     """No room for another model: every loaded model has work in flight."""
 
 
+class PriorityError(WorkerError, ValueError):
+    """A worker's nice value out of 0-19 (`--nice`, `LLMQ_WORKER_NICE`; workers/priority.py)."""
+
+
 class ServeError(WorkerError):
     """`llmq serve` cannot run as asked: its port is taken, or a process it supervises fails
     as soon as it starts, again and again (restarting it for ever would hide why)."""

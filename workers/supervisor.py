@@ -47,6 +47,7 @@ from workers import leftovers
 from workers.child_death import keeper_argv
 from workers.errors import ServeError
 from workers.leftovers import SERVED_BY_ENV
+from workers.priority import WORKER_NICE, lower_session, worker_nice
 from workers.redis_server import RedisServerMissing, RedisServerProcess, find_redis_server
 
 log = logging.getLogger("llmq.serve")
@@ -76,6 +77,7 @@ class ServeConfig:
     redis_url: str | None = None
     device: str | None = None  # every worker's --device; None: $LLMQ_DEVICE, else per model
     durable: bool = True  # the embedded broker keeps its data (--no-persist: it does not)
+    worker_nice: int = WORKER_NICE  # the workers' priority below the API's (workers/priority.py)
 
     def broker_dir(self) -> Path | None:
         """Where the embedded broker keeps its append-only file: `LLMQ_BROKER_DIR`, else one
@@ -193,6 +195,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     again: float = 0.0  # when serve is gone: a second SIGTERM this long after the first
+    nice: int = 0  # its session's priority below the API's (workers/priority.py)
     process: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
@@ -218,6 +221,8 @@ class Child:
             errors="replace",
         )
         self.started_at = time.monotonic()
+        if self.nice:  # its keeper leads the session: the child shares its autogroup
+            lower_session(self.process.pid, self.nice)
         assert self.process.stderr is not None
         self._relay = threading.Thread(
             target=self._pass_on, args=(self.process.stderr,), daemon=True
@@ -414,9 +419,16 @@ def _serve(config: ServeConfig, home: Path) -> int:
         worker_args += ["--max-batch", str(config.max_sequences)]
     if config.device:
         worker_args += ["--device", config.device]
+    worker_args += ["--nice", str(config.worker_nice)]  # its threads, where no autogroups
     for i in range(config.workers):
         children.append(
-            Child(f"worker-{i}", llmq_command(*worker_args), env, again=WORKER_AGAIN_SECONDS)
+            Child(
+                f"worker-{i}",
+                llmq_command(*worker_args),
+                env,
+                again=WORKER_AGAIN_SECONDS,
+                nice=config.worker_nice,
+            )
         )
     # webhook deliveries (workers/webhooks/): apart from the workers, so a slow receiver
     # never holds a decode step
@@ -503,6 +515,15 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         help="the embedded broker saves nothing: jobs still queued or running are lost when "
         "serve stops (default: kept in $LLMQ_BROKER_DIR, else $LLMQ_CACHE_DIR/broker/serve-PORT)",
     )
+    serve_parser.add_argument(
+        "--worker-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the workers' CPU priority below the API and the broker, as a nice value 0-19: "
+        "on busy cores the API answers first and the workers take what is left "
+        f"(default: $LLMQ_WORKER_NICE, else {WORKER_NICE}; 0: the same priority)",
+    )
     serve_parser.set_defaults(handler=run_serve)
 
 
@@ -519,5 +540,6 @@ def run_serve(args: argparse.Namespace) -> int:
         max_sequences=args.max_batch,  # the published flag's name for the step's sequences
         device=args.device,
         durable=args.durable,
+        worker_nice=worker_nice(args.worker_nice),
     )
     return serve(config)
