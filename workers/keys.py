@@ -343,8 +343,9 @@ def _split_owner(name: str) -> tuple[str, str | None]:
 # Webhooks (`workers.wire.webhooks`; admin routes in api/admin.py, delivery in workers/webhooks/):
 # - `llmq:webhooks`                hash endpoint id -> JSON endpoint (url, events, secret)
 # - `llmq:webhooks:outbox`         stream: one entry per terminal write of a job or batch that
-#                                  notifies (fields `kind`, `id`, `status`), appended by that
-#                                  write itself; read by the dispatcher's consumer group
+#                                  notifies (fields `kind`, `id`, `status` and, for a
+#                                  response, `response_status`), appended by that write
+#                                  itself; read by the dispatcher's consumer group
 #                                  `WEBHOOK_OUTBOX_GROUP`, XACKed and XDELed once enqueued
 # - `llmq:webhooks:{id}:deliveries` list: the endpoint's last deliveries, newest first (capped)
 # - RQ queue `llmq:webhooks`: one job per (event, endpoint); its FailedJobRegistry is the

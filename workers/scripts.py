@@ -166,7 +166,7 @@ return last
 # expected one and the stream is as the writer left it, a write retried after its reply was
 # lost is not applied twice, and a final write gives up the lease, leaves the running set,
 # counts the job's end once, settles its rate-limit reservation and appends the outbox
-# entry of a job marked as notifying (`wire.webhooks`: one HGET, at the final write). TTLs
+# entry of a job marked as notifying (`wire.webhooks`: one HMGET, at the final write). TTLs
 # are set by a job's first write of an attempt and by its final one, not by every step (the
 # record and stream outlive a running job by far). Returns a string of 2 characters per job,
 # in order: "1" written (or nothing to write), "0" lease or stream not as expected (nothing

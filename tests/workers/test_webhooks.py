@@ -37,7 +37,7 @@ from workers.webhooks.delivery import (
 )
 from workers.wire import webhook_jobs
 from workers.wire import webhooks as wire
-from workers.wire.events import write_ending
+from workers.wire.events import ending, write_ending
 from workers.wire.job import CANCELLED, COMPLETIONS, FAILED, FINISHED, JOB_FUNCTION, JobRecord
 
 REDIS_URL = "redis://127.0.0.1:6379/12"  # apart from the worker tests' db 14
@@ -162,6 +162,12 @@ def test_event_types_follow_status_and_result() -> None:
     assert wire.response_event_type(FAILED, None) == "response.failed"
     assert wire.response_event_type(CANCELLED, None) == "response.cancelled"
     assert wire.response_event_type("queued", None) is None
+    # the final status an entry carries is the type: no result is read
+    assert wire.response_event_type(FINISHED, None, "incomplete") == "response.incomplete"
+    assert wire.response_event_type(FINISHED, length, "completed") == "response.completed"
+    assert wire.response_event_type(CANCELLED, None, "cancelled") == "response.cancelled"
+    assert wire.response_event_type(FINISHED, None, "in_progress") is None  # no such event
+    assert wire.response_event_type("queued", None, "completed") is None
     assert wire.batch_event_type("expired") == "batch.expired"
     assert wire.batch_event_type("in_progress") is None
     assert wire.event_id("response.completed", "resp_1") == wire.event_id(
@@ -175,6 +181,7 @@ def test_write_ending_appends_an_outbox_entry_only_for_a_notifying_job(conn) -> 
     end(conn, plain, CANCELLED, {"error": {"code": "cancelled"}, "status": 499})
     [entry] = outbox(conn)
     assert (entry.kind, entry.id, entry.status) == ("response", marked, CANCELLED)
+    assert entry.response_status == "cancelled"
 
 
 def test_cancel_while_queued_through_the_api_appends_the_entry(conn) -> None:
@@ -192,8 +199,11 @@ def test_a_worker_finishing_a_notifying_job_appends_the_entry(conn, start_worker
     assert wait_done(conn, plain).status == FINISHED
     [entry] = outbox(conn)
     assert (entry.id, entry.status) == (job_id, FINISHED)
+    assert entry.response_status == "incomplete"  # stopped at max_tokens
     dispatcher = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings())
-    assert dispatcher.event_type(entry) == "response.incomplete"  # stopped at max_tokens
+    assert dispatcher.event_type(entry) == "response.incomplete"
+    conn.hdel(keys.job(job_id), "result")  # the type is the entry's: no record is read
+    assert dispatcher.event_type(entry) == "response.incomplete"
 
 
 def test_a_worker_cancelling_a_running_job_appends_the_entry(conn, start_worker) -> None:
@@ -203,7 +213,7 @@ def test_a_worker_cancelling_a_running_job_appends_the_entry(conn, start_worker)
     conn.set(keys.job_cancel(job_id), "1")
     assert wait_done(conn, job_id).status == CANCELLED
     [entry] = outbox(conn)
-    assert (entry.id, entry.status) == (job_id, CANCELLED)
+    assert (entry.id, entry.status, entry.response_status) == (job_id, CANCELLED, "cancelled")
 
 
 def test_a_worker_failing_a_job_appends_the_entry(conn, start_worker) -> None:
@@ -211,18 +221,47 @@ def test_a_worker_failing_a_job_appends_the_entry(conn, start_worker) -> None:
     start_worker()
     assert wait_done(conn, job_id).status == FAILED
     [entry] = outbox(conn)
-    assert (entry.id, entry.status) == (job_id, FAILED)
+    assert (entry.id, entry.status, entry.response_status) == (job_id, FAILED, "failed")
 
 
-def test_the_step_script_appends_the_entry_at_the_final_write(conn) -> None:
-    from workers import scripts
+@pytest.mark.parametrize("script", ["write_step", "record_step"])
+def test_the_step_script_appends_the_entry_at_the_final_write(conn, script) -> None:
+    """`scripts._WRITE_STEP` (one Redis) and `cluster_step._RECORD_STEP` (the queue
+    Redis's half of a step beside an events cluster, run here on one Redis)."""
+    from workers import cluster_step, scripts
 
     job_id = notifying_job(conn)
     conn.set(keys.job_lease(job_id), "w:1")
-    fields = {"status": FINISHED, "result": json.dumps({"choices": []})}
-    entry = scripts.step_entry(job_id, "w:1", scripts.STEP_FINAL, 0, [("done", "{}")], fields)
-    assert scripts.write_step(conn, [entry]) == [(True, False)]
-    assert [(e.id, e.status) for e in outbox(conn)] == [(job_id, FINISHED)]
+    conn.sadd(keys.RUNNING, job_id)
+    fields, done = ending(FINISHED, {"choices": [{"finish_reason": "length"}]})
+    entry = scripts.step_entry(job_id, "w:1", scripts.STEP_FINAL, 0, [done], fields)
+    if script == "write_step":
+        assert scripts.write_step(conn, [entry]) == [(True, False)]
+    else:
+        assert cluster_step.record_step(conn, [entry], [True]) == ["0"]
+    assert [(e.id, e.status, e.response_status) for e in outbox(conn)] == [
+        (job_id, FINISHED, "incomplete")
+    ]
+
+
+def test_an_entry_written_without_the_final_status_reads_the_jobs_result(conn) -> None:
+    """An entry a version before the terminal write carried the response's status wrote:
+    `{kind, id, status}` alone; the dispatcher reads the job's result for it."""
+    dispatcher = webhooks.Dispatcher(conn, webhook_jobs.WebhookSettings())
+    results = {
+        "incomplete": {"choices": [{"finish_reason": "length"}]},
+        "completed": {"choices": [{"finish_reason": "stop"}]},
+    }
+    for final, result in results.items():
+        job_id = notifying_job(conn)
+        conn.hset(keys.job(job_id), mapping={"status": FINISHED, "result": json.dumps(result)})
+        fields = {"kind": wire.NOTIFY_RESPONSE, "id": job_id, "status": FINISHED}
+        entry = wire.OutboxEntry.from_entry(conn.xadd(keys.WEBHOOK_OUTBOX, fields), fields)
+        assert entry.response_status == ""
+        assert dispatcher.event_type(entry) == f"response.{final}"
+    fields = {"kind": wire.NOTIFY_RESPONSE, "id": notifying_job(conn), "status": FAILED}
+    failed = wire.OutboxEntry.from_entry(conn.xadd(keys.WEBHOOK_OUTBOX, fields), fields)
+    assert dispatcher.event_type(failed) == "response.failed"
 
 
 # ---------------------------------------------------------------- delivery

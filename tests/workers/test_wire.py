@@ -77,8 +77,12 @@ def test_ending_gives_the_fields_and_the_terminal_event():
     fields, (kind, data) = ending(FINISHED, {"id": "x"})
     assert kind == EVENT_DONE and json.loads(data) == {"id": "x"}
     assert fields["status"] == FINISHED and json.loads(fields["result"]) == {"id": "x"}
+    assert fields["response_status"] == "completed"  # the response's, for the outbox entry
+    cut = ending(FINISHED, {"choices": [{"finish_reason": "length"}]})[0]
+    assert cut["response_status"] == "incomplete"
     fields, (kind, data) = ending(CANCELLED, cancelled_error())
     assert kind == EVENT_ERROR and json.loads(fields["error"]) == cancelled_error()
+    assert fields["response_status"] == "cancelled"
 
 
 def test_write_ending_writes_record_event_and_count_in_one_pipeline():

@@ -115,13 +115,15 @@ class Dispatcher:
         return got[0][1] if got else []
 
     def event_type(self, entry: OutboxEntry) -> str | None:
+        """The entry's event type: a response's from the final status its entry carries; an
+        entry written before the terminal write carried it reads the job's result."""
         if entry.kind == NOTIFY_BATCH:
             return batch_event_type(entry.status)
         result = None
-        if entry.status == "finished":
+        if not entry.response_status and entry.status == "finished":
             raw = self.conn.hget(keys.job(entry.id), "result")
             result = _json_object(raw)
-        return response_event_type(entry.status, result)
+        return response_event_type(entry.status, result, entry.response_status)
 
     def dispatch(self, entry: OutboxEntry) -> list[str]:
         """Enqueue the entry's deliveries; the ids of those enqueued now."""

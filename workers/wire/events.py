@@ -39,8 +39,9 @@ from typing import Any, ClassVar
 from workers import keys
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.job import FINISHED
+from workers.wire.responses_api import response_status
 from workers.wire.text import as_str, text_hash
-from workers.wire.webhooks import queue_notify
+from workers.wire.webhooks import RESPONSE_STATUS_FIELD, queue_notify
 
 EVENT_TOKEN, EVENT_DONE, EVENT_ERROR = "token", "done", "error"
 
@@ -228,8 +229,11 @@ def token_event(
 
 def ending(status: str, body: dict[str, Any]) -> tuple[dict[str, str], Event]:
     """The record fields and the terminal event of a job that ends with `status`: `body` is
-    the result of a finished job, else the error body of a failed or cancelled one."""
-    fields = {"status": status, "finished_at": str(time.time())}
+    the result of a finished job, else the error body of a failed or cancelled one. The
+    fields carry the response's final status (`RESPONSE_STATUS_FIELD`), which the write
+    that ends the job copies into a notifying job's outbox entry (`wire.webhooks`)."""
+    final = response_status(status, body if status == FINISHED else None)
+    fields = {"status": status, "finished_at": str(time.time()), RESPONSE_STATUS_FIELD: final}
     if status == FINISHED:
         fields["result"] = json.dumps(body, ensure_ascii=False)
         return fields, encode(StreamDone(body))

@@ -3,16 +3,21 @@
 A job notifies when its record carries `NOTIFY_FIELD` (set at submission: merge
 `notify_fields()` into the record's hash; the Responses API does so for every response).
 The write that ends such a job (`workers.scripts` final paths, `cluster_step._RECORD_STEP`,
-`wire.events.write_ending`) also appends an outbox entry `{kind, id, status}` to
-`keys.WEBHOOK_OUTBOX` in the same script or transaction, so the event is in Redis before
-anyone is told, and a process killed after the write loses nothing. A job without the field
-costs that final write one HGET, nothing per step. A batch's terminal write appends its
-entry the same way (`queue_batch_event`), always: batches are few.
+`wire.events.write_ending`) also appends an outbox entry `{kind, id, status,
+response_status}` to `keys.WEBHOOK_OUTBOX` in the same script or transaction, so the event
+is in Redis before anyone is told, and a process killed after the write loses nothing. The
+response's final status comes with it: `wire.events.ending` puts it among the record fields
+that write sets (`RESPONSE_STATUS_FIELD`, derived by `responses_api.response_status`, the
+one derivation) and the script copies it into the entry, so the dispatcher reads no record.
+A job without the notify field costs that final write one HMGET, nothing per step. A
+batch's terminal write appends its entry the same way (`queue_batch_event`), always:
+batches are few.
 
-The dispatcher (workers/webhooks/dispatcher.py) turns an entry into an event with `event_type` and
-`event_body` (ids are a function of the event, so a re-dispatch names the same event) and
-enqueues one delivery per endpoint subscribed to its type. Endpoints are JSON in the hash
-`keys.WEBHOOKS`; each one's last deliveries are a capped list (`log_delivery`).
+The dispatcher (workers/webhooks/dispatcher.py) turns an entry into an event with
+`response_event_type` or `batch_event_type` and `event_body` (ids are a function of the
+event, so a re-dispatch names the same event) and enqueues one delivery per endpoint
+subscribed to its type. Endpoints are JSON in the hash `keys.WEBHOOKS`; each one's last
+deliveries are a capped list (`log_delivery`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from workers.wire.responses_api import response_status
 from workers.wire.text import as_str
 
 NOTIFY_FIELD = "notify"  # a job record field: its value is the outbox entry's `kind`
+# a job record field the terminal write sets (`wire.events.ending`), copied into the entry
+RESPONSE_STATUS_FIELD = "response_status"
 NOTIFY_RESPONSE = "response"
 NOTIFY_BATCH = "batch"
 
@@ -53,13 +60,18 @@ def notify_fields(kind: str = NOTIFY_RESPONSE) -> dict[str, str]:
     return {NOTIFY_FIELD: kind}
 
 
-def response_event_type(status: str, result: Mapping[str, Any] | None) -> str | None:
-    """The event a notifying job's end is: `response.<status>` of the response's status
-    (`responses_api.response_status`: `finished` is `incomplete` when its result says the
-    token limit cut it, else `completed`); a status that is not an end is no event."""
+def response_event_type(
+    status: str, result: Mapping[str, Any] | None, final_status: str = ""
+) -> str | None:
+    """The event a notifying job's end is: `response.<status>` of the response's final
+    status, `final_status` where the outbox entry carries it, else derived from the job's
+    status and result (`responses_api.response_status`: `finished` is `incomplete` when its
+    result says the token limit cut it, else `completed`); a status that is not an end, or
+    a final status that names no response event, is no event."""
     if status not in ("finished", "failed", "cancelled"):
         return None
-    return f"response.{response_status(status, result)}"
+    name = f"response.{final_status or response_status(status, result)}"
+    return name if name in RESPONSE_EVENTS else None
 
 
 def batch_event_type(status: str) -> str | None:
@@ -71,12 +83,19 @@ def batch_event_type(status: str) -> str | None:
 # ---------------------------------------------------------------- the outbox
 
 # Lua, prepended to the scripts that end a job (`workers.scripts`, `workers.cluster_step`):
-# one HGET at the final write; an XADD only for a record marked `NOTIFY_FIELD`.
+# one HMGET at the final write (after its HSET of the record's end); an XADD only for a
+# record marked `NOTIFY_FIELD`, with the response's final status when the record has it.
 NOTIFY_LUA = f"""
 local function llmq_notify(record_key, outbox, job_id, status)
-  local kind = redis.call('HGET', record_key, '{NOTIFY_FIELD}')
+  local got = redis.call('HMGET', record_key, '{NOTIFY_FIELD}', '{RESPONSE_STATUS_FIELD}')
+  local kind, final = got[1], got[2]
   if kind and status then
-    redis.call('XADD', outbox, '*', 'kind', kind, 'id', job_id, 'status', status)
+    if final then
+      redis.call('XADD', outbox, '*', 'kind', kind, 'id', job_id, 'status', status,
+                 '{RESPONSE_STATUS_FIELD}', final)
+    else
+      redis.call('XADD', outbox, '*', 'kind', kind, 'id', job_id, 'status', status)
+    end
   end
 end
 """
@@ -98,12 +117,15 @@ def queue_batch_event(pipe: Any, batch_id: str, status: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class OutboxEntry:
-    """One terminal write that notifies: `at` is when it was written (the entry's id, ms)."""
+    """One terminal write that notifies: `at` is when it was written (the entry's id, ms);
+    `response_status` the response's final status ("" in a batch's entry, and in one
+    written by a version before the terminal write carried it)."""
 
     entry_id: str
     kind: str
     id: str
     status: str
+    response_status: str = ""
 
     @property
     def at_ms(self) -> int:
@@ -112,7 +134,13 @@ class OutboxEntry:
     @classmethod
     def from_entry(cls, entry_id: bytes | str, fields: Mapping[Any, Any]) -> OutboxEntry:
         f = {as_str(k): as_str(v) for k, v in fields.items()}
-        return cls(as_str(entry_id), f.get("kind", ""), f.get("id", ""), f.get("status", ""))
+        return cls(
+            as_str(entry_id),
+            f.get("kind", ""),
+            f.get("id", ""),
+            f.get("status", ""),
+            f.get(RESPONSE_STATUS_FIELD, ""),
+        )
 
 
 def event_id(event_type: str, object_id: str) -> str:
