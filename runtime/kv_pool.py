@@ -98,16 +98,23 @@ class BlockPool:
         windows: Sequence[int | None] | None = None,
         storage: Callable[[int, int, int], Any] | None = None,
         value_bytes: int = 4,
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """`storage(Hkv, slots, Dh)` makes one layer's keys or values (default: float32
         numpy `[Hkv, slots, Dh]`, backed as written; the tensor ops keep theirs on the
-        device in their own layout); `value_bytes` is what one stored value takes."""
+        device in their own layout); `value_bytes` is what one stored value takes;
+        `layer_shapes` each layer's own (Hkv, Dh) where they differ (Gemma 4's full layers),
+        else every layer's is (`n_kv_heads`, `head_dim`)."""
         if n_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {n_blocks}")
         windows = list(windows) if windows is not None else [None] * n_layers
         if len(windows) != n_layers:
             raise ValueError(f"{len(windows)} windows given for {n_layers} layers")
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        shapes = list(layer_shapes or [(n_kv_heads, head_dim)] * n_layers)
+        if len(shapes) != n_layers:
+            raise ValueError(f"{len(shapes)} layer shapes given for {n_layers} layers")
+        self.layer_shapes = shapes
         self.n_blocks, self.block_size = n_blocks, block_size
         # full attention first, so that group 0 (the longest-lived blocks) always exists
         order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
@@ -118,8 +125,8 @@ class BlockPool:
         self.value_bytes = value_bytes
         tokens = n_blocks * block_size
         storage = storage or (lambda h, t, d: lazy_array((h, t, d)))
-        self.keys = [storage(n_kv_heads, tokens, head_dim) for _ in range(n_layers)]
-        self.values = [storage(n_kv_heads, tokens, head_dim) for _ in range(n_layers)]
+        self.keys = [storage(h, tokens, d) for h, d in shapes]
+        self.values = [storage(h, tokens, d) for h, d in shapes]
 
     @classmethod
     def for_budget(
@@ -131,8 +138,10 @@ class BlockPool:
         windows: Sequence[int | None] | None = None,
         storage: Callable[[int, int, int], Any] | None = None,
         value_bytes: int = 4,
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
     ) -> BlockPool:
-        per_block = n_layers * 2 * n_kv_heads * head_dim * BLOCK_SIZE * value_bytes
+        shapes = layer_shapes or [(n_kv_heads, head_dim)] * n_layers
+        per_block = sum(2 * h * d for h, d in shapes) * BLOCK_SIZE * value_bytes
         n_blocks = max(1, memory_bytes // per_block)
         return cls(
             n_layers,
@@ -142,6 +151,7 @@ class BlockPool:
             windows=windows,
             storage=storage,
             value_bytes=value_bytes,
+            layer_shapes=layer_shapes,
         )
 
     @property
@@ -150,8 +160,12 @@ class BlockPool:
 
     def group_nbytes(self, group: int) -> int:
         """Bytes of one block of one group (its layers only)."""
-        n_layers = len(self.groups[group].layers)
-        return n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * self.value_bytes
+        return self._nbytes(self.groups[group].layers)
+
+    def _nbytes(self, layers: Iterable[int]) -> int:
+        """Bytes of one block of `layers`."""
+        values = sum(2 * h * d for h, d in (self.layer_shapes[i] for i in layers))
+        return values * self.block_size * self.value_bytes
 
     def layer_storage(self, layer: int, window: int | None) -> tuple[int, Any, Any]:
         """`layer`'s group and its keys and values, for a layer attending over `window`
@@ -166,9 +180,7 @@ class BlockPool:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block of every layer: the KV memory of `block_size` tokens."""
-        return (
-            self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.block_size * self.value_bytes
-        )
+        return self._nbytes(range(self.n_layers))
 
     @property
     def n_free(self) -> int:

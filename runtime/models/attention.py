@@ -121,8 +121,11 @@ def attend_layout(
     out = np.empty((t, n_heads * head_dim), np.float32)
     if softcap is not None or sinks is not None:  # every chunk, decode rows too: `attend`
         return _attend_chunks(q, keys, values, layout, group, window, softcap, out, sinks=sinks)
+    n_kv = keys.shape[0]  # the layer's own (Gemma 4's layers differ)
     plan = _plan(
-        layout, ("decode", group, window), lambda lay: _decode_groups(lay, group, window, n_heads)
+        layout,
+        ("decode", group, window, n_kv),
+        lambda lay: _decode_groups(lay, group, window, n_heads, n_kv),
     )
     for rows in plan:
         rows.attend(q, keys, values, out)
@@ -308,11 +311,10 @@ def _row_keys(layout: BatchLayout, group: int, window: int | None) -> RowKeys:
 
 
 def _decode_groups(
-    layout: BatchLayout, group: int, window: int | None, n_heads: int
+    layout: BatchLayout, group: int, window: int | None, n_heads: int, n_kv: int
 ) -> list[DecodeGroup]:
     """A layer group's decode rows sorted by how many keys they see, cut into groups whose
     longest member is at most MAX_PADDING_FACTOR times the shortest."""
-    n_kv = _shared_pool(layout).n_kv_heads
     rows = []
     for lo, hi, chunk in layout.spans:
         if hi - lo == 1:

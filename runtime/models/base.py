@@ -204,8 +204,14 @@ class DecoderModel:
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        """(layers, KV heads, head dim): what a KV cache of this model holds per token."""
+        """(layers, KV heads, head dim): what a KV cache of this model holds per token
+        (where layers differ, `kv_layer_shapes`: these the most of any)."""
         return self.args.n_layers, self.args.n_kv_heads, self.args.head_dim
+
+    @property
+    def kv_layer_shapes(self) -> list[tuple[int, int]] | None:
+        """Each layer's (KV heads, head dim) where layers differ (None: all `kv_shape`'s)."""
+        return None
 
     @property
     def kv_windows(self) -> list[int | None]:
@@ -222,6 +228,7 @@ class DecoderModel:
             windows=self.kv_windows,
             storage=self.ops.kv_storage,
             value_bytes=self.ops.kv_value_bytes,
+            layer_shapes=self.kv_layer_shapes,
         )
 
     def kv_pool_for_budget(self, memory_bytes: int) -> BlockPool:
@@ -233,6 +240,7 @@ class DecoderModel:
             windows=self.kv_windows,
             storage=self.ops.kv_storage,
             value_bytes=self.ops.kv_value_bytes,
+            layer_shapes=self.kv_layer_shapes,
         )
 
     def new_cache(self, max_tokens: int, pool: BlockPool | None = None) -> PagedKVCache:

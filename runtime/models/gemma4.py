@@ -13,11 +13,9 @@ GELU-tanh gated FFN, embeddings times sqrt(dim)) with
 - each layer's output, residual included, times its layer_output_scale.
 
 llama.cpp: src/models/gemma4.cpp; conversion/gemma.py `Gemma4Model` (norm weights stored
-as the scale itself). The KV pool keeps one shape for every layer, the largest head and
-KV-head count, so a narrower layer's keys and values are widened into it (heads repeated,
-zeros after its head size: q.k and the weighted values are unchanged) and its output cut
-back. Not supported, refused by name at load: per-layer embeddings and KV shared across
-layers (E2B, E4B), mixture-of-experts layers (26B-A4B).
+as the scale itself). The KV pool keeps each layer in its own shape (`kv_layer_shapes`).
+Not supported, refused by name at load: per-layer embeddings and KV shared across layers
+(E2B, E4B), mixture-of-experts layers (26B-A4B).
 """
 
 from __future__ import annotations
@@ -46,8 +44,8 @@ LOCAL = "local"  # the sliding layers' rope key
 
 @dataclass
 class Gemma4Args(DecoderArgs):
-    """`head_dim` and `n_kv_heads` are the KV pool's (the most of any layer); `head_dims`
-    and `kv_heads` each layer's own."""
+    """`head_dim` and `n_kv_heads` are the most of any layer (the model's `kv_shape`);
+    `head_dims` and `kv_heads` each layer's own."""
 
     local_rope_base: float = 10000.0
     local_n_rot: int = 0
@@ -133,21 +131,6 @@ def _read_args(f: GGUFFile) -> Gemma4Args:
     return args
 
 
-def _widen(x: Any, heads: int, dim: int) -> Any:
-    """`x` `[T, h, d]` -> `[T, heads, dim]`, as the KV pool keeps every layer: each head
-    `heads / h` times in a row (a query head meets the same KV head), zeros after `d`."""
-    t, h, d = x.shape
-    if (h, d) == (heads, dim):
-        return x
-    out = (
-        np.zeros((t, heads, dim), x.dtype)
-        if isinstance(x, np.ndarray)
-        else x.new_zeros((t, heads, dim))
-    )
-    out.reshape(t, h, heads // h, dim)[..., :d] = x[:, :, None]  # [T, h, 1, d] -> [T, h, r, d]
-    return out
-
-
 class Gemma4Block(Block):
     """A Gemma 4 layer; `args` are the model's, this layer's own taken from them."""
 
@@ -155,7 +138,6 @@ class Gemma4Block(Block):
         self, f: GGUFFile, i: int, args: Gemma4Args, backend: Backend, ops, shape: BlockShape
     ) -> None:
         p = f"blk.{i}."
-        self.pool_heads, self.pool_dim = args.n_kv_heads, args.head_dim
         fused_or_v = f.has_tensor(p + "attn_v.weight") or f.has_tensor(p + "attn_qkv.weight")
         self.k_eq_v = not fused_or_v
         super().__init__(f, i, args.layer(i), backend, ops, shape)
@@ -173,19 +155,13 @@ class Gemma4Block(Block):
     def attention(self, x, layout: BatchLayout, rope: tuple | None, q_temperature=None):
         a, t, ops = self.args, x.shape[0], self.ops
         q_end, k_end = a.n_heads * a.head_dim, (a.n_heads + a.n_kv_heads) * a.head_dim
-        qkv = self.project(
-            x, self.wqkv, layout, self.attn_norm
-        )  # [T, D] -> [T, (H+2Hkv)*Dh] (k = v: H+Hkv)
+        # [T, D] -> [T, (H+2Hkv)*Dh] ((H+Hkv)*Dh where v is k's projection)
+        qkv = self.project(x, self.wqkv, layout, self.attn_norm)
         v = qkv[:, q_end:k_end] if self.k_eq_v else qkv[:, k_end:]
         v = ops.rms_normalize(v.reshape(t, a.n_kv_heads, a.head_dim), a.norm_eps)
         q, k = self._normed_qk(qkv[:, :q_end], qkv[:, q_end:k_end])  # [T, H|Hkv, Dh]
         q, k = (ops.apply_rope(y, *rope) for y in (q, k))
-        q = _widen(q, a.n_heads, self.pool_dim)  # [T, H, Dh] -> [T, H, Dp]
-        k, v = (_widen(y, self.pool_heads, self.pool_dim) for y in (k, v))
-        out = ops.attend(self.index, q, k, v, layout, self.window, None)  # [T, H*Dp]
-        if self.pool_dim != a.head_dim:
-            out = out.reshape(t, a.n_heads, self.pool_dim)[:, :, : a.head_dim]
-            out = out.reshape(t, a.n_heads * a.head_dim)
+        out = ops.attend(self.index, q, k, v, layout, self.window, None)  # [T, H*Dh]
         return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
 
 
@@ -197,6 +173,10 @@ class Gemma4Model(Decoder):
     @staticmethod
     def read_args(f: GGUFFile) -> Gemma4Args:
         return _read_args(f)
+
+    @property
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        return list(zip(self.args.kv_heads, self.args.head_dims, strict=True))
 
     def rope_freqs(self, f: GGUFFile) -> dict[Hashable, tuple]:
         a = self.args

@@ -93,6 +93,7 @@ def test_gemma4s_layers_keep_their_own_head_size_kv_heads_and_rope(tmp_path: Pat
     shapes = [(b.args.head_dim, b.args.n_kv_heads, b.k_eq_v, b.rope_key) for b in model.layers]
     assert shapes == [(16, 2, False, "local"), (32, 1, True, "global")] * 2
     assert model.kv_windows == [8, None, 8, None] and model.kv_shape == (4, 2, 32)
+    assert [k.shape for k in model.new_kv_pool(16).keys] == [(2, 16, 16), (1, 16, 32)] * 2
 
 
 def test_loads_and_caching_or_chunking_keeps_the_numbers(arch_path: Path):
