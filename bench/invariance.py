@@ -104,14 +104,14 @@ class Recorder:
         self.rows: dict[str, list[np.ndarray]] = {}
 
     def attach(self, generator: Any) -> None:
-        sample = generator._sample_on_host  # a bench may look inside
+        sample = generator.runner.host_rows.sample  # a bench may look inside
 
-        def recording(logits: np.ndarray, sequences: list[Any]) -> Any:
-            for row, seq in zip(logits, sequences, strict=True):
-                self.rows.setdefault(seq.request_id, []).append(np.array(row))
-            return sample(logits, sequences)
+        def recording(logits: np.ndarray, rows: list[Any]) -> Any:
+            for values, row in zip(logits, rows, strict=True):
+                self.rows.setdefault(row.request_id, []).append(np.array(values))
+            return sample(logits, rows)
 
-        generator._sample_on_host = recording
+        generator.runner.host_rows.sample = recording
 
 
 def run(engine: Any, requests: list[tuple[str, list[int], int]], tokens: int, cache: bool):

@@ -45,6 +45,7 @@ from runtime.placement import (
 from runtime.prefix_cache import PrefixCache
 from runtime.registry import ModelSpec, resolve
 from runtime.sampling import Sampler, SamplingParams
+from runtime.step_runners import HostRows, HostSteps, StepRunner
 
 if TYPE_CHECKING:
     from runtime.decode_graphs import DecodeGraphs
@@ -238,8 +239,18 @@ class Engine:
                 overlap=self.config.overlap,
             ),
             grammar_vocab=self.grammar_vocab,
-            decode_graphs=self.decode_graphs,
+            runner=self._step_runner(),
         )
+
+    def _step_runner(self) -> StepRunner:
+        """The runner of a new generator's steps (runtime/step_runners.py), for this
+        engine's path: each generator its own, as it keeps its own grammar counts."""
+        host_rows = HostRows(self.sampler, self.grammar_vocab)
+        if not self.torch_forward:
+            return HostSteps(self.model, host_rows)
+        from runtime.device_steps import DeviceSteps  # torch: the tensor path's
+
+        return DeviceSteps(self.model, host_rows, self.decode_graphs)
 
     def generate(
         self,

@@ -40,11 +40,9 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from runtime.constraints import GrammarMatcher, apply_grammar_masks, validate_constraint
+from runtime.constraints import GrammarMatcher, validate_constraint
 from runtime.detokenizer import TextAssembler
 from runtime.errors import ContextLengthError, EmptyPromptError, check_context_length
 from runtime.finish import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
@@ -52,7 +50,7 @@ from runtime.grammar_vocab import GrammarVocab
 from runtime.kernels.core_share import before_forward_pass
 from runtime.kv_pool import BlockPool, OutOfBlocksError, PagedKVCache
 from runtime.lora import AdapterStack, LoraAdapter, normalize_stack, stack_namespace
-from runtime.models.base import BatchLayout, SequenceChunk
+from runtime.models.base import SequenceChunk
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import (
     Sampler,
@@ -60,24 +58,13 @@ from runtime.sampling import (
     SamplingParams,
     SequenceSamplingState,
 )
+from runtime.step_runners import CausalLM, HostRows, HostSteps, StepRow, StepRunner
 from runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch stays out of the host path's imports
     from runtime.device_sampling import PendingTokens
 
 DEFAULT_PRIORITY = 0
-
-
-class CausalLM(Protocol):
-    """What the generator needs of a model (see runtime/models/)."""
-
-    context_length: int
-    vocab_size: int
-
-    ops: Any  # models/ops.py: host or tensor operations
-
-    def forward(self, tokens: np.ndarray, layout: BatchLayout) -> np.ndarray: ...
-    def logits(self, hidden: np.ndarray, exact: Sequence[bool] | None = None) -> np.ndarray: ...
 
 
 @dataclass
@@ -136,6 +123,10 @@ class _Sequence:
     def prefilling(self) -> bool:
         return self.consumed < len(self.prompt_ids)
 
+    @property
+    def row(self) -> StepRow:
+        return StepRow(self.request_id, self.sampling, self.grammar)
+
 
 class Generator:
     """Continuous batching over one model with paged KV memory and a prefix cache."""
@@ -150,11 +141,11 @@ class Generator:
         max_context: int | None = None,
         config: GeneratorConfig | None = None,
         grammar_vocab: GrammarVocab | None = None,
-        decode_graphs: Any = None,
+        runner: StepRunner | None = None,
     ) -> None:
+        """`runner`: how a step's forward pass runs and its rows are sampled, chosen by
+        the engine for its path (runtime/step_runners.py); the host path's by default."""
         self.model, self.tokenizer, self.sampler = model, tokenizer, sampler
-        # runtime/decode_graphs.py: pure decode steps as static (on a GPU, captured) steps
-        self.decode_graphs = decode_graphs
         self.pool, self.prefix_cache = pool, prefix_cache
         self.max_context = min(max_context or model.context_length, model.context_length)
         self.config = config or GeneratorConfig()
@@ -164,10 +155,19 @@ class Generator:
         self.preemptions = 0
         # built on the first constrained request; an engine shares one between generators
         self.grammar_vocab = grammar_vocab or GrammarVocab(tokenizer, model.vocab_size)
-        self.grammar_seconds = 0.0  # masks + matcher updates, all steps
-        self.grammar_rows = 0  # constrained rows masked, all steps
+        self.runner = runner or HostSteps(model, HostRows(sampler, self.grammar_vocab))
         self._in_flight: _InFlight | None = None  # a launched step not yet read back
         self.overlapped_steps = 0  # steps launched before the previous one was read
+
+    @property
+    def grammar_seconds(self) -> float:
+        """Time spent on grammars (masks + matcher updates), all steps."""
+        return self.runner.host_rows.grammar_seconds
+
+    @property
+    def grammar_rows(self) -> int:
+        """Constrained rows masked, all steps."""
+        return self.runner.host_rows.grammar_rows
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._running)
@@ -273,23 +273,20 @@ class Generator:
         if not chunks:
             return events
         before_forward_pass()  # the thread count follows the machine's load (core_share.py)
-        bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(chunks)
         sequences = [seq for _, seq in wanted]
+        rows = [seq.row for seq in sequences]  # the wanted rows, in `wanted`'s order
+        bucket = self.runner.static_bucket(chunks)
         if bucket is not None:  # every row decodes one token: all are wanted
-            logits = self.decode_graphs.run(tokens, chunks, bucket)
-            if self.config.overlap and all(map(_samples_on_device, sequences)):
-                self._in_flight = self._sample_later(logits, sequences)
+            logits = self.runner.run_static(tokens, chunks, bucket)
+            if self.config.overlap and all(map(self.runner.samples_on_device, rows)):
+                pending = self.runner.sample_later(logits, rows)
+                self._in_flight = _InFlight(sequences, pending)
                 return events
         else:
-            hidden = self.model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
-            if not wanted:
+            logits = self.runner.forward(tokens, chunks, [i for i, _ in wanted], rows)
+            if logits is None:  # only prompt chunks: no row is wanted yet
                 return events
-            exact = [_needs_full_logits(seq) for seq in sequences]
-            logits = self.model.logits(hidden[[row for row, _ in wanted]], exact)  # [B, V]
-        if isinstance(logits, np.ndarray):
-            samples = self._sample_on_host(logits, sequences)
-        else:
-            samples = self._sample_on_device(logits, sequences)
+        samples = self.runner.sample(logits, rows)
         events.extend(self._emit(s, sample) for s, sample in zip(sequences, samples, strict=True))
         return events
 
@@ -312,22 +309,15 @@ class Generator:
                 return None  # memory is short: the step-by-step path preempts
         sequences = [seq for _, seq in rows]
         chunks = [SequenceChunk(s.cache, s.cache.length, 1, s.adapters) for s in sequences]
-        bucket = self.decode_graphs.bucket_for(chunks)
+        bucket = self.runner.static_bucket(chunks)
         if bucket is None:
             return None
         before_forward_pass()
         sources = [i for i, _ in rows]
-        logits = self.decode_graphs.run(sources, chunks, bucket, previous=pending.tokens.tokens)
+        logits = self.runner.run_static(sources, chunks, bucket, previous=pending.tokens.tokens)
         self.overlapped_steps += 1
-        return self._sample_later(logits, sequences)
-
-    def _sample_later(self, logits, sequences: list[_Sequence]) -> _InFlight:
-        """Sample every row on the device; the token ids start on their way back."""
-        from runtime.device_sampling import PendingTokens, device_row_tokens
-
-        states = [seq.sampling for seq in sequences]
-        tokens = device_row_tokens(logits, range(len(sequences)), states)
-        return _InFlight(sequences, PendingTokens(tokens))
+        tokens = self.runner.sample_later(logits, [seq.row for seq in sequences])
+        return _InFlight(sequences, tokens)
 
     def _read_back(self, pending: _InFlight) -> list[TokenEvent]:
         """The events of a launched step's rows that are still running (a row finished or
@@ -339,37 +329,6 @@ class Generator:
             for seq, token_id in zip(pending.sequences, token_ids, strict=True)
             if seq in running
         ]
-
-    def _sample_on_host(self, logits: np.ndarray, sequences: list[_Sequence]) -> list[SampleResult]:
-        """Grammar masks on the constrained rows, then the host sampler on every row."""
-        constrained = [j for j, seq in enumerate(sequences) if seq.grammar is not None]
-        if constrained:
-            started = time.perf_counter()
-            matchers = [sequences[j].grammar for j in constrained]
-            apply_grammar_masks(self.grammar_vocab, logits, constrained, matchers)
-            self.grammar_seconds += time.perf_counter() - started
-            self.grammar_rows += len(constrained)
-        return self.sampler.sample(logits, [seq.sampling for seq in sequences])
-
-    def _sample_on_device(self, logits, sequences: list[_Sequence]) -> list[SampleResult]:
-        """Device logits: rows that need only their RNG are sampled where they are and
-        only token ids come back; the others' rows are copied to the host sampler."""
-        from runtime.device_sampling import sample_device_rows
-
-        on_device = [j for j, seq in enumerate(sequences) if _samples_on_device(seq)]
-        results: list[SampleResult | None] = [None] * len(sequences)
-        if on_device:
-            states = [sequences[j].sampling for j in on_device]
-            tokens = sample_device_rows(logits, on_device, states)
-            for j, token in zip(on_device, tokens, strict=True):
-                results[j] = SampleResult(token, None)
-        on_host = [j for j in range(len(sequences)) if results[j] is None]
-        if on_host:
-            rows = self.model.ops.to_host(logits[on_host])  # [n, V]
-            samples = self._sample_on_host(rows, [sequences[j] for j in on_host])
-            for j, sample in zip(on_host, samples, strict=True):
-                results[j] = sample
-        return results
 
     # ------------------------------------------------------------------ scheduling
 
@@ -502,7 +461,7 @@ class Generator:
         started = time.perf_counter()
         seq.grammar.consume(token_id)
         done, error = seq.grammar.done, seq.grammar.error
-        self.grammar_seconds += time.perf_counter() - started
+        self.runner.host_rows.grammar_seconds += time.perf_counter() - started
         if error is not None:
             return "", FINISH_ERROR
         if done:  # its text is released in full, as for the last allowed token
@@ -514,21 +473,6 @@ class Generator:
         self._remember(seq, self._fed(seq))
         seq.cache.release()
         self._running.remove(seq)
-
-
-def _needs_full_logits(seq: _Sequence) -> bool:
-    """Whether `seq`'s next logits are seen or sampled from past their argmax (a logprob,
-    a draw, a penalty, a grammar's mask): then they come from the head at the file's
-    precision, where the plan's head is a cheaper copy (runtime/kernels/heads.py)."""
-    return seq.grammar is not None or seq.sampling.needs_full_logits
-
-
-def _samples_on_device(seq: _Sequence) -> bool:
-    """Whether `seq`'s next token needs nothing from the host: no grammar mask, and a
-    sampler that needs only the row's random stream (runtime/device_sampling.py)."""
-    from runtime.device_sampling import samples_on_device
-
-    return seq.grammar is None and samples_on_device(seq.sampling)
 
 
 def _ends_by_length(seq: _Sequence) -> bool:

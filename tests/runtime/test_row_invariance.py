@@ -183,15 +183,15 @@ def _probe_logits(engine: Engine, others: list[tuple[list[int], SamplingParams, 
     """A greedy request's logits at each sampled step, run beside `others` in one generator."""
     generator = engine.new_generator()
     recorded: list[np.ndarray] = []
-    sample = generator._sample_on_host
+    sample = generator.runner.host_rows.sample
 
-    def recording(rows, sequences):
-        for row, seq in zip(rows, sequences, strict=True):
-            if seq.request_id == "probe":
-                recorded.append(np.array(row))
-        return sample(rows, sequences)
+    def recording(host_logits, rows):
+        for values, row in zip(host_logits, rows, strict=True):
+            if row.request_id == "probe":
+                recorded.append(np.array(values))
+        return sample(host_logits, rows)
 
-    generator._sample_on_host = recording
+    generator.runner.host_rows.sample = recording
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     probe = engine.adapter_stack([("A", 1.0)])
     generator.add("probe", [5, 17, 42, 99, 3, 250, 61], greedy, adapters=probe)

@@ -40,14 +40,14 @@ def run(engine, requests: list[tuple[list[int], int]], cache: bool):
     generator = engine.new_generator()
     tokens: dict[str, list[int]] = {}
     logits: dict[str, list[np.ndarray]] = {}
-    sample = generator._sample_on_host  # the rows the sampler sees, per request
+    sample = generator.runner.host_rows.sample  # the rows the sampler sees, per request
 
-    def recording(rows, sequences):
-        for row, seq in zip(rows, sequences, strict=True):
-            logits[seq.request_id].append(np.array(row))
-        return sample(rows, sequences)
+    def recording(host_logits, rows):
+        for values, row in zip(host_logits, rows, strict=True):
+            logits[row.request_id].append(np.array(values))
+        return sample(host_logits, rows)
 
-    generator._sample_on_host = recording
+    generator.runner.host_rows.sample = recording
     for i, (prompt, resume) in enumerate(requests):
         generator.add(f"r{i}", prompt, greedy(TOKENS - resume), cache_prompt=cache, resume=resume)
         tokens[f"r{i}"], logits[f"r{i}"] = [], []

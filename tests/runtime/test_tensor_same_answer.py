@@ -4,10 +4,11 @@ any bucket (beside rows long enough to widen its table window), after a prefix-c
 and resumed from its sent tokens, with overlapped steps (runtime/generator.py) on; one
 resumed case is within 1e-5 only (the test says which).
 
-The logits are read where the generator samples them (`_sample_on_device` for prefills and
-steps that wait, `_sample_later` for overlapped ones). As in test_decode_graphs.py, they
-must be bitwise equal on CUDA and on AVX-512 CPUs; below AVX-512 torch's CPU kernels round
-a padded bucket's tail rows differently, so there they agree to 1e-5 and in every token.
+The logits are read where the generator's runner samples them (runtime/device_steps.py:
+`sample` for prefills and steps that wait, `sample_later` for overlapped ones). As in
+test_decode_graphs.py, they must be bitwise equal on CUDA and on AVX-512 CPUs; below
+AVX-512 torch's CPU kernels round a padded bucket's tail rows differently, so there they
+agree to 1e-5 and in every token.
 The `cuda` cases run the captured graphs on a GPU.
 """
 
@@ -46,16 +47,16 @@ def _logits_of(
     generator = engine.new_generator()
     logits: dict[str, list[np.ndarray]] = {r[0]: [] for r in requests}
     tokens: dict[str, list[int]] = {r[0]: [] for r in requests}
-    for name in ("_sample_on_device", "_sample_later"):
-        original = getattr(generator, name)
+    for name in ("sample", "sample_later"):
+        original = getattr(generator.runner, name)
 
-        def recording(rows, sequences, original=original):
-            host = rows.float().cpu().numpy()
-            for row, seq in zip(host, sequences, strict=True):
-                logits[seq.request_id].append(row)
-            return original(rows, sequences)
+        def recording(device_logits, rows, original=original):
+            host = device_logits.float().cpu().numpy()
+            for values, row in zip(host, rows, strict=True):
+                logits[row.request_id].append(values)
+            return original(device_logits, rows)
 
-        setattr(generator, name, recording)
+        setattr(generator.runner, name, recording)
     for request_id, prompt, params, resume in requests:
         generator.add(request_id, prompt, params, cache_prompt=cache, resume=resume)
     while len(generator):
