@@ -204,6 +204,10 @@ class MoE:
 
     def __call__(self, xn, layout: BatchLayout | None = None):
         """The normalized rows `xn` `[T, D]` through the chosen experts -> `[T, D]`."""
+        if getattr(self.ops, "cuda", False) and _capturing():
+            # refused before any copy to the host: runtime/decode_graphs.py then decodes
+            # this model's static steps uncaptured
+            raise RuntimeError("a MoE layer chooses its experts on the host: not capturable")
         x_in = self.ops.to_host(xn)
         if self.input_scale is not None:
             x_in = x_in * self.input_scale  # the router's input, as llama.cpp normalizes it
@@ -275,6 +279,12 @@ class MoE:
         import torch
 
         return torch.from_numpy(np.ascontiguousarray(values)).to(self.ops.device)
+
+
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _vectors(ops: Any, rows: np.ndarray | None) -> list | None:
