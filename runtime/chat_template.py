@@ -20,6 +20,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from runtime.chat_formats import ChatFormat
 from runtime.errors import (
     ChatTemplateMissingError,
     ChatTemplateRenderError,
@@ -67,6 +68,9 @@ class ChatTemplate:
         self.knows_tools = False
         """Whether the template renders a `tools` variable itself (else tool calling uses
         the Hermes-style fallback of `runtime.tool_calls`)."""
+        self.format = ChatFormat.of(source, tokenizer)
+        """The family its answers' tool calls and thinking are written in, told from the
+        template's text once (`runtime.chat_formats`)."""
         if source is not None:
             try:
                 env = self._environment()

@@ -99,6 +99,6 @@ class ModelText:
             if max_tokens is None:  # chat's default: whatever the context leaves, at least 1
                 max_tokens = max(1, context - len(ids))
             check_context_length(len(ids), max_tokens, context)
-            for params in spec.choice_params(max_tokens):
+            for params in spec.choice_params(max_tokens, self.chat_template.format):
                 params.check_vocab(self.vocab_size)
         return sum(len(ids) for ids in prompts)

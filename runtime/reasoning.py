@@ -32,24 +32,30 @@ class ReasoningParser:
     `feed(text)` returns the (reasoning, content) the text shows now; `finish()` what was
     held back at the end. `reasoning` is None until the answer turns out to think. The
     whitespace after each tag is dropped (as llama.cpp's parser consumes it), so the split
-    is the same however the text arrives.
+    is the same however the text arrives. `reasoning_spans` holds the block's [start, end)
+    character offsets in the text fed, tags included (end None while it is open), for
+    counting thinking tokens.
     """
 
     def __init__(self, inside: bool = False) -> None:
         self.reasoning: str | None = "" if inside else None
         self.content = ""
+        self.reasoning_spans: list[list[int | None]] = [[0, None]] if inside else []
+        self._fed = 0  # characters fed so far
         # start -> (think_lead -> thinking ->) answer_lead -> answer; *_lead skip whitespace
         self._state = "think_lead" if inside else "start"
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text
+        self._fed += len(text)
         reasoning, content = "", ""
         while self._held:
             state, held = self._state, self._held
             if state == "start":
                 stripped = held.lstrip()
                 if stripped.startswith(OPEN):
+                    self.reasoning_spans.append([self._fed - len(stripped), None])
                     self._held, self._state, self.reasoning = (
                         stripped[len(OPEN) :],
                         "think_lead",
@@ -70,6 +76,7 @@ class ReasoningParser:
                     reasoning, self._held = reasoning + held[:cut], held[cut:]
                     break
                 reasoning += held[:end]
+                self.reasoning_spans[-1][1] = self._fed - len(held) + end + len(CLOSE)
                 self._held, self._state = held[end + len(CLOSE) :], "answer_lead"
             else:
                 content, self._held = content + held, ""

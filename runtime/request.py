@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from runtime.chat_formats import ChatFormat
 from runtime.constraints import Constraint, constraint_from_request
 from runtime.errors import AdapterError, EmptyPromptError, InvalidSamplingParams
 from runtime.limits import DEFAULT_COMPLETION_TOKENS, MAX_CHOICES
@@ -81,12 +82,13 @@ class GenerationSpec:
         """The tools the prompt shows the model: none when it may not call them."""
         return self.tools if self.calls_possible else None
 
-    def output_constraint(self) -> Constraint | None:
-        """What every choice must match: the response format, else the tool-call grammar."""
+    def output_constraint(self, fmt: ChatFormat | None = None) -> Constraint | None:
+        """What every choice must match: the response format, else the tool-call grammar in
+        the model's format (`fmt`; Hermes where the model is not known)."""
         if self.constraint is not None or not self.calls_possible:
             return self.constraint
         assert self.tools is not None
-        return tool_grammar(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return tool_grammar(self.tools, self.tool_choice, self.parallel_tool_calls, fmt)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], *, chat: bool) -> GenerationSpec:
@@ -176,10 +178,11 @@ class GenerationSpec:
                 param="n",
             )
 
-    def choice_params(self, max_tokens: int) -> list[SamplingParams]:
+    def choice_params(self, max_tokens: int, fmt: ChatFormat | None = None) -> list[SamplingParams]:
         """Parameters of the `n` choices of one prompt; a seed gives choice j the seed + j,
-        so the choices of a seeded request are reproducible and still differ from each other."""
-        constraint = self.output_constraint()
+        so the choices of a seeded request are reproducible and still differ from each other.
+        `fmt`: the model's chat format, which the tool-call grammar is written in."""
+        constraint = self.output_constraint(fmt)
         return [
             SamplingParams(
                 max_tokens=max_tokens,

@@ -1,8 +1,9 @@
 """Tool calling: the tools a chat request offers, the prompt that shows them, the grammar
 that keeps a call valid, and the parser that finds the calls in the generated text.
 
-One format everywhere, Hermes style (what Qwen 2.5 and the Hermes models are trained on and
-what small models follow from instructions alone): a call is
+Hermes style by default (what Qwen 2.5 and the Hermes models are trained on and what small
+models follow from instructions alone; Llama 3.x, Mistral and gpt-oss write theirs in their
+own formats: `runtime.chat_formats`, `runtime.json_calls`, `runtime.harmony`): a call is
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -32,8 +33,11 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, ChatFormat
 from runtime.constraints import GRAMMAR, JSON_FORMAT, Constraint
 from runtime.errors import InvalidSamplingParams
+from runtime.harmony import harmony_grammar
+from runtime.json_calls import json_call_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 AUTO, NONE, REQUIRED = "auto", "none", "required"
@@ -130,17 +134,28 @@ def calls_possible(tools: Any, tool_choice: Any) -> bool:
 # ------------------------------------------------------------------ grammar
 
 
-def tool_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: Any, parallel: bool):
-    """The `Constraint` (a Lark grammar) that keeps calls valid; None for `none` or no tools.
-    Not yet compiled: `validate_constraint` (the API, at submission) and the generator do."""
+def tool_grammar(
+    tools: Sequence[Mapping[str, Any]],
+    tool_choice: Any,
+    parallel: bool,
+    fmt: ChatFormat | None = None,
+):
+    """The `Constraint` (a Lark grammar) that keeps calls valid in the model's format
+    (`fmt`, Hermes when None); None for `none` or no tools. Not yet compiled:
+    `validate_constraint` (the API, at submission) and the generator do."""
     if not calls_possible(tools, tool_choice):
         return None
     name = named_choice(tool_choice)
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    auto = tool_choice in (None, AUTO)
+    if fmt is not None and fmt.family == HARMONY:
+        return harmony_grammar(fmt, functions, auto)
+    if fmt is not None and fmt.family in (LLAMA3, MISTRAL):
+        return json_call_grammar(fmt, functions, auto, parallel and name is None)
     alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
     # a named function is called once; otherwise `parallel` allows more calls in a row
     more = ' ("\\n" "<tool_call>" call)*' if parallel and name is None else ""
-    if tool_choice in (None, AUTO):
+    if auto:
         # free text until the model writes <tool_call> (lazy: the trigger ends the text)
         start = f"start: TEXT | text_then_open call{more}\n"
         start += 'text_then_open[lazy]: TEXT "<tool_call>"\nTEXT: /(.|\\n)*/\n'

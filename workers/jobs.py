@@ -17,13 +17,14 @@ from typing import Any
 from rq.job import Job
 from rq.queue import Queue
 
+from runtime.answer_parser import AnswerParser, answer_parser, reasoning_tokens
+from runtime.chat_formats import MISTRAL, ChatFormat
 from runtime.engine import Engine
 from runtime.errors import LLMQRuntimeError
 from runtime.finish import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from runtime.generator import TokenEvent
-from runtime.reasoning import ReasoningParser
+from runtime.harmony import HarmonyParser
 from runtime.sampling import SamplingParams
-from runtime.tool_calls import ToolCallParser
 from workers import keys
 from workers.errors import ConstrainedDecodingError, InvalidJobRequest, JobFailure, JobRefused
 from workers.progress import StreamProgress
@@ -60,19 +61,33 @@ FINISH_TOOL_CALLS = "tool_calls"
 
 @dataclass
 class ChoiceState:
-    """`reasoning` takes a thinking model's thinking out of the choice's text, and `tools`
-    parses what is left for tool calls when its request may make them."""
+    """`parser` splits the choice's text into thinking, content and tool calls in its
+    model's format (`runtime.answer_parser`) where the model thinks or the request may make
+    calls; `spans` are its tokens' [start, end) in the text the parser was fed, to count
+    those that fall in thinking."""
 
     plan: ChoicePlan
     output: ChoiceOutput
     request_id: str
-    tools: ToolCallParser | None = None
-    reasoning: ReasoningParser | None = None
+    parser: AnswerParser | HarmonyParser | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def parses(self) -> bool:
         """Whether its tokens reach the client as parsed deltas rather than plain text."""
-        return self.tools is not None or self.reasoning is not None
+        return self.parser is not None
+
+    def feed(self, text: str, finish: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        """Feed the parser one token's text (the end of the text with `finish`)."""
+        assert self.parser is not None
+        start = self.spans[-1][1] if self.spans else 0
+        self.spans.append((start, start + len(text)))
+        reasoning, content, calls = self.parser.feed(text)
+        if finish:
+            more_reasoning, more_content, more_calls = self.parser.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+            calls = calls + more_calls
+        return reasoning, content, calls
 
     @property
     def finished(self) -> bool:
@@ -107,6 +122,7 @@ class ActiveJob:
     resumed: dict[str, int] = field(default_factory=dict)  # request id -> tokens sent before
     failure: JobFailure | None = None  # the engine ended a choice with an error: fail the job
     preemptions: int = 0  # times the engine took its choices' KV memory for higher priorities
+    format: ChatFormat = field(default_factory=ChatFormat)  # the model's (runtime/chat_formats)
 
     @property
     def id(self) -> str:
@@ -134,6 +150,7 @@ class ActiveJob:
             self._embed(engine, body)
             return []
         self.plan = plan_generation(engine, self.record)
+        self.format = engine.chat_template.format
         self.renderer = LogprobRenderer(engine.tokenizer, self.record.endpoint)
         sequences = []
         for plan in self.plan.choices:
@@ -161,7 +178,8 @@ class ActiveJob:
         out = choice.output
         delta = None
         if choice.parses:
-            delta, finish = self._parsed_delta(choice, text, finish)
+            parse_text = text + self.format.marker_text(event.token_id)
+            delta, finish = self._parsed_delta(choice, parse_text, finish)
         entry = None
         if self.plan is not None and self.plan.logprobs is not None and self.renderer:
             entry = self.renderer.entry(
@@ -199,22 +217,14 @@ class ActiveJob:
         """What the token shows a streaming client (reasoning, content and tool-call deltas),
         and the choice's finish reason: "tool_calls" when a choice that made calls stops, or
         when it repeats one of its calls (the choice ends there: `ToolCallParser.repeated`)."""
-        reasoning, content = "", text
-        if choice.reasoning is not None:
-            reasoning, content = choice.reasoning.feed(text)
-            if finish is not None:
-                more_reasoning, more_content = choice.reasoning.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
-        calls: list[dict[str, Any]] = []
-        if choice.tools is not None:
-            content, calls = choice.tools.feed(content)
-            if finish is None and choice.tools.repeated:
-                finish = FINISH_TOOL_CALLS
-            if finish is not None:
-                rest, more = choice.tools.finish()
-                content, calls = content + rest, calls + more
+        assert choice.parser is not None
+        reasoning, content, calls = choice.feed(text, finish is not None)
+        if finish is None and choice.parser.repeated:
+            finish = FINISH_TOOL_CALLS
+            rest_reasoning, rest, more = choice.parser.finish()
+            reasoning, content, calls = reasoning + rest_reasoning, content + rest, calls + more
         if finish is not None:
-            finish = _settle(choice.output, choice.reasoning, choice.tools, finish)
+            finish = _settle(choice, finish)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
@@ -228,6 +238,8 @@ class ActiveJob:
         """A tool call's id, the same in every attempt of the job (a resumed job re-parses
         the text it streamed before and must name its calls as it did)."""
         digest = hashlib.sha256(f"{self.id}:{choice}:{call}".encode()).hexdigest()
+        if self.format.family == MISTRAL:
+            return digest[:9]  # Mistral's templates take 9 letters and digits, no more
         return f"call_{digest[:24]}"
 
     def body(self) -> dict[str, Any]:
@@ -252,11 +264,15 @@ class ActiveJob:
         out = ChoiceOutput(index=plan.index, echo_text=plan.echo_text)
         if plan.echo_logprobs is not None and self.renderer is not None:
             out.echo_logprobs = self.renderer.echo_entries(plan.echo_logprobs)
-        tools = reasoning = None
-        if self.plan is not None and self.plan.spec.calls_possible:
-            tools = ToolCallParser(lambda call: self._call_id(plan.index, call))
-        if self.plan is not None and self.plan.thinking is not None:
-            reasoning = ReasoningParser(inside=self.plan.thinking)
+        parser = None
+        if self.plan is not None and self.plan.spec.chat:
+            parser = answer_parser(
+                self.format,
+                lambda call: self._call_id(plan.index, call),
+                self.plan.spec.calls_possible,
+                self.plan.thinking,
+            )
+        choice = ChoiceState(plan, out, f"{self.id}:{plan.index}", parser)
         streamed = self.progress.choices.get(plan.index)
         if streamed is not None:
             out.text = list(streamed.texts)
@@ -265,17 +281,13 @@ class ActiveJob:
             out.finish_reason = streamed.finish_reason
             if out.finish_reason is None and out.tokens >= plan.params.max_tokens:
                 out.finish_reason = FINISH_LENGTH  # all sent, the last event just said so late
-            for text in out.text:  # the parsers where the earlier attempt left them
-                content = reasoning.feed(text)[1] if reasoning is not None else text
-                if tools is not None:
-                    tools.feed(content)
-            if out.finish_reason is not None and (tools or reasoning):
-                content = reasoning.finish()[1] if reasoning is not None else ""
-                if tools is not None:
-                    tools.feed(content)
-                    tools.finish()
-                _settle(out, reasoning, tools, out.finish_reason)
-        return ChoiceState(plan, out, f"{self.id}:{plan.index}", tools, reasoning)
+            if parser is not None:  # the parser where the earlier attempt left it
+                for text, token_id in zip(out.text, streamed.token_ids, strict=False):
+                    choice.feed(text + self.format.marker_text(token_id), False)
+                if out.finish_reason is not None:
+                    parser.finish()
+                    _settle(choice, out.finish_reason)
+        return choice
 
     def _sent_ids(self, plan: ChoicePlan) -> list[int]:
         streamed = self.progress.choices.get(plan.index)
@@ -296,27 +308,22 @@ class ActiveJob:
         self.result = embeddings_body(self.model, vectors, sum(len(i) for i in inputs), fmt)
 
 
-def _settle(
-    out: ChoiceOutput,
-    reasoning: ReasoningParser | None,
-    tools: ToolCallParser | None,
-    finish: str,
-) -> str:
+def _settle(choice: ChoiceState, finish: str) -> str:
     """Put a finished choice's thinking, content and calls in its output; its finish
     reason: "tool_calls" for a choice with calls that stopped, and for one cut by
     `max_tokens` whose calls are all complete (a later call cut short was dropped: what the
     client gets is complete calls to run); "length" when its only call was cut short."""
+    parser, out = choice.parser, choice.output
+    assert parser is not None
     out.parsed = True
-    out.reasoning_content = reasoning.reasoning if reasoning is not None else None
-    if tools is None:
-        assert reasoning is not None
-        out.content = reasoning.content
-        return finish
-    calls = tools.tool_calls()
+    out.reasoning_content = parser.reasoning
+    if parser.thinks:
+        out.reasoning_tokens = reasoning_tokens(choice.spans, parser.reasoning_spans)
+    calls = parser.tool_calls()
     out.tool_calls = calls or None
-    out.content = tools.content if tools.content or not calls else None
+    out.content = parser.content if parser.content or not calls else None
     if calls and finish in (FINISH_STOP, FINISH_TOOL_CALLS):
         return FINISH_TOOL_CALLS
-    if calls and finish == FINISH_LENGTH and tools.complete:
+    if calls and finish == FINISH_LENGTH and parser.complete:
         return FINISH_TOOL_CALLS
     return finish

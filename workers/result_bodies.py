@@ -48,8 +48,10 @@ class ChoiceOutput:
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     parsed: bool = False
-    # a thinking model's thinking, apart from the content (runtime/reasoning.py)
+    # a thinking model's thinking, apart from the content (runtime/reasoning.py), and the
+    # tokens it took (None: the answer was not parsed for thinking)
     reasoning_content: str | None = None
+    reasoning_tokens: int | None = None
 
     @property
     def text_length(self) -> int:
@@ -119,10 +121,17 @@ def usage(
     return _usage(prompt_tokens, completion_tokens, cached_tokens).dump()
 
 
-def _usage(prompt_tokens: int, completion_tokens: int | None, cached_tokens: int | None) -> Usage:
+def _usage(
+    prompt_tokens: int,
+    completion_tokens: int | None,
+    cached_tokens: int | None,
+    reasoning_tokens: int | None = None,
+) -> Usage:
     fields: dict[str, Any] = {"prompt_tokens": prompt_tokens}
     if completion_tokens is not None:
         fields["completion_tokens"] = completion_tokens
+    if reasoning_tokens is not None:
+        fields["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     fields["total_tokens"] = prompt_tokens + (completion_tokens or 0)
     if cached_tokens is not None:
         fields["prompt_tokens_details"] = {"cached_tokens": min(cached_tokens, prompt_tokens)}
@@ -145,13 +154,22 @@ def generation_body(
         "id": response_id(endpoint, job_id),
         "created": int(created),
         "model": model,
-        "usage": _usage(prompt_tokens, sum(c.tokens for c in choices), cached_tokens),
+        "usage": _usage(
+            prompt_tokens, sum(c.tokens for c in choices), cached_tokens, _reasoning(choices)
+        ),
     }
     if endpoint == CHAT_COMPLETIONS:
         chat = [_chat_choice(c, logprobs) for c in choices]
         return ChatCompletion(object="chat.completion", choices=chat, **head).dump()
     text = [_completion_choice(c, logprobs) for c in choices]
     return Completion(object="text_completion", choices=text, **head).dump()
+
+
+def _reasoning(choices: Sequence[ChoiceOutput]) -> int | None:
+    """Generated tokens inside thinking, where an answer was parsed for it (OpenAI's
+    `completion_tokens_details.reasoning_tokens`)."""
+    counted = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
+    return sum(counted) if counted else None
 
 
 completion_body = partial(generation_body, COMPLETIONS)

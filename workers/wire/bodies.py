@@ -41,6 +41,8 @@ class Usage(Body):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    # a thinking model's: {"reasoning_tokens": generated tokens inside its thinking}
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class CompletionChoice(Body):

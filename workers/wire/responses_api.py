@@ -324,17 +324,19 @@ def function_call_item(
 
 
 def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A chat result's usage in the Responses layout; cached tokens from the prefix cache."""
+    """A chat result's usage in the Responses layout; cached tokens from the prefix cache,
+    reasoning tokens from a thinking model's answer."""
     if not chat_usage:
         return None
     prompt = int(chat_usage.get("prompt_tokens", 0))
     completion = int(chat_usage.get("completion_tokens", 0))
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": int(cached), "cache_write_tokens": 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": int(reasoning)},
         "total_tokens": prompt + completion,
     }
 

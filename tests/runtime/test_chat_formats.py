@@ -1,0 +1,311 @@
+"""Tool calls and thinking in each family's own format (runtime/chat_formats.py,
+runtime/json_calls.py, runtime/harmony.py): the family told from llama.cpp's real templates,
+the parsers on answers those templates render (an assistant turn with calls rendered and
+parsed back, fed whole and cut at every character), and the grammars accepting exactly those
+answers, with the markers as control tokens of the vocabulary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from runtime.answer_parser import answer_parser, reasoning_tokens
+from runtime.chat_formats import HARMONY, HERMES, LLAMA3, MISTRAL, ChatFormat, detect_family
+from runtime.chat_template import ChatTemplate
+from runtime.grammar_vocab import GrammarVocab
+from runtime.tokenizer import Tokenizer
+from runtime.tool_calls import _native_message, tool_grammar
+
+TEMPLATES = (
+    Path(__file__).parents[2]
+    / "build/llama-cpp-python-src/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates"
+)
+needs_templates = pytest.mark.skipif(
+    not TEMPLATES.is_dir(), reason="`make test` unpacks llama.cpp's templates"
+)
+PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The weather.", "parameters": PARAMS},
+}
+ARGUMENTS = {"city": "Paris {x}", "days": 3}
+CALL = {
+    "id": "abc123def",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": json.dumps(ARGUMENTS)},
+}
+FAMILIES = {
+    "meta-llama-Llama-3.1-8B-Instruct": (LLAMA3, False),
+    "meta-llama-Llama-3.2-3B-Instruct": (LLAMA3, False),
+    "meta-llama-Llama-3.3-70B-Instruct": (LLAMA3, False),
+    "mistralai-Mistral-Nemo-Instruct-2407": (MISTRAL, False),
+    "Mistral-Small-3.2-24B-Instruct-2506": (MISTRAL, True),
+    "unsloth-mistral-Devstral-Small-2507": (MISTRAL, True),
+    "mistralai-Ministral-3-14B-Reasoning-2512": (MISTRAL, True),
+    "openai-gpt-oss-120b": (HARMONY, False),
+    "Qwen-Qwen2.5-7B-Instruct": (HERMES, False),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": (HERMES, False),
+    "Qwen-Qwen3-0.6B": (HERMES, False),
+}
+# what ends a turn in each template (a stop token: never text the parser sees)
+TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "</s>", "<|im_end|>\n", "<|im_end|>")
+
+
+def template(name: str) -> ChatTemplate:
+    return ChatTemplate(
+        (TEMPLATES / f"{name}.jinja").read_text(), bos_token="<s>", eos_token="</s>"
+    )
+
+
+def rendered_answer(name: str, message: dict) -> str:
+    """What the template writes for `message` after the generation prompt: the answer a
+    model trained on it gives (without the turn's end token)."""
+    chat = template(name)
+    turns = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = chat.render(turns, add_generation_prompt=True, tools=[WEATHER])
+    full = chat.render(
+        turns + [_native_message(message)], add_generation_prompt=False, tools=[WEATHER]
+    )
+    assert full.startswith(prompt), "the answer continues the generation prompt"
+    answer = full[len(prompt) :]
+    for end in TURN_ENDS:
+        answer = answer.removesuffix(end)
+    return answer
+
+
+def parse(fmt: ChatFormat, text: str, cuts: list[int], calls: bool = True, thinking=None):
+    """Feed `text` cut at `cuts`; (reasoning, content, calls assembled from deltas, parser)."""
+    parser = answer_parser(fmt, lambda k: f"call_{k}", calls, thinking)
+    assert parser is not None
+    bounds = [0, *cuts, len(text)]
+    outputs = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    outputs.append(parser.finish())
+    assembled: dict[int, dict] = {}
+    for _, _, deltas in outputs:
+        for delta in deltas:
+            call = assembled.setdefault(delta["index"], {"id": None, "name": None, "arguments": ""})
+            if "id" in delta:
+                assert call["id"] is None, "id and name come once"
+                call["id"], call["name"] = delta["id"], delta["function"]["name"]
+            call["arguments"] += delta["function"]["arguments"]
+    reasoning = "".join(r for r, _, _ in outputs)
+    content = "".join(c for _, c, _ in outputs)
+    return reasoning, content, list(assembled.values()), parser
+
+
+def every_cut(fmt: ChatFormat, text: str, **kwargs):
+    """The parse of `text` whole, checked to be the same cut anywhere and char by char."""
+    whole = parse(fmt, text, [], **kwargs)
+    for cuts in [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]:
+        got = parse(fmt, text, cuts, **kwargs)
+        assert got[:3] == whole[:3], cuts
+        assert got[3].tool_calls() == whole[3].tool_calls()
+    return whole
+
+
+@needs_templates
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_family_is_told_by_the_templates_markers(name):
+    fmt = template(name).format
+    assert (fmt.family, fmt.args_form) == FAMILIES[name]
+    assert detect_family(None) == HERMES
+
+
+@needs_templates
+@pytest.mark.parametrize(
+    "name",
+    [
+        "meta-llama-Llama-3.1-8B-Instruct",
+        "meta-llama-Llama-3.3-70B-Instruct",
+        "mistralai-Mistral-Nemo-Instruct-2407",
+        "Mistral-Small-3.2-24B-Instruct-2506",
+        "unsloth-mistral-Devstral-Small-2507",
+        "openai-gpt-oss-120b",
+    ],
+)
+def test_a_call_the_template_renders_parses_back_however_it_is_cut(name):
+    message = {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    if name.startswith("meta-llama") or name.startswith("mistralai-Mistral-Nemo"):
+        message["content"] = None
+    text = rendered_answer(name, message)
+    fmt = template(name).format
+    reasoning, content, calls, parser = every_cut(fmt, text)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", ARGUMENTS)]
+    assert parser.tool_calls()[0]["function"]["arguments"] == calls[0]["arguments"]
+    assert content == "" and parser.complete
+
+
+@needs_templates
+def test_llama3_after_the_python_tag_and_a_plain_answer():
+    fmt = template("meta-llama-Llama-3.1-8B-Instruct").format
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    _, content, calls, _ = every_cut(fmt, text)
+    assert content == "" and calls[0]["arguments"] == '{"city": "Rome"}'
+    answer = rendered_answer(
+        "meta-llama-Llama-3.1-8B-Instruct", {"role": "assistant", "content": "{It is} sunny."}
+    )
+    _, content, calls, _ = every_cut(fmt, answer)
+    assert content == "{It is} sunny." and calls == []
+    # a JSON answer that is no call is content, held back only until that is known
+    _, content, calls, _ = every_cut(fmt, '{"answer": 42}')
+    assert content == '{"answer": 42}' and calls == []
+
+
+@needs_templates
+def test_mistral_content_before_the_calls_and_several_calls():
+    fmt = template("mistralai-Mistral-Nemo-Instruct-2407").format
+    second = {**CALL, "id": "xyz987abc", "function": {"name": "get_time", "arguments": "{}"}}
+    text = rendered_answer(
+        "mistralai-Mistral-Nemo-Instruct-2407",
+        {"role": "assistant", "content": None, "tool_calls": [CALL, second]},
+    )
+    _, content, calls, _ = every_cut(fmt, "Let me check. " + text)
+    assert content == "Let me check."
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert calls[1]["arguments"] == "{}"
+    _, content, calls, _ = every_cut(fmt, "No [TOOL_ here")
+    assert content == "No [TOOL_ here" and calls == []
+
+
+@needs_templates
+def test_harmony_thinking_final_answer_and_the_models_own_call_header():
+    fmt = template("openai-gpt-oss-120b").format
+    chat = template("openai-gpt-oss-120b")
+    turns = [{"role": "user", "content": "Hi"}]
+    prompt = chat.render(turns, add_generation_prompt=True)
+    full = chat.render(
+        turns + [{"role": "assistant", "thinking": "Greet back.", "content": "Hello!"}],
+        add_generation_prompt=False,
+    )
+    assert prompt.endswith("<|start|>assistant") and full.startswith(prompt)
+    answer = full[len(prompt) :]
+    reasoning, content, calls, parser = every_cut(fmt, answer, calls=False)
+    assert (reasoning, content, calls) == ("Greet back.", "Hello!", [])
+    [(start, end)] = parser.reasoning_spans
+    assert answer[start:end] == "<|channel|>analysis<|message|>Greet back.<|end|>"
+    # gpt-oss writes the recipient in the channel's header, with <|constrain|>
+    own = (
+        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Oslo"}<|call|>'
+    )
+    reasoning, content, calls, parser = every_cut(fmt, own)
+    assert reasoning == "Need weather." and content == ""
+    assert calls == [{"id": "call_0", "name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    # a built-in tool's call is dropped; a plain text is the answer
+    _, content, calls, _ = every_cut(
+        fmt, "<|channel|>commentary to=browser.search<|message|>{}<|call|>"
+    )
+    assert content == "" and calls == []
+    assert every_cut(fmt, "Just text.")[1] == "Just text."
+
+
+def test_thinking_tokens_are_those_inside_the_block_tags_included():
+    text_tokens = ["<think>", "\nI", " think", "</", "think>", "\n\n", "Yes", "."]
+    spans, at = [], 0
+    parser = answer_parser(ChatFormat(), lambda k: "", False, False)
+    for piece in text_tokens:
+        parser.feed(piece)
+        spans.append((at, at + len(piece)))
+        at += len(piece)
+    parser.finish()
+    assert parser.reasoning == "I think" and parser.content == "Yes."
+    assert reasoning_tokens(spans, parser.reasoning_spans) == 5
+    assert reasoning_tokens([(0, 3), (3, 3)], [[0, None]]) == 2  # still open: to the end
+
+
+# ------------------------------------------------------------------ grammars
+
+
+MARKERS = [
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|python_tag|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|start|>",
+    "<|end|>",
+    "<|constrain|>",
+    "<|call|>",
+    "<|return|>",
+]
+
+
+@pytest.fixture(scope="module")
+def marked(smollm2_metadata) -> Tokenizer:
+    """SmolLM2's vocabulary with the families' markers added as control tokens."""
+    meta = dict(smollm2_metadata)
+    meta["tokenizer.ggml.tokens"] = list(meta["tokenizer.ggml.tokens"]) + MARKERS
+    meta["tokenizer.ggml.token_type"] = list(meta["tokenizer.ggml.token_type"]) + [3] * len(MARKERS)
+    return Tokenizer.from_metadata(meta)
+
+
+@pytest.fixture(scope="module")
+def vocab(marked) -> GrammarVocab:
+    return GrammarVocab(marked, marked.vocab_size)
+
+
+def accepts(vocab: GrammarVocab, tokenizer: Tokenizer, constraint, text: str) -> bool:
+    matcher = llguidance.LLMatcher(vocab.lltokenizer, constraint.grammar)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tokenizer.encode(text, add_special=False, parse_special=True)
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+@needs_templates
+@pytest.mark.parametrize(
+    "name",
+    [
+        "meta-llama-Llama-3.1-8B-Instruct",
+        "mistralai-Mistral-Nemo-Instruct-2407",
+        "Mistral-Small-3.2-24B-Instruct-2506",
+    ],
+)
+def test_each_familys_grammar_takes_the_call_its_template_renders(name, marked, vocab):
+    chat = ChatTemplate((TEMPLATES / f"{name}.jinja").read_text(), marked)
+    fmt = chat.format
+    assert fmt.marker_ids, "the markers are control tokens here"
+    call = {"function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}
+    if fmt.family == LLAMA3:
+        text = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+    elif fmt.args_form:
+        text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+    else:
+        text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'
+    assert call  # the template's own rendering is checked by the parser tests above
+    for choice in ("required", "auto", {"type": "function", "function": {"name": "get_weather"}}):
+        grammar = tool_grammar([WEATHER], choice, True, fmt)
+        assert accepts(vocab, marked, grammar, text), choice
+        assert not accepts(vocab, marked, grammar, text.replace('"days": 3', '"days": "3"'))
+    auto = tool_grammar([WEATHER], "auto", True, fmt)
+    assert accepts(vocab, marked, auto, "It is sunny.")
+    required = tool_grammar([WEATHER], "required", True, fmt)
+    assert not accepts(vocab, marked, required, "It is sunny.")
+
+
+@needs_templates
+def test_harmonys_grammar_takes_thinking_then_a_call_or_a_final_answer(marked, vocab):
+    chat = ChatTemplate((TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(), marked)
+    fmt = chat.format
+    call = (
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Oslo"}'
+    )
+    thinking = "<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant"
+    final = "<|channel|>final<|message|>Hello!"
+    required = tool_grammar([WEATHER], "required", True, fmt)
+    auto = tool_grammar([WEATHER], "auto", True, fmt)
+    assert accepts(vocab, marked, required, call)
+    assert accepts(vocab, marked, required, thinking + call)
+    assert not accepts(vocab, marked, required, thinking + final)
+    assert accepts(vocab, marked, auto, thinking + final)
+    assert not accepts(vocab, marked, auto, call.replace("Oslo", 'Oslo", "x": "1'))

@@ -1,0 +1,209 @@
+"""Each family's format through a worker's real path (runtime/answer_parser.py in
+workers/jobs.py): a tiny model held to the format by the family's tool-call grammar or a
+regex, its stream deltas and body parsed alike, the same after a resume at any token, and
+the thinking tokens counted in usage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, ChatFormat
+from runtime.chat_template import ChatTemplate
+from runtime.engine import Engine
+from tests.workers.test_jobs import THINKING_TEMPLATE, new_job, run
+from workers.progress import StreamedChoice, StreamProgress
+from workers.wire.job import CHAT_COMPLETIONS
+
+# short templates that show the tools themselves (the tiny model's context is 256 tokens);
+# a family's marker in a comment is what tells the family, as in the real templates
+SHORT = (
+    "{% for t in tools %}{{ t.function.name }} {% endfor %}"
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+LLAMA3_TEMPLATE = "{# <|start_header_id|>ipython<|end_header_id|> #}" + SHORT
+MISTRAL_TEMPLATE = "{# [TOOL_CALLS] #}" + SHORT
+HARMONY_TEMPLATE = "{# <|channel|> #}" + SHORT + "<|start|>assistant"
+PICK = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"enum": [1, 2, 3]}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+    },
+}
+CALLING = {
+    "messages": [{"role": "user", "content": "pick"}],
+    "tools": [PICK],
+    "tool_choice": "required",
+    "max_tokens": 160,  # the tiny vocabulary spells the call's fixed text in many tokens
+    "temperature": 0,
+}
+
+
+@pytest.fixture
+def engine(tiny_model) -> Engine:
+    return Engine.load(str(tiny_model))
+
+
+def events_of(job) -> list[dict]:
+    return [json.loads(data) for _, data in job.pending]
+
+
+def assembled_calls(deltas: list[dict]) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        for part in delta.get("tool_calls", []):
+            call = calls.setdefault(part["index"], {"id": None, "name": None, "arguments": ""})
+            if "id" in part:
+                call["id"], call["name"] = part["id"], part["function"]["name"]
+            call["arguments"] += part["function"]["arguments"]
+    return list(calls.values())
+
+
+def same_after_resumes(engine: Engine, body: dict, reference: dict, events: list[dict], cuts):
+    """A job resumed after `cuts` tokens streamed gives the same body and later deltas."""
+    for cut in cuts:
+        progress = StreamProgress(length=cut)
+        progress.choices[0] = StreamedChoice(
+            [e["token_id"] for e in events[:cut]], [e["text"] for e in events[:cut]]
+        )
+        job = new_job(CHAT_COMPLETIONS, body, progress)
+        resumed = run(engine, job)
+        for done in (resumed, reference):
+            done["usage"].pop("prompt_tokens_details", None)
+        assert resumed == reference, cut
+        assert [e["delta"] for e in events_of(job)] == [e["delta"] for e in events[cut:]]
+
+
+def test_llama3_calls_are_the_whole_answer_in_json(engine):
+    engine.chat_template = ChatTemplate(LLAMA3_TEMPLATE)
+    assert engine.chat_template.format.family == LLAMA3
+    job = new_job(CHAT_COMPLETIONS, CALLING)
+    reference = run(engine, job)
+    events = events_of(job)
+    text = "".join(e["text"] for e in events)
+    [call] = reference["choices"][0]["message"]["tool_calls"]
+    assert reference["choices"][0]["finish_reason"] == "tool_calls"
+    assert text == f'{{"name": "pick", "parameters": {call["function"]["arguments"]}}}'
+    assert json.loads(call["function"]["arguments"])["n"] in (1, 2, 3)
+    deltas = [e["delta"] for e in events]
+    assert not any("content" in d for d in deltas)
+    assert assembled_calls(deltas) == [
+        {"id": call["id"], "name": "pick", "arguments": call["function"]["arguments"]}
+    ]
+    same_after_resumes(engine, CALLING, reference, events, [1, len(events) // 2, len(events) - 1])
+
+
+def test_mistrals_tool_calls_marker_is_a_control_token_the_parser_still_sees(engine):
+    """The grammar names the marker by id, the model writes that token (no text to the
+    detokenizer), and the worker gives the parser its text."""
+    engine.chat_template = ChatTemplate(MISTRAL_TEMPLATE)
+    marker = 1  # a control token of the tiny vocabulary, standing in for [TOOL_CALLS]
+    assert engine.tokenizer.is_special(marker)
+    engine.chat_template.format = ChatFormat(MISTRAL, False, {marker: "[TOOL_CALLS]"})
+    job = new_job(CHAT_COMPLETIONS, CALLING)
+    reference = run(engine, job)
+    events = events_of(job)
+    assert events[0]["token_id"] == marker and events[0]["text"] == ""
+    text = "".join(e["text"] for e in events)
+    [call] = reference["choices"][0]["message"]["tool_calls"]
+    assert text == f'[{{"name": "pick", "arguments": {call["function"]["arguments"]}}}]'
+    assert len(call["id"]) == 9 and call["id"].isalnum()  # what Mistral's templates take
+    assert (
+        assembled_calls([e["delta"] for e in events])[0]["arguments"]
+        == (call["function"]["arguments"])
+    )
+    same_after_resumes(engine, CALLING, reference, events, [1, 2, len(events) - 1])
+
+
+HARMONY_REGEX = (
+    r"<\|channel\|>analysis<\|message\|>[a-z]{4,12}<\|end\|><\|start\|>assistant"
+    r"<\|channel\|>final<\|message\|>[a-z]{2,8}"
+)
+
+
+def thinking_tokens(events: list[dict], end: str) -> int:
+    """Tokens that start before the end of the thinking block (`end` closes it)."""
+    text = "".join(e["text"] for e in events)
+    stop = text.index(end) + len(end)
+    count, at = 0, 0
+    for e in events:
+        count += at < stop
+        at += len(e["text"])
+    return count
+
+
+def test_harmony_thinking_and_answer_and_the_thinking_tokens(engine):
+    engine.chat_template = ChatTemplate(HARMONY_TEMPLATE)
+    assert engine.chat_template.format.family == HARMONY
+    body = {
+        "messages": [{"role": "user", "content": "think"}],
+        "regex": HARMONY_REGEX,
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    job = new_job(CHAT_COMPLETIONS, body)
+    reference = run(engine, job)
+    events = events_of(job)
+    text = "".join(e["text"] for e in events)
+    thinking = text.split("<|message|>")[1].split("<|end|>")[0]
+    answer = text.split("<|message|>")[2]
+    message = reference["choices"][0]["message"]
+    assert message["reasoning_content"] == thinking and message["content"] == answer
+    deltas = [e["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == thinking
+    assert "".join(d.get("content", "") for d in deltas) == answer
+    usage = reference["usage"]
+    assert usage["completion_tokens_details"] == {
+        "reasoning_tokens": thinking_tokens(events, "<|end|>")
+    }
+    assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
+    same_after_resumes(engine, body, reference, events, [1, len(events) // 2, len(events) - 1])
+
+
+def test_harmony_calls_under_the_grammar(engine):
+    """The grammar allows thinking first; the tiny model would think until max_tokens, so
+    a bias against "a" (of "analysis") sends it to the call (the grammar still writes the
+    call's own "a"s: nothing else is allowed there)."""
+    engine.chat_template = ChatTemplate(HARMONY_TEMPLATE)
+    [letter_a] = engine.encode("a", add_special=False)
+    body = {
+        **CALLING,
+        "tool_choice": {"type": "function", "function": {"name": "pick"}},
+        "logit_bias": {str(letter_a): -100},
+    }
+    job = new_job(CHAT_COMPLETIONS, body)
+    reference = run(engine, job)
+    events = events_of(job)
+    text = "".join(e["text"] for e in events)
+    [call] = reference["choices"][0]["message"]["tool_calls"]
+    head = "<|channel|>commentary to=functions.pick <|constrain|>json<|message|>"
+    assert text.endswith(head + call["function"]["arguments"])
+    assert reference["choices"][0]["finish_reason"] == "tool_calls"
+    assert assembled_calls([e["delta"] for e in events]) == [
+        {"id": call["id"], "name": "pick", "arguments": call["function"]["arguments"]}
+    ]
+    same_after_resumes(engine, body, reference, events, [1, len(events) - 1])
+
+
+def test_a_think_blocks_tokens_are_counted(engine):
+    engine.chat_template = ChatTemplate(THINKING_TEMPLATE)
+    body = {
+        "messages": [{"role": "user", "content": "think"}],
+        "regex": "<think>\n[a-z]{4,12}\n</think>\n\n[a-z]{2,8}",
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    job = new_job(CHAT_COMPLETIONS, body)
+    reference = run(engine, job)
+    assert reference["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": thinking_tokens(events_of(job), "</think>")
+    }
+    plain = run(engine, new_job(CHAT_COMPLETIONS, {**body, "regex": "[a-z]{2,8}"}))
+    assert plain["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
