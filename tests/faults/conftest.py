@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -164,6 +164,16 @@ class Api:
         self.log.close()
 
 
+def stop_all(
+    request: pytest.FixtureRequest, started: Sequence[Api | WorkerProcess], name: Callable
+) -> None:
+    """A fixture's teardown: stop each process it started, after printing the tail of its
+    log (`name(process)` names it) if the test failed."""
+    for process in started:
+        print_log_if_failed(request, name(process), process.output())
+        process.stop()
+
+
 @pytest.fixture
 def start_api(request: pytest.FixtureRequest) -> Iterator[Callable[..., Api]]:
     apis: list[Api] = []
@@ -174,9 +184,7 @@ def start_api(request: pytest.FixtureRequest) -> Iterator[Callable[..., Api]]:
         return api
 
     yield start
-    for api in apis:
-        print_log_if_failed(request, f"API on port {api.port}", api.output())
-        api.stop()
+    stop_all(request, apis, lambda api: f"API on port {api.port}")
 
 
 @pytest.fixture
@@ -202,9 +210,7 @@ def start_workers(
         return procs
 
     yield start
-    for proc in started:
-        print_log_if_failed(request, f"worker {proc.name}", proc.output())
-        proc.stop()
+    stop_all(request, started, lambda proc: f"worker {proc.name}")
 
 
 class FaultSystem(NamedTuple):
