@@ -374,4 +374,9 @@ def _stop_ids(meta: Mapping[str, Any], tokens: Sequence[str]) -> set[int]:
         token_id = _token_id(meta, key, len(tokens))
         if token_id is not None:
             stops.add(token_id)
+    # gpt-oss (harmony): <|end|> ends a message, not the turn, where <|return|> and <|call|>
+    # end turns; llama.cpp's llama-vocab.cpp drops it from the end tokens likewise
+    texts = {tokens[i]: i for i in stops}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= texts.keys():
+        stops.discard(texts["<|end|>"])
     return stops

@@ -309,3 +309,15 @@ def test_harmonys_grammar_takes_thinking_then_a_call_or_a_final_answer(marked, v
     assert not accepts(vocab, marked, required, thinking + final)
     assert accepts(vocab, marked, auto, thinking + final)
     assert not accepts(vocab, marked, auto, call.replace("Oslo", 'Oslo", "x": "1'))
+
+
+def test_harmony_vocabularies_end_turns_at_return_and_call_not_at_end(marked, smollm2_metadata):
+    """As llama.cpp's llama-vocab.cpp: with <|return|> and <|call|> present, <|end|> only
+    ends a message (the answer goes on); alone (Phi-3's) it still ends the turn."""
+    ids = {marked.token_text(i): i for i in marked.stop_ids}
+    assert "<|return|>" in ids and "<|call|>" in ids and "<|end|>" not in ids
+    meta = dict(smollm2_metadata)
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "<|end|>"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 3]
+    phi = Tokenizer.from_metadata(meta)
+    assert phi.vocab_size - 1 in phi.stop_ids
