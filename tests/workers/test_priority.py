@@ -32,6 +32,17 @@ stop.set()
 """
 
 
+def run_child(nice: int, under: list[str] | None = None) -> tuple[int, list[int]]:
+    """CHILD lowering its threads to `nice` (run under the command `under`, if given): how
+    many threads it changed, and each thread's value after."""
+    argv = [*(under or []), sys.executable, "-c", CHILD, str(nice)]
+    run = subprocess.run(
+        argv, capture_output=True, text=True, timeout=30, cwd=Path(__file__).parents[2], check=True
+    )
+    changed, *values = (int(v) for v in run.stdout.split())
+    return changed, values
+
+
 def test_the_nice_value_comes_from_the_flag_then_the_environment_then_the_default(
     monkeypatch,
 ) -> None:
@@ -46,29 +57,13 @@ def test_the_nice_value_comes_from_the_flag_then_the_environment_then_the_defaul
 
 
 def test_every_thread_is_lowered_and_later_threads_inherit_it() -> None:
-    run = subprocess.run(
-        [sys.executable, "-c", CHILD, "7"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=Path(__file__).parents[2],
-        check=True,
-    )
-    changed, *values = (int(v) for v in run.stdout.split())
+    changed, values = run_child(7)
     assert changed == 2  # the main thread and the one started before
     assert values == [7, 7, 7]
 
 
 def test_lowering_never_raises_a_thread_already_lower() -> None:
-    run = subprocess.run(
-        ["nice", "-n", "12", sys.executable, "-c", CHILD, "5"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=Path(__file__).parents[2],
-        check=True,
-    )
-    changed, *values = (int(v) for v in run.stdout.split())
+    changed, values = run_child(5, under=["nice", "-n", "12"])
     assert changed == 0 and values == [12, 12, 12]
 
 
