@@ -154,6 +154,7 @@ def _lora_argument(item: str) -> tuple[str, float]:
 
 
 def run_models(args: argparse.Namespace) -> int:
+    from runtime.chat_formats import ChatFormat
     from runtime.gguf_file import GGUFFile
     from runtime.kernels import get_backend
     from runtime.kernels.quant_types import describe_types, supported_lines, unmultiplied
@@ -174,6 +175,9 @@ def run_models(args: argparse.Namespace) -> int:
             backend = get_backend(spec.backend)
             resident = estimate_weight_bytes(f, backend)
             types[spec.id] = f"    types: {describe_types(f, backend)}"
+            template = spec.chat_template or f.metadata.get("tokenizer.chat_template")
+            if template:  # the format its tool calls and thinking are parsed in
+                types[spec.id] += f"\n    chat format: {ChatFormat.of(template).name}"
             if backend.name != "numpy" and unmultiplied(f, backend):
                 names = ", ".join(t.name for t in unmultiplied(f, backend))
                 types[spec.id] += f"\n    not multiplied from their codes yet: {names}"
