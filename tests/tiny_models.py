@@ -152,7 +152,7 @@ class TinyArch:
     """What a llama-like architecture's tiny GGUF holds beyond llama's tensors and keys:
     the variants runtime/models/layers.py composes."""
 
-    norms: str = "pre"  # "pre", "pre_post" (gemma2), "post" (olmo2)
+    norms: str = "pre"  # "pre", "pre_post" (gemma2), "post" (olmo2), "oai" (gpt-oss)
     qk_norm: str | None = None  # "head" (qwen3), "full" (olmo2)
     bias: bool = False  # q/k/v biases (qwen2)
     fused: bool = False  # attn_qkv and a gate+up ffn_up (phi3)
@@ -161,6 +161,10 @@ class TinyArch:
     longrope: int = 0  # LongRoPE factors (phi3) for this many rotated dims
     experts: int = 0  # a MoE FFN of this many experts (qwen3moe) in place of the dense one
     expert_ffn: int = 32
+    expert_type: gguf.GGMLQuantizationType | None = None  # every expert tensor's (gpt-oss)
+    # gpt-oss: attn_sinks and attn_output's bias; biases on the router and every expert
+    sinks: bool = False
+    expert_biases: bool = False
 
 
 TINY_ARCHS = {
@@ -180,6 +184,25 @@ TINY_ARCHS = {
         qk_norm="head",
         experts=8,
         values=(("expert_count", 8), ("expert_used_count", 3), ("expert_feed_forward_length", 32)),
+    ),
+    # gpt-oss's: sinks, biases everywhere, MXFP4 experts (4, 2 used), a window on even
+    # layers, YaRN (its real factor 32 over 4096 would leave a short context unscaled)
+    "gpt-oss": TinyArch(
+        norms="oai",
+        bias=True,
+        sinks=True,
+        experts=4,
+        expert_type=gguf.GGMLQuantizationType.MXFP4,
+        expert_biases=True,
+        values=(
+            ("expert_count", 4),
+            ("expert_used_count", 2),
+            ("expert_feed_forward_length", 32),
+            ("attention.sliding_window", 8),
+            ("rope.scaling.type", "yarn"),
+            ("rope.scaling.factor", 4.0),
+            ("rope.scaling.original_context_length", 64),
+        ),
     ),
     # Phi-4-mini's shape: 3/4 of each head rotated, LongRoPE (long factors: context 256 > 64)
     "phi3": TinyArch(
@@ -330,6 +353,7 @@ def _add_tiny_layer(
     q_dim, kv = s.n_heads * head_dim, s.n_kv_heads * head_dim
     norms = {"pre": ("attn_norm", "ffn_norm"), "post": ("post_attention_norm", "post_ffw_norm")}
     norms["pre_post"] = norms["pre"] + norms["post"]
+    norms["oai"] = ("attn_norm", "post_attention_norm")  # the second before the FFN
     for norm in norms[spec.norms]:
         w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
     if spec.qk_norm:
@@ -352,6 +376,9 @@ def _add_tiny_layer(
             bias = 0.5 * rng.standard_normal(rows).astype(np.float32)
             w.add_tensor(p + f"attn_{name}.bias", bias)
     _add_quantized(w, p + "attn_output.weight", _weights(rng, s.dim, q_dim), Q8_0)
+    if spec.sinks:
+        w.add_tensor(p + "attn_output.bias", 0.5 * rng.standard_normal(s.dim).astype(np.float32))
+        w.add_tensor(p + "attn_sinks.weight", 2 * rng.standard_normal(s.n_heads).astype(np.float32))
     if not spec.experts:
         _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
 
@@ -361,9 +388,17 @@ def _add_tiny_experts(w: gguf.GGUFWriter, p: str, spec: TinyArch, s: TinyShape, 
     converter names them; the router's rows spread so that tokens choose different experts."""
     e, f = spec.experts, spec.expert_ffn
     w.add_tensor(p + "ffn_gate_inp.weight", 4 * _weights(rng, e, s.dim))
-    _add_quantized(w, p + "ffn_gate_exps.weight", _weights(rng, e, f, s.dim), Q8_0)
-    _add_quantized(w, p + "ffn_up_exps.weight", _weights(rng, e, f, s.dim), F16)
-    _add_quantized(w, p + "ffn_down_exps.weight", _weights(rng, e, s.dim, f), Q8_0)
+    q8, f16 = spec.expert_type or Q8_0, spec.expert_type or F16
+    _add_quantized(w, p + "ffn_gate_exps.weight", _weights(rng, e, f, s.dim), q8)
+    _add_quantized(w, p + "ffn_up_exps.weight", _weights(rng, e, f, s.dim), f16)
+    _add_quantized(w, p + "ffn_down_exps.weight", _weights(rng, e, s.dim, f), q8)
+    if spec.expert_biases:
+        for name, shape in (("gate_inp", (e,)), ("gate_exps", (e, f)), ("up_exps", (e, f))):
+            w.add_tensor(
+                p + f"ffn_{name}.bias", 0.5 * rng.standard_normal(shape).astype(np.float32)
+            )
+        bias = 0.5 * rng.standard_normal((e, s.dim)).astype(np.float32)
+        w.add_tensor(p + "ffn_down_exps.bias", bias)
 
 
 def _gemma3_writer(
