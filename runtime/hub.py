@@ -192,14 +192,22 @@ def join_shards(shards: list[Path], target: Path) -> None:
     first = readers[0]
     writer = gguf.GGUFWriter(str(target), first.fields["general.architecture"].contents())
     copy_metadata(first, writer, skip=("split.",))
-    tensors = [tensor for reader in readers for tensor in reader.tensors]
-    for t in tensors:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    write_tensors(writer, [(reader, list(reader.tensors)) for reader in readers])
+
+
+def write_tensors(
+    writer: gguf.GGUFWriter, parts: list[tuple[gguf.GGUFReader, list[gguf.ReaderTensor]]]
+) -> None:
+    """Finish `writer` (its keys added): the tensors of each part (a reader and some of its
+    tensors) in order, as each reader holds them; closes it."""
+    for _, tensors in parts:
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for reader in readers:
-        for t in reader.tensors:
+    for reader, tensors in parts:
+        for t in tensors:
             writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
     writer.close()
 

@@ -19,7 +19,7 @@ import pytest
 
 from runtime.errors import ModelNotFoundError
 from runtime.gguf_file import GGUFFile
-from runtime.hub import HubFile, HubReference, choose_files, copy_metadata
+from runtime.hub import HubFile, HubReference, choose_files, copy_metadata, write_tensors
 from runtime.models import load_model
 from runtime.registry import load_registry, resolve
 from tests.tiny_models import write_tiny_llama
@@ -43,15 +43,7 @@ def split_gguf(source: Path, shards: int, out: Path, stem: str) -> list[Path]:
         writer.add_uint16("split.no", n)
         writer.add_uint16("split.count", shards)
         writer.add_int32("split.tensors.count", len(tensors))
-        mine = tensors[n * per : (n + 1) * per]
-        for t in mine:
-            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in mine:
-            writer.write_tensor_data(t.data)
-        writer.close()
+        write_tensors(writer, [(reader, tensors[n * per : (n + 1) * per])])
         paths.append(path)
     return paths
 
