@@ -165,7 +165,11 @@ class MoE:
         self.shared = self._shared(f, p, backend, input_scale)
 
     def _experts(self, f: GGUFFile, p: str, backend: Backend, input_scale) -> tuple[list, list]:
-        """Per expert: gate and up fused `[2F, D]` (or up alone), down `[D, F]`."""
+        """Per expert: gate and up fused `[2F, D]` (or up alone), down `[D, F]`. Built by
+        the backend itself, not the recorder a model loads through (runtime/lora.py
+        `LinearSources`): experts take no LoRA, so no adapter maps onto them and no LoRA
+        slot (runtime/lora_slots.py) is kept for each of their thousands of weights."""
+        backend = getattr(backend, "backend", backend)
         merged = f.has_tensor(p + "ffn_gate_up_exps.weight")
         names = ["gate_up"] if merged else ["gate", "up"]
         names = [n for n in names if f.has_tensor(p + f"ffn_{n}_exps.weight")]

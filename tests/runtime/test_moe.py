@@ -129,9 +129,11 @@ def test_a_rows_output_is_its_own_experts_weighted_sum(tmp_path: Path):
 
 
 def test_an_adapter_on_experts_is_refused_by_name(tmp_path: Path):
-    """LoRA adapts the attention (tests/runtime/test_tiny_archs.py), not the experts."""
+    """LoRA adapts the attention (tests/runtime/test_tiny_archs.py), not the experts: they
+    are not among the model's linear sources (nor, so, given LoRA slots on a device)."""
     path = write_tiny_arch(tmp_path / "m.gguf", "qwen3moe")
     model = load_model(GGUFFile(path), get_backend())
+    assert model.linear_sources and not any("_exps" in n for n in model.linear_sources)
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((4, 64)).astype(np.float32), np.zeros((32, 4), np.float32)
     lora = write_lora(tmp_path / "a.gguf", path, (), extra={"blk.0.ffn_up_exps.weight": (a, b)})
