@@ -8,6 +8,7 @@ so malformed input always ends as a 400/413/415 in OpenAI's shape (docs/faults.m
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from flask import current_app, request
@@ -75,8 +76,10 @@ def parse_json(raw: bytes) -> Any:
     return value
 
 
-def json_object() -> dict[str, Any]:
-    """The current request's body as a JSON object (415 if it is not sent as JSON)."""
+def json_object(fields: Collection[str] | None = None, shape: str = "") -> dict[str, Any]:
+    """The current request's body as a JSON object (415 if it is not sent as JSON). With
+    `fields`, a key outside them is refused as OpenAI does (400 naming the first in sorted
+    order), `shape` (what the body should be) added to the message."""
     if not request.mimetype or not (
         request.mimetype == "application/json" or request.mimetype.endswith("+json")
     ):
@@ -86,6 +89,10 @@ def json_object() -> dict[str, Any]:
     value = parse_json(_read_body())
     if not isinstance(value, dict):
         raise InvalidRequest(f"The request body must be a JSON object, got {json_type(value)}.")
+    unknown = sorted(set(value) - set(fields)) if fields is not None else []
+    if unknown:
+        message = f"Unrecognized request argument supplied: {unknown[0]}"
+        raise InvalidRequest(message + (f"; {shape}." if shape else ""), param=unknown[0])
     return value
 
 

@@ -43,13 +43,7 @@ JOB_SHAPE = (
 
 @bp.post("")
 def create_job() -> Response:
-    body = json_object()
-    unknown = sorted(set(body) - {"endpoint", "body"})
-    if unknown:
-        raise InvalidRequest(
-            f"Unrecognized request argument supplied: {unknown[0]}; {JOB_SHAPE}.",
-            param=unknown[0],
-        )
+    body = json_object({"endpoint", "body"}, JOB_SHAPE)
     endpoint = body.get("endpoint")
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(

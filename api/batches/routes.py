@@ -44,12 +44,7 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 @bp.post("")
 def create_batch() -> Response:
-    body = json_object()
-    unknown = sorted(set(body) - set(CREATE_FIELDS) - {"output_expires_after"})
-    if unknown:
-        raise InvalidRequest(
-            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0]
-        )
+    body = json_object({*CREATE_FIELDS, "output_expires_after"})
     endpoint = body.get("endpoint")
     if endpoint not in BATCH_ENDPOINTS:
         raise InvalidRequest(
