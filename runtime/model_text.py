@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.chat_formats import HARMONY
 from runtime.chat_template import ChatTemplate
 from runtime.errors import EmptyPromptError, InvalidSamplingParams, check_context_length
 from runtime.gguf_file import GGUFFile
@@ -65,7 +66,10 @@ class ModelText:
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
     ) -> str:
         """The text `encode_chat` tokenizes: what the template makes of the conversation."""
-        messages, extra = chat_for_template(messages, tools, self.chat_template.knows_tools)
+        template = self.chat_template
+        messages, extra = chat_for_template(
+            messages, tools, template.knows_tools, template.format.family == HARMONY
+        )
         return self.chat_template.render(messages, add_generation_prompt=True, **extra)
 
     def prompt_ids(self, prompt: str | list[int], name: str = "prompt") -> list[int]:

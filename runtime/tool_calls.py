@@ -174,14 +174,35 @@ def tool_grammar(
 
 
 def chat_for_template(
-    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, native: bool
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    native: bool,
+    harmony: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and extra template variables to render: as they are, with `tools=`, for
-    a template that uses `tools` (`native`); else the Hermes-style fallback."""
+    a template that uses `tools` (`native`); else the Hermes-style fallback. gpt-oss's
+    template (`harmony`) reads a turn's thinking from `thinking`, not `reasoning_content`."""
     if native:
         extra = {"tools": list(tools)} if tools else {}
-        return [_native_message(m) for m in messages], extra
+        out = [_native_message(m) for m in messages]
+        return [_harmony_message(m) for m in out] if harmony else out, extra
     return fallback_messages(messages, tools), {}
+
+
+def _harmony_message(message: dict[str, Any]) -> dict[str, Any]:
+    """As llama.cpp's gpt-oss path: the thinking goes to `thinking`, and a turn's content is
+    a string, empty in a turn with calls and thinking (the template refuses both)."""
+    if message.get("role") != "assistant":
+        return message
+    out = {**message}
+    if out.get("content") is None:
+        out["content"] = ""  # the template tests for text in it
+    thinking = message.get("reasoning_content")
+    if isinstance(thinking, str):
+        out["thinking"] = thinking
+        if message.get("tool_calls"):
+            out["content"] = ""
+    return out
 
 
 def _native_message(message: Mapping[str, Any]) -> dict[str, Any]:

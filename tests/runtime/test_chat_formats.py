@@ -321,3 +321,26 @@ def test_harmony_vocabularies_end_turns_at_return_and_call_not_at_end(marked, sm
     meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 3]
     phi = Tokenizer.from_metadata(meta)
     assert phi.vocab_size - 1 in phi.stop_ids
+
+
+@needs_templates
+def test_gpt_oss_reads_a_past_turns_thinking_beside_its_calls():
+    """gpt-oss's template takes thinking from `thinking` and refuses content beside it in a
+    turn with calls: the turn's reasoning_content is its thinking, its content dropped."""
+    from runtime.tool_calls import chat_for_template
+
+    chat = template("openai-gpt-oss-120b")
+    turns = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,  # as OpenAI's clients send a turn of calls
+            "reasoning_content": "Need weather.",
+            "tool_calls": [CALL],
+        },
+        {"role": "tool", "tool_call_id": CALL["id"], "content": "sunny"},
+    ]
+    messages, extra = chat_for_template(turns, [WEATHER], chat.knows_tools, harmony=True)
+    prompt = chat.render(messages, add_generation_prompt=True, **extra)
+    assert "<|channel|>analysis<|message|>Need weather.<|end|>" in prompt
+    assert "<|start|>assistant to=functions.get_weather<|channel|>commentary json" in prompt
