@@ -67,12 +67,12 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types + [6] * len(bytes_) + [1] * len(words)
 
 
-def _add_gpt2_tokenizer(w: gguf.GGUFWriter) -> int:
+def _add_gpt2_tokenizer(w: gguf.GGUFWriter, pre: str = "gpt2") -> int:
     """The GPT-2 vocabulary (`_gpt2_vocab`) with BOS = EOS = 0 and a ChatML template; its
-    size."""
+    size. `pre`: the pre-tokenizer's name (llama.cpp reads only its own, "gpt-2")."""
     tokens, types, merges = _gpt2_vocab()
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -86,6 +86,11 @@ def _add_gpt2_tokenizer(w: gguf.GGUFWriter) -> int:
 def _add_quantized(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype) -> None:
     # the quantized array's byte layout tells the writer the logical shape
     writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def _add_float32(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype=None) -> None:
+    """`_add_quantized`'s signature, kept float32 (`qtype` unused)."""
+    writer.add_tensor(name, array.astype(np.float32))
 
 
 def _norm(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -292,12 +297,16 @@ def write_tiny_arch(path: Path, arch: str, shape: TinyShape | None = None, seed:
     return path
 
 
-def write_tiny_gemma4(path: Path, shape: TinyShape | None = None, seed: int = 0) -> Path:
+def write_tiny_gemma4(
+    path: Path, shape: TinyShape | None = None, seed: int = 0, float32: bool = False
+) -> Path:
     """A tiny dense Gemma 4 as llama.cpp's converter writes one: sliding layers (head size
     `head_dim`, `n_kv_heads`, all of it rotated at base 1e4) between full ones (twice the
     head size, one KV head, no attn_v: v is k's projection; a quarter of each head rotated
-    through rope_freqs), per-layer output scales, a final softcap, a tied head."""
+    through rope_freqs), per-layer output scales, a final softcap, a tied head. `float32`:
+    every weight float32 and llama.cpp's pre-tokenizer name, for llama.cpp to read."""
     s, rng = shape or TinyShape(n_layers=4), np.random.default_rng(seed)
+    add = _add_float32 if float32 else _add_quantized
     sliding = [i % 2 == 0 for i in range(s.n_layers)]
     swa_dim, full_dim = s.head_dim, 2 * s.head_dim
     w = gguf.GGUFWriter(str(path), "gemma4")
@@ -321,8 +330,8 @@ def write_tiny_gemma4(path: Path, shape: TinyShape | None = None, seed: int = 0)
     w.add_shared_kv_layers(0)
     w.add_embedding_length_per_layer_input(0)
     w.add_final_logit_softcapping(30.0)
-    vocab = _add_gpt2_tokenizer(w)
-    _add_quantized(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
+    vocab = _add_gpt2_tokenizer(w, "gpt-2" if float32 else "gpt2")
+    add(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
     w.add_tensor("output_norm.weight", _norm(rng, s.dim))
     rotated = full_dim // 8  # of full_dim / 2 frequencies: partial_rotary_factor 0.25
     factors = [1.0] * rotated + [1e30] * (full_dim // 2 - rotated)
@@ -334,14 +343,14 @@ def write_tiny_gemma4(path: Path, shape: TinyShape | None = None, seed: int = 0)
             w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
         for norm in ("attn_q_norm", "attn_k_norm"):
             w.add_tensor(p + norm + ".weight", _norm(rng, head))
-        _add_quantized(w, p + "attn_q.weight", _weights(rng, s.n_heads * head, s.dim), Q8_0)
-        _add_quantized(w, p + "attn_k.weight", _weights(rng, kv, s.dim), Q8_0)
+        add(w, p + "attn_q.weight", _weights(rng, s.n_heads * head, s.dim), Q8_0)
+        add(w, p + "attn_k.weight", _weights(rng, kv, s.dim), Q8_0)
         if slides:
-            _add_quantized(w, p + "attn_v.weight", _weights(rng, kv, s.dim), F16)
-        _add_quantized(w, p + "attn_output.weight", _weights(rng, s.dim, s.n_heads * head), Q8_0)
-        _add_quantized(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
-        _add_quantized(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), F16)
-        _add_quantized(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+            add(w, p + "attn_v.weight", _weights(rng, kv, s.dim), F16)
+        add(w, p + "attn_output.weight", _weights(rng, s.dim, s.n_heads * head), Q8_0)
+        add(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
+        add(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), F16)
+        add(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
         w.add_tensor(p + "layer_output_scale.weight", np.array([0.8 + 0.1 * i], np.float32))
     _finish(w)
     return path
