@@ -103,8 +103,9 @@ def softmax_rows(x: np.ndarray) -> np.ndarray:
 
 
 def top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """`[T, E]` -> `[T, k]` indices of each row's k largest, largest first (ties: lower
-    index first), as ggml_argsort_top_k orders them."""
+    """`[T, E]` -> `[T, k]` indices of each row's k largest, largest first, as
+    ggml_argsort_top_k orders them (ties: lower index first; ggml's std::sort leaves them
+    unspecified past 16 experts)."""
     return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
 
 
