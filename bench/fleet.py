@@ -70,6 +70,7 @@ from bench.harness import cpu_name  # noqa: E402
 from bench.sse_client import HTTPStreamError, StreamedResponse  # noqa: E402
 from bench.token_path import SimJob, result_body  # noqa: E402
 from runtime.request import GenerationSpec  # noqa: E402
+from tests.events_cluster import cluster_port_free  # noqa: E402
 from workers import keys  # noqa: E402
 from workers.claims import Claims  # noqa: E402
 from workers.event_store import events_of  # noqa: E402
@@ -436,7 +437,7 @@ def start_cluster(
     ports: list[int] = []
     while len(ports) < shards:
         port = free_port()
-        if port + 10000 < 65536 and port not in ports and _free(port + 10000):
+        if port not in ports and cluster_port_free(port):
             ports.append(port)
     servers = []
     for port in ports:
@@ -455,17 +456,6 @@ def start_cluster(
             break
         time.sleep(0.1)
     return servers, ",".join(f"127.0.0.1:{port}" for port in ports)
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def cluster_primaries(nodes: str) -> tuple[Any, list[redis.Redis]]:

@@ -25,7 +25,10 @@ NODES = 3
 READY_SECONDS = 30
 
 
-def _free(port: int) -> bool:
+def cluster_port_free(port: int) -> bool:
+    """Whether a cluster node can listen on loopback at `port` and its bus port (+10000)."""
+    if port + 10000 > 65535:
+        return False
     for candidate in (port, port + 10000):
         with socket.socket() as probe:
             try:
@@ -39,7 +42,7 @@ def free_ports(count: int, start: int) -> list[int]:
     ports: list[int] = []
     port = start
     while len(ports) < count and port < start + 1000:
-        if _free(port):
+        if cluster_port_free(port):
             ports.append(port)
         port += 1
     if len(ports) < count:
