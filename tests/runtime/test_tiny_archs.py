@@ -53,10 +53,14 @@ def test_every_tiny_architecture_is_registered():
 
 
 def test_each_layer_gets_its_window_and_rope(tmp_path: Path):
-    """As llama.cpp places them: OLMo 3's window on three layers of four, SmolLM3 without
-    rope in every fourth layer."""
+    """As llama.cpp places them: OLMo 3's window on three layers of four, gpt-oss's on even
+    layers (its sinks and output bias in every layer), SmolLM3 without rope in every fourth
+    layer."""
     olmo = load_model(GGUFFile(write_tiny_arch(tmp_path / "o.gguf", "olmo2")), get_backend())
     assert olmo.kv_windows == [8, 8, 8, None]
+    oss = load_model(GGUFFile(write_tiny_arch(tmp_path / "g.gguf", "gpt-oss")), get_backend())
+    assert oss.kv_windows == [8, None, 8, None]
+    assert all(b.sinks is not None and b.out_bias is not None for b in oss.layers)
     smol = load_model(GGUFFile(write_tiny_arch(tmp_path / "s.gguf", "smollm3")), get_backend())
     assert [layer.rope_key for layer in smol.layers] == ["global"] * 3 + [None]
 
