@@ -15,6 +15,7 @@ from runtime.engine import Engine
 from tests.workers.test_jobs import THINKING_TEMPLATE, new_job, run
 from workers.progress import StreamedChoice, StreamProgress
 from workers.wire.job import CHAT_COMPLETIONS
+from workers.wire.responses_api import usage as responses_usage
 
 # short templates that show the tools themselves (the tiny model's context is 256 tokens);
 # a family's marker in a comment is what tells the family, as in the real templates
@@ -164,6 +165,7 @@ def test_harmony_thinking_and_answer_and_the_thinking_tokens(engine):
         "reasoning_tokens": thinking_tokens(events, "<|end|>")
     }
     assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
+    assert responses_usage(usage)["output_tokens_details"] == usage["completion_tokens_details"]
     same_after_resumes(engine, body, reference, events, [1, len(events) // 2, len(events) - 1])
 
 
