@@ -28,6 +28,7 @@ from api.app import create_app
 from api.cli import CONF
 from tests.api.fake_worker import FakeWorker
 from tests.redis_db import clean_redis_db
+from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import WorkerProcess, wait_for
 from workers import keys
 from workers.wire.worker_info import READY, WorkerInfo
@@ -169,9 +170,31 @@ def server(live_app: Flask) -> Iterator[str]:
 @pytest.fixture
 def oai(server: str) -> Iterator[openai.OpenAI]:
     """The official client against `server` (a module may give its own `server`)."""
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=10)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=30)
     yield client
     client.close()
+
+
+def hang_up_after(
+    server: str,
+    body: dict[str, Any],
+    lines: int = 6,
+    timeout: float = 30,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """POST the streamed completion `body` to `server` and close the connection after its
+    first `lines` lines, as a client that hangs up mid-stream."""
+    url = f"{server}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=timeout, headers=headers) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == lines:
+                break
+
+
+@pytest.fixture(scope="module")
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama file whose model id (its stem) is the requesting module's MODEL."""
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{request.module.MODEL}.gguf")
 
 
 @contextlib.contextmanager

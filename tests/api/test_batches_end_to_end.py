@@ -23,7 +23,6 @@ import redis
 from api.app import create_app
 from tests.api.conftest import serving
 from tests.redis_db import clean_redis_db
-from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import REPO, WorkerProcess, serving_workers
 from workers import keys
 
@@ -35,11 +34,6 @@ TOKENS = 8  # every line generates exactly this many tokens (ignore_eos)
 F13_LINES, F13_VALID = 10_000, 9_900  # docs/faults.md F13: 1% of the lines are invalid
 F13_TOKENS = 4  # short generations, so that 10,000 lines run in about a minute
 F13_MAX_SEQUENCES = 64
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{MODEL}.gguf")
 
 
 @pytest.fixture
@@ -57,16 +51,9 @@ def server(conn: redis.Redis) -> Iterator[str]:
 
 
 @pytest.fixture
-def workers(conn: redis.Redis, model_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
-    with serving_workers(conn, model_path, REDIS_URL) as start:
+def workers(conn: redis.Redis, tiny_model: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    with serving_workers(conn, tiny_model, REDIS_URL) as start:
         yield start
-
-
-@pytest.fixture
-def oai(server: str) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
-    yield client
-    client.close()
 
 
 def write_input(path: Path, count: int, invalid_every: int = 0) -> tuple[set[str], set[str]]:

@@ -9,22 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.api.conftest import worker_thread
+from tests.api.conftest import hang_up_after, worker_thread
 from tests.api.sse import parse
-from tests.tiny_models import write_tiny_llama
 from workers import keys
 
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-llama-e2e"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{MODEL}.gguf")
 
 
 @pytest.fixture
@@ -33,13 +26,6 @@ def real_worker(redis_url: str, real_redis, tiny_model: Path) -> Iterator[object
     name = f"e2e-{uuid.uuid4().hex[:6]}"
     with worker_thread(redis_url, real_redis, tiny_model, name, step_delay=0.01) as worker:
         yield worker
-
-
-@pytest.fixture
-def oai(server: str) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
-    yield client
-    client.close()
 
 
 def test_sync_and_stream_agree(oai, real_worker) -> None:
@@ -96,10 +82,7 @@ def test_async_job_events_resume(server, real_worker) -> None:
 
 def test_stream_disconnect_cancels_real_job(server, real_worker, real_redis) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 240, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
-        for i, _ in enumerate(response.iter_lines()):
-            if i == 6:
-                break
+    hang_up_after(server, body)
     ids = [k.decode().split(":")[2] for k in real_redis.keys(keys.job("*")) if k.count(b":") == 2]
     assert len(ids) == 1
     deadline = time.monotonic() + 5

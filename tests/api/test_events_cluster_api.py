@@ -14,10 +14,9 @@ import redis
 from flask import Flask
 
 from api.app import create_app
-from tests.api.conftest import _published_ready, serving
+from tests.api.conftest import _published_ready, hang_up_after, serving
 from tests.api.sse import parse
 from tests.events_cluster import flush, local_cluster
-from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import WorkerThread, wait_for
 from workers import keys
 from workers.wire.broker import EventsSettings
@@ -32,11 +31,6 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventsSetting
     with local_cluster(tmp_path_factory.mktemp("cluster")) as ports:
         yield EventsSettings(((("127.0.0.1", ports[0])),))
         flush(ports)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{MODEL}.gguf")
 
 
 @pytest.fixture
@@ -94,10 +88,7 @@ def test_streams_sync_answers_and_events_come_from_the_cluster(
 
 def test_a_client_that_hangs_up_cancels_its_job_on_the_cluster(server, worker, real_redis) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 240, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
-        for i, _ in enumerate(response.iter_lines()):
-            if i == 6:
-                break
+    hang_up_after(server, body)
     [job_id] = _job_ids(real_redis)
     wait_for(
         lambda: real_redis.hget(keys.job(job_id), "status") == b"cancelled",

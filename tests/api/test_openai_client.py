@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import openai
 import pytest
 
+from tests.api.conftest import hang_up_after
 from workers import keys
 
 pytestmark = pytest.mark.integration
@@ -89,16 +89,7 @@ def test_under_gunicorn(gunicorn, worker, real_redis) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in stream) == "t0 t1 t2 "
 
     body = {"model": "tiny", "prompt": "slow", "max_tokens": 400, "stream": True}
-    with httpx.stream(
-        "POST",
-        f"{gunicorn}/v1/completions",
-        json=body,
-        timeout=10,
-        headers={"Authorization": "Bearer sk-test"},
-    ) as response:
-        for i, _ in enumerate(response.iter_lines()):
-            if i == 6:
-                break
+    hang_up_after(gunicorn, body, timeout=10, headers={"Authorization": "Bearer sk-test"})
     job_id = worker.processed[-1]
     deadline = time.monotonic() + 3
     while real_redis.hget(keys.job(job_id), "status") != b"cancelled":

@@ -25,7 +25,6 @@ from api.rate_limits import go_duration
 from api.token_budget import CHARS_PER_TOKEN
 from tests.api.conftest import _gunicorn, serving, worker_thread
 from tests.api.sse import parse
-from tests.tiny_models import write_tiny_llama
 from workers import keys
 
 pytestmark = pytest.mark.integration
@@ -440,11 +439,6 @@ def test_without_limits_there_are_no_figures_and_no_buckets(redis_url, real_redi
 # ---------------------------------------------------------------- a real worker
 
 MODEL = "tiny-llama-ratelimit"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("models") / f"{MODEL}.gguf")
 
 
 @pytest.fixture
