@@ -135,19 +135,29 @@ def test_a_prompts_rows_attend_as_decode_rows(shape, start, rows, with_sinks):
         torch.set_num_threads(threads)
 
 
-def test_the_gpus_written_out_attention_with_sinks_equals_the_reference():
-    """What a GPU runs where the fused kernel takes no sinks (`_gpu_attention`), here on the
-    CPU's tensors: the scores, mask, softmax with each head's sink, and the values."""
+@pytest.mark.parametrize("softcap, with_sinks", [(50.0, False), (None, True), (5.0, True)])
+def test_the_gpus_written_out_attention_equals_the_reference(softcap, with_sinks):
+    """What a GPU runs where the fused kernel takes no cap or sinks (`_gpu_attention`), here
+    on the CPU's tensors: decode rows over their own keys with a boolean mask, and a prompt's
+    rows over one sequence's keys with a causal one."""
     from runtime.models.tensor_attention import _gpu_attention
 
-    n_heads, n_kv, head_dim, rows, width = 4, 2, 16, 3, 48
+    n_heads, n_kv, head_dim, rows, width = 6, 2, 16, 3, 48
     rng = torch.Generator().manual_seed(5)
     keys, values = _pool(rng, n_kv, head_dim)
     q = torch.randn(rows, n_heads, head_dim, generator=rng) / head_dim**0.5
     index = torch.randint(0, POOL_SLOTS, (rows, width), generator=rng)
     visible = torch.arange(width)[None, :] < torch.tensor([[5], [48], [17]])
-    sinks = 3 * torch.randn(n_heads, generator=rng)
+    sinks = 3 * torch.randn(n_heads, generator=rng) if with_sinks else None
     kd, vd = keys[index].transpose(1, 2), values[index].transpose(1, 2)
-    got = _gpu_attention(q.unsqueeze(2), kd, vd, visible[:, None, None, :], None, sinks)
-    want = _reference(q, keys, values, index, visible, None, sinks)
+    got = _gpu_attention(q.unsqueeze(2), kd, vd, visible[:, None, None, :], softcap, sinks)
+    want = _reference(q, keys, values, index, visible, softcap, sinks)
     torch.testing.assert_close(got[:, :, 0].double(), want, rtol=0, atol=1e-5)
+    # a prompt of `width` rows: [1, H, n, Dh] over [1, Hkv, L, Dh], visible [n, L]
+    q = torch.randn(width, n_heads, head_dim, generator=rng) / head_dim**0.5
+    causal = torch.arange(width)[None, :] <= torch.arange(width)[:, None]
+    kp, vp = (x[index[0]].transpose(0, 1).unsqueeze(0) for x in (keys, values))
+    got = _gpu_attention(q.transpose(0, 1).unsqueeze(0), kp, vp, causal, softcap, sinks)
+    every = index[:1].expand(width, width)
+    want = _reference(q, keys, values, every, causal, softcap, sinks)
+    torch.testing.assert_close(got[0].transpose(0, 1).double(), want, rtol=0, atol=1e-5)
