@@ -13,7 +13,9 @@ text, once per model (`ChatTemplate.format`), never per request:
   is one `{"name": ..., "parameters": {...}}`, maybe after `<|python_tag|>`.
 - `hermes`: everything else: `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen 2.5,
   Qwen3, Hermes, and the fallback prompt of `runtime.tool_calls` for templates without
-  tools), and a leading `<think>` block (`runtime.reasoning`).
+  tools), and a leading `<think>` block (`runtime.reasoning`). Families whose own formats
+  are not parsed yet (Functionary, DeepSeek, Kimi, GLM, Qwen3-Coder's XML, Command R, ...)
+  are held to this one by the grammar too.
 
 A marker that is one control token of the model's vocabulary (`[TOOL_CALLS]` in Mistral's,
 `<|python_tag|>` in Llama 3's) is no text to the detokenizer: `marker_text` gives its text
@@ -54,7 +56,8 @@ def detect_family(template: str | None) -> str:
         return HARMONY
     if TOOL_CALLS in source:
         return MISTRAL
-    if "<|start_header_id|>ipython<|end_header_id|>" in source:
+    # Functionary v3.1 has Llama 3.1's ipython role but its own <function=...> calls
+    if "<|start_header_id|>ipython<|end_header_id|>" in source and "<function=" not in source:
         return LLAMA3
     return HERMES
 

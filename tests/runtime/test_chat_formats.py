@@ -54,6 +54,7 @@ FAMILIES = {
     "Qwen-Qwen2.5-7B-Instruct": (HERMES, False),
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": (HERMES, False),
     "Qwen-Qwen3-0.6B": (HERMES, False),
+    "meetkai-functionary-medium-v3.1": (HERMES, False),  # ipython role, its own calls
 }
 # what ends a turn in each template (a stop token: never text the parser sees)
 TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "</s>", "<|im_end|>\n", "<|im_end|>")
