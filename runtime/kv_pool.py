@@ -99,12 +99,15 @@ class BlockPool:
         storage: Callable[[int, int, int], Any] | None = None,
         value_bytes: int = 4,
         layer_shapes: Sequence[tuple[int, int]] | None = None,
+        kv_sources: Sequence[int] | None = None,
     ) -> None:
         """`storage(Hkv, slots, Dh)` makes one layer's keys or values (default: float32
         numpy `[Hkv, slots, Dh]`, backed as written; the tensor ops keep theirs on the
         device in their own layout); `value_bytes` is what one stored value takes;
         `layer_shapes` each layer's own (Hkv, Dh) where they differ (Gemma 4's full layers),
-        else every layer's is (`n_kv_heads`, `head_dim`)."""
+        else every layer's is (`n_kv_heads`, `head_dim`); `kv_sources[i]` the layer whose
+        keys and values layer i reads (Gemma 4 E2B/E4B's last layers share earlier ones';
+        a layer that is not its own source keeps no storage of its own)."""
         if n_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {n_blocks}")
         windows = list(windows) if windows is not None else [None] * n_layers
@@ -115,6 +118,10 @@ class BlockPool:
         if len(shapes) != n_layers:
             raise ValueError(f"{len(shapes)} layer shapes given for {n_layers} layers")
         self.layer_shapes = shapes
+        self.kv_sources = list(kv_sources or range(n_layers))
+        for i, source in enumerate(self.kv_sources):
+            if windows[source] != windows[i] or self.kv_sources[source] != source:
+                raise ValueError(f"layer {i} cannot read layer {source}'s keys and values")
         self.n_blocks, self.block_size = n_blocks, block_size
         # full attention first, so that group 0 (the longest-lived blocks) always exists
         order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
@@ -125,8 +132,12 @@ class BlockPool:
         self.value_bytes = value_bytes
         tokens = n_blocks * block_size
         storage = storage or (lambda h, t, d: lazy_array((h, t, d)))
-        self.keys = [storage(h, tokens, d) for h, d in shapes]
-        self.values = [storage(h, tokens, d) for h, d in shapes]
+        self.keys, self.values = [], []
+        for i, (h, d) in enumerate(shapes):
+            source = self.kv_sources[i]
+            own = source == i
+            self.keys.append(storage(h, tokens, d) if own else self.keys[source])
+            self.values.append(storage(h, tokens, d) if own else self.values[source])
 
     @classmethod
     def for_budget(
@@ -139,9 +150,11 @@ class BlockPool:
         storage: Callable[[int, int, int], Any] | None = None,
         value_bytes: int = 4,
         layer_shapes: Sequence[tuple[int, int]] | None = None,
+        kv_sources: Sequence[int] | None = None,
     ) -> BlockPool:
         shapes = layer_shapes or [(n_kv_heads, head_dim)] * n_layers
-        per_block = sum(2 * h * d for h, d in shapes) * BLOCK_SIZE * value_bytes
+        own = [i for i, source in enumerate(kv_sources or range(n_layers)) if source == i]
+        per_block = sum(2 * shapes[i][0] * shapes[i][1] for i in own) * BLOCK_SIZE * value_bytes
         n_blocks = max(1, memory_bytes // per_block)
         return cls(
             n_layers,
@@ -152,6 +165,7 @@ class BlockPool:
             storage=storage,
             value_bytes=value_bytes,
             layer_shapes=layer_shapes,
+            kv_sources=kv_sources,
         )
 
     @property
@@ -163,8 +177,9 @@ class BlockPool:
         return self._nbytes(self.groups[group].layers)
 
     def _nbytes(self, layers: Iterable[int]) -> int:
-        """Bytes of one block of `layers`."""
-        values = sum(2 * h * d for h, d in (self.layer_shapes[i] for i in layers))
+        """Bytes of one block of `layers` (those reading another's keys and values: none)."""
+        own = [i for i in layers if self.kv_sources[i] == i]
+        values = sum(2 * h * d for h, d in (self.layer_shapes[i] for i in own))
         return values * self.block_size * self.value_bytes
 
     def layer_storage(self, layer: int, window: int | None) -> tuple[int, Any, Any]:
@@ -247,6 +262,9 @@ class PagedKVCache:
         self.pool = pool
         self.tables: list[list[int | None]] = [[] for _ in pool.groups]
         self.length = 0
+        # a hybrid model's per-layer recurrent state (runtime/models/delta_net.py), which
+        # its layers keep here beside the blocks: the sequence's, released with them
+        self.recurrent: dict[int, Any] = {}
         # per group: (first block, number of blocks, index of the first in the table)
         self._runs: list[list[tuple[int, int, int]]] = [[] for _ in pool.groups]
         for entry in shared_prefix or ():
@@ -295,6 +313,7 @@ class PagedKVCache:
         self.tables = [[] for _ in self.pool.groups]
         self._runs = [[] for _ in self.pool.groups]
         self.length = 0
+        self.recurrent = {}
 
     def commit(self, length: int) -> None:
         """`length` positions are written; windowed groups give back what no later query

@@ -19,6 +19,7 @@ from runtime.models.phi3 import Phi3Model
 from runtime.models.qwen2 import Qwen2Model
 from runtime.models.qwen3 import Qwen3Model
 from runtime.models.qwen3moe import Qwen3MoeModel
+from runtime.models.qwen35 import Qwen35Model
 from runtime.models.smollm3 import SmolLM3Model
 
 # GGUF general.architecture -> its model class: the one registry (`llmq models --supported`)
@@ -27,6 +28,7 @@ ARCHITECTURES: dict[str, type[Decoder]] = {
     "gemma3": Gemma3Model,
     "qwen3": Qwen3Model,
     "qwen3moe": Qwen3MoeModel,
+    "qwen35": Qwen35Model,
     "gpt-oss": GptOssModel,
     "qwen2": Qwen2Model,
     "phi3": Phi3Model,
@@ -61,6 +63,7 @@ def load_model(gguf_file: GGUFFile, backend: Backend | None = None) -> Decoder:
 LINEAR_SUFFIXES = ("_q.weight", "_k.weight", "_v.weight", "_qkv.weight", "_output.weight")
 LINEAR_SUFFIXES += ("_gate.weight",)
 LINEAR_SUFFIXES += ("_up.weight", "_down.weight", "_shexp.weight")
+LINEAR_SUFFIXES += ("ssm_out.weight", "ssm_alpha.weight", "ssm_beta.weight")  # qwen35
 
 
 def estimate_weight_bytes(gguf_file: GGUFFile, backend: Backend) -> int:
