@@ -139,3 +139,21 @@ def test_an_adapter_on_experts_is_refused_by_name(tmp_path: Path):
     lora = write_lora(tmp_path / "a.gguf", path, (), extra={"blk.0.ffn_up_exps.weight": (a, b)})
     with pytest.raises(AdapterError, match="'blk.0.ffn_up_exps.weight' is not a linear weight"):
         load_adapter("a", lora, model.linear_sources, model.architecture)
+
+
+def test_an_adapter_on_attention_moves_a_moe_models_logits(tmp_path: Path):
+    path = write_tiny_arch(tmp_path / "m.gguf", "qwen3moe")
+    model = load_model(GGUFFile(path), get_backend())
+    adapter = load_adapter(
+        "a",
+        write_lora(tmp_path / "a.gguf", path, ("attn_q", "attn_v")),
+        model.linear_sources,
+        model.architecture,
+    )
+    tokens = np.random.default_rng(2).integers(0, model.vocab_size, 12)
+
+    def logits(stack: tuple) -> np.ndarray:
+        layout = BatchLayout([SequenceChunk(model.new_cache(12), 0, 12, stack)])
+        return model.logits(model.forward(tokens, layout))
+
+    assert np.abs(logits(((adapter, 1.0),)) - logits(())).max() > 0.01
