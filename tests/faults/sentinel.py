@@ -44,6 +44,14 @@ class Server:
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, socket_timeout=2, socket_connect_timeout=1)
 
+    def role(self) -> str | None:
+        """`master` or `slave` as the server says now; None when it does not answer."""
+        try:
+            with self.client() as conn:
+                return str(conn.info("replication")["role"])
+        except redis.RedisError:
+            return None
+
     def pings(self) -> bool:
         try:
             with self.client() as conn:
@@ -148,6 +156,33 @@ class SentinelCluster:
             except redis.RedisError:
                 continue
         return None
+
+    def agreed_master(self) -> Server | None:
+        """The master every Sentinel names and that answers as master; None while they
+        disagree or it does not (an election, a failover under way, a server not yet
+        promoted)."""
+        named = set()
+        for port in self.sentinel_ports:
+            try:
+                with self._sentinel_client(port) as conn:
+                    address = conn.sentinel_get_master_addr_by_name(MASTER_NAME)
+            except redis.RedisError:
+                return None
+            named.add(int(address[1]) if address else None)
+        if len(named) != 1 or None in named:
+            return None
+        server = next((s for s in self.servers if s.port in named), None)
+        return server if server is not None and server.role() == "master" else None
+
+    def failovers(self) -> int:
+        """Failovers the Sentinels have made so far (`+switch-master` in their logs, which
+        each Sentinel writes once per failover it learns of)."""
+        counts = []
+        for port in self.sentinel_ports:
+            log = self._sentinel_log(port)
+            text = log.read_text(errors="replace") if log.exists() else ""
+            counts.append(text.count("+switch-master"))
+        return max(counts)
 
     def master(self) -> Server:
         port = self.master_port()

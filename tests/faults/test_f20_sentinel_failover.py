@@ -24,7 +24,9 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from api.config import make_redis
 from tests.faults.conftest import (
     MODEL,
     Follower,
@@ -34,10 +36,10 @@ from tests.faults.conftest import (
     wait_ready,
     wait_terminal,
 )
-from tests.faults.sentinel import SentinelCluster
+from tests.faults.sentinel import MASTER_NAME, SentinelCluster
 from tests.workers.conftest import wait_for
 from workers import keys
-from workers.wire.broker import BrokerSettings
+from workers.wire.broker import BrokerSettings, replication_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -45,6 +47,8 @@ STREAMS, JOBS, TOKENS = 10, 20, 60
 BURST = 100
 NEW_MASTER_WITHIN = 5.0  # seconds from the kill until the Sentinels name a new master
 REPLICA_FOLLOWS_WITHIN = 60.0  # Sentinel's pace, TILT included (tests/faults/sentinel.py)
+# a further failover Sentinel may start under load (_settled): ~4 s each, a few in a row
+SETTLED_WITHIN = 30.0
 
 
 @pytest.fixture
@@ -135,7 +139,7 @@ def test_f20_master_killed_under_streams_and_under_a_burst_of_submissions(
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
     killed_at = time.monotonic()
-    old, new, took = cluster.kill_master()
+    old, _, took = cluster.kill_master()
     assert took < NEW_MASTER_WITHIN, took
     # the API writes to the new master: a submission is accepted again
     wait_for(lambda: _post(api.base, "after").status_code == 202, 20, "202s again")
@@ -154,13 +158,11 @@ def test_f20_master_killed_under_streams_and_under_a_burst_of_submissions(
         assert wait_terminal(api.base, job_id, 60)["status"] == "finished", job_id
     # Sentinel points the surviving replica at the new master on its own pace: the jobs
     # above can all finish before that replica's link is up, and on a busy host a Sentinel
-    # whose timer ran late sits out 30 s in TILT mode before it reconfigures anything
+    # whose timer ran late sits out 30 s in TILT mode before it reconfigures anything. The
+    # master is the one the Sentinels agree on now, which need not be `new` (_settled)
     try:
         wait_for(
-            lambda: (
-                _broker(api.base)["master"] == f"127.0.0.1:{new.port}"
-                and _broker(api.base)["replicas"] == 1
-            ),
+            lambda: _follows(api.base, cluster, replicas=1),
             REPLICA_FOLLOWS_WITHIN,
             "the other replica following the new master",
         )
@@ -193,7 +195,7 @@ def test_f20_master_killed_under_streams_and_under_a_burst_of_submissions(
         go.wait()
         wait_for(lambda: answered["all"] >= 20, 30, "the burst under way")
         in_flight = BURST - answered["all"]  # unanswered as the kill comes
-        old, new, took2 = cluster.kill_master()
+        _, _, took2 = cluster.kill_master()
         for future in futures:
             future.result(60)  # every submission answered: no exception, no hang
     assert took2 < NEW_MASTER_WITHIN, took2
@@ -201,7 +203,8 @@ def test_f20_master_killed_under_streams_and_under_a_burst_of_submissions(
     assert len(burst_accepted) + sum(burst_refused.values()) == BURST
     print(
         f"F20 phase 2: new master in {took2:.2f}s; {in_flight} in flight at the kill; "
-        f"{len(burst_accepted)} x 202, {dict(burst_refused)}"
+        f"{len(burst_accepted)} x 202, {dict(burst_refused)}; {cluster.failovers()} failovers "
+        "in all"
     )
     for job_id in burst_accepted:
         assert wait_terminal(api.base, job_id, 60)["status"] == "finished", job_id
@@ -211,27 +214,67 @@ def test_f20_master_killed_under_streams_and_under_a_burst_of_submissions(
     for worker in workers:
         worker.assert_alive()
     assert api.server_errors() == [], api.server_errors()
-    wanted = f'llmq_redis_master{{master="127.0.0.1:{new.port}",sentinel="true"}} 1.0'
-
-    def broker_lines() -> list[str]:
-        text = httpx.get(f"{api.base}/metrics", timeout=10).text
-        return [line for line in text.splitlines() if line.startswith("llmq_redis_")]
-
-    # the gauge names the master the scraping process's pool follows now: on a busy host it
-    # may take a scrape or two after the jobs above for that pool to make a new connection
     seen: list[str] = []
 
-    def names_the_new_master() -> bool:
-        seen[:] = broker_lines()
+    def names_the_agreed_master() -> bool:
+        text = httpx.get(f"{api.base}/metrics", timeout=10).text
+        seen[:] = [line for line in text.splitlines() if line.startswith("llmq_redis_")]
+        agreed = _settled(cluster)
+        wanted = f'llmq_redis_master{{master="127.0.0.1:{agreed}",sentinel="true"}} 1.0'
         if wanted in seen:
             return True
         time.sleep(0.5)  # a scrape costs the API a Redis round trip: not in a tight loop
         return False
 
-    try:
-        wait_for(names_the_new_master, 30, "the new master in /metrics")
+    try:  # at once, unless the Sentinels are still failing over (_settled)
+        wait_for(names_the_agreed_master, SETTLED_WITHIN, "the agreed master in /metrics")
     except AssertionError:
-        raise AssertionError(f"/metrics says {seen}, not {wanted!r}") from None
+        raise AssertionError(f"/metrics says {seen}; the Sentinels: {cluster.report()}") from None
+
+
+def _settled(cluster: SentinelCluster) -> int | None:
+    """The port of the master the Sentinels agree on now (None while they do not).
+
+    It need not be the replica `kill_master` saw promoted (docs/faults.md F20). Seen beside
+    others' tests (load average ~18 on 2 cores), in the Sentinels' logs: the master killed
+    at :16.3, replica A promoted at :17.5 and named by every Sentinel at :18.4; at :19.4 one
+    Sentinel marked A down (no PING answer within `down-after-milliseconds`, 1 s), a second
+    agreed, and the failover they started promoted replica B at :20.7, though A answered
+    again at :19.6. /metrics named B, rightly; the test wanted A.
+    """
+    agreed = cluster.agreed_master()
+    return agreed.port if agreed is not None else None
+
+
+def _follows(base: str, cluster: SentinelCluster, replicas: int) -> bool:
+    broker = _broker(base)
+    agreed = _settled(cluster)
+    named = broker["master"] == f"127.0.0.1:{agreed}"
+    return agreed is not None and named and broker["replicas"] == replicas
+
+
+def test_f20_a_master_demoted_alive_is_not_named_by_a_client_that_used_it(
+    cluster: SentinelCluster,
+) -> None:
+    """A master Sentinel demotes while it still runs (`SENTINEL FAILOVER`, or a second
+    failover like the one `_settled` tells of): /ready and /metrics (`replication_state`)
+    of a client that used it name the new master at once, answering as master. The API's
+    pool keeps no connection to the old one: Sentinel makes the demoted server close its
+    clients' connections (CLIENT KILL), and redis-py's pool, finding a connection closed,
+    connects again through the Sentinels."""
+    conn = make_redis(BrokerSettings.from_env())  # the API's client
+    conn.set("f20", "before")  # leaves a connection to this master idle in the pool
+    old = cluster.master()
+    with redis.Redis(port=cluster.sentinel_ports[0], socket_timeout=5) as sentinel:
+        sentinel.sentinel_failover(MASTER_NAME)
+    wait_for(
+        lambda: _settled(cluster) not in (None, old.port) and old.role() == "slave",
+        SETTLED_WITHIN,
+        "another master, and the old one a replica",
+    )
+    state = replication_state(conn)
+    assert (state.master, state.role) == (f"127.0.0.1:{_settled(cluster)}", "master"), state
+    conn.close()
 
 
 def test_f20_replicas_that_cannot_confirm_in_time_get_a_503_and_no_job_is_lost(
@@ -290,13 +333,19 @@ def test_f20_llmq_serve_follows_the_new_master_without_restarting_a_worker(
         pids = serve.worker_pids()
         assert len(pids) == 2
         jobs = [_post(serve.base, f"serve {i}", 40).json()["id"] for i in range(JOBS)]
-        _, new, took = cluster.kill_master()
+        _, _, took = cluster.kill_master()
         assert took < NEW_MASTER_WITHIN, took
         for job_id in jobs:
             assert wait_terminal(serve.base, job_id, 90)["status"] == "finished", job_id
         assert serve.worker_pids() == pids, serve.output()[-3000:]  # no worker restarted
         assert serve.proc.poll() is None, serve.output()[-3000:]
-        ready = httpx.get(f"{serve.base}/ready", timeout=10).json()
-        assert ready["broker"]["master"] == f"127.0.0.1:{new.port}", ready
+        try:  # the master the Sentinels agree on (_settled): at once, unless still failing over
+            wait_for(
+                lambda: _broker(serve.base)["master"] == f"127.0.0.1:{_settled(cluster)}",
+                SETTLED_WITHIN,
+                "/ready naming the agreed master",
+            )
+        except AssertionError:
+            raise AssertionError(f"/ready: {_broker(serve.base)}; {cluster.report()}") from None
     finally:
         serve.stop()
