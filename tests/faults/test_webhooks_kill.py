@@ -57,15 +57,10 @@ DONE_WAIT = 120  # retries 1-2 s apart and one takeover (12 s); 10x for a busy m
 def test_webhooks_killed_mid_burst_and_receiver_down_lose_nothing(fault_redis, webhooks) -> None:
     server = fault_redis()
     conn = redis.Redis.from_url(server.url)
-    receiver = CountingReceiver()
-    receiver.up()
-    endpoint = wire.create_endpoint(conn, receiver.url, ["response.cancelled"])
-    receiver.secret = endpoint.secret
+    receiver, endpoint = subscribed_receiver(conn)
     procs = [webhooks(server.url, ENV)]
     try:
-        ids = notifying_jobs(conn, EVENTS)
-        wanted = {expected_id(j) for j in ids}
-        end_jobs(conn, ids)
+        wanted = ended_jobs(conn, EVENTS)
         assert receiver.wait(lambda: len(receiver.counts) >= EVENTS // 4, START_WAIT)
         os.killpg(procs[0].pid, signal.SIGKILL)  # the process and RQ's scheduler it forked
         procs[0].wait(10)
@@ -76,10 +71,7 @@ def test_webhooks_killed_mid_burst_and_receiver_down_lose_nothing(fault_redis, w
         # attempts meet the closed port and are rescheduled: seen in the delivery log
         wait_for(lambda: refused(conn, endpoint.id) >= 5, START_WAIT, "refused attempts")
         receiver.up()
-        assert receiver.wait(lambda: wanted <= receiver.counts.keys(), DONE_WAIT), (
-            f"{len(wanted - receiver.counts.keys())} of {EVENTS} events never arrived: "
-            + where(conn, wanted - receiver.counts.keys(), endpoint.id)
-        )
+        assert_all_arrive(conn, receiver, wanted, endpoint.id)
         wait_for(lambda: drained(conn), DONE_WAIT, "nothing left to deliver")
         with receiver.lock:
             twice = [i for i in wanted if receiver.counts[i] > 1]
@@ -102,16 +94,11 @@ def test_a_delivery_dequeued_and_not_yet_run_at_the_kill_arrives_within_the_boun
     list holds a job without a run, then killed."""
     server = fault_redis()
     conn = redis.Redis.from_url(server.url)
-    receiver = CountingReceiver()
-    receiver.up()
-    endpoint = wire.create_endpoint(conn, receiver.url, ["response.cancelled"])
-    receiver.secret = endpoint.secret
+    receiver, endpoint = subscribed_receiver(conn)
     queue = webhook_queue(conn)
     procs = [webhooks(server.url, ENV)]
     try:
-        ids = notifying_jobs(conn, EVENTS)
-        wanted = {expected_id(j) for j in ids}
-        end_jobs(conn, ids)
+        wanted = ended_jobs(conn, EVENTS)
         assert receiver.wait(lambda: len(receiver.counts) >= 10, START_WAIT)
         stuck = stop_between_dequeue_and_run(conn, procs[0], lambda: len(receiver.counts) < EVENTS)
         os.killpg(procs[0].pid, signal.SIGKILL)
@@ -120,10 +107,7 @@ def test_a_delivery_dequeued_and_not_yet_run_at_the_kill_arrives_within_the_boun
         [event_id] = [e for e in wanted if delivery_id(e, endpoint.id) == stuck]
         assert event_id not in receiver.counts
         procs.append(webhooks(server.url, ENV))
-        assert receiver.wait(lambda: wanted <= receiver.counts.keys(), DONE_WAIT), (
-            f"{len(wanted - receiver.counts.keys())} of {EVENTS} events never arrived: "
-            + where(conn, wanted - receiver.counts.keys(), endpoint.id)
-        )
+        assert_all_arrive(conn, receiver, wanted, endpoint.id)
         took = receiver.first_at[event_id] - killed
         assert took <= BOUND, f"the delivery dequeued at the kill arrived {took:.1f} s after it"
         wait_for(lambda: drained(conn), DONE_WAIT, "nothing left to deliver")
@@ -234,6 +218,32 @@ class HoldingReceiver:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+def subscribed_receiver(conn: redis.Redis) -> tuple[CountingReceiver, wire.Endpoint]:
+    """A `CountingReceiver`, up, and its endpoint subscribed to response.cancelled."""
+    receiver = CountingReceiver()
+    receiver.up()
+    endpoint = wire.create_endpoint(conn, receiver.url, ["response.cancelled"])
+    receiver.secret = endpoint.secret
+    return receiver, endpoint
+
+
+def ended_jobs(conn: redis.Redis, count: int) -> set[str]:
+    """`count` jobs that notify the webhooks, ended: the event ids the receiver must get."""
+    ids = notifying_jobs(conn, count)
+    wanted = {expected_id(j) for j in ids}
+    end_jobs(conn, ids)
+    return wanted
+
+
+def assert_all_arrive(
+    conn: redis.Redis, receiver: CountingReceiver, wanted: set[str], endpoint_id: str
+) -> None:
+    assert receiver.wait(lambda: wanted <= receiver.counts.keys(), DONE_WAIT), (
+        f"{len(wanted - receiver.counts.keys())} of {EVENTS} events never arrived: "
+        + where(conn, wanted - receiver.counts.keys(), endpoint_id)
+    )
 
 
 def stop_between_dequeue_and_run(conn: redis.Redis, proc: Any, running: Any) -> str:
