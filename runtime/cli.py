@@ -178,6 +178,10 @@ def run_models(args: argparse.Namespace) -> int:
             template = spec.chat_template or f.metadata.get("tokenizer.chat_template")
             if template:  # the format its tool calls and thinking are parsed in
                 types[spec.id] += f"\n    chat format: {ChatFormat.of(template).name}"
+            if getattr(ARCHITECTURES.get(f.architecture), "recurrent", False):
+                types[spec.id] += (
+                    "\n    prefix cache: off (recurrent state per sequence), host path only"
+                )
             if backend.name != "numpy" and unmultiplied(f, backend):
                 names = ", ".join(t.name for t in unmultiplied(f, backend))
                 types[spec.id] += f"\n    not multiplied from their codes yet: {names}"

@@ -8,6 +8,7 @@ for one sequence, so `llmq generate`, the worker and the benches share one code 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ from runtime.step_runners import HostRows, HostSteps, StepRunner
 if TYPE_CHECKING:
     from runtime.decode_graphs import DecodeGraphs
     from runtime.lora_slots import LoraSlots
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,6 +133,15 @@ class Engine:
         self.prefix_cache = (
             PrefixCache(self.kv_pool, namespace=spec.id) if self.config.prefix_cache else None
         )
+        if self.prefix_cache is not None and getattr(self.model, "recurrent", False):
+            # cached blocks would not bring the recurrent state their tokens left
+            self.prefix_cache = None
+            log.info(
+                "%s: %s keeps recurrent state per sequence: no prefix cache (a preempted "
+                "sequence is recomputed from its tokens)",
+                spec.id,
+                self.architecture,
+            )
         self.decode_graphs: DecodeGraphs | None = None
         self.lora_slots: LoraSlots | None = None
         if self.torch_forward and self.config.decode_graphs is not False:
