@@ -426,6 +426,10 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
     tool_call_id: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     refusal: str | None = None  # OpenAI echoes it in assistant messages; not shown
+    # a past answer's thinking, as this API returned it (vLLM's and llama.cpp's name): the
+    # chat template decides whether the model sees it (Qwen3's and gpt-oss's do, for turns
+    # of the current exchange)
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -452,6 +456,8 @@ class ChatMessage(StrictModel):
             raise ValueError("content is required (it may be null only for tool calls).")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages may have tool_calls.")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may have reasoning_content.")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers.")
         return self
