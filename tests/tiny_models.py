@@ -300,20 +300,24 @@ def write_tiny_arch(path: Path, arch: str, shape: TinyShape | None = None, seed:
 def write_tiny_gemma4(
     path: Path, shape: TinyShape | None = None, seed: int = 0, float32: bool = False
 ) -> Path:
-    """A tiny dense Gemma 4 as llama.cpp's converter writes one: sliding layers (head size
+    """A tiny Gemma 4 as llama.cpp's converter writes one: sliding layers (head size
     `head_dim`, `n_kv_heads`, all of it rotated at base 1e4) between full ones (twice the
     head size, one KV head, no attn_v: v is k's projection; a quarter of each head rotated
-    through rope_freqs), per-layer output scales, a final softcap, a tied head. `float32`:
-    every weight float32 and llama.cpp's pre-tokenizer name, for llama.cpp to read."""
+    through rope_freqs), per-layer output scales, a final softcap, a tied head; and E2B's
+    parts: per-layer embeddings of 32 and, from 4 layers, the last two layers sharing the
+    KV of the two before them (q alone, their FFN twice as wide). `float32`: every weight
+    float32 and llama.cpp's pre-tokenizer name, for llama.cpp to read."""
     s, rng = shape or TinyShape(n_layers=4), np.random.default_rng(seed)
     add = _add_float32 if float32 else _add_quantized
     sliding = [i % 2 == 0 for i in range(s.n_layers)]
-    swa_dim, full_dim = s.head_dim, 2 * s.head_dim
+    swa_dim, full_dim, per_layer = s.head_dim, 2 * s.head_dim, 32
+    first_shared = s.n_layers - 2 if s.n_layers >= 4 else s.n_layers
+    ffn = [s.ffn_dim if i < first_shared else 2 * s.ffn_dim for i in range(s.n_layers)]
     w = gguf.GGUFWriter(str(path), "gemma4")
     w.add_block_count(s.n_layers)
     w.add_context_length(s.context_length)
     w.add_embedding_length(s.dim)
-    w.add_feed_forward_length(s.ffn_dim)
+    w.add_feed_forward_length(ffn)
     w.add_head_count(s.n_heads)
     w.add_head_count_kv([s.n_kv_heads if slides else 1 for slides in sliding])
     w.add_key_length(full_dim)
@@ -327,8 +331,8 @@ def write_tiny_gemma4(
     w.add_layer_norm_rms_eps(1e-6)
     w.add_sliding_window(s.sliding_window)
     w.add_sliding_window_pattern(sliding)
-    w.add_shared_kv_layers(0)
-    w.add_embedding_length_per_layer_input(0)
+    w.add_shared_kv_layers(s.n_layers - first_shared)
+    w.add_embedding_length_per_layer_input(per_layer)
     w.add_final_logit_softcapping(30.0)
     vocab = _add_gpt2_tokenizer(w, "gpt-2" if float32 else "gpt2")
     add(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
@@ -336,21 +340,29 @@ def write_tiny_gemma4(
     rotated = full_dim // 8  # of full_dim / 2 frequencies: partial_rotary_factor 0.25
     factors = [1.0] * rotated + [1e30] * (full_dim // 2 - rotated)
     w.add_tensor("rope_freqs.weight", np.array(factors, np.float32))
+    all_inputs = s.n_layers * per_layer
+    add(w, "per_layer_token_embd.weight", _weights(rng, vocab, all_inputs), Q8_0)
+    add(w, "per_layer_model_proj.weight", _weights(rng, all_inputs, s.dim), Q8_0)
+    w.add_tensor("per_layer_proj_norm.weight", _norm(rng, per_layer))
     for i, slides in enumerate(sliding):
         p, head = f"blk.{i}.", swa_dim if slides else full_dim
         kv = (s.n_kv_heads if slides else 1) * head
         for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
             w.add_tensor(p + norm + ".weight", _norm(rng, s.dim))
-        for norm in ("attn_q_norm", "attn_k_norm"):
-            w.add_tensor(p + norm + ".weight", _norm(rng, head))
+        w.add_tensor(p + "attn_q_norm.weight", _norm(rng, head))
         add(w, p + "attn_q.weight", _weights(rng, s.n_heads * head, s.dim), Q8_0)
-        add(w, p + "attn_k.weight", _weights(rng, kv, s.dim), Q8_0)
-        if slides:
+        if i < first_shared:
+            w.add_tensor(p + "attn_k_norm.weight", _norm(rng, head))
+            add(w, p + "attn_k.weight", _weights(rng, kv, s.dim), Q8_0)
+        if slides and i < first_shared:
             add(w, p + "attn_v.weight", _weights(rng, kv, s.dim), F16)
         add(w, p + "attn_output.weight", _weights(rng, s.dim, s.n_heads * head), Q8_0)
-        add(w, p + "ffn_gate.weight", _weights(rng, s.ffn_dim, s.dim), Q8_0)
-        add(w, p + "ffn_up.weight", _weights(rng, s.ffn_dim, s.dim), F16)
-        add(w, p + "ffn_down.weight", _weights(rng, s.dim, s.ffn_dim), Q8_0)
+        add(w, p + "ffn_gate.weight", _weights(rng, ffn[i], s.dim), Q8_0)
+        add(w, p + "ffn_up.weight", _weights(rng, ffn[i], s.dim), F16)
+        add(w, p + "ffn_down.weight", _weights(rng, s.dim, ffn[i]), Q8_0)
+        add(w, p + "inp_gate.weight", _weights(rng, per_layer, s.dim), Q8_0)
+        add(w, p + "proj.weight", _weights(rng, s.dim, per_layer), F16)
+        w.add_tensor(p + "post_norm.weight", _norm(rng, s.dim))
         w.add_tensor(p + "layer_output_scale.weight", np.array([0.8 + 0.1 * i], np.float32))
     _finish(w)
     return path

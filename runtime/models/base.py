@@ -214,6 +214,11 @@ class DecoderModel:
         return None
 
     @property
+    def kv_sources(self) -> list[int] | None:
+        """The layer whose keys and values each layer reads (None: every layer its own)."""
+        return None
+
+    @property
     def kv_windows(self) -> list[int | None]:
         """Each layer's sliding attention window (None: it sees the whole context)."""
         return [getattr(layer, "window", None) for layer in self.layers]
@@ -229,6 +234,7 @@ class DecoderModel:
             storage=self.ops.kv_storage,
             value_bytes=self.ops.kv_value_bytes,
             layer_shapes=self.kv_layer_shapes,
+            kv_sources=self.kv_sources,
         )
 
     def kv_pool_for_budget(self, memory_bytes: int) -> BlockPool:
@@ -241,6 +247,7 @@ class DecoderModel:
             storage=self.ops.kv_storage,
             value_bytes=self.ops.kv_value_bytes,
             layer_shapes=self.kv_layer_shapes,
+            kv_sources=self.kv_sources,
         )
 
     def new_cache(self, max_tokens: int, pool: BlockPool | None = None) -> PagedKVCache:

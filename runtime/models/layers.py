@@ -134,7 +134,7 @@ class DecoderArgs:
             # a list per layer (Gemma 4's full layers have their own): the most, the pool's
             n_kv_heads=int(np.max(f.arch_value("attention.head_count_kv", n_heads))),
             head_dim=head_dim,
-            ffn_dim=int(f.require("feed_forward_length")),
+            ffn_dim=int(np.max(f.require("feed_forward_length"))),  # Gemma 4's: per layer
             norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", norm_eps)),
             rope_base=float(f.arch_value("rope.freq_base", rope_base)),
             rope_scale=1.0 if yarn else f.linear_rope_scale(),
