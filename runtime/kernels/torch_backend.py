@@ -29,7 +29,7 @@ import threadpoolctl
 import torch
 
 from runtime.gguf_file import GGUFFile
-from runtime.kernels import pages
+from runtime.kernels import pages, repack
 from runtime.kernels.base import TensorPart
 from runtime.kernels.core_share import share_cores
 from runtime.kernels.cpu import LARGE_HEAD_ROWS, KernelPlan, cpu_features, default_plan
@@ -621,6 +621,9 @@ class RescoredHead(_Product):
         3.1 / 49 ms where torch's int4 took 4.7 / 66, on an AVX512-BF16 EPYC), else
         torch's."""
         rows, cols = (int(d) for d in f.blocks(name)[2])
+        packed = repack.ranking(f, name) if native else None  # repack.c: the same, one pass
+        if packed is not None:
+            return RescoredBlockRanking.restored((rows, cols), {"packed": torch.from_numpy(packed)})
         starts = range(0, rows, HEAD_CHUNK_ROWS)
         chunks = (quantize_groups(f.rows(name, slice(s, s + HEAD_CHUNK_ROWS))) for s in starts)
         if not native:
@@ -904,6 +907,9 @@ class TorchBackend:
 
     def _build(self, f: GGUFFile, parts: list[TensorPart], input_scale: np.ndarray | None):
         types = {f.blocks(p.name)[1] for p in parts}
+        repacked = self._repacked(f, parts, types, input_scale)
+        if repacked is not None:
+            return repacked
         if self.native_eight_bit and types <= EIGHT_BIT_TYPES:
             fused = BlockCodes.concat([block_part(f, p) for p in parts])
             if self.plan.eight_bit == Int8BlockGroupWeight.kind and nibble_table(types):
@@ -929,6 +935,31 @@ class TorchBackend:
         if input_scale is not None:  # dense stores fold it into the columns, as numpy does
             dense *= input_scale[None, :]
         return self._dense(self.plan.four_bit if four_bit else self.plan.other, dense)
+
+    def _repacked(self, f: GGUFFile, parts: list[TensorPart], types: set, input_scale):
+        """The weight `_build` would make, packed by runtime/kernels/repack.c straight from
+        the file's blocks (bitwise the same, one pass); None where it takes another path."""
+        shape = (
+            sum(int(f.blocks(p.name)[2][0]) for p in parts),
+            int(f.blocks(parts[0].name)[2][1]),
+        )
+        scale = {} if input_scale is None else {"input_scale": _scale(input_scale)}
+        grouped = self.plan.eight_bit == Int8BlockGroupWeight.kind
+        if (
+            self.native_eight_bit
+            and grouped
+            and types <= EIGHT_BIT_TYPES
+            and not nibble_table(types)
+        ):
+            done = repack.int8_groups(f, parts)
+            if done is not None:
+                tensors = {"packed": torch.from_numpy(done[0]), "scales": torch.from_numpy(done[1])}
+                return Int8BlockGroupWeight.restored(shape, tensors | scale)
+        if self.native_lowbit and types == {Q.Q4_K}:
+            packed = repack.q4k_lowbit(f, parts)
+            if packed is not None:
+                return LowBitWeight.restored(shape, {"packed": torch.from_numpy(packed)} | scale)
+        return None
 
     def embedding(self, f: GGUFFile, name: str) -> BlockEmbedding:
         return BlockEmbedding(f, name)
@@ -976,6 +1007,11 @@ class TorchBackend:
         if kind == RescoredHead.kind:
             return RescoredHead.ranking_of(f, name, self.native_lowbit)
         shape = f.blocks(name)[2]
+        packed = repack.int8_head(f, name) if kind == "int8" and self.grouped_int8 else None
+        if packed is not None:  # runtime/kernels/repack.c: the same bytes in one pass
+            return Int8GroupWeight.restored(
+                (int(shape[0]), int(shape[1])), {"packed": torch.from_numpy(packed)}
+            )
         int8 = Int8GroupWeight if self.grouped_int8 else Int8Weight
         head = {"int8": int8, "fp16-rows": Fp16RowsWeight}.get(kind, Bf16Weight)(shape)
         for start in range(0, shape[0], HEAD_CHUNK_ROWS):
