@@ -64,6 +64,7 @@ LINEAR_SUFFIXES = ("_q.weight", "_k.weight", "_v.weight", "_qkv.weight", "_outpu
 LINEAR_SUFFIXES += ("_gate.weight",)
 LINEAR_SUFFIXES += ("_up.weight", "_down.weight", "_shexp.weight")
 LINEAR_SUFFIXES += ("ssm_out.weight", "ssm_alpha.weight", "ssm_beta.weight")  # qwen35
+LINEAR_SUFFIXES += (".proj.weight",)  # gemma4's per-layer input product (inp_gate: _gate)
 
 
 def estimate_weight_bytes(gguf_file: GGUFFile, backend: Backend) -> int:
@@ -78,6 +79,10 @@ def estimate_weight_bytes(gguf_file: GGUFFile, backend: Backend) -> int:
                 total += backend.stored_bytes(gguf_file, name, "tied head")
         elif name == "output.weight":
             total += backend.stored_bytes(gguf_file, name, "head")
+        elif name == "per_layer_token_embd.weight":  # Gemma 4 E2B/E4B: rows read as used
+            total += backend.stored_bytes(gguf_file, name, "embedding")
+        elif name == "per_layer_model_proj.weight":
+            total += backend.stored_bytes(gguf_file, name, "linear")
         elif name.startswith("blk.") and name.endswith("_exps.weight"):  # [E, out, in]
             experts = gguf_file.blocks(name)[2][0]
             total += experts * backend.stored_bytes(gguf_file, expert_tensor(name, 0), "linear")
