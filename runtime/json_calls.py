@@ -195,6 +195,7 @@ class MistralParser(JsonCallParser):
         super().__init__(call_id)
         self.args_form = args_form
         self._state = "text"  # text -> list -> item -> arguments -> item_end -> ... -> done
+        self._after_call = False
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._buffer += text
@@ -210,16 +211,19 @@ class MistralParser(JsonCallParser):
         """One move of the state machine; False when it needs more text."""
         state, buffer = self._state, self._buffer
         if state == "text":
+            if self._after_call:  # the space between calls, or after them, is not content
+                buffer = self._buffer = buffer.lstrip()
+                self._after_call = not buffer
             at = buffer.find(TOOL_CALLS)
             if at < 0:
                 keep = partial_suffix(buffer, TOOL_CALLS)
                 cut = len(buffer) - keep
                 while cut > 0 and buffer[cut - 1].isspace():
                     cut -= 1  # space before a call is not content
-                out.append(buffer[:cut] if not self.calls else buffer[:cut].lstrip())
+                out.append(buffer[:cut])
                 self._buffer = buffer[cut:]
                 return False
-            out.append(buffer[:at].rstrip() if not self.calls else buffer[:at].strip())
+            out.append(buffer[:at].rstrip())
             self._buffer = buffer[at + len(TOOL_CALLS) :]
             self._state = "name" if self.args_form else "list"
             return True
@@ -234,6 +238,7 @@ class MistralParser(JsonCallParser):
             if not self._buffer or not self._arguments(deltas):
                 return False
             self._state = "text" if self.args_form else "item_end"
+            self._after_call = self.args_form
             return True
         if state == "item_end":  # what follows the arguments: `, "id": "..."}`
             at = buffer.find("}")
@@ -271,7 +276,7 @@ class MistralParser(JsonCallParser):
         if self._state == "text":
             held = self._buffer.strip()
             if held and not TOOL_CALLS.startswith(held):
-                out = self._buffer if not self.calls else held
+                out = self._buffer
         self.content += out
         self._buffer = ""
         return out, []

@@ -358,3 +358,17 @@ def test_gpt_oss_reads_a_past_turns_thinking_beside_its_calls():
     prompt = chat.render(messages, add_generation_prompt=True, **extra)
     assert "<|channel|>analysis<|message|>Need weather.<|end|>" in prompt
     assert "<|start|>assistant to=functions.get_weather<|channel|>commentary json" in prompt
+
+
+def test_mistrals_args_form_calls_in_a_row_and_content_after_them():
+    fmt = ChatFormat(MISTRAL, True)
+    text = (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"} \n[TOOL_CALLS]get_time[CALL_ID]'
+        "abc123def[ARGS]{}\n Done, a b."
+    )
+    _, content, calls, parser = every_cut(fmt, text)
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Oslo"}'),
+        ("get_time", "{}"),
+    ]
+    assert content == "Done, a b." and parser.complete
