@@ -305,8 +305,9 @@ def write_tiny_gemma4(
     head size, one KV head, no attn_v: v is k's projection; a quarter of each head rotated
     through rope_freqs), per-layer output scales, a final softcap, a tied head; and E2B's
     parts: per-layer embeddings of 32 and, from 4 layers, the last two layers sharing the
-    KV of the two before them (q alone, their FFN twice as wide). `float32`: every weight
-    float32 and llama.cpp's pre-tokenizer name, for llama.cpp to read."""
+    KV of the two before them (q alone, their FFN twice as wide); and 26B-A4B's: 4 experts
+    (2 used) beside each dense FFN. `float32`: every weight float32 and llama.cpp's
+    pre-tokenizer name, for llama.cpp to read."""
     s, rng = shape or TinyShape(n_layers=4), np.random.default_rng(seed)
     add = _add_float32 if float32 else _add_quantized
     sliding = [i % 2 == 0 for i in range(s.n_layers)]
@@ -333,6 +334,9 @@ def write_tiny_gemma4(
     w.add_sliding_window_pattern(sliding)
     w.add_shared_kv_layers(s.n_layers - first_shared)
     w.add_embedding_length_per_layer_input(per_layer)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(32)
     w.add_final_logit_softcapping(30.0)
     vocab = _add_gpt2_tokenizer(w, "gpt-2" if float32 else "gpt2")
     add(w, "token_embd.weight", _weights(rng, vocab, s.dim), Q8_0)
@@ -360,12 +364,26 @@ def write_tiny_gemma4(
         add(w, p + "ffn_gate.weight", _weights(rng, ffn[i], s.dim), Q8_0)
         add(w, p + "ffn_up.weight", _weights(rng, ffn[i], s.dim), F16)
         add(w, p + "ffn_down.weight", _weights(rng, s.dim, ffn[i]), Q8_0)
+        _add_tiny_gemma4_experts(w, p, s.dim, rng, add)
         add(w, p + "inp_gate.weight", _weights(rng, per_layer, s.dim), Q8_0)
         add(w, p + "proj.weight", _weights(rng, s.dim, per_layer), F16)
         w.add_tensor(p + "post_norm.weight", _norm(rng, s.dim))
         w.add_tensor(p + "layer_output_scale.weight", np.array([0.8 + 0.1 * i], np.float32))
     _finish(w)
     return path
+
+
+def _add_tiny_gemma4_experts(w: gguf.GGUFWriter, p: str, dim: int, rng, add) -> None:
+    """Gemma 4 26B-A4B's expert tensors for one layer: 4 experts of 32, a router with its
+    input scale, the norms around them, each expert's output scale."""
+    w.add_tensor(p + "ffn_gate_inp.weight", 4 * _weights(rng, 4, dim))
+    w.add_tensor(p + "ffn_gate_inp.scale", _norm(rng, dim))
+    for norm in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+        w.add_tensor(p + norm + ".weight", _norm(rng, dim))
+    add(w, p + "ffn_gate_exps.weight", _weights(rng, 4, 32, dim), Q8_0)
+    add(w, p + "ffn_up_exps.weight", _weights(rng, 4, 32, dim), F16)
+    add(w, p + "ffn_down_exps.weight", _weights(rng, 4, dim, 32), Q8_0)
+    w.add_tensor(p + "ffn_down_exps.scale", _norm(rng, 4))
 
 
 def _add_tiny_layer(

@@ -14,12 +14,15 @@ GELU-tanh gated FFN, embeddings times sqrt(dim)) with
 - E2B/E4B: per-layer embeddings (a token's row of per_layer_token_embd plus a projection
   of its embedding, one slice per layer, gating a small product added after the FFN) and
   the last attention.shared_kv_layers layers reading the keys and values of the last
-  sliding or full layer before them (they compute q only).
+  sliding or full layer before them (they compute q only);
+- 26B-A4B: beside each layer's dense FFN (then post_ffw_norm_1) its experts on
+  pre_ffw_norm_2's input (then post_ffw_norm_2), routed by softmax over the logits of the
+  input RMS-normalized, over sqrt(dim), times ffn_gate_inp.scale; top k, weights summing
+  to 1, each expert's output times its ffn_down_exps.scale.
 
 llama.cpp: src/models/gemma4.cpp; conversion/gemma.py `Gemma4Model` (norm weights stored
 as the scale itself). The KV pool keeps each layer in its own shape (`kv_layer_shapes`),
-and a sharing layer none (`kv_sources`). Refused by name at load: mixture-of-experts
-layers (26B-A4B).
+and a sharing layer none (`kv_sources`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from runtime.models.layers import (
     DecoderArgs,
     sliding_layers,
 )
+from runtime.models.moe import MoE, MoEArgs, _capturing, route
 
 LOCAL = "local"  # the sliding layers' rope key
 PER_LAYER = "per-layer inputs"  # beside the rope tables: [T, layers, E] (E2B/E4B)
@@ -60,6 +64,7 @@ class Gemma4Args(DecoderArgs):
     kv_heads: tuple[int, ...] = ()
     kv_sources: tuple[int, ...] = ()
     per_layer_dim: int = 0  # embedding_length_per_layer_input (0: no per-layer inputs)
+    moe: MoEArgs | None = None  # the experts' (26B-A4B)
 
     def rope(self, layer: int) -> Hashable:
         return LOCAL if self.sliding[layer] else GLOBAL
@@ -71,13 +76,6 @@ class Gemma4Args(DecoderArgs):
 
 def _refuse_unsupported(f: GGUFFile) -> None:
     name = f.path.name
-    n_layers = int(f.require("block_count"))
-    if int(f.arch_value("expert_count", 0)) > 0 or any(
-        f.has_tensor(f"blk.{i}.ffn_gate_inp.weight") for i in range(n_layers)
-    ):
-        raise ModelFormatError(
-            f"{name}: Gemma 4's mixture-of-experts layers (as in 26B-A4B) are not supported"
-        )
     if len(set(np.ravel(f.require("attention.head_count")))) != 1:
         raise ModelFormatError(f"{name}: gemma4 with a per-layer head_count is not supported")
     if f.arch_value("rope.scaling.type") == "yarn":
@@ -136,6 +134,10 @@ def _read_args(f: GGUFFile) -> Gemma4Args:
         kv_heads=kv_heads,
         kv_sources=_kv_sources(f, sliding),
         per_layer_dim=int(f.arch_value("embedding_length_per_layer_input", 0)),
+        # llama.cpp's gemma4.cpp: softmax, the k weights normalized, no scale
+        moe=None
+        if not f.arch_value("expert_count")
+        else MoEArgs.read(f, gating="softmax", norm_weights=True, weights_scale=1.0),
     )
     args.head_dim, args.n_kv_heads = max(head_dims), max(kv_heads)
     return args
@@ -169,9 +171,31 @@ class Gemma4Block(Block):
             return parts[:1]  # q
         return parts[:2] if self.k_eq_v else parts  # q, k: v is k's projection
 
+    def build_mlp(self, f: GGUFFile, p: str, backend: Backend) -> None:
+        super().build_mlp(f, p, backend)  # the dense FFN, beside the experts where any
+        self.moe = None
+        if f.has_tensor(p + "ffn_gate_inp.weight"):
+            if self.args.moe is None:
+                raise ModelFormatError(f"{f.path.name}: {p}ffn_gate_inp without expert_count")
+            self.moe = Gemma4Experts(f, p, self.args, backend, self.ops)
+            norms = ("post_ffw_norm_1", "post_ffw_norm_2")
+            self.post_mlp_norm, self.post_moe_norm = (
+                self.ops.vector(f.tensor(p + n + ".weight")) for n in norms
+            )
+
     def weights(self) -> list[Any]:
         extra = [w for w in (self.per_layer_gate, self.per_layer_proj) if w is not None]
-        return super().weights() + extra
+        return super().weights() + extra + (self.moe.weights() if self.moe else [])
+
+    def mlp(self, x, layout: BatchLayout):
+        out = super().mlp(x, layout)  # [T, D]
+        if self.moe is None:
+            return out
+        eps, ops = self.args.norm_eps, self.ops
+        experts = self.moe(ops.rms_normalize(x, eps), layout)  # [T, D]
+        return ops.rms_norm(out, self.post_mlp_norm, eps) + ops.rms_norm(
+            experts, self.post_moe_norm, eps
+        )
 
     def __call__(self, x, layout: BatchLayout, ropes: dict) -> Any:
         h = x + self._residual(self._attention(x, layout, ropes), True)
@@ -204,6 +228,32 @@ class Gemma4Block(Block):
             ropes[SHARED_KV][self.index] = k, v
         out = ops.attend(self.index, q, k, v, layout, self.window, None)  # [T, H*Dh]
         return linear(out, self.wo, layout)  # [T, H*Dh] -> [T, D]
+
+
+class Gemma4Experts(MoE):
+    """A layer's experts (26B-A4B), called with the layer's input RMS-normalized: the
+    experts read it times pre_ffw_norm_2 (folded into their products), the router over
+    sqrt(dim) times ffn_gate_inp.scale; each expert's output times its ffn_down_exps.scale."""
+
+    def __init__(self, f: GGUFFile, p: str, args: Gemma4Args, backend: Backend, ops) -> None:
+        pre_norm = f.tensor(p + "pre_ffw_norm_2.weight")
+        super().__init__(f, p, args.moe, backend, ops, pre_norm, "gelu_tanh_mul")
+        self.inv_sqrt_dim = np.float32(1.0) / np.sqrt(np.float32(args.dim))
+        self.router_scale = f.tensor(p + "ffn_gate_inp.scale")  # [D]
+        scales = p + "ffn_down_exps.scale"
+        self.down_scales = f.tensor(scales).tolist() if f.has_tensor(scales) else None
+
+    def __call__(self, xn, layout: BatchLayout | None = None):
+        if getattr(self.ops, "cuda", False) and _capturing():
+            raise RuntimeError("a MoE layer chooses its experts on the host: not capturable")
+        x_in = (self.ops.to_host(xn) * self.inv_sqrt_dim) * self.router_scale  # [T, D]
+        logits = np.einsum("td,ed->te", x_in, self.router)  # [T, E]: each row's own dots
+        chosen, weights = route(logits, self.args)  # [T, k] each
+        return self._weighted_sum(self._expert_rows(xn, chosen), weights)
+
+    def _expert(self, e: int, x):
+        out = super()._expert(e, x)  # [n, D]
+        return out if self.down_scales is None else out * self.down_scales[e]
 
 
 class Gemma4Model(Decoder):
