@@ -329,7 +329,7 @@ def test_decode_rows_sharing_a_cached_prefix_attend_it_together(window, attentio
         window,
     )
     if attention_path == "numpy" and window is None:  # within a window the prefix is out of sight
-        groups = layout.plans[("decode", 0, window)]
+        groups = layout.plans[("decode", 0, window, n_kv)]  # the layer's own KV heads
         assert sum(len(run.members) for g in groups for run in g.shared) == len(lengths)
     for row, n in enumerate(lengths):
         want = _naive_attention(
