@@ -125,9 +125,7 @@ class Engine:
                 self.config.kv_memory_mb, self.device, self.config.gpu_memory_utilization
             )
             blocks = -(-self.context_length // BLOCK_SIZE) + 1  # one sequence, and the scratch
-            layers, kv_heads, head_dim = self.model.kv_shape
-            per_block = 2 * layers * kv_heads * head_dim * BLOCK_SIZE
-            per_block *= self.model.ops.kv_value_bytes
+            per_block = self.model.kv_block_bytes  # layers of their own shape (gemma4)
             check_minimal_pool(kv_bytes, blocks * per_block, self.device, spec.id)
             self.kv_pool = self.model.kv_pool_for_budget(kv_bytes)
         self.prefix_cache = (

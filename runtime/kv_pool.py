@@ -153,9 +153,7 @@ class BlockPool:
         kv_sources: Sequence[int] | None = None,
     ) -> BlockPool:
         shapes = layer_shapes or [(n_kv_heads, head_dim)] * n_layers
-        own = [i for i, source in enumerate(kv_sources or range(n_layers)) if source == i]
-        per_block = sum(2 * shapes[i][0] * shapes[i][1] for i in own) * BLOCK_SIZE * value_bytes
-        n_blocks = max(1, memory_bytes // per_block)
+        n_blocks = max(1, memory_bytes // kv_block_bytes(shapes, kv_sources, value_bytes))
         return cls(
             n_layers,
             n_kv_heads,
@@ -221,6 +219,18 @@ class BlockPool:
         """Drop one reference to each block; blocks nobody holds go back to the free list."""
         for block in blocks:
             self.groups[group].release(block)
+
+
+def kv_block_bytes(
+    layer_shapes: Sequence[tuple[int, int]],
+    kv_sources: Sequence[int] | None = None,
+    value_bytes: int = 4,
+) -> int:
+    """Bytes of one block of `BLOCK_SIZE` tokens: keys and values of every layer `(Hkv,
+    Dh)` that keeps its own (`kv_sources`: BlockPool's)."""
+    sources = list(kv_sources or range(len(layer_shapes)))
+    own = [shape for i, shape in enumerate(layer_shapes) if sources[i] == i]
+    return sum(2 * h * d for h, d in own) * BLOCK_SIZE * value_bytes
 
 
 def _runs_from(runs: list[tuple[int, int, int]], index: int) -> list[tuple[int, int, int]]:

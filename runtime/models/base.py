@@ -15,7 +15,7 @@ import numpy as np
 
 from runtime.kernels import Embedding, Weight
 from runtime.kernels.heads import Exact, head_logits
-from runtime.kv_pool import BLOCK_SIZE, BlockPool, PagedKVCache
+from runtime.kv_pool import BLOCK_SIZE, BlockPool, PagedKVCache, kv_block_bytes
 from runtime.lora import AdapterStack, LinearSource, RowAdapters
 
 
@@ -212,6 +212,13 @@ class DecoderModel:
     def kv_layer_shapes(self) -> list[tuple[int, int]] | None:
         """Each layer's (KV heads, head dim) where layers differ (None: all `kv_shape`'s)."""
         return None
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one block of `BLOCK_SIZE` tokens takes in this model's KV pool."""
+        n_layers, n_kv_heads, head_dim = self.kv_shape
+        shapes = self.kv_layer_shapes or [(n_kv_heads, head_dim)] * n_layers
+        return kv_block_bytes(shapes, self.kv_sources, self.ops.kv_value_bytes)
 
     @property
     def kv_sources(self) -> list[int] | None:
