@@ -74,7 +74,7 @@ class Gemma4Args(DecoderArgs):
         return replace(self, head_dim=self.head_dims[i], n_kv_heads=self.kv_heads[i])
 
 
-def _refuse_unsupported(f: GGUFFile) -> None:
+def _check_supported(f: GGUFFile) -> None:
     name = f.path.name
     if len(set(np.ravel(f.require("attention.head_count")))) != 1:
         raise ModelFormatError(f"{name}: gemma4 with a per-layer head_count is not supported")
@@ -110,7 +110,7 @@ def _kv_sources(f: GGUFFile, sliding: tuple[bool, ...]) -> tuple[int, ...]:
 
 
 def _read_args(f: GGUFFile) -> Gemma4Args:
-    _refuse_unsupported(f)
+    _check_supported(f)
     n_layers, dim = int(f.require("block_count")), int(f.require("embedding_length"))
     f.require("attention.sliding_window_pattern")  # llama.cpp reads it as required
     sliding = sliding_layers(f, n_layers, 0)
