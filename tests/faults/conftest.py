@@ -34,6 +34,7 @@ from tests.redis_db import redis_binary
 from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import REPO, WorkerProcess, signal_then_kill, wait_for
 from tests.workers.serve_run import Serve
+from workers.redis_server import RedisServerProcess, pings
 from workers.supervisor import STOP_GRACE_SECONDS
 from workers.wire.job import TERMINAL_STATUSES
 
@@ -64,34 +65,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
-    """A redis-server of this test's own, which it can shut down and start again on the
-    same port: with an append-only file (F7) or with no persistence at all (F8)."""
+class RedisServer(RedisServerProcess):
+    """A redis-server of this test's own, started as `llmq serve` starts its broker
+    (workers/redis_server.py: the same arguments and a session of its own; persistent, an
+    append-only file fsynced as `LLMQ_BROKER_APPENDFSYNC` says, by default before every
+    reply), which the test can shut down and start again on the same port: with its file
+    (F7) or with no persistence at all (F8)."""
 
     def __init__(self, directory: Path, persistent: bool) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.argv = [str(redis_binary().server), "--port", str(self.port)]
-        self.argv += ["--bind", "127.0.0.1", "--dir", str(directory), "--save", ""]
-        if persistent:
-            self.argv += ["--appendonly", "yes", "--appendfsync", "everysec"]
-        else:
-            self.argv += ["--appendonly", "no"]
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
-        wait_for(self.pings, 10, f"redis-server on port {self.port}")
+        port = free_port()
+        data_dir = directory / f"redis-{port}" if persistent else None
+        super().__init__(redis_binary(), port, data_dir)
 
     def pings(self) -> bool:
-        try:
-            with redis.Redis.from_url(self.url, socket_connect_timeout=0.5) as client:
-                return bool(client.ping())
-        except redis.ConnectionError:
-            return False
+        return pings(self.url)
 
     def shutdown(self) -> None:
-        """`redis-cli shutdown`, as docs/faults.md F7 does (an AOF server writes it first)."""
+        """`redis-cli shutdown`, as docs/faults.md F7 does (a durable server writes it first)."""
         assert self.process is not None
         with redis.Redis.from_url(self.url) as client:
             try:
@@ -99,11 +89,6 @@ class RedisServer:
             except redis.ConnectionError:
                 pass
         self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
 
 
 @pytest.fixture

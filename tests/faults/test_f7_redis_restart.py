@@ -1,5 +1,5 @@
-"""docs/faults.md F7 in full: Redis (append-only file, fsync every second) is shut down while
-20 streams are live and started again 5 s later.
+"""docs/faults.md F7 in full: Redis (append-only file, fsynced as llmq serve's broker does)
+is shut down while 20 streams are live and started again 5 s later.
 
 Pass: while it is down a POST to /v1 gets 503 + Retry-After within 2.5 s (no 500, no hang);
 the open streams are told (`event: error`) and reconnect with Last-Event-ID, and once Redis
