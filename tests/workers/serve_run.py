@@ -17,10 +17,12 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
-from tests.workers.conftest import llmq_process, signal_then_kill
+from tests.workers.conftest import llmq_process, signal_then_kill, wait_for
 from workers.supervisor import BROKER_DIR_ENV
 
 MARKER = "LLMQ_TEST_SERVE_RUN"
@@ -126,3 +128,27 @@ class Serve:
     def says_serving(self) -> bool:
         assert self.process.poll() is None, self.output()
         return any("llmq is serving" in line for line in self.stdout)
+
+
+def on_one_port(
+    runs: list[Serve], model: Path, broker_dir: Path, **env: str
+) -> tuple[str, Callable[[], Serve]]:
+    """A free port's base URL, and what starts `llmq serve` there again and again (each run
+    appended to `runs`, returned once it says it serves): `model` at --max-batch 2, every run
+    over the one broker folder `broker_dir`, its steps slowed to 20 ms so that generations
+    still run at a kill, and `env` added to the environment."""
+    port = free_port()
+    full_env = {
+        **os.environ,
+        BROKER_DIR_ENV: str(broker_dir),
+        "LLMQ_WORKER_STEP_DELAY_MS": "20",
+        **env,
+    }
+    args = ("--port", str(port), "--models", str(model), "--max-batch", "2")
+
+    def start() -> Serve:
+        runs.append(Serve(*args, env=full_env))
+        wait_for(runs[-1].says_serving, 180, "llmq serve to say it is serving")
+        return runs[-1]
+
+    return f"http://127.0.0.1:{port}", start
