@@ -12,39 +12,22 @@ import pytest
 from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, ChatFormat
 from runtime.chat_template import ChatTemplate
 from runtime.engine import Engine
-from tests.workers.test_jobs import THINKING_TEMPLATE, new_job, run
-from workers.progress import StreamedChoice, StreamProgress
+from tests.workers.test_jobs import (
+    CALLING,
+    SHORT_TOOLS_TEMPLATE,
+    THINKING_TEMPLATE,
+    new_job,
+    resumed_alike,
+    run,
+)
 from workers.wire.job import CHAT_COMPLETIONS
 from workers.wire.responses_api import usage as responses_usage
 
 # short templates that show the tools themselves (the tiny model's context is 256 tokens);
 # a family's marker in a comment is what tells the family, as in the real templates
-SHORT = (
-    "{% for t in tools %}{{ t.function.name }} {% endfor %}"
-    "{% for m in messages %}{{ m.content }}{% endfor %}"
-)
-LLAMA3_TEMPLATE = "{# <|start_header_id|>ipython<|end_header_id|> #}" + SHORT
-MISTRAL_TEMPLATE = "{# [TOOL_CALLS] #}" + SHORT
-HARMONY_TEMPLATE = "{# <|channel|> #}" + SHORT + "<|start|>assistant"
-PICK = {
-    "type": "function",
-    "function": {
-        "name": "pick",
-        "parameters": {
-            "type": "object",
-            "properties": {"n": {"enum": [1, 2, 3]}},
-            "required": ["n"],
-            "additionalProperties": False,
-        },
-    },
-}
-CALLING = {
-    "messages": [{"role": "user", "content": "pick"}],
-    "tools": [PICK],
-    "tool_choice": "required",
-    "max_tokens": 160,  # the tiny vocabulary spells the call's fixed text in many tokens
-    "temperature": 0,
-}
+LLAMA3_TEMPLATE = "{# <|start_header_id|>ipython<|end_header_id|> #}" + SHORT_TOOLS_TEMPLATE
+MISTRAL_TEMPLATE = "{# [TOOL_CALLS] #}" + SHORT_TOOLS_TEMPLATE
+HARMONY_TEMPLATE = "{# <|channel|> #}" + SHORT_TOOLS_TEMPLATE + "<|start|>assistant"
 
 
 @pytest.fixture
@@ -70,15 +53,7 @@ def assembled_calls(deltas: list[dict]) -> list[dict]:
 def same_after_resumes(engine: Engine, body: dict, reference: dict, events: list[dict], cuts):
     """A job resumed after `cuts` tokens streamed gives the same body and later deltas."""
     for cut in cuts:
-        progress = StreamProgress(length=cut)
-        progress.choices[0] = StreamedChoice(
-            [e["token_id"] for e in events[:cut]], [e["text"] for e in events[:cut]]
-        )
-        job = new_job(CHAT_COMPLETIONS, body, progress)
-        resumed = run(engine, job)
-        for done in (resumed, reference):
-            done["usage"].pop("prompt_tokens_details", None)
-        assert resumed == reference, cut
+        job = resumed_alike(engine, body, events, cut, reference)
         assert [e["delta"] for e in events_of(job)] == [e["delta"] for e in events[cut:]]
 
 

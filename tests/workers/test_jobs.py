@@ -52,7 +52,7 @@ def resumed_alike(
     uncached = [{**done, "usage": dict(done["usage"])} for done in (resumed, reference)]
     for done in uncached:
         done["usage"].pop("prompt_tokens_details")
-    assert uncached[0] == uncached[1]
+    assert uncached[0] == uncached[1], f"resumed after {cut} tokens"
     return job
 
 
@@ -126,35 +126,39 @@ def test_a_choice_the_engine_ends_with_an_error_fails_the_job_with_a_500(engine)
     assert "constrained decoding failed" in error["error"]["message"]
 
 
+# a short template that shows the tools itself: the fallback's prompt overflows the tiny
+# model's 256 tokens
+SHORT_TOOLS_TEMPLATE = (
+    "{% for t in tools %}{{ t.function.name }} {% endfor %}"
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+PICK = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"enum": [1, 2, 3]}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+    },
+}
+CALLING = {  # a chat body whose answer must call PICK
+    "messages": [{"role": "user", "content": "pick"}],
+    "tools": [PICK],
+    "tool_choice": "required",
+    "max_tokens": 160,  # the tiny vocabulary spells the call's fixed text in many tokens
+    "temperature": 0,
+}
+
+
 def test_a_job_resumed_inside_a_tool_call_names_and_finishes_it_as_before(tiny_model):
     """The parser is rebuilt from the streamed text, so the resumed attempt's deltas carry
     on where the first stopped and the body (call ids included) is the one it would give."""
     engine = Engine.load(str(tiny_model))
-    # a short template that shows tools itself: the fallback's prompt overflows 256 tokens
-    engine.chat_template = ChatTemplate(
-        "{% for t in tools %}{{ t.function.name }} {% endfor %}"
-        "{% for m in messages %}{{ m.content }}{% endfor %}"
-    )
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "pick",
-            "parameters": {
-                "type": "object",
-                "properties": {"n": {"enum": [1, 2, 3]}},
-                "required": ["n"],
-                "additionalProperties": False,
-            },
-        },
-    }
-    body = {
-        "messages": [{"role": "user", "content": "pick"}],
-        "tools": [tool],
-        "tool_choice": "required",
-        "parallel_tool_calls": False,
-        "max_tokens": 160,  # the tiny vocabulary spells the call's fixed text in many tokens
-        "temperature": 0,
-    }
+    engine.chat_template = ChatTemplate(SHORT_TOOLS_TEMPLATE)
+    body = {**CALLING, "parallel_tool_calls": False}
     first = new_job(CHAT_COMPLETIONS, body)
     reference = run(engine, first)
     message = reference["choices"][0]["message"]
