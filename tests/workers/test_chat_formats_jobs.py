@@ -15,6 +15,7 @@ from runtime.engine import Engine
 from tests.workers.test_jobs import (
     CALLING,
     SHORT_TOOLS_TEMPLATE,
+    THINKING,
     THINKING_TEMPLATE,
     new_job,
     resumed_alike,
@@ -171,12 +172,7 @@ def test_harmony_calls_under_the_grammar(engine):
 
 def test_a_think_blocks_tokens_are_counted(engine):
     engine.chat_template = ChatTemplate(THINKING_TEMPLATE)
-    body = {
-        "messages": [{"role": "user", "content": "think"}],
-        "regex": "<think>\n[a-z]{4,12}\n</think>\n\n[a-z]{2,8}",
-        "max_tokens": 64,
-        "temperature": 0,
-    }
+    body = THINKING
     job = new_job(CHAT_COMPLETIONS, body)
     reference = run(engine, job)
     assert reference["usage"]["completion_tokens_details"] == {

@@ -177,6 +177,13 @@ THINKING_TEMPLATE = (  # Qwen3's shape: past turns' thinking is written back ins
     "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
 )
 
+THINKING = {  # a chat body held to a think block, then an answer, by a regex
+    "messages": [{"role": "user", "content": "think"}],
+    "regex": "<think>\n[a-z]{4,12}\n</think>\n\n[a-z]{2,8}",
+    "max_tokens": 64,
+    "temperature": 0,
+}
+
 
 def test_a_thinking_models_thinking_is_returned_apart_and_resumes_alike(tiny_model):
     """The answer is held to `<think>...</think>...` by a regex, so the tiny model thinks;
@@ -184,12 +191,7 @@ def test_a_thinking_models_thinking_is_returned_apart_and_resumes_alike(tiny_mod
     content, and a job resumed at any token gives the same deltas and body."""
     engine = Engine.load(str(tiny_model))
     engine.chat_template = ChatTemplate(THINKING_TEMPLATE)
-    body = {
-        "messages": [{"role": "user", "content": "think"}],
-        "regex": "<think>\n[a-z]{4,12}\n</think>\n\n[a-z]{2,8}",
-        "max_tokens": 64,
-        "temperature": 0,
-    }
+    body = THINKING
     first = new_job(CHAT_COMPLETIONS, body)
     reference = run(engine, first)
     message = reference["choices"][0]["message"]
