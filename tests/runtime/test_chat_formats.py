@@ -18,6 +18,7 @@ from runtime.chat_template import ChatTemplate
 from runtime.grammar_vocab import GrammarVocab
 from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import _native_message, tool_grammar
+from tests.runtime.test_tool_calls import assemble_calls
 
 TEMPLATES = (
     Path(__file__).parents[2]
@@ -89,14 +90,7 @@ def parse(fmt: ChatFormat, text: str, cuts: list[int], calls: bool = True, think
     bounds = [0, *cuts, len(text)]
     outputs = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     outputs.append(parser.finish())
-    assembled: dict[int, dict] = {}
-    for _, _, deltas in outputs:
-        for delta in deltas:
-            call = assembled.setdefault(delta["index"], {"id": None, "name": None, "arguments": ""})
-            if "id" in delta:
-                assert call["id"] is None, "id and name come once"
-                call["id"], call["name"] = delta["id"], delta["function"]["name"]
-            call["arguments"] += delta["function"]["arguments"]
+    assembled = assemble_calls(delta for _, _, deltas in outputs for delta in deltas)
     reasoning = "".join(r for r, _, _ in outputs)
     content = "".join(c for _, c, _ in outputs)
     return reasoning, content, list(assembled.values()), parser

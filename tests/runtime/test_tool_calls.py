@@ -5,6 +5,7 @@ vocabulary), and the prompt (the Hermes-style fallback, and templates that rende
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 import llguidance
 import pytest
@@ -40,15 +41,21 @@ def parse(text: str, step: int | None = None) -> tuple[ToolCallParser, str, dict
     parser = ToolCallParser(lambda k: f"call_{k}")
     pieces = [text] if step is None else [text[i : i + step] for i in range(0, len(text), step)]
     outputs = [parser.feed(piece) for piece in pieces] + [parser.finish()]
-    calls: dict[int, dict] = {}
-    for _, deltas in outputs:
-        for delta in deltas:
-            call = calls.setdefault(delta["index"], {"id": None, "name": None, "arguments": ""})
-            if "id" in delta:
-                assert call["id"] is None, "id and name come once"
-                call["id"], call["name"] = delta["id"], delta["function"]["name"]
-            call["arguments"] += delta["function"]["arguments"]
+    calls = assemble_calls(delta for _, deltas in outputs for delta in deltas)
     return parser, "".join(content for content, _ in outputs), calls
+
+
+def assemble_calls(parts: Iterable[dict]) -> dict[int, dict]:
+    """Each call as its streamed parts (`tool_calls` deltas) assemble it, by index: its id
+    and name, which come once, and its arguments, in pieces."""
+    calls: dict[int, dict] = {}
+    for part in parts:
+        call = calls.setdefault(part["index"], {"id": None, "name": None, "arguments": ""})
+        if "id" in part:
+            assert call["id"] is None, "id and name come once"
+            call["id"], call["name"] = part["id"], part["function"]["name"]
+        call["arguments"] += part["function"]["arguments"]
+    return calls
 
 
 # ------------------------------------------------------------------ parser

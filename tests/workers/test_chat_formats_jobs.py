@@ -12,6 +12,7 @@ import pytest
 from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, ChatFormat
 from runtime.chat_template import ChatTemplate
 from runtime.engine import Engine
+from tests.runtime.test_tool_calls import assemble_calls
 from tests.workers.test_jobs import (
     CALLING,
     SHORT_TOOLS_TEMPLATE,
@@ -41,14 +42,7 @@ def events_of(job) -> list[dict]:
 
 
 def assembled_calls(deltas: list[dict]) -> list[dict]:
-    calls: dict[int, dict] = {}
-    for delta in deltas:
-        for part in delta.get("tool_calls", []):
-            call = calls.setdefault(part["index"], {"id": None, "name": None, "arguments": ""})
-            if "id" in part:
-                call["id"], call["name"] = part["id"], part["function"]["name"]
-            call["arguments"] += part["function"]["arguments"]
-    return list(calls.values())
+    return list(assemble_calls(p for d in deltas for p in d.get("tool_calls", [])).values())
 
 
 def same_after_resumes(engine: Engine, body: dict, reference: dict, events: list[dict], cuts):
