@@ -1,6 +1,6 @@
 """The tests' real Redis: one database a test owns (reachable or the test fails: CI never
 skips the real path; empty when the test starts and emptied when it ends), the redis-server
-binary every test that starts its own uses, and the session's server where 6379 has none."""
+binary every test that starts its own uses, and the session's own server."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from workers.redis_server import (
     RedisServerMissing,
     RedisServerProcess,
     find_redis_server,
-    pings,
 )
 from workers.supervisor import free_port
 
@@ -57,21 +56,25 @@ def redis_cli() -> str:
 
 
 # The databases the test packages use on the session's Redis, by the variable that names
-# each (tests/api/conftest.py, tests/workers/conftest.py, tests/api/test_batches_end_to_end.py).
+# each (tests/api/conftest.py, tests/workers/conftest.py, tests/workers/test_webhooks.py,
+# tests/api/test_batches_end_to_end.py).
 SESSION_DATABASES = {
     "LLMQ_TEST_REDIS_URL": 13,
     "LLMQ_SMOLLM2_TEST_REDIS_URL": 10,
     "LLMQ_WORKERS_TEST_REDIS_URL": 14,
     "LLMQ_BATCH_TEST_REDIS_URL": 11,
+    "LLMQ_WEBHOOKS_TEST_REDIS_URL": 12,
 }
-SERVICE_URL = "redis://127.0.0.1:6379/0"
 
 
 def start_session_redis() -> RedisServerProcess | None:
-    """With no Redis answering on 6379 (a machine without the service), start one for the
-    test session on a free port and point every test package's variable at it, unless the
-    variable is set. Returns the server to stop at the end, or None when 6379 answers."""
-    if pings(SERVICE_URL):
+    """A redis-server of this test session's own, on a free port, with every test package's
+    variable pointed at it, unless all of them are set (a CI service, a developer's own
+    Redis: then that one is used, and nothing is started). Never the Redis on 6379 merely
+    because it answers: the suite flushes its databases before and after each test, so two
+    test sessions on one machine (parallel CI jobs, two clones) would flush each other's
+    jobs mid-test, and a user's own service on 6379 would lose databases 10-14."""
+    if all(os.environ.get(variable) for variable in SESSION_DATABASES):
         return None
     port = free_port()
     folder = tempfile.mkdtemp(prefix="llmq-test-redis-")  # its files, if it writes any

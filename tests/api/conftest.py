@@ -109,8 +109,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    """Real Redis: LLMQ_TEST_REDIS_URL (default 127.0.0.1:6379 db 13; tests/conftest.py starts
-    a server for the session, and sets the variable, where 6379 has none)."""
+    """Real Redis: LLMQ_TEST_REDIS_URL (tests/conftest.py starts the session's own server and
+    sets the variable where it is not set)."""
     return TEST_REDIS_URL
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import threading
 import time
 import uuid
@@ -40,7 +41,8 @@ from workers.wire import webhooks as wire
 from workers.wire.events import ending, write_ending
 from workers.wire.job import CANCELLED, COMPLETIONS, FAILED, FINISHED, JOB_FUNCTION, JobRecord
 
-REDIS_URL = "redis://127.0.0.1:6379/12"  # apart from the worker tests' db 14
+# apart from the worker tests' db 14 (tests/redis_db.py SESSION_DATABASES)
+REDIS_URL = os.environ.get("LLMQ_WEBHOOKS_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
 GREEDY = {"model": TINY, "temperature": 0, "ignore_eos": True}
 
 
