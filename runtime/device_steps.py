@@ -23,24 +23,15 @@ from runtime.device_sampling import (
 )
 from runtime.models.base import SequenceChunk
 from runtime.sampling import SampleResult
-from runtime.step_runners import CausalLM, HostRows, StepRow, eager_logits
+from runtime.step_runners import CausalLM, HostRows, StepRow
 
 
 class DeviceSteps:
-    """Eager steps through the tensor forward pass, static decode steps through
-    `graphs` where the engine built them (None: every step eager)."""
+    """Device logits; static decode steps through `graphs` where the engine built them
+    (None: every step eager)."""
 
     def __init__(self, model: CausalLM, host_rows: HostRows, graphs: DecodeGraphs | None) -> None:
         self.model, self.host_rows, self.graphs = model, host_rows, graphs
-
-    def forward(
-        self,
-        tokens: Sequence[int],
-        chunks: list[SequenceChunk],
-        positions: list[int],
-        rows: list[StepRow],
-    ) -> torch.Tensor | None:
-        return eager_logits(self.model, tokens, chunks, positions, rows)
 
     def static_bucket(self, chunks: Sequence[SequenceChunk]) -> Bucket | None:
         return None if self.graphs is None else self.graphs.bucket_for(chunks)

@@ -46,10 +46,11 @@ from runtime.placement import (
 from runtime.prefix_cache import PrefixCache
 from runtime.registry import ModelSpec, resolve
 from runtime.sampling import Sampler, SamplingParams
-from runtime.step_runners import HostRows, HostSteps, StepRunner
+from runtime.step_runners import HostRows, HostSteps
 
 if TYPE_CHECKING:
     from runtime.decode_graphs import DecodeGraphs
+    from runtime.device_steps import DeviceSteps
     from runtime.lora_slots import LoraSlots
 
 log = logging.getLogger(__name__)
@@ -149,11 +150,13 @@ class Engine:
             if self.config.lora_slots:  # the eager step's LoRA rows use them too
                 slots = LoraSlots(self.model, self.config.lora_slots, self.config.lora_rank)
                 self.lora_slots = self.model.ops.lora_slots = slots
-            self.decode_graphs = DecodeGraphs(
-                self.model, self.kv_pool, self.max_sequences, self.lora_slots
-            )
-            with device_memory_guard(self.device, f"the decode graphs of {spec.id}"):
-                self.decode_graphs.capture()
+            # a recurrent model's state is per sequence, not in static buffers: eager steps
+            if not getattr(self.model, "recurrent", False):
+                self.decode_graphs = DecodeGraphs(
+                    self.model, self.kv_pool, self.max_sequences, self.lora_slots
+                )
+                with device_memory_guard(self.device, f"the decode graphs of {spec.id}"):
+                    self.decode_graphs.capture()
         self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters by name
         for name, path in spec.loras:  # the registry's adapters come with the model
             self.load_adapter(name, adapter_file(path))
@@ -252,12 +255,12 @@ class Engine:
             runner=self._step_runner(),
         )
 
-    def _step_runner(self) -> StepRunner:
+    def _step_runner(self) -> HostSteps | DeviceSteps:
         """The runner of a new generator's steps (runtime/step_runners.py), for this
         engine's path: each generator its own, as it keeps its own grammar counts."""
         host_rows = HostRows(self.sampler, self.grammar_vocab)
         if not self.torch_forward:
-            return HostSteps(self.model, host_rows)
+            return HostSteps(host_rows)
         from runtime.device_steps import DeviceSteps  # torch: the tensor path's
 
         return DeviceSteps(self.model, host_rows, self.decode_graphs)

@@ -58,11 +58,12 @@ from runtime.sampling import (
     SamplingParams,
     SequenceSamplingState,
 )
-from runtime.step_runners import CausalLM, HostRows, HostSteps, StepRow, StepRunner
+from runtime.step_runners import CausalLM, HostRows, HostSteps, StepRow, eager_logits
 from runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch stays out of the host path's imports
     from runtime.device_sampling import PendingTokens
+    from runtime.device_steps import DeviceSteps
 
 DEFAULT_PRIORITY = 0
 
@@ -141,9 +142,9 @@ class Generator:
         max_context: int | None = None,
         config: GeneratorConfig | None = None,
         grammar_vocab: GrammarVocab | None = None,
-        runner: StepRunner | None = None,
+        runner: HostSteps | DeviceSteps | None = None,
     ) -> None:
-        """`runner`: how a step's forward pass runs and its rows are sampled, chosen by
+        """`runner`: where a step's logits stay and how its rows are sampled, chosen by
         the engine for its path (runtime/step_runners.py); the host path's by default."""
         self.model, self.tokenizer, self.sampler = model, tokenizer, sampler
         self.pool, self.prefix_cache = pool, prefix_cache
@@ -155,7 +156,7 @@ class Generator:
         self.preemptions = 0
         # built on the first constrained request; an engine shares one between generators
         self.grammar_vocab = grammar_vocab or GrammarVocab(tokenizer, model.vocab_size)
-        self.runner = runner or HostSteps(model, HostRows(sampler, self.grammar_vocab))
+        self.runner = runner or HostSteps(HostRows(sampler, self.grammar_vocab))
         self._in_flight: _InFlight | None = None  # a launched step not yet read back
         self.overlapped_steps = 0  # steps launched before the previous one was read
 
@@ -283,7 +284,7 @@ class Generator:
                 self._in_flight = _InFlight(sequences, pending)
                 return events
         else:
-            logits = self.runner.forward(tokens, chunks, [i for i, _ in wanted], rows)
+            logits = eager_logits(self.model, tokens, chunks, [i for i, _ in wanted], rows)
             if logits is None:  # only prompt chunks: no row is wanted yet
                 return events
         samples = self.runner.sample(logits, rows)

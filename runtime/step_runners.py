@@ -3,7 +3,7 @@
 runtime/generator.py schedules a step (which sequences feed which tokens) and emits what
 comes out; between the two, a runner runs the forward pass and samples the wanted rows.
 The engine picks the runner for its path when it builds a generator, so no step asks
-again which path it is on:
+again which path it is on (an eager step, `eager_logits`, is the model's on either path):
 
 - `HostSteps` (this module): numpy logits, every row through the host sampler.
 - `DeviceSteps` (runtime/device_steps.py, torch): logits stay on the device; rows that
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,10 +29,6 @@ from runtime.constraints import GrammarMatcher, apply_grammar_masks
 from runtime.grammar_vocab import GrammarVocab
 from runtime.models.base import BatchLayout, SequenceChunk
 from runtime.sampling import Sampler, SampleResult, SequenceSamplingState
-
-if TYPE_CHECKING:  # torch stays out of the host path's imports
-    from runtime.decode_graphs import Bucket
-    from runtime.device_sampling import PendingTokens
 
 
 class CausalLM(Protocol):
@@ -84,25 +80,6 @@ class HostRows:
         return self.sampler.sample(logits, [row.sampling for row in rows])
 
 
-class StepRunner(Protocol):
-    """What runtime/generator.py asks of a runner (HostSteps, DeviceSteps)."""
-
-    host_rows: HostRows
-
-    def forward(
-        self,
-        tokens: Sequence[int],
-        chunks: list[SequenceChunk],
-        positions: list[int],
-        rows: list[StepRow],
-    ): ...
-    def sample(self, logits, rows: Sequence[StepRow]) -> list[SampleResult]: ...
-    def static_bucket(self, chunks: Sequence[SequenceChunk]) -> Bucket | None: ...
-    def run_static(self, tokens, chunks, bucket: Bucket, previous=None): ...
-    def samples_on_device(self, row: StepRow) -> bool: ...
-    def sample_later(self, logits, rows: Sequence[StepRow]) -> PendingTokens: ...
-
-
 def eager_logits(
     model: CausalLM,
     tokens: Sequence[int],
@@ -112,7 +89,8 @@ def eager_logits(
 ):
     """The model's forward pass over any step, then the head on the wanted rows (at
     `positions` of the step's tokens; those that need it at the file's precision marked);
-    None when no row is wanted."""
+    None when no row is wanted. Every runner's eager step: the model's ops keep the logits
+    where its path keeps them (numpy on the host, a tensor on the device)."""
     hidden = model.forward(np.asarray(tokens, np.int64), BatchLayout(chunks))
     if not rows:
         return None
@@ -121,20 +99,11 @@ def eager_logits(
 
 
 class HostSteps:
-    """The host path: every step is the model's forward pass, its logits numpy arrays,
-    every row sampled on the host; no static steps, so nothing is launched ahead."""
+    """The host path: its logits are numpy arrays, every row sampled on the host; no
+    static steps, so every step is eager and nothing is launched ahead."""
 
-    def __init__(self, model: CausalLM, host_rows: HostRows) -> None:
-        self.model, self.host_rows = model, host_rows
-
-    def forward(
-        self,
-        tokens: Sequence[int],
-        chunks: list[SequenceChunk],
-        positions: list[int],
-        rows: list[StepRow],
-    ) -> np.ndarray | None:
-        return eager_logits(self.model, tokens, chunks, positions, rows)
+    def __init__(self, host_rows: HostRows) -> None:
+        self.host_rows = host_rows
 
     def sample(self, logits: np.ndarray, rows: Sequence[StepRow]) -> list[SampleResult]:
         return self.host_rows.sample(logits, rows)
