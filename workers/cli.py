@@ -152,7 +152,7 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="run the worker's threads at nice N, 0-19, so that an API and a broker on the "
         "same machine go first when its cores are busy (workers/priority.py) (default: "
-        "$LLMQ_WORKER_NICE, else 0; `llmq serve` starts its workers at 10)",
+        "$LLMQ_WORKER_NICE, else 0; `llmq serve --worker-nice N` starts its workers at N)",
     )
     worker.add_argument(
         "--poll-interval",

@@ -3,10 +3,17 @@
 A worker's decode step wants every core it can get; the API's work per request is small and
 a client waits on it (an acknowledgement, a stream's headers). On a machine they share, the
 kernel's scheduler splits the cores by weight, and equal weights hand a decoding worker as
-much as an API process: on 2 saturated cores a submission waited its turn behind the
-engines (tests/faults/test_load.py). `llmq serve` starts its workers at a lower priority
-(`WORKER_NICE`, `LLMQ_WORKER_NICE`): an idle API costs them nothing, and a busy one goes
-first.
+much as an API process. `llmq serve --worker-nice N` (`LLMQ_WORKER_NICE`) starts its workers
+at a lower priority: an idle API costs them nothing, and a busy one goes first.
+
+It is off by default (`WORKER_NICE` 0) because a nice worker yields to every other process
+on the machine, not only to the API. Measured with `make test-load` on the shared 2-core
+Zen 4 (others' work holding 33-61% of the cores; two runs each way, interleaved): at nice 10
+the API's p99 was 480-484 ms against 531-639 ms, its threads waited for a core 1.2-1.8x
+their CPU time against 2.1-2.4x, and the slowest stream headers 5.2-5.4 s against
+14.4-15.2 s; but the workers got 31-40 CPU seconds against 50-54 and completed 1,304-1,505
+streams against 3,033-3,095. Where llmq has the machine to itself the workers yield only to
+the API and the broker; that was not measured here.
 
 Two levers, because Linux has two levels of sharing. Each thread's nice value weighs it
 against the threads of its own scheduling group. With autogroups on (/proc/sys/kernel/
@@ -31,7 +38,7 @@ from workers.errors import PriorityError
 
 log = logging.getLogger("llmq.priority")
 
-WORKER_NICE = 10  # `llmq serve`'s workers: 10 weighs a worker ~1/9 of the API (weights 110:1024)
+WORKER_NICE = 0  # `llmq serve`'s workers: as the API (10 would weigh one ~1/9 of it, 110:1024)
 NICE_ENV = "LLMQ_WORKER_NICE"
 NICE_RANGE = range(0, 20)  # 0: as the API; 19: the lowest
 AUTOGROUP_ENABLED = Path("/proc/sys/kernel/sched_autogroup_enabled")

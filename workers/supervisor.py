@@ -419,7 +419,8 @@ def _serve(config: ServeConfig, home: Path) -> int:
         worker_args += ["--max-batch", str(config.max_sequences)]
     if config.device:
         worker_args += ["--device", config.device]
-    worker_args += ["--nice", str(config.worker_nice)]  # its threads, where no autogroups
+    if config.worker_nice:  # its threads, where the kernel has no autogroups
+        worker_args += ["--nice", str(config.worker_nice)]
     for i in range(config.workers):
         children.append(
             Child(
@@ -522,7 +523,8 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="the workers' CPU priority below the API and the broker, as a nice value 0-19: "
         "on busy cores the API answers first and the workers take what is left "
-        f"(default: $LLMQ_WORKER_NICE, else {WORKER_NICE}; 0: the same priority)",
+        f"(default: $LLMQ_WORKER_NICE, else {WORKER_NICE}: the same priority; a nice worker "
+        "yields to every other process too: workers/priority.py)",
     )
     serve_parser.set_defaults(handler=run_serve)
 
