@@ -14,7 +14,7 @@ turns generated tokens into text.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from runtime.finish import FINISH_STOP
@@ -54,11 +54,21 @@ class IncrementalDetokenizer:
 
 
 class TextAssembler:
-    """Token ids in, text deltas out, for one sequence that continues a prompt."""
+    """Token ids in, text deltas out, for one sequence that continues a prompt.
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+    `markers`: control tokens (no text here) whose text a parser reads after this token's
+    text (a chat format's markers, `runtime.chat_formats`). The start of a stop string held
+    back is released at one, so the parser gets that text before the marker, in the order
+    they were generated; a stop string does not match across a marker, as in llama.cpp,
+    which renders such tokens as text.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, stops: Sequence[str], markers: Collection[int] = ()
+    ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringMatcher(stops)
+        self._markers = frozenset(markers)
 
     def push(self, token_id: int, engine_finish: str | None) -> tuple[str, str | None]:
         """The text this token releases and the sequence's finish reason, if it ends here.
@@ -75,6 +85,8 @@ class TextAssembler:
             tail, hit_stop = self._stops.push(self._detokenizer.flush())
             text += tail if hit_stop else tail + self._stops.flush()
             return text, FINISH_STOP if hit_stop else engine_finish
+        if token_id in self._markers:
+            text += self._stops.flush()
         return text, None
 
     def replay(self, token_ids: Sequence[int]) -> str:

@@ -214,7 +214,7 @@ class Generator:
             raise ValueError(f"resume must be in [0, {len(prompt_ids)}), got {resume}")
         stack = normalize_stack(adapters)
         prompt = [int(t) for t in prompt_ids]
-        text = TextAssembler(self.tokenizer, params.stop)
+        text = TextAssembler(self.tokenizer, params.stop, params.marker_token_ids)
         sent = prompt[len(prompt) - resume :]
         text.replay(sent)
         sampling = self.sampler.new_state(params, prompt)

@@ -183,6 +183,8 @@ class GenerationSpec:
         so the choices of a seeded request are reproducible and still differ from each other.
         `fmt`: the model's chat format, which the tool-call grammar is written in."""
         constraint = self.output_constraint(fmt)
+        # a chat answer's markers reach its parser in order with the text (TextAssembler)
+        markers = list(fmt.marker_ids) if fmt is not None and self.chat else []
         return [
             SamplingParams(
                 max_tokens=max_tokens,
@@ -190,6 +192,7 @@ class GenerationSpec:
                 logprobs=self.logprobs,
                 seed=None if self.seed is None else self.seed + j,
                 constraint=constraint,
+                marker_token_ids=markers,
                 **self.sampling,
             )
             for j in range(self.n)

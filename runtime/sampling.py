@@ -90,6 +90,10 @@ class SamplingParams:
     - `logprobs`: None for none; 0..20 returns the chosen token's logprob plus that many top
       alternatives, all computed from the raw model logits (under a `constraint`, from the
       logits its grammar allows).
+    - `marker_token_ids`: control tokens an answer's parser reads as text (a chat format's
+      markers, `runtime.chat_formats`): one releases the start of a stop string held back
+      before it, so text and marker reach the parser in the order they were generated; a
+      stop string does not match across one (llama.cpp renders such tokens as text).
     - `constraint`: a `runtime.constraints.Constraint` (JSON object, JSON schema, regex,
       grammar) the output must match; the sequence ends with "stop" when it is complete.
       With `ignore_eos` the grammar decides when EOS may come.
@@ -110,6 +114,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     constraint: Constraint | None = None
+    marker_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.max_tokens = _as_int("max_tokens", self.max_tokens)
@@ -154,6 +159,9 @@ class SamplingParams:
             self.seed = _as_int("seed", self.seed)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.marker_token_ids = self._normalise_stop_token_ids(
+            self.marker_token_ids, "marker_token_ids"
+        )
         if not isinstance(self.ignore_eos, bool | np.bool_):
             raise InvalidSamplingParams(
                 f"ignore_eos must be a bool, got {self.ignore_eos!r}.", param="ignore_eos"
@@ -227,14 +235,14 @@ class SamplingParams:
         return result
 
     @staticmethod
-    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+    def _normalise_stop_token_ids(ids: Any, name: str = "stop_token_ids") -> list[int]:
         if ids is None:
             return []
         if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
             raise InvalidSamplingParams(
-                f"stop_token_ids must be a list of token ids, got {ids!r}.", param="stop_token_ids"
+                f"{name} must be a list of token ids, got {ids!r}.", param=name
             )
-        return list(dict.fromkeys(_as_token_id("stop_token_ids", i) for i in ids))
+        return list(dict.fromkeys(_as_token_id(name, i) for i in ids))
 
     @property
     def greedy(self) -> bool:
@@ -243,7 +251,11 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject token ids that do not exist in a vocabulary of `vocab_size` tokens."""
-        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (
+            ("logit_bias", self.logit_bias),
+            ("stop_token_ids", self.stop_token_ids),
+            ("marker_token_ids", self.marker_token_ids),
+        ):
             for token_id in ids:
                 if token_id >= vocab_size:
                     raise InvalidSamplingParams(

@@ -174,3 +174,33 @@ def test_a_think_blocks_tokens_are_counted(engine):
     }
     plain = run(engine, new_job(CHAT_COMPLETIONS, {**body, "regex": "[a-z]{2,8}"}))
     assert plain["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+
+
+def test_text_a_stop_string_held_back_reaches_the_parser_before_the_next_marker(engine):
+    """<|message|> is a control token here; the stop string "on!" holds back the "on" of
+    "json" until the marker comes, and the parser still reads "json<|message|>{...}" in
+    that order (were the held text released after the marker, the arguments would start
+    with "on")."""
+    engine.chat_template = ChatTemplate(HARMONY_TEMPLATE)
+    marker = 1  # a control token of the tiny vocabulary, standing in for <|message|>
+    engine.chat_template.format = ChatFormat(HARMONY, False, {marker: "<|message|>"})
+    [letter_a] = engine.encode("a", add_special=False)
+    body = {
+        **CALLING,
+        "tool_choice": {"type": "function", "function": {"name": "pick"}},
+        "logit_bias": {str(letter_a): -100},
+        "stop": ["on!"],
+    }
+    job = new_job(CHAT_COMPLETIONS, body)
+    reference = run(engine, job)
+    events = events_of(job)
+    at_marker = next(i for i, e in enumerate(events) if e["token_id"] == marker)
+    text = "".join(e["text"] for e in events)
+    assert "".join(e["text"] for e in events[: at_marker + 1]).endswith("<|constrain|>json")
+    [call] = reference["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["n"] in (1, 2, 3)
+    assert text.endswith("<|constrain|>json" + call["function"]["arguments"])
+    assert assembled_calls([e["delta"] for e in events]) == [
+        {"id": call["id"], "name": "pick", "arguments": call["function"]["arguments"]}
+    ]
+    same_after_resumes(engine, body, reference, events, [at_marker, at_marker + 1])
