@@ -87,7 +87,8 @@ ENDING_MESSAGES = {
 }
 
 # KEYS: batch, output hash, errors hash, inflight set. ARGV: line, "output" | "errors",
-# JSONL line, input tokens, cached tokens, output tokens. A line already answered is left
+# JSONL line, input tokens, cached tokens, output tokens, reasoning tokens (of the output
+# ones). A line already answered is left
 # alone (its counters too): whatever happens, every line is answered exactly once.
 _COLLECT = """
 local answered = redis.call('HEXISTS', KEYS[2], ARGV[1]) + redis.call('HEXISTS', KEYS[3], ARGV[1])
@@ -102,6 +103,7 @@ if answered == 0 then
   redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[4])
   redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[5])
   redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[6])
+  redis.call('HINCRBY', KEYS[1], 'reasoning_tokens', ARGV[7])
 end
 redis.call('SREM', KEYS[4], ARGV[1])
 return 1
@@ -300,7 +302,7 @@ class BatchDriver:
                     push_wake(pipe, keys.queue_wake(keys.queue_name(model, keys.BATCH)))
                 for line in missing:  # its request expired with the batch's keys
                     text = error_line(rec.id, line, None, "request_lost", "The request expired.")
-                    self._record(pipe, rec, line, "errors", text, (0, 0, 0))
+                    self._record(pipe, rec, line, "errors", text, (0, 0, 0, 0))
                 pipe.expire(keys.batch_inflight(rec.id), _batch_ttl(rec))
                 pipe.hset(keys.batch(rec.id), "fed", fed + len(chunk))
                 pipe.hincrby(keys.METRIC_JOBS, QUEUED, len(chunk) - len(missing))
@@ -421,7 +423,7 @@ class BatchDriver:
                     text = error_line(
                         rec.id, line, custom_id, ENDINGS[ending], ENDING_MESSAGES[ending]
                     )
-                    self._record(pipe, rec, line, "errors", text, (0, 0, 0))
+                    self._record(pipe, rec, line, "errors", text, (0, 0, 0, 0))
                 pipe.execute()
 
     def _joined_lines(self, key: str) -> bytes:
@@ -462,12 +464,12 @@ def _answer(
     status: str | None,
     fields: list[bytes | str | None],
     ending: str | None,
-) -> tuple[str, str, tuple[int, int, int]]:
+) -> tuple[str, str, tuple[int, int, int, int]]:
     """(target hash, JSONL line, token usage) for a line whose job ended (or vanished)."""
     raw_result, raw_error = fields
     if status is None:
         text = error_line(batch_id, line, custom_id, "job_lost", "The request's job expired.")
-        return "errors", text, (0, 0, 0)
+        return "errors", text, (0, 0, 0, 0)
     if status == FINISHED and raw_result is not None:
         body = json.loads(raw_result)
         tokens = _tokens(body.get("usage") or {})
@@ -476,7 +478,7 @@ def _answer(
     detail = error.get("error") or {}
     if status == CANCELLED and ending is not None:
         text = error_line(batch_id, line, custom_id, ENDINGS[ending], ENDING_MESSAGES[ending])
-        return "errors", text, (0, 0, 0)
+        return "errors", text, (0, 0, 0, 0)
     response = {
         "status_code": error.get("status", 500),
         "request_id": job_id,
@@ -484,17 +486,21 @@ def _answer(
     }
     code = detail.get("code") or detail.get("type") or status
     message = detail.get("message") or f"The request {status}."
-    return "errors", error_line(batch_id, line, custom_id, code, message, response), (0, 0, 0)
+    return "errors", error_line(batch_id, line, custom_id, code, message, response), (0, 0, 0, 0)
 
 
-def _tokens(usage: dict[str, Any]) -> tuple[int, int, int]:
-    """(prompt, cached, completion) tokens of a chat or completion body's usage, or of a
-    Response's (`input_tokens`, `output_tokens`)."""
+def _tokens(usage: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(prompt, cached, completion, reasoning) tokens of a chat or completion body's usage
+    (`completion_tokens_details.reasoning_tokens`), or of a Response's (`input_tokens`,
+    `output_tokens`, `output_tokens_details.reasoning_tokens`)."""
     if "input_tokens" in usage:
         cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
-        return usage["input_tokens"], cached or 0, usage.get("output_tokens", 0)
+        reasoning = (usage.get("output_tokens_details") or {}).get("reasoning_tokens", 0)
+        return usage["input_tokens"], cached or 0, usage.get("output_tokens", 0), reasoning or 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return usage.get("prompt_tokens", 0), cached or 0, usage.get("completion_tokens", 0)
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return prompt, cached or 0, completion, reasoning or 0
 
 
 def _queue(conn: redis.Redis, model: str) -> Queue:

@@ -15,7 +15,7 @@ import pytest
 from api.app import create_app
 from tests.api.fake_worker import FakeWorker
 from workers import keys
-from workers.batches import BatchDriver
+from workers.batches import BatchDriver, _tokens
 from workers.wire.job import CHAT_COMPLETIONS, STARTED
 
 QUEUE = "rq:queue:" + keys.queue_name("tiny", keys.BATCH)
@@ -281,3 +281,32 @@ def test_each_batch_end_appends_its_webhook_outbox_entry(h: Harness) -> None:
     }
     h.driver.tick()  # a terminal batch is only dropped from the active set: no second entry
     assert h.redis.xlen(keys.WEBHOOK_OUTBOX) == 3
+
+
+def test_usage_totals_count_the_lines_reasoning_tokens(h: Harness, monkeypatch) -> None:
+    """A thinking model's lines report completion_tokens_details.reasoning_tokens; the
+    batch's usage adds them up in output_tokens_details, as a chat body has them."""
+    result = h.worker._result
+
+    def thinking(record, texts, count):
+        body = result(record, texts, count)
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": count - 1}
+        return body
+
+    monkeypatch.setattr(h.worker, "_result", thinking)
+    batch_id = h.submit("hi", "there", "again")
+    for _ in range(3):
+        h.driver.tick()
+        h.run_queued()
+    h.driver.tick()
+    batch = h.batch(batch_id)
+    assert batch["status"] == "completed"
+    assert batch["usage"]["output_tokens"] == 6  # max_tokens 2 a line
+    assert batch["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+    # a Responses line's usage has them in output_tokens_details
+    usage = {
+        "input_tokens": 5,
+        "output_tokens": 4,
+        "output_tokens_details": {"reasoning_tokens": 2},
+    }
+    assert _tokens(usage) == (5, 0, 4, 2)

@@ -80,7 +80,7 @@ _BATCH_TIMES = (
     "cancelled_at",
 )
 _BATCH_COUNTS = ("total", "completed", "failed", "valid", "fed")
-_BATCH_TOKENS = ("input_tokens", "cached_tokens", "output_tokens")
+_BATCH_TOKENS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
 
 
 @dataclass
@@ -115,6 +115,7 @@ class BatchRecord:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    reasoning_tokens: int = 0  # of the output tokens, those inside thinking
     metadata: dict[str, str] | None = None
     errors: list[dict[str, Any]] | None = None
     ending: str | None = None
@@ -177,7 +178,7 @@ class BatchRecord:
                 input_tokens=self.input_tokens,
                 input_tokens_details={"cached_tokens": self.cached_tokens},
                 output_tokens=self.output_tokens,
-                output_tokens_details={"reasoning_tokens": 0},
+                output_tokens_details={"reasoning_tokens": self.reasoning_tokens},
                 total_tokens=self.input_tokens + self.output_tokens,
             ),
             metadata=self.metadata,
