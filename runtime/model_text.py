@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
-from runtime.chat_formats import HARMONY
+from runtime.chat_formats import HARMONY, HERMES
 from runtime.chat_template import ChatTemplate
+from runtime.constraints import validate_constraint
 from runtime.errors import EmptyPromptError, InvalidSamplingParams, check_context_length
 from runtime.gguf_file import GGUFFile
+from runtime.grammar_vocab import GrammarVocab
 from runtime.registry import ModelSpec, resolve
 from runtime.request import GenerationSpec
 from runtime.tokenizer import Tokenizer
@@ -47,6 +50,11 @@ class ModelText:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
+
+    @cached_property
+    def grammar_vocab(self) -> GrammarVocab:
+        """The vocabulary as llguidance reads it, as the engine's (built on first use)."""
+        return GrammarVocab(self.tokenizer, self.vocab_size)
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
@@ -105,4 +113,16 @@ class ModelText:
             check_context_length(len(ids), max_tokens, context)
             for params in spec.choice_params(max_tokens, self.chat_template.format):
                 params.check_vocab(self.vocab_size)
+        self._check_tool_grammar(spec)
         return sum(len(ids) for ids in prompts)
+
+    def _check_tool_grammar(self, spec: GenerationSpec) -> None:
+        """Compile the tool-call grammar the worker compiles: in the model's family's format,
+        its control-token markers named by id (which only the vocabulary can check); a
+        model-less check (api/schemas.py) compiled Hermes's only."""
+        fmt = self.chat_template.format
+        if fmt.family == HERMES or spec.constraint is not None or not spec.calls_possible:
+            return
+        constraint = spec.output_constraint(fmt)
+        assert constraint is not None
+        validate_constraint(constraint, self.grammar_vocab)

@@ -251,11 +251,7 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject token ids that do not exist in a vocabulary of `vocab_size` tokens."""
-        for name, ids in (
-            ("logit_bias", self.logit_bias),
-            ("stop_token_ids", self.stop_token_ids),
-            ("marker_token_ids", self.marker_token_ids),
-        ):
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
             for token_id in ids:
                 if token_id >= vocab_size:
                     raise InvalidSamplingParams(
