@@ -47,3 +47,19 @@ def test_replaying_sent_tokens_continues_the_text_exactly(engine, cut):
     resumed = TextAssembler(engine.tokenizer, [stop])
     assert resumed.replay(ids[:cut]) == "".join(reference[:cut])
     assert assemble(resumed, ids[cut:]) == (reference[cut:], "stop")
+
+
+def test_a_marker_releases_a_stop_strings_held_start_and_other_control_tokens_do_not(engine):
+    """Token 1 is a control token (no text): as one of the request's markers it releases
+    the "ab" a stop string "abc" held back, so a parser reads that text before the marker's;
+    as any other control token it leaves it held, and "ab" + "c" after it still stops."""
+    tokenizer = engine.tokenizer
+    assert tokenizer.is_special(1)
+    ab, c = tokenizer.encode("ab", add_special=False), tokenizer.encode("c", add_special=False)
+    ids = ab + [1] + c
+    marked, finish = assemble(TextAssembler(tokenizer, ["abc"], markers=[1]), ids)
+    assert marked[len(ab) - 1 :] == ["", "ab", "c"] and finish == "length"
+    plain, finish = assemble(TextAssembler(tokenizer, ["abc"]), ids)
+    assert "".join(plain) == "" and finish == "stop"
+    resumed = TextAssembler(tokenizer, ["abc"], markers=[1])
+    assert resumed.replay(ids[: len(ab) + 1]) == "ab"
