@@ -126,6 +126,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     ),
 }
 
+# convert_hf_to_gguf.py run with a byte-level vocabulary (see the docstring), as `python -c`
 CONVERT = """
 import sys
 sys.path.insert(0, {llama!r} + "/gguf-py")
@@ -133,24 +134,36 @@ sys.path.insert(0, {llama!r})
 import conversion.base as base
 import convert_hf_to_gguf
 
+# a reduced vocabulary's pre-tokenizer hash is in no table: name one
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-
-
-def set_vocab(self):
-    self._set_vocab_gpt2()
-
-
 prepare_metadata = base.TextModel.prepare_metadata
 
 
 def byte_level_vocab(self, *args, **kwargs):
-    self.set_vocab = set_vocab.__get__(self)  # over every architecture's own
+    # over every architecture's own set_vocab (sentencepiece for gemma)
+    self.set_vocab = self._set_vocab_gpt2
     return prepare_metadata(self, *args, **kwargs)
 
 
 base.TextModel.prepare_metadata = byte_level_vocab
 convert_hf_to_gguf.main()
 """
+
+
+def convert(
+    folder: Path, out: Path, outtype: str, *extra: str, llama_cpp: Path = LLAMA_CPP
+) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on a Hugging Face folder, to `out` in `outtype`
+    (`extra`: more of its options), with the byte-level vocabulary; also the converter of
+    tests/fixtures/make_arch_models.py and bench/cold_load.py."""
+    script = CONVERT.format(llama=str(llama_cpp))
+    # a name of its own: llama.cpp's vocabulary treats a model named "phi3" specially
+    args = [str(folder), "--outtype", outtype, "--outfile", str(out), "--model-name", "tiny"]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args, *extra], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder.name}:\n{done.stderr[-3000:]}")
 
 
 def _save_tokenizer(d: Path) -> None:
@@ -201,12 +214,7 @@ def build(name: str, out_dir: Path) -> tuple[Path, Path]:
     _randomize(model, seed=0)
     model.save_pretrained(hf_dir)
     _save_tokenizer(hf_dir)
-    script = CONVERT.format(llama=str(LLAMA_CPP))
-    # a name of its own: llama.cpp's vocabulary treats a model named "phi3" specially
-    args = [str(hf_dir), "--outtype", "f32", "--outfile", str(gguf_path), "--model-name", "tiny"]
-    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {name}:\n{done.stderr[-3000:]}")
+    convert(hf_dir, gguf_path, "f32")
     return hf_dir, gguf_path
 
 
