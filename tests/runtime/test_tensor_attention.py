@@ -36,6 +36,25 @@ def _decode(q, keys, values, index, visible, softcap=None, sinks=None) -> torch.
     return out[:, :, 0]
 
 
+def _assert_rows_decode_alone(got, q, keys, values, index, visible, softcap, sinks, start=0):
+    """Each row of `got` (rows of one call, the first at position `start`) is, bit for bit,
+    that row's query decoded alone over its keys."""
+    for i in range(len(q)):
+        one = slice(i, i + 1)
+        alone = _decode(q[one], keys, values, index[one], visible[one], softcap, sinks)
+        assert torch.equal(alone[0], got[i]), f"row {i} (position {start + i}) alone"
+
+
+def _at_one_thread(run):
+    """`run()` with torch at one thread, its thread count restored after."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _reference(q, keys, values, index, visible, softcap=None, sinks=None) -> torch.Tensor:
     """float64 softmax attention, each query head over its KV head -> `[M, H, Dh]`; `sinks`
     `[H]`: one more logit in each head's softmax, weighing no value (gpt-oss)."""
@@ -84,18 +103,11 @@ def test_a_decode_rows_attention_does_not_depend_on_its_batch(shape, width, soft
     batched = _decode(q, keys, values, index, visible, softcap, sinks)
     want = _reference(q, keys, values, index, visible, softcap, sinks)
     torch.testing.assert_close(batched.double(), want, rtol=0, atol=1e-5)
-    for i in range(rows):
-        one = slice(i, i + 1)
-        alone = _decode(q[one], keys, values, index[one], visible[one], softcap, sinks)
-        assert torch.equal(alone[0], batched[i]), f"row {i} alone"
+    _assert_rows_decode_alone(batched, q, keys, values, index, visible, softcap, sinks)
     pair = _decode(q[:2], keys, values, index[:2], visible[:2], softcap, sinks)
     assert torch.equal(pair, batched[:2])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(_decode(q, keys, values, index, visible, softcap, sinks), batched)
-    finally:
-        torch.set_num_threads(threads)
+    again = _at_one_thread(lambda: _decode(q, keys, values, index, visible, softcap, sinks))
+    assert torch.equal(again, batched)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -122,17 +134,11 @@ def test_a_prompts_rows_attend_as_decode_rows(shape, start, rows, with_sinks):
     every = index[None, :].expand(rows, width)
     want = _reference(q, keys, values, every, visible, None, sinks)
     torch.testing.assert_close(prompt.double(), want, rtol=0, atol=1e-5)
-    for i in range(rows):
-        one = slice(i, i + 1)
-        decoded = _decode(q[one], keys, values, every[one], visible[one], None, sinks)
-        assert torch.equal(decoded[0], prompt[i]), f"row {i} (position {start + i})"
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        again = prompt_attention(q, keys[index], values[index], visible, None, sinks)
-        assert torch.equal(again, prompt)
-    finally:
-        torch.set_num_threads(threads)
+    _assert_rows_decode_alone(prompt, q, keys, values, every, visible, None, sinks, start)
+    again = _at_one_thread(
+        lambda: prompt_attention(q, keys[index], values[index], visible, None, sinks)
+    )
+    assert torch.equal(again, prompt)
 
 
 @pytest.mark.parametrize("softcap, with_sinks", [(50.0, False), (None, True), (5.0, True)])
