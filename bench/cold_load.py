@@ -123,7 +123,7 @@ def child_llmq(path: str, profile: bool) -> dict:
         import cProfile
         import pstats
 
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU time: the machine is shared
         model = prof.runcall(load_model, GGUFFile(path), backend)
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     else:

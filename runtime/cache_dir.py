@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import mmap
 import os
 import tempfile
 from collections.abc import Callable
@@ -34,8 +35,11 @@ def file_digest(path: Path, algorithm: str = "blake2b") -> str:
         pass
     digest = hashlib.sha256() if algorithm == "sha256" else hashlib.blake2b(digest_size=20)
     with path.open("rb") as f:
-        while chunk := f.read(DIGEST_CHUNK):
-            digest.update(chunk)
+        if stat.st_size:  # hashed through a map: no copy of every byte into a buffer
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            with mapped, memoryview(mapped) as view:
+                for at in range(0, len(view), DIGEST_CHUNK):
+                    digest.update(view[at : at + DIGEST_CHUNK])
     try:
         write_atomically(stamp, lambda target: target.write_text(digest.hexdigest()))
     except OSError:  # a read-only cache only costs the next load this hash

@@ -43,8 +43,9 @@ class GGUFFile:
     def content_key(self) -> str | None:
         """Names what this file's tensors hold, for what is built from them and kept
         (runtime/kernels/prepared.py): the file's digest. A view that changes tensors
-        returns its own key, or None to keep nothing."""
-        return file_digest(self.path)
+        returns its own key, or None to keep nothing. SHA-256: twice blake2b's speed here
+        (SHA extensions), and the digest runtime/hub.py checked a download by."""
+        return file_digest(self.path, "sha256")
 
     @property
     def architecture(self) -> str:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,11 +39,16 @@ BUILDERS = tuple(
     RUNTIME / name
     for name in ("kernels/torch_backend.py", "kernels/gguf_blocks.py", "kernels/prepared.py")
     + ("kernels/base.py", "kernels/native.py", "gguf_file.py")
+    + ("kernels/repack.c", "kernels/repack.py")
 )
 DISABLE_ENV = "LLMQ_WEIGHT_CACHE"  # "0": build every weight from the file at every load
 # what the folder may hold: beyond it the least recently loaded files go (each model file
 # and plan has its own: SmolLM2 95 MB, Gemma 3 500 MB)
 MAX_FOLDER_BYTES = 4 << 30
+# a store this large is written after the load returns (`PreparedWeights.save`): writing a
+# Llama 3.2 1B Q4_K_M file's 1 GiB took 0.4 s user and 2.3 s system CPU time on the 2-core
+# EPYC (bench/log/2026-11-28-cold-load-avx512-epyc.md), more than building it
+BACKGROUND_SAVE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class PreparedWeights:
         self.path = path
         self.found = found
         self.built: dict[str, SavedWeight] = {}
+        self.saving: threading.Thread | None = None  # a save still writing (`save`)
 
     @classmethod
     def for_file(cls, f: GGUFFile, kernels: dict[str, str]) -> PreparedWeights | None:
@@ -109,7 +116,10 @@ class PreparedWeights:
 
     def save(self) -> None:
         """Writes found and built weights together when this load built any; a write that
-        fails costs the next load its speed, never this one its model."""
+        fails costs the next load its speed, never this one its model. Over
+        BACKGROUND_SAVE_BYTES the write runs in a thread (`saving`) while the model serves:
+        the interpreter waits for it before it exits, and a worker that loads the file
+        meanwhile builds its own and writes the same file."""
         if not self.built:
             return
         every = {**self.found, **self.built}
@@ -117,6 +127,16 @@ class PreparedWeights:
             key: {"kind": w.kind, "shape": list(w.shape), "tensors": w.tensors}
             for key, w in every.items()
         }
+        size = sum(t.nbytes for w in self.built.values() for t in w.tensors.values())
+        if size < BACKGROUND_SAVE_BYTES:
+            self._write(payload)
+            return
+        self.saving = threading.Thread(
+            target=self._write, args=(payload,), name="llmq-prepared-save"
+        )
+        self.saving.start()
+
+    def _write(self, payload: dict) -> None:
         try:
             write_atomically(self.path, lambda target: torch.save(payload, target))
             _keep_within(self.path.parent, MAX_FOLDER_BYTES, self.path)

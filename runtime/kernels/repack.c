@@ -7,7 +7,8 @@
  * arithmetic as the numpy readers (a scale is `d * sub-scale`, times the part's factor,
  * then rounded to IEEE half where the layout keeps halves), so a weight packed here is
  * bitwise the one packed there (tests/runtime/test_repack.py). Rows are independent: a
- * destination row's bytes are its own, so rows are spread over OpenMP threads.
+ * destination row's bytes are its own, so rows are spread over `threads` OpenMP threads
+ * (runtime/kernels/repack.py says how many).
  *
  *   llmq_q4k_lowbit: Q4_K rows -> lowbit_rows.c's 4-bit layout (see its header)
  *   llmq_int8_groups: Q8_0 / Q6_K rows -> int8_rows.c's grouped layout (native.py
@@ -93,9 +94,9 @@ static uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8)
 
 /* lowbit_rows.c's 4-bit layout: group g's block b is `block_bytes` bytes */
 void llmq_q4k_lowbit(const uint8_t *raw, int64_t row_bytes, const int64_t *order, int64_t n,
-                     int64_t k, float factor, uint8_t *packed, int64_t first) {
+                     int64_t k, float factor, uint8_t *packed, int64_t first, int threads) {
     const int64_t blocks = k / 32, block_bytes = 320;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *row = raw + (order ? order[r] : r) * row_bytes;
         int64_t dst = first + r, g = dst / 16, j = dst % 16;
@@ -119,12 +120,12 @@ void llmq_q4k_lowbit(const uint8_t *raw, int64_t row_bytes, const int64_t *order
                 memcpy(o + 288 + 2 * j, &hm, 2);
                 const uint8_t *src = qs + (s / 2) * 32;
                 int shift = (s & 1) * 4;
-                for (int c = 0; c < 4; c++) {
-                    for (int i = 0; i < 4; i++) {
-                        uint8_t lo = (src[4 * c + i] >> shift) & 15;
-                        uint8_t hi = (src[16 + 4 * c + i] >> shift) & 15;
-                        o[c * 64 + j * 4 + i] = (uint8_t)(lo | hi << 4);
-                    }
+                for (int c = 0; c < 4; c++) { /* 4 codes a word: 4c + i low, 16 + 4c + i high */
+                    uint32_t lo, hi;
+                    memcpy(&lo, src + 4 * c, 4);
+                    memcpy(&hi, src + 16 + 4 * c, 4);
+                    uint32_t word = ((lo >> shift) & 0x0f0f0f0fu) | ((hi >> shift) & 0x0f0f0f0fu) << 4;
+                    memcpy(o + c * 64 + j * 4, &word, 4);
                 }
             }
         }
@@ -161,15 +162,21 @@ static void read_row(const uint8_t *row, int type, int64_t k, int8_t *codes, flo
 
 static int64_t scale_step(int type) { return type == GGML_Q8_0 ? 32 : 16; }
 
+/* value = scale * code in float32, as gguf's dequantize_blocks */
+static void dequantize(const int8_t *codes, const float *sc, int64_t k, int64_t step, float *v) {
+    for (int64_t s = 0; s < k / step; s++)
+        for (int64_t c = s * step; c < (s + 1) * step; c++) v[c] = sc[s] * (float)codes[c];
+}
+
 /* int8_rows.c's grouped layout: packed [groups, k/32, 512], scales [groups, k/32, per, 16]
  * with `per` 1 or 2 scales a block of 32 (a Q8_0 part's scale twice where per is 2) */
 int llmq_int8_groups(const uint8_t *raw, int64_t row_bytes, int type, const int64_t *order,
                      int64_t n, int64_t k, float factor, int per, uint8_t *packed, float *scales,
-                     int64_t first) {
+                     int64_t first, int threads) {
     if (type != GGML_Q8_0 && type != GGML_Q6_K) return -1;
     const int64_t blocks = k / 32, step = scale_step(type);
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         int8_t *codes = malloc(k);
         float *sc = malloc(sizeof(float) * (k / 16));
@@ -185,9 +192,12 @@ int llmq_int8_groups(const uint8_t *raw, int64_t row_bytes, int type, const int6
             uint8_t *out = packed + g * blocks * 512;
             float *so = scales + g * blocks * per * 16;
             for (int64_t b = 0; b < blocks; b++) {
-                for (int t = 0; t < 8; t++)
-                    for (int i = 0; i < 4; i++)
-                        out[b * 512 + t * 64 + j * 4 + i] = (uint8_t)(codes[b * 32 + t * 4 + i] ^ 0x80);
+                for (int t = 0; t < 8; t++) { /* codes 4t .. 4t + 3, each plus 128 */
+                    uint32_t word;
+                    memcpy(&word, codes + b * 32 + t * 4, 4);
+                    word ^= 0x80808080u;
+                    memcpy(out + b * 512 + t * 64 + j * 4, &word, 4);
+                }
                 for (int p = 0; p < per; p++)
                     so[(b * per + p) * 16 + j] = sc[(b * 32 + p * (32 / per)) / step] * factor;
             }
@@ -202,11 +212,11 @@ int llmq_int8_groups(const uint8_t *raw, int64_t row_bytes, int type, const int6
  * 512 bytes (row j's code 4t + i plus 128 at t * 64 + j * 4 + i), then 16 float32 scales;
  * a row's scale is bf16(peak / 127), its codes round(value / scale) within +-127 */
 int llmq_int8_head(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, int64_t k,
-                   uint8_t *packed, int64_t first) {
+                   uint8_t *packed, int64_t first, int threads) {
     if (type != GGML_Q8_0 && type != GGML_Q6_K) return -1;
     const int64_t blocks = k / 32, group_bytes = blocks * 512 + 64, step = scale_step(type);
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         int8_t *codes = malloc(k);
         float *sc = malloc(sizeof(float) * (k / 16)), *v = malloc(sizeof(float) * k);
@@ -218,9 +228,9 @@ int llmq_int8_head(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, i
         for (int64_t r = 0; r < n; r++) {
             if (!codes || !sc || !v) continue;
             read_row(raw + r * row_bytes, type, k, codes, sc);
+            dequantize(codes, sc, k, step, v);
             float peak = 0.0f;
             for (int64_t c = 0; c < k; c++) {
-                v[c] = sc[c / step] * (float)codes[c];
                 float a = fabsf(v[c]);
                 peak = a > peak ? a : peak;
             }
@@ -247,11 +257,11 @@ int llmq_int8_head(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, i
  * low) / 15, 1e-12), code = rint((value - low) / scale) within 0..15; scale and low as
  * halves */
 int llmq_ranking(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, int64_t k,
-                 uint8_t *packed, int64_t first) {
+                 uint8_t *packed, int64_t first, int threads) {
     if (type != GGML_Q8_0 && type != GGML_Q6_K) return -1;
     const int64_t blocks = k / 32, block_bytes = 320, step = scale_step(type);
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         int8_t *codes = malloc(k);
         float *sc = malloc(sizeof(float) * (k / 16)), *v = malloc(sizeof(float) * k);
@@ -265,7 +275,7 @@ int llmq_ranking(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, int
             read_row(raw + r * row_bytes, type, k, codes, sc);
             int64_t dst = first + r, g = dst / 16, j = dst % 16;
             uint8_t *out = packed + g * blocks * block_bytes;
-            for (int64_t c = 0; c < k; c++) v[c] = sc[c / step] * (float)codes[c];
+            dequantize(codes, sc, k, step, v);
             for (int64_t b = 0; b < blocks; b++) {
                 const float *x = v + b * 32;
                 float low = x[0], high = x[0];

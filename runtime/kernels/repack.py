@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 from pathlib import Path
 
 import numpy as np
 
 from runtime.gguf_file import GGUFFile
 from runtime.kernels.base import TensorPart
+from runtime.kernels.core_share import threads
 from runtime.kernels.gguf_blocks import Q
 from runtime.kernels.native import (
     INT8_GROUP,
@@ -32,6 +34,10 @@ SOURCE = Path(__file__).with_name("repack.c")
 INT8_TYPES = (Q.Q8_0, Q.Q6_K)  # what llmq_int8_groups and llmq_int8_head read
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# A layer tensor's repack takes ~10 ms: on one thread, since a second one spun at the end of
+# each for its descheduled partner on the shared 2-core EPYC (the 1B's Q4_K tensors: 1.13 s
+# user time on two threads, 0.55 on one, the same wall time, load average 6). A head's
+# repack is one long run, shared by core_share.threads() threads.
 
 
 @functools.cache
@@ -41,11 +47,12 @@ def _lib() -> ctypes.CDLL | None:
         return None
     lib.llmq_q4k_lowbit.restype = None
     lib.llmq_q4k_lowbit.argtypes = [_ptr, _i64, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i64]
+    lib.llmq_q4k_lowbit.argtypes += [ctypes.c_int]
     lib.llmq_int8_groups.restype = ctypes.c_int
     lib.llmq_int8_groups.argtypes = [_ptr, _i64, ctypes.c_int, _ptr, _i64, _i64]
-    lib.llmq_int8_groups.argtypes += [ctypes.c_float, ctypes.c_int, _ptr, _ptr, _i64]
+    lib.llmq_int8_groups.argtypes += [ctypes.c_float, ctypes.c_int, _ptr, _ptr, _i64, ctypes.c_int]
     lib.llmq_int8_head.restype = ctypes.c_int
-    lib.llmq_int8_head.argtypes = [_ptr, _i64, ctypes.c_int, _i64, _i64, _ptr, _i64]
+    lib.llmq_int8_head.argtypes = [_ptr, _i64, ctypes.c_int, _i64, _i64, _ptr, _i64, ctypes.c_int]
     lib.llmq_ranking.restype = ctypes.c_int
     lib.llmq_ranking.argtypes = lib.llmq_int8_head.argtypes
     return lib
@@ -72,6 +79,16 @@ def _sources(f: GGUFFile, parts: list[TensorPart], types: tuple) -> list | None:
     return sources if len({k for _, _, k, _ in sources}) == 1 else None
 
 
+def _zeros(shape: tuple[int, ...], dtype=np.uint8) -> np.ndarray:
+    """A zeroed array in its own anonymous mapping, of 4 KiB pages: numpy asks for huge
+    pages for large arrays, and faulting those in (zeroed 2 MiB at a time, compacted for)
+    took 1.08 s of system time for the 1B's 495 MiB of Q4_K layouts where 4 KiB pages took
+    0.23, at a load average of 14. A model mapped from the prepared store has 4 KiB pages
+    too."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype, int(np.prod(shape))).reshape(shape)
+
+
 def _addr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
@@ -85,19 +102,12 @@ def q4k_lowbit(f: GGUFFile, parts: list[TensorPart]) -> np.ndarray | None:
     n, k = sum(s[1] for s in sources), sources[0][2]
     if k % 256:
         return None
-    packed = np.zeros(lowbit_shape(n, k, 4), np.uint8)  # padding rows: zero codes, scales
+    packed = _zeros(lowbit_shape(n, k, 4))  # padding rows: zero codes, scales and mins
     first = 0
     for part, (raw, rows, _, order) in zip(parts, sources, strict=True):
-        lib.llmq_q4k_lowbit(
-            raw.ctypes.data,
-            raw.shape[1],
-            _addr(order),
-            rows,
-            k,
-            part.scale,
-            packed.ctypes.data,
-            first,
-        )
+        order_at = _addr(order)
+        out = (packed.ctypes.data, first, 1)  # one thread (see above)
+        lib.llmq_q4k_lowbit(raw.ctypes.data, raw.shape[1], order_at, rows, k, part.scale, *out)
         first += rows
     assert packed.shape[-1] == LOWBIT_GROUP_BYTES[4]
     return packed
@@ -116,14 +126,15 @@ def int8_groups(f: GGUFFile, parts: list[TensorPart]) -> tuple[np.ndarray, np.nd
         return None
     per = 2 if Q.Q6_K in types else 1
     groups = -(-n // INT8_GROUP)
-    packed = np.empty((groups, k // 32, INT8_GROUP_BYTES), np.uint8)
+    packed = _zeros((groups, k // 32, INT8_GROUP_BYTES))
     if n % INT8_GROUP:  # padding rows: code 0 (128 as stored), scale 0
         packed[-1] = 128
-    scales = np.zeros((groups, k // 32, per, INT8_GROUP), np.float32)
+    scales = _zeros((groups, k // 32, per, INT8_GROUP), np.float32)
     first = 0
     for part, qtype, (raw, rows, _, order) in zip(parts, types, sources, strict=True):
         args = (raw.ctypes.data, raw.shape[1], qtype, _addr(order), rows, k, part.scale, per)
-        if lib.llmq_int8_groups(*args, packed.ctypes.data, scales.ctypes.data, first) != 0:
+        out = (packed.ctypes.data, scales.ctypes.data, first, 1)
+        if lib.llmq_int8_groups(*args, *out) != 0:
             return None
         first += rows
     return packed, scales
@@ -151,13 +162,13 @@ def _head(f: GGUFFile, name: str, bits: int) -> np.ndarray | None:
     if k % 256 and qtype == Q.Q6_K or k % 32:
         return None
     if bits == 4:  # padding rows: zero codes, scales and mins
-        packed = np.zeros(lowbit_shape(n, k, 4), np.uint8)
+        packed = _zeros(lowbit_shape(n, k, 4))
     else:
-        packed = np.empty(lowbit_shape(n, k, 8), np.uint8)
+        packed = _zeros(lowbit_shape(n, k, 8))
         if n % LOWBIT_GROUP:  # padding rows: code 0 (128 as stored), scale 0
             packed[-1, : -4 * LOWBIT_GROUP] = 128
             packed[-1, -4 * LOWBIT_GROUP :] = 0
     fill = lib.llmq_ranking if bits == 4 else lib.llmq_int8_head
-    if fill(raw.ctypes.data, raw.shape[1], qtype, n, k, packed.ctypes.data, 0) != 0:
+    if fill(raw.ctypes.data, raw.shape[1], qtype, n, k, packed.ctypes.data, 0, threads()) != 0:
         return None
     return packed
