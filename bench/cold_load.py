@@ -167,6 +167,8 @@ def run_child(args: list[str], env: dict[str, str]) -> dict:
         raise RuntimeError(done.stderr[-3000:])
     if "--profile" in args:
         print(done.stderr)
+    elif done.stderr.strip():  # warnings (a store that could not be read or written)
+        print(done.stderr.strip()[-2000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
