@@ -110,6 +110,14 @@ class _Product:
         return self.product(_as_tensor(x)).numpy()
 
 
+class _HostKernel(_Product):
+    """A weight whose `__call__` is its numpy kernel: `product` runs that on the tensor's
+    array (the torch forward pass on the host)."""
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self(x.numpy()))
+
+
 class Int4Weight(_Product):
     """torch's int4 layout: value = (code - 8) * scale + zero, per 32 weights of a row."""
 
@@ -163,7 +171,7 @@ class Int4Weight(_Product):
 BITS_OF_BLOCK_BYTES = {LOWBIT_GROUP_BYTES[bits]: bits for bits in (4, 5)}
 
 
-class LowBitWeight(_Product):
+class LowBitWeight(_HostKernel):
     """GGUF's 4- and 5-bit weights as runtime/kernels/lowbit_rows.c multiplies them: the
     file's codes with a half scale and min per 32 weights, 16 rows side by side
     (`native.pack_lowbit`), and activations rounded to int8 per block of 32, as llama.cpp
@@ -211,9 +219,6 @@ class LowBitWeight(_Product):
         """`self(rms_normalize(x, eps))` with the norm done by the kernel as it reads the rows
         (runtime/models/base.py `normed_linear`)."""
         return self._bound(x, eps)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self(x.numpy()))
 
     @property
     def nbytes(self) -> int:
@@ -302,7 +307,7 @@ class Int8Weight(_RowStore):
         return self.codes.nbytes + self.scales.nbytes
 
 
-class Int8GroupWeight(_RowStore):
+class Int8GroupWeight(_HostKernel, _RowStore):
     """`Int8Weight`'s codes and bf16-rounded row scales, laid out for lowbit_rows.c's 8-bit
     build (16 rows side by side, each code plus 128; `native.pack_int8_rows`): a block of 16
     rows' dots is 8 VNNI instructions with no horizontal sums, where int8_rows.c sums each
@@ -330,15 +335,12 @@ class Int8GroupWeight(_RowStore):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self._bound(x)
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self(x.numpy()))
-
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes
 
 
-class Int8BlockWeight(_Product):
+class Int8BlockWeight(_HostKernel):
     """GGUF Q8_0 and Q6_K weights as the file holds them: signed 8-bit codes (Q6_K's 6-bit
     code minus 32) with a float32 scale per 32 (Q8_0) or per 16 (Q6_K) weights, multiplied
     by runtime/kernels/int8_rows.c over activations rounded to int8 per block of 32, as
@@ -374,9 +376,6 @@ class Int8BlockWeight(_Product):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return int8_rows().blocks(x, *self._arrays, fine=self.fine)
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self(x.numpy()))
-
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
@@ -392,7 +391,7 @@ class Int8BlockHead(Int8BlockWeight):
     fine = True
 
 
-class Int8BlockGroupWeight(_Product):
+class Int8BlockGroupWeight(_HostKernel):
     """`Int8BlockWeight`'s codes and scales laid out 16 rows side by side (each code plus
     128; native.py `pack_int8_groups`) for int8_rows.c's `llmq_int8_groups`: an activation
     block meets 16 weight rows in 8 VNNI instructions (512-bit with AVX-512) or llama.cpp's
@@ -431,9 +430,6 @@ class Int8BlockGroupWeight(_Product):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self._bound(x, fine=self.fine)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self(x.numpy()))
 
     @property
     def nbytes(self) -> int:
@@ -502,7 +498,7 @@ class NibbleGroupHead(NibbleGroupWeight):
     fine = True
 
 
-class TwoBitWeight(_Product):
+class TwoBitWeight(_HostKernel):
     """GGUF Q2_K from its codes: `d * scale * code - dmin * min` per 16 weights. The codes
     times their scales go to int8_rows.c as a Q6_K's would (`codes`: the plan's 8-bit
     layout); the mins meet each 16 activations' sum, as llama.cpp's Q2_K dot meets them
@@ -564,9 +560,6 @@ class TwoBitWeight(_Product):
         out = self.codes(x)
         out += self.mins(sums)
         return out
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self(x.numpy()))
 
     @property
     def nbytes(self) -> int:
@@ -666,7 +659,7 @@ class Bf16Weight(_RowStore):
         return self.weight.nbytes
 
 
-class Fp16RowsWeight(_RowStore):
+class Fp16RowsWeight(_HostKernel, _RowStore):
     """fp16 weights multiplied by runtime/kernels/dense_rows.c: each output one row's own
     sum in a fixed order, where fbgemm's fp16 gemm rounds a row differently with the rows
     beside it on AVX2. For the weights a file holds as F16/BF16/F32 (and types no integer
@@ -687,9 +680,6 @@ class Fp16RowsWeight(_RowStore):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return dense_rows().fp16(x, self._half)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self(x.numpy()))
 
     @property
     def nbytes(self) -> int:
