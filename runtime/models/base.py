@@ -230,13 +230,10 @@ class DecoderModel:
         """Each layer's sliding attention window (None: it sees the whole context)."""
         return [getattr(layer, "window", None) for layer in self.layers]
 
-    def new_kv_pool(self, max_tokens: int) -> BlockPool:
-        """A block pool of this model's shape holding `max_tokens` positions (the engine
-        sizes its shared pool by memory instead: `BlockPool.for_budget`)."""
-        n_blocks = -(-max_tokens // BLOCK_SIZE)
-        return BlockPool(
-            *self.kv_shape,
-            n_blocks,
+    def _kv_layout(self) -> dict[str, Any]:
+        """What a block pool of this model takes beside its shape: each layer's window,
+        KV shape and source, and the device's storage and bytes a value."""
+        return dict(
             windows=self.kv_windows,
             storage=self.ops.kv_storage,
             value_bytes=self.ops.kv_value_bytes,
@@ -244,18 +241,16 @@ class DecoderModel:
             kv_sources=self.kv_sources,
         )
 
+    def new_kv_pool(self, max_tokens: int) -> BlockPool:
+        """A block pool of this model's shape holding `max_tokens` positions (the engine
+        sizes its shared pool by memory instead: `BlockPool.for_budget`)."""
+        n_blocks = -(-max_tokens // BLOCK_SIZE)
+        return BlockPool(*self.kv_shape, n_blocks, **self._kv_layout())
+
     def kv_pool_for_budget(self, memory_bytes: int) -> BlockPool:
         """The engine's shared pool: as many blocks as `memory_bytes` holds, on the device
         the forward pass runs on."""
-        return BlockPool.for_budget(
-            *self.kv_shape,
-            memory_bytes,
-            windows=self.kv_windows,
-            storage=self.ops.kv_storage,
-            value_bytes=self.ops.kv_value_bytes,
-            layer_shapes=self.kv_layer_shapes,
-            kv_sources=self.kv_sources,
-        )
+        return BlockPool.for_budget(*self.kv_shape, memory_bytes, **self._kv_layout())
 
     def new_cache(self, max_tokens: int, pool: BlockPool | None = None) -> PagedKVCache:
         """A sequence's cache with room for `max_tokens` positions, in `pool` or in a pool
