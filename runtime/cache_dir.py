@@ -27,12 +27,10 @@ def file_digest(path: Path, algorithm: str = "blake2b") -> str:
     Remembered per (path, size, mtime, inode) in a stamp file so that a model file is read
     for it once, not at every load."""
     stat = path.stat()
-    identity = f"{algorithm}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
-    stamp = cache_dir() / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
-    try:
-        return stamp.read_text().strip()
-    except OSError:
-        pass
+    known = known_digest(path, algorithm)
+    if known is not None:
+        return known
+    stamp = _stamp(path, algorithm)
     digest = hashlib.sha256() if algorithm == "sha256" else hashlib.blake2b(digest_size=20)
     with path.open("rb") as f:
         if stat.st_size:  # hashed through a map: no copy of every byte into a buffer
@@ -45,6 +43,22 @@ def file_digest(path: Path, algorithm: str = "blake2b") -> str:
     except OSError:  # a read-only cache only costs the next load this hash
         pass
     return digest.hexdigest()
+
+
+def known_digest(path: Path, algorithm: str = "blake2b") -> str | None:
+    """`file_digest` where this machine has hashed the file as it is now, else None (no
+    reading of the file)."""
+    try:
+        return _stamp(path, algorithm).read_text().strip()
+    except OSError:
+        return None
+
+
+def _stamp(path: Path, algorithm: str) -> Path:
+    """The file remembering `path`'s digest, named by its path, size, mtime and inode."""
+    stat = path.stat()
+    identity = f"{algorithm}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    return cache_dir() / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
 def write_atomically(target: Path, write: Callable[[Path], object]) -> None:

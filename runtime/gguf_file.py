@@ -22,6 +22,7 @@ from runtime.errors import ModelFormatError
 from runtime.gguf_header import GGUFHeader, TensorInfo
 
 _MAGIC = b"GGUF"
+CONTENT_DIGEST = "sha256"  # `GGUFFile.content_key`'s algorithm
 EXPERT_MARK = "#"  # "blk.0.ffn_up_exps.weight#3": expert 3's slice, a tensor of its own
 
 
@@ -45,7 +46,7 @@ class GGUFFile:
         (runtime/kernels/prepared.py): the file's digest. A view that changes tensors
         returns its own key, or None to keep nothing. SHA-256: twice blake2b's speed here
         (SHA extensions), and the digest runtime/hub.py checked a download by."""
-        return file_digest(self.path, "sha256")
+        return file_digest(self.path, CONTENT_DIGEST)
 
     @property
     def architecture(self) -> str:
