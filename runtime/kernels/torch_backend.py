@@ -1134,28 +1134,32 @@ def dequantize_groups(q: GroupQuantized) -> torch.Tensor:
     return codes.view(n, k)
 
 
-def block_part(f: GGUFFile, part: TensorPart) -> BlockCodes:
-    """One Q8_0 / Q6_K tensor's codes and scales with the part's row operations applied."""
+def _read_part(f: GGUFFile, part: TensorPart, read):
+    """One tensor's blocks as `read(blocks, qtype, (N, K))` gives them, with the part's row
+    order and scale applied."""
     blocks, qtype, shape = f.blocks(part.name)
-    q = read_eight_bit(blocks, qtype, (shape[0], shape[1]))
-    if part.row_order is not None:
-        q = q.take_rows(part.row_order)
-    return q.scaled(part.scale) if part.scale != 1.0 else q
-
-
-def two_bit_part(f: GGUFFile, part: TensorPart) -> TwoBitCodes:
-    """One Q2_K tensor's codes, scales and mins with the part's row operations applied."""
-    blocks, qtype, shape = f.blocks(part.name)
-    q = read_two_bit(blocks, qtype, (shape[0], shape[1]))
-    if part.row_order is not None:
-        q = q.take_rows(part.row_order)
-    return q.scaled(part.scale) if part.scale != 1.0 else q
-
-
-def group_part(f: GGUFFile, part: TensorPart) -> GroupQuantized:
-    blocks, qtype, shape = f.blocks(part.name)
-    read = read_five_bit if qtype in FIVE_BIT_TYPES else read_four_bit
     q = read(blocks, qtype, (shape[0], shape[1]))
     if part.row_order is not None:
         q = q.take_rows(part.row_order)
     return q.scaled(part.scale) if part.scale != 1.0 else q
+
+
+def block_part(f: GGUFFile, part: TensorPart) -> BlockCodes:
+    """One Q8_0 / Q6_K tensor's codes and scales with the part's row operations applied."""
+    return _read_part(f, part, read_eight_bit)
+
+
+def two_bit_part(f: GGUFFile, part: TensorPart) -> TwoBitCodes:
+    """One Q2_K tensor's codes, scales and mins with the part's row operations applied."""
+    return _read_part(f, part, read_two_bit)
+
+
+def _read_group(blocks: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupQuantized:
+    read = read_five_bit if qtype in FIVE_BIT_TYPES else read_four_bit
+    return read(blocks, qtype, shape)
+
+
+def group_part(f: GGUFFile, part: TensorPart) -> GroupQuantized:
+    """One 4- or 5-bit tensor's codes, scales and mins with the part's row operations
+    applied."""
+    return _read_part(f, part, _read_group)
