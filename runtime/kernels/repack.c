@@ -208,13 +208,16 @@ int llmq_int8_groups(const uint8_t *raw, int64_t row_bytes, int type, const int6
     return failed ? -2 : 0;
 }
 
-/* lowbit_rows.c's 8-bit layout of the rows requantized to int8: per group, k/32 blocks of
- * 512 bytes (row j's code 4t + i plus 128 at t * 64 + j * 4 + i), then 16 float32 scales;
- * a row's scale is bf16(peak / 127), its codes round(value / scale) within +-127 */
-int llmq_int8_head(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, int64_t k,
-                   uint8_t *packed, int64_t first, int threads) {
+/* each of n Q8_0 / Q6_K rows dequantized (`dequantize`) and handed to `pack` with its
+ * destination row first + r, the rows spread over `threads` OpenMP threads; -1 for another
+ * type, -2 where a thread's buffers could not be allocated */
+typedef void (*pack_row)(const float *v, int64_t k, int64_t dst, uint8_t *packed);
+
+static int dequantized_rows(const uint8_t *raw, int64_t row_bytes, int type, int64_t n,
+                            int64_t k, uint8_t *packed, int64_t first, int threads,
+                            pack_row pack) {
     if (type != GGML_Q8_0 && type != GGML_Q6_K) return -1;
-    const int64_t blocks = k / 32, group_bytes = blocks * 512 + 64, step = scale_step(type);
+    const int64_t step = scale_step(type);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -229,22 +232,7 @@ int llmq_int8_head(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, i
             if (!codes || !sc || !v) continue;
             read_row(raw + r * row_bytes, type, k, codes, sc);
             dequantize(codes, sc, k, step, v);
-            float peak = 0.0f;
-            for (int64_t c = 0; c < k; c++) {
-                float a = fabsf(v[c]);
-                peak = a > peak ? a : peak;
-            }
-            peak = peak > 1e-30f ? peak : 1e-30f;
-            float scale = round_bf16(peak / 127.0f);
-            int64_t dst = first + r, g = dst / 16, j = dst % 16;
-            uint8_t *out = packed + g * group_bytes;
-            for (int64_t c = 0; c < k; c++) {
-                float q = rintf(v[c] / scale); /* nearest even, as torch.round */
-                q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-                int64_t b = c / 32, t = (c % 32) / 4, i = c % 4;
-                out[b * 512 + t * 64 + j * 4 + i] = (uint8_t)((int)q + 128);
-            }
-            memcpy(out + blocks * 512 + 4 * j, &scale, 4);
+            pack(v, k, first + r, packed);
         }
         free(codes);
         free(sc);
@@ -253,55 +241,66 @@ int llmq_int8_head(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, i
     return failed ? -2 : 0;
 }
 
+/* lowbit_rows.c's 8-bit layout of the rows requantized to int8: per group, k/32 blocks of
+ * 512 bytes (row j's code 4t + i plus 128 at t * 64 + j * 4 + i), then 16 float32 scales;
+ * a row's scale is bf16(peak / 127), its codes round(value / scale) within +-127 */
+static void int8_head_row(const float *v, int64_t k, int64_t dst, uint8_t *packed) {
+    const int64_t blocks = k / 32, group_bytes = blocks * 512 + 64;
+    float peak = 0.0f;
+    for (int64_t c = 0; c < k; c++) {
+        float a = fabsf(v[c]);
+        peak = a > peak ? a : peak;
+    }
+    peak = peak > 1e-30f ? peak : 1e-30f;
+    float scale = round_bf16(peak / 127.0f);
+    int64_t g = dst / 16, j = dst % 16;
+    uint8_t *out = packed + g * group_bytes;
+    for (int64_t c = 0; c < k; c++) {
+        float q = rintf(v[c] / scale); /* nearest even, as torch.round */
+        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+        int64_t b = c / 32, t = (c % 32) / 4, i = c % 4;
+        out[b * 512 + t * 64 + j * 4 + i] = (uint8_t)((int)q + 128);
+    }
+    memcpy(out + blocks * 512 + 4 * j, &scale, 4);
+}
+
+int llmq_int8_head(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, int64_t k,
+                   uint8_t *packed, int64_t first, int threads) {
+    return dequantized_rows(raw, row_bytes, type, n, k, packed, first, threads, int8_head_row);
+}
+
 /* quantize_groups then pack_lowbit(.., 4): per 32 values low = min, scale = max((max -
  * low) / 15, 1e-12), code = rint((value - low) / scale) within 0..15; scale and low as
  * halves */
+static void ranking_row(const float *v, int64_t k, int64_t dst, uint8_t *packed) {
+    const int64_t blocks = k / 32, block_bytes = 320;
+    int64_t g = dst / 16, j = dst % 16;
+    uint8_t *out = packed + g * blocks * block_bytes;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *x = v + b * 32;
+        float low = x[0], high = x[0];
+        for (int c = 1; c < 32; c++) {
+            low = x[c] < low ? x[c] : low;
+            high = x[c] > high ? x[c] : high;
+        }
+        float scale = (high - low) / 15.0f;
+        scale = scale > 1e-12f ? scale : 1e-12f;
+        uint8_t q[32];
+        for (int c = 0; c < 32; c++) { /* rintf: nearest even, as np.rint */
+            float y = rintf((x[c] - low) / scale);
+            q[c] = (uint8_t)(y < 0.0f ? 0.0f : (y > 15.0f ? 15.0f : y));
+        }
+        uint8_t *o = out + b * block_bytes;
+        for (int c = 0; c < 4; c++)
+            for (int i = 0; i < 4; i++)
+                o[c * 64 + j * 4 + i] = (uint8_t)(q[4 * c + i] | q[16 + 4 * c + i] << 4);
+        uint16_t hs = float_to_half(scale), hm = float_to_half(low);
+        memcpy(o + 256 + 2 * j, &hs, 2);
+        memcpy(o + 288 + 2 * j, &hm, 2);
+    }
+}
+
 int llmq_ranking(const uint8_t *raw, int64_t row_bytes, int type, int64_t n, int64_t k,
                  uint8_t *packed, int64_t first, int threads) {
-    if (type != GGML_Q8_0 && type != GGML_Q6_K) return -1;
-    const int64_t blocks = k / 32, block_bytes = 320, step = scale_step(type);
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        int8_t *codes = malloc(k);
-        float *sc = malloc(sizeof(float) * (k / 16)), *v = malloc(sizeof(float) * k);
-        if (!codes || !sc || !v) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            if (!codes || !sc || !v) continue;
-            read_row(raw + r * row_bytes, type, k, codes, sc);
-            int64_t dst = first + r, g = dst / 16, j = dst % 16;
-            uint8_t *out = packed + g * blocks * block_bytes;
-            dequantize(codes, sc, k, step, v);
-            for (int64_t b = 0; b < blocks; b++) {
-                const float *x = v + b * 32;
-                float low = x[0], high = x[0];
-                for (int c = 1; c < 32; c++) {
-                    low = x[c] < low ? x[c] : low;
-                    high = x[c] > high ? x[c] : high;
-                }
-                float scale = (high - low) / 15.0f;
-                scale = scale > 1e-12f ? scale : 1e-12f;
-                uint8_t q[32];
-                for (int c = 0; c < 32; c++) { /* rintf: nearest even, as np.rint */
-                    float y = rintf((x[c] - low) / scale);
-                    q[c] = (uint8_t)(y < 0.0f ? 0.0f : (y > 15.0f ? 15.0f : y));
-                }
-                uint8_t *o = out + b * block_bytes;
-                for (int c = 0; c < 4; c++)
-                    for (int i = 0; i < 4; i++)
-                        o[c * 64 + j * 4 + i] = (uint8_t)(q[4 * c + i] | q[16 + 4 * c + i] << 4);
-                uint16_t hs = float_to_half(scale), hm = float_to_half(low);
-                memcpy(o + 256 + 2 * j, &hs, 2);
-                memcpy(o + 288 + 2 * j, &hm, 2);
-            }
-        }
-        free(codes);
-        free(sc);
-        free(v);
-    }
-    return failed ? -2 : 0;
+    return dequantized_rows(raw, row_bytes, type, n, k, packed, first, threads, ranking_row);
 }
