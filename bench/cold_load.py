@@ -73,7 +73,6 @@ def _fixtures():
 def make(out: Path, types: list[str]) -> None:
     """The 1B-shaped Hugging Face folder, its F16 GGUF and each quantized type under `out`."""
     import torch
-    import transformers
 
     fx = _fixtures()
     if os.environ.get(LLAMA_CPP_ENV):
@@ -81,12 +80,8 @@ def make(out: Path, types: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     folder, f16 = out / "hf", out / "llama-1b-F16.gguf"
     if not f16.exists():
-        fx.save_tokenizer(folder)  # 369 tokens; the converter pads the rest as [PAD] tokens
-        config = transformers.LlamaConfig(**LLAMA_32_1B)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
-        fx.randomize(model, fx.SEED, gemma=False)
-        model.save_pretrained(folder)
-        del model
+        # 369 tokens in the tokenizer; the converter pads the rest as [PAD] tokens
+        fx.build_hf("llama-1b", ("LlamaConfig", LLAMA_32_1B, "llama"), folder, torch.float16)
         fx.convert(folder, f16)
     for qtype in types:
         target = out / f"llama-1b-{qtype}.gguf"
