@@ -12,6 +12,8 @@ is, and holds back only what could still be a tag.
 
 from __future__ import annotations
 
+from runtime.json_calls import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -72,7 +74,7 @@ class ReasoningParser:
             elif state == "thinking":
                 end = held.find(CLOSE)
                 if end < 0:
-                    cut = len(held) - _partial_suffix(held, CLOSE)
+                    cut = len(held) - partial_suffix(held, CLOSE)
                     reasoning, self._held = reasoning + held[:cut], held[cut:]
                     break
                 reasoning += held[:end]
@@ -99,11 +101,3 @@ class ReasoningParser:
         if reasoning:
             self.reasoning = (self.reasoning or "") + reasoning
         self.content += content
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (held back: it may become it)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

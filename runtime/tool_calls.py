@@ -37,7 +37,7 @@ from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, ChatFormat
 from runtime.constraints import GRAMMAR, JSON_FORMAT, Constraint
 from runtime.errors import InvalidSamplingParams
 from runtime.harmony import harmony_grammar
-from runtime.json_calls import json_call_grammar
+from runtime.json_calls import json_call_grammar, partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 AUTO, NONE, REQUIRED = "auto", "none", "required"
@@ -286,14 +286,6 @@ def _text(content: Any) -> str:
 _HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class ToolCallParser:
     """Splits one choice's generated text into content and tool calls, incrementally.
 
@@ -383,7 +375,7 @@ class ToolCallParser:
             if len(self.calls) > 1:
                 self.calls.pop()  # never shown: nothing to take back
             else:
-                rest = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, CLOSE)]
+                rest = self._buffer[: len(self._buffer) - partial_suffix(self._buffer, CLOSE)]
                 self._send_arguments(rest.rstrip(), deltas)
         self._buffer = ""
         self._in_call = False
@@ -396,7 +388,7 @@ class ToolCallParser:
         ]
 
     def _release_text(self) -> str:
-        keep = _partial_suffix(self._buffer, OPEN)
+        keep = partial_suffix(self._buffer, OPEN)
         cut = len(self._buffer) - keep
         while cut > 0 and self._buffer[cut - 1].isspace():
             cut -= 1  # whitespace before a call is not content
@@ -442,7 +434,7 @@ class ToolCallParser:
 
     def _safe_arguments(self) -> str:
         """The open call's arguments that cannot turn out to be its closing part."""
-        text = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, CLOSE)].rstrip()
+        text = self._buffer[: len(self._buffer) - partial_suffix(self._buffer, CLOSE)].rstrip()
         if text.endswith("}"):
             text = text[:-1].rstrip()  # maybe the call's own closing brace
         return text
