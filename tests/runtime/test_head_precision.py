@@ -121,7 +121,7 @@ def recorded_rows(engine: Engine, requests: dict[str, tuple[list[int], SamplingP
     """Each request's logits rows as the sampler saw them, the requests run together."""
     generator = engine.new_generator()
     recorder = _RecordingSampler(generator.sampler, {})
-    generator.sampler = recorder
+    generator.sampler = generator.runner.host_rows.sampler = recorder  # states, then rows
     for name, (prompt, params) in requests.items():
         recorder.names[id(params)] = name
         generator.add(name, prompt, params)
