@@ -162,6 +162,11 @@ def gated_mlp(
     return linear(hidden, w_down, layout)  # [T, F] -> [T, D]
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-x) (a MoE router's gating, a DeltaNet's beta, a shared expert's gate)."""
+    return 1.0 / (1.0 + np.exp(-x))
+
+
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up in one scratch buffer: decode is dominated by per-op overhead."""
     out = np.negative(gate)

@@ -31,7 +31,7 @@ import numpy as np
 from runtime.errors import LLMQRuntimeError
 from runtime.gguf_file import GGUFFile
 from runtime.kernels import Backend, TensorPart
-from runtime.models.base import BatchLayout, linear, rms_norm
+from runtime.models.base import BatchLayout, linear, rms_norm, sigmoid
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,6 @@ class DeltaNetState:
 
 class RecurrentStateError(LLMQRuntimeError):
     """A sequence's cache holds tokens whose recurrent state it does not have."""
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
 
 
 def softplus(x: np.ndarray) -> np.ndarray:

@@ -46,7 +46,7 @@ import numpy as np
 from runtime.errors import ModelFormatError
 from runtime.gguf_file import GGUFFile, expert_tensor
 from runtime.kernels import Backend, TensorPart
-from runtime.models.base import BatchLayout, gated_mlp, linear
+from runtime.models.base import BatchLayout, gated_mlp, linear, sigmoid
 from runtime.models.layers import Block, DecoderArgs
 
 # llama.cpp's llama_expert_gating_func_type values (src/llama-hparams.h)
@@ -114,7 +114,7 @@ def route(logits: np.ndarray, args: MoEArgs, selection_bias: np.ndarray | None =
     if args.gating == "softmax":
         probs = softmax_rows(logits)
     elif args.gating == "sigmoid":
-        probs = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        probs = sigmoid(logits).astype(np.float32)
     else:
         probs = logits
     scores = probs if selection_bias is None else probs + selection_bias
@@ -274,7 +274,7 @@ class MoE:
         if gate is None:
             return out
         g = np.einsum("td,d->t", x_in, gate.reshape(-1))[:, None]  # [T, 1]
-        g = (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
+        g = sigmoid(g).astype(np.float32)
         return out * (g if self.host else self._to_device(g))
 
     def _index(self, idx: np.ndarray):
