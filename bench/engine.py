@@ -45,7 +45,8 @@ How it measures, and why:
   steps are timed).
 - Prefill is the time to the first token: the whole prompt in one batch plus the LM head
   on the last position and one greedy sample (argmax over llama.cpp's last logits).
-- Decode: prefill `DECODE_CONTEXT` tokens, then time `--decode-tokens` greedy steps, each
+- Decode: prefill `DECODE_CONTEXT` tokens (a model with a shorter context: prompts fitted
+  to it, `prompt_ids`), then time `--decode-tokens` greedy steps, each
   one forward pass over one token plus an argmax; EOS is ignored.
 - Other processes share this machine and only ever slow a run down, so the best of the
   repetitions is the headline figure and targets are judged on it; the median is printed
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -315,14 +317,21 @@ CHILDREN: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-def prompt_ids(model_path: Path) -> dict[str, list[int]]:
+def prompt_ids(model_path: Path, decode_tokens: int) -> dict[str, list[int]]:
     """Token ids for both engines, from our tokenizer: the prompt starts with BOS if the
-    model wants one, and the measured prompts are prefixes of one long text."""
+    model wants one, and the measured prompts are prefixes of one long text. A model whose
+    context is shorter than PREFILL_TOKENS / DECODE_CONTEXT + the decoded tokens (the tiny
+    architecture fixtures of tests/fixtures/arch/: 256) gets prompts that fit it: half its
+    context to prefill, the rest less the decoded tokens as the decode's context."""
     from runtime.gguf_file import GGUFFile
     from runtime.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_metadata(GGUFFile(model_path).metadata)
-    need = max(PREFILL_TOKENS, DECODE_CONTEXT)
+    gguf = GGUFFile(model_path)
+    tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    context = int(gguf.metadata.get(f"{gguf.architecture}.context_length", 1 << 20))
+    prefill = min(PREFILL_TOKENS, context // 2)
+    decode_context = min(DECODE_CONTEXT, context - decode_tokens - 2)
+    need = max(prefill, decode_context)
     text, section = "", 0
     ids: list[int] = []
     while len(ids) < need:
@@ -331,8 +340,8 @@ def prompt_ids(model_path: Path) -> dict[str, list[int]]:
         ids = tokenizer.encode(text, add_special=True, parse_special=True)
     warmup = tokenizer.encode(_WARMUP_TEXT, add_special=True, parse_special=True)
     return {
-        "prefill_ids": ids[:PREFILL_TOKENS],
-        "decode_ids": ids[:DECODE_CONTEXT],
+        "prefill_ids": ids[:prefill],
+        "decode_ids": ids[:decode_context],
         "warmup_ids": warmup[:WARMUP_TOKENS],
     }
 
@@ -350,14 +359,18 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         models[model_id]["jobs"] = {
             "model_path": str(path),
             "decode_tokens": args.decode_tokens,
-            **prompt_ids(path),
+            **prompt_ids(path, args.decode_tokens),
         }
+        models[model_id]["prefill_tokens"] = len(models[model_id]["jobs"]["prefill_ids"])
+        models[model_id]["decode_context"] = len(models[model_id]["jobs"]["decode_ids"])
     runs: list[dict[str, Any]] = []
 
     def measure(engine: str, variant: str, model: str | None, job: dict[str, Any]) -> None:
         kind = engine if engine in ("llama", "bandwidth") else "ours"
         load = os.getloadavg()[0]  # kept with the figures: a busy machine explains outliers
         result = run_child(SCRIPT, kind, job, dict(variants)[variant])
+        if "prefill_ids" in job:
+            result["prefill_tokens"] = len(job["prefill_ids"])
         run = {"kind": kind, "engine": engine, "env": variant, "model": model, "loadavg_1m": load}
         runs.append({**run, **result})
         label = f"{engine:9s} {variant:6s} {model or '':24s} load {load:4.1f}"
@@ -392,12 +405,23 @@ def _short(kind: str, r: dict[str, Any]) -> str:
         return f"matvec {r['matvec_gbps']:.1f} GB/s, sum {r['sum_gbps']:.1f} GB/s"
     decode = (len(r["tokens"]) - 1) / r["decode_s"]
     return (
-        f"load {r['load_s']:.2f}s, prefill {PREFILL_TOKENS / r['ttft_s']:.1f} tok/s, "
+        f"load {r['load_s']:.2f}s, prefill {r['prefill_tokens'] / r['ttft_s']:.1f} tok/s, "
         f"decode {decode:.2f} tok/s, rss {r['peak_rss_mib']:.0f} MiB"
     )
 
 
 # ----------------------------------------------------------------------------- report
+
+
+def prompt_sizes(raw: dict[str, Any], model: str) -> tuple[int, int]:
+    """The prefill prompt's tokens and the decode's context for `model`: its own where
+    `prompt_ids` fitted them to a short context, else the run's (a file saved before they
+    were kept per model)."""
+    info, meta = raw["models"][model], raw["meta"]
+    return (
+        info.get("prefill_tokens", meta.get("prefill_tokens", PREFILL_TOKENS)),
+        info.get("decode_context", meta.get("decode_context", DECODE_CONTEXT)),
+    )
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
@@ -414,9 +438,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         best = max(values) if higher_is_better else min(values)
         return {"best": best, "median": statistics.median(values), "n": len(values)}
 
-    def engine_stats(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    def engine_stats(rs: list[dict[str, Any]], prefill_tokens: int) -> dict[str, Any]:
         return {
-            "prefill_tps": stats([PREFILL_TOKENS / r["ttft_s"] for r in rs], True),
+            "prefill_tps": stats([prefill_tokens / r["ttft_s"] for r in rs], True),
             "ttft_s": stats([r["ttft_s"] for r in rs], False),
             "decode_tps": stats([(len(r["tokens"]) - 1) / r["decode_s"] for r in rs], True),
             "load_s": stats([r["load_s"] for r in rs], False),
@@ -443,12 +467,14 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         }
         for model in raw["models"]:
             llama_runs = pick("llama", first_env, model)
-            llama = engine_stats(llama_runs) if llama_runs else None
+            prefill_tokens = prompt_sizes(raw, model)[0]
+            model_stats = functools.partial(engine_stats, prefill_tokens=prefill_tokens)
+            llama = model_stats(llama_runs) if llama_runs else None
             m: dict[str, Any] = {"llama": llama, "backends": {}}
             for backend in raw["backends"]:
                 rs = pick(backend, env, model)
                 tokens = llama_runs[0]["tokens"] if llama_runs else None
-                m["backends"][backend] = _backend_summary(rs, engine_stats, llama, tokens)
+                m["backends"][backend] = _backend_summary(rs, model_stats, llama, tokens)
                 m["backends"][backend]["peak_device_mib"] = peak_device(rs)
                 m["backends"][backend]["device"] = rs[0].get("device", "cpu")
             if "numpy" in m["backends"]:  # the float32 limit, for reference
@@ -541,7 +567,7 @@ def render(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         f"targets (kernel layer) judged on the {TARGET_BACKEND} backend's best"
     )
     lines.append(
-        f"prefill = {PREFILL_TOKENS} / time to first token, which includes the LM head on the "
+        "prefill = the prompt's tokens / time to first token, which includes the LM head on the "
         "last position and one greedy sample; decode = greedy steps after the first token; "
         "load excludes importing the backend's libraries (shown below it, untimed in load)"
     )
@@ -571,7 +597,8 @@ def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str
     info = raw["models"][model]
     backends, llama = m["backends"], m["llama"]
     targets = m.get("targets", {})
-    decode_tokens, ctx = raw["meta"]["decode_tokens"], raw["meta"]["decode_context"]
+    decode_tokens = raw["meta"]["decode_tokens"]
+    prefill_tokens, ctx = prompt_sizes(raw, model)
     on_cpu = all(b["device"] == "cpu" for b in backends.values())
 
     def row(name: str, cells: list[str], ratios: list[str], target: str) -> str:
@@ -602,7 +629,7 @@ def _model_block(raw: dict[str, Any], model: str, m: dict[str, Any]) -> list[str
             [f"{name}/llama" for name in backends] if llama else [],
             f"target ({TARGET_BACKEND})" if targets else "",
         ),
-        line(f"prefill {PREFILL_TOKENS} tok (tok/s)", "prefill_tps", 1),
+        line(f"prefill {prefill_tokens} tok (tok/s)", "prefill_tps", 1),
         line("  time to first token (s)", "ttft_s", 3),
         line(f"decode {decode_tokens} tok @ {ctx}+ ctx (tok/s)", "decode_tps", 2),
         line("load (s)", "load_s", 2),

@@ -4,6 +4,7 @@ no model is loaded."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -128,3 +129,12 @@ def test_device_profile_runs_end_to_end_on_the_cpu(capsys) -> None:
     assert "tensor forward pass: True; 4 sequences" in out
     assert "host syncs per step 0.0 <= 4" in out and "PASS" in out
     assert "per layer (decode groups)                               1.0" in out
+
+
+def test_a_short_context_model_gets_prompts_that_fit_it() -> None:
+    """The architecture fixtures hold 256 positions: half to prefill, the rest less the
+    decoded tokens as the decode's context (bench/engine.py's 512 and 540 do not fit)."""
+    fixture = Path(__file__).parent / "fixtures" / "arch" / "qwen3-F16.gguf"
+    ids = bench.prompt_ids(fixture, decode_tokens=64)
+    assert len(ids["prefill_ids"]) == 128 and len(ids["decode_ids"]) == 256 - 64 - 2
+    assert ids["decode_ids"][:128] == ids["prefill_ids"]  # prefixes of one text
