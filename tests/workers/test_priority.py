@@ -86,4 +86,7 @@ def test_a_session_of_its_own_is_lowered_as_a_whole() -> None:
         child.kill()
         child.wait(10)
     assert started.split()[-1] == "9", started
-    assert Path("/proc/self/autogroup").read_text().split()[0] != started.split()[0]
+    # The kernel prints nothing for a process whose CPU group is not an autogroup (a
+    # runner's own cgroup, kernel/sched/autogroup.c): then it shares nothing with the child.
+    ours = Path("/proc/self/autogroup").read_text().split()
+    assert not ours or ours[0] != started.split()[0], (ours, started)
