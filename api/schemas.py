@@ -18,9 +18,10 @@ wins), and unset optional fields are omitted.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -166,6 +167,11 @@ def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
     return v
 
 
+# A field checked the same way in every request that has it: the type carries the check
+Priority = Annotated[int, AfterValidator(_check_priority)]
+Metadata = Annotated[dict[str, str] | None, AfterValidator(check_metadata)]
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -202,13 +208,13 @@ class SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     service_tier: str | None = None
     safety_identifier: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     prompt_cache_key: str | None = None
     cache_prompt: bool = True
     ignore_eos: bool = False  # vLLM's extension; the engine supports it
-    priority: int = 0
+    priority: Priority = 0
     # LoRA adapters [{"name", "scale"}], read by the engine's `adapter_list`; which ones
     # exist is checked at submission (`api.loras.resolve`)
     lora: Any = None
@@ -240,22 +246,12 @@ class SamplingRequest(StrictModel):
             _in_range(f"logit_bias[{key}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         return v
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(v)
-
     @field_validator("seed")
     @classmethod
     def _int64(cls, v: int | None, info: Any) -> int | None:
         if v is not None and not -INT64 <= v < 2 * INT64:
             raise ValueError(f"{info.field_name} must fit in 64 bits, got {v}.")
         return v
-
-    @field_validator("priority")
-    @classmethod
-    def _priority(cls, v: int) -> int:
-        return _check_priority(v)
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -351,7 +347,8 @@ class SamplingRequest(StrictModel):
             raise InvalidRequest(str(exc), param=exc.param) from None
 
 
-def _max_tokens(name: str, v: int | None) -> int | None:
+def _max_tokens(v: int | None, info: ValidationInfo) -> int | None:
+    name = info.field_name
     if v is not None and not 1 <= v <= MAX_TOKENS_LIMIT:
         if v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}.")
@@ -359,9 +356,14 @@ def _max_tokens(name: str, v: int | None) -> int | None:
     return v
 
 
+# completions' max_tokens, chat's max_tokens and max_completion_tokens, a response's
+# max_output_tokens
+MaxTokens = Annotated[int | None, AfterValidator(_max_tokens)]
+
+
 class CompletionRequest(SamplingRequest):
     prompt: Any = None
-    max_tokens: int | None = 16
+    max_tokens: MaxTokens = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -371,11 +373,6 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _prompt(cls, v: Any) -> Any:
         return _prompt_forms("prompt", v, MAX_PROMPTS)
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max(cls, v: int | None) -> int | None:
-        return _max_tokens("max_tokens", v)
 
     @field_validator("logprobs")
     @classmethod
@@ -495,8 +492,8 @@ class ResponseFormat(StrictModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxTokens = None
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -512,11 +509,6 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: list[str] | None = None
     audio: Any = None
     web_search_options: Any = None
-
-    @field_validator("max_tokens", "max_completion_tokens")
-    @classmethod
-    def _max(cls, v: int | None, info: Any) -> int | None:
-        return _max_tokens(info.field_name, v)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -565,17 +557,12 @@ class EmbeddingRequest(StrictModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
-    priority: int = 0
+    priority: Priority = 0
 
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v: Any) -> Any:
         return _prompt_forms("input", v, MAX_EMBEDDING_INPUTS)
-
-    @field_validator("priority")
-    @classmethod
-    def _priority(cls, v: int) -> int:
-        return _check_priority(v)
 
     @property
     def stream(self) -> bool:

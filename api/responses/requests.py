@@ -38,14 +38,14 @@ from api.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionDefinition,
+    MaxTokens,
+    Metadata,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
     StrictModel,
     _in_range,
-    _max_tokens,
     _short,
-    check_metadata,
     validation_error,
 )
 from api.schemas import (
@@ -262,13 +262,13 @@ class ResponseRequest(StrictModel):
     model: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
     input: list[InputItem] = Field(min_length=1, max_length=MAX_INPUT_ITEMS)
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: MaxTokens = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
     background: bool = False
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     previous_response_id: str | None = Field(default=None, max_length=64)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = None
@@ -287,16 +287,6 @@ class ResponseRequest(StrictModel):
         if not isinstance(v, list) or not v:
             raise PydanticCustomError("shape", "must be a string or a non-empty list of items")
         return v
-
-    @field_validator("max_output_tokens")
-    @classmethod
-    def _max(cls, v: int | None) -> int | None:
-        return _max_tokens("max_output_tokens", v)
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(v)
 
     @field_validator("temperature")
     @classmethod
