@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,80 +50,52 @@ def _engine(model_id: str, path: Path, backend: str, **config):
     return Engine(spec, GGUFFile(path), EngineConfig(backend=backend, **config))
 
 
-@pytest.fixture(scope="session")
-def smollm2_engine(smollm2_gguf_path: Path):
-    """The real SmolLM2 engine on the exact numpy backend, loaded once for every test."""
-    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "numpy")
-
-
-@pytest.fixture(scope="session")
-def gemma3_engine(gemma3_gguf_path: Path):
-    return _engine("gemma-3-270m", gemma3_gguf_path, "numpy")
-
-
-@pytest.fixture(scope="session")
-def smollm2_torch_engine(smollm2_gguf_path: Path):
-    """SmolLM2 on the torch backend (quantized weights, torch's CPU kernels)."""
-    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch")
-
-
-@pytest.fixture(scope="session")
-def gemma3_torch_engine(gemma3_gguf_path: Path):
-    return _engine("gemma-3-270m", gemma3_gguf_path, "torch")
-
-
-@pytest.fixture(scope="session")
-def smollm2_fp16_engine(smollm2_gguf_path: Path):
-    """SmolLM2 on the host torch path with `same_kernels()`."""
-    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch", kernels=same_kernels())
-
-
-@pytest.fixture(scope="session")
-def smollm2_fp16_tensor_engine(smollm2_gguf_path: Path):
-    """SmolLM2 on the tensor forward pass (on the CPU) with `same_kernels()`."""
-    return _engine(
-        "smollm2-135m-instruct",
-        smollm2_gguf_path,
-        "torch",
-        torch_forward=True,
-        kernels=same_kernels(),
-    )
-
-
-@pytest.fixture(scope="session")
-def smollm2_tensor_engine(smollm2_gguf_path: Path):
-    """SmolLM2 on the tensor forward pass (a GPU worker's code) run on the CPU."""
-    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch", torch_forward=True)
-
-
-@pytest.fixture(scope="session")
-def gemma3_tensor_engine(gemma3_gguf_path: Path):
-    return _engine("gemma-3-270m", gemma3_gguf_path, "torch", torch_forward=True)
-
-
-@pytest.fixture(scope="session")
-def smollm2_cuda_engine(smollm2_gguf_path: Path):
-    """SmolLM2 on the first GPU (tests using it are marked `gpu`)."""
-    return _engine("smollm2-135m-instruct", smollm2_gguf_path, "torch", device="cuda:0")
-
-
-@pytest.fixture(scope="session")
-def gemma3_cuda_engine(gemma3_gguf_path: Path):
-    return _engine("gemma-3-270m", gemma3_gguf_path, "torch", device="cuda:0")
-
-
-def _invariant_engine(model_id: str, path: Path):
-    """`model_id` on kernels whose rows do not depend on their batch (`row_invariant_plan`)."""
+def _invariant_kernels():
+    """Kernels whose rows do not depend on their batch (`row_invariant_plan`)."""
     from runtime.kernels.cpu import cpu_features, row_invariant_plan
 
-    return _engine(model_id, path, "torch", kernels=row_invariant_plan(cpu_features()))
+    return row_invariant_plan(cpu_features())
 
 
-@pytest.fixture(scope="session")
-def smollm2_invariant_engine(smollm2_gguf_path: Path):
-    return _invariant_engine("smollm2-135m-instruct", smollm2_gguf_path)
+# the real models (tests/conftest.py gives `{model}_gguf_path`), and the kernels an engine
+# may name: None (the ones measured best on this CPU), "same" (`same_kernels()`: fbgemm's
+# fp16 for every weight, the host and tensor paths then comparable) or "invariant"
+MODEL_IDS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma-3-270m"}
+KERNELS = {"same": same_kernels, "invariant": _invariant_kernels}
+
+# The engines the runtime tests share, each loaded once a session on first use:
+# fixture -> (model, backend, kernels, EngineConfig's other fields)
+ENGINES: dict[str, tuple[str, str, str | None, dict[str, Any]]] = {
+    # the exact numpy backend
+    "smollm2_engine": ("smollm2", "numpy", None, {}),
+    "gemma3_engine": ("gemma3", "numpy", None, {}),
+    # quantized weights, torch's CPU kernels
+    "smollm2_torch_engine": ("smollm2", "torch", None, {}),
+    "gemma3_torch_engine": ("gemma3", "torch", None, {}),
+    "smollm2_fp16_engine": ("smollm2", "torch", "same", {}),
+    # the tensor forward pass (a GPU worker's code) on the CPU
+    "smollm2_tensor_engine": ("smollm2", "torch", None, {"torch_forward": True}),
+    "gemma3_tensor_engine": ("gemma3", "torch", None, {"torch_forward": True}),
+    "smollm2_fp16_tensor_engine": ("smollm2", "torch", "same", {"torch_forward": True}),
+    # the first GPU (tests using these are marked `gpu`)
+    "smollm2_cuda_engine": ("smollm2", "torch", None, {"device": "cuda:0"}),
+    "gemma3_cuda_engine": ("gemma3", "torch", None, {"device": "cuda:0"}),
+    "smollm2_invariant_engine": ("smollm2", "torch", "invariant", {}),
+    "gemma3_invariant_engine": ("gemma3", "torch", "invariant", {}),
+}
 
 
-@pytest.fixture(scope="session")
-def gemma3_invariant_engine(gemma3_gguf_path: Path):
-    return _invariant_engine("gemma-3-270m", gemma3_gguf_path)
+def _engine_fixture(name: str, model: str, backend: str, kernels: str | None, config: dict):
+    """A session fixture `name`: `model`'s engine as ENGINES describes it."""
+
+    def engine(request: pytest.FixtureRequest):
+        path = request.getfixturevalue(f"{model}_gguf_path")
+        chosen = {} if kernels is None else {"kernels": KERNELS[kernels]()}
+        return _engine(MODEL_IDS[model], path, backend, **config, **chosen)
+
+    engine.__doc__ = f"{MODEL_IDS[model]} on {backend}, kernels {kernels}, {config or 'defaults'}"
+    return pytest.fixture(scope="session", name=name)(engine)
+
+
+for _name, _engine_args in ENGINES.items():
+    globals()[_name] = _engine_fixture(_name, *_engine_args)
