@@ -2,22 +2,24 @@
 
 `answer_parser` picks the parsers for a model's `ChatFormat` (`runtime.chat_formats`): a
 leading `<think>` block (`runtime.reasoning`) and then the family's tool calls (Hermes,
-Llama 3.x, Mistral), or gpt-oss's harmony messages, which carry both. Each is fed the text as
-it is generated and returns (reasoning, content, tool-call deltas); the worker builds the
-stream's deltas and the final message from the same parser, so the two agree.
+Llama 3.x, Mistral, Qwen3-Coder's XML), or gpt-oss's harmony messages, which carry both.
+Each is fed the text as it is generated and returns (reasoning, content, tool-call deltas);
+the worker builds the stream's deltas and the final message from the same parser, so the
+two agree.
 `reasoning_tokens` counts the generated tokens that fall inside thinking.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, ChatFormat
+from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, QWEN3_XML, ChatFormat
 from runtime.harmony import HarmonyParser
 from runtime.json_calls import Llama3Parser, MistralParser
 from runtime.reasoning import ReasoningParser
 from runtime.tool_calls import ToolCallParser
+from runtime.xml_calls import XmlCallParser
 
 Deltas = list[dict[str, Any]]
 
@@ -93,11 +95,16 @@ class AnswerParser:
 
 
 def answer_parser(
-    fmt: ChatFormat, call_id: Callable[[int], str], calls: bool, thinking: bool | None
+    fmt: ChatFormat,
+    call_id: Callable[[int], str],
+    calls: bool,
+    thinking: bool | None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> AnswerParser | HarmonyParser | None:
     """The parser of one choice's answer: None where the text is the content as it is.
     `calls`: the request may make tool calls; `thinking`: None where the model does not
-    think in `<think>` blocks, else whether the prompt leaves the answer inside one."""
+    think in `<think>` blocks, else whether the prompt leaves the answer inside one;
+    `tools`: the request's, whose schemas type the values of XML calls (`qwen3_xml`)."""
     if fmt.family == HARMONY:
         return HarmonyParser(call_id, calls=calls)
     call_parser: CallParser | None = None
@@ -105,6 +112,8 @@ def answer_parser(
         call_parser = Llama3Parser(call_id)
     elif calls and fmt.family == MISTRAL:
         call_parser = MistralParser(call_id, args_form=fmt.args_form)
+    elif calls and fmt.family == QWEN3_XML:
+        call_parser = XmlCallParser(call_id, tools)
     elif calls:
         call_parser = ToolCallParser(call_id)
     reasoning = ReasoningParser(inside=thinking) if thinking is not None else None

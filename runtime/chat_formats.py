@@ -11,11 +11,16 @@ text, once per model (`ChatTemplate.format`), never per request:
   Devstral, Ministral 3) (`runtime.json_calls`).
 - `llama3`: the template has an `ipython` role (Llama 3.1 / 3.2 / 3.3): the whole answer
   is one `{"name": ..., "parameters": {...}}`, maybe after `<|python_tag|>`.
+- `qwen3_xml`: the template writes `<tool_call>`, `<function=` and `<parameter=` (with
+  newlines between the tags): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
+  </parameter>\n...</function>\n</tool_call>`, the values typed by the tool's schema
+  (Qwen3-Coder, Qwen3.5 / 3.6, Nemotron Nano 3, StepFun 3.5) (`runtime.xml_calls`).
 - `hermes`: everything else: `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen 2.5,
   Qwen3, Hermes, and the fallback prompt of `runtime.tool_calls` for templates without
-  tools), and a leading `<think>` block (`runtime.reasoning`). Families whose own formats
-  are not parsed yet (Functionary, DeepSeek, Kimi, GLM, Qwen3-Coder's XML, Command R, ...)
-  are held to this one by the grammar too.
+  tools). Families whose own formats are not parsed yet (Functionary, DeepSeek, Kimi, GLM,
+  MiniMax, Command R, Granite, ...) are held to this one by the grammar too.
+
+Any family but harmony may think first in a leading `<think>` block (`runtime.reasoning`).
 
 A marker that is one control token of the model's vocabulary (`[TOOL_CALLS]` in Mistral's,
 `<|python_tag|>` in Llama 3's) is no text to the detokenizer: `marker_text` gives its text
@@ -33,7 +38,8 @@ if TYPE_CHECKING:
     from runtime.tokenizer import Tokenizer
 
 HERMES, LLAMA3, MISTRAL, HARMONY = "hermes", "llama3", "mistral", "harmony"
-FAMILIES = (HERMES, LLAMA3, MISTRAL, HARMONY)
+QWEN3_XML = "qwen3_xml"
+FAMILIES = (HERMES, LLAMA3, MISTRAL, HARMONY, QWEN3_XML)
 
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -46,7 +52,11 @@ _MARKERS = {
     LLAMA3: (PYTHON_TAG,),
     MISTRAL: (TOOL_CALLS, ARGS, CALL_ID),
     HARMONY: HARMONY_MARKERS + HARMONY_ENDS,
+    QWEN3_XML: (),
 }
+# llama.cpp's Qwen3-Coder check (common/chat.cpp): the three tags, not written unspaced
+_QWEN3_XML_MARKERS = ("<tool_call>", "<function=", "<parameter=")
+_QWEN3_XML_UNSPACED = "'<tool_call><function=' ~ tool_call.name ~ '>'"
 
 
 def detect_family(template: str | None) -> str:
@@ -56,6 +66,8 @@ def detect_family(template: str | None) -> str:
         return HARMONY
     if TOOL_CALLS in source:
         return MISTRAL
+    if all(m in source for m in _QWEN3_XML_MARKERS) and _QWEN3_XML_UNSPACED not in source:
+        return QWEN3_XML
     # Functionary v3.1 has Llama 3.1's ipython role but its own <function=...> calls
     if "<|start_header_id|>ipython<|end_header_id|>" in source and "<function=" not in source:
         return LLAMA3

@@ -2,8 +2,9 @@
 that keeps a call valid, and the parser that finds the calls in the generated text.
 
 Hermes style by default (what Qwen 2.5 and the Hermes models are trained on and what small
-models follow from instructions alone; Llama 3.x, Mistral and gpt-oss write theirs in their
-own formats: `runtime.chat_formats`, `runtime.json_calls`, `runtime.harmony`): a call is
+models follow from instructions alone; Llama 3.x, Mistral, Qwen3-Coder / Qwen3.5 and gpt-oss
+write theirs in their own formats: `runtime.chat_formats`, `runtime.json_calls`,
+`runtime.xml_calls`, `runtime.harmony`): a call is
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -33,11 +34,12 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, ChatFormat
+from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, QWEN3_XML, ChatFormat
 from runtime.constraints import GRAMMAR, JSON_FORMAT, Constraint
 from runtime.errors import InvalidSamplingParams
 from runtime.harmony import harmony_grammar
 from runtime.json_calls import json_call_grammar, partial_suffix
+from runtime.xml_calls import xml_call_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 AUTO, NONE, REQUIRED = "auto", "none", "required"
@@ -152,6 +154,8 @@ def tool_grammar(
         return harmony_grammar(fmt, functions, auto)
     if fmt is not None and fmt.family in (LLAMA3, MISTRAL):
         return json_call_grammar(fmt, functions, auto, parallel and name is None)
+    if fmt is not None and fmt.family == QWEN3_XML:
+        return xml_call_grammar(functions, auto, parallel and name is None)
     alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
     # a named function is called once; otherwise `parallel` allows more calls in a row
     more = ' ("\\n" "<tool_call>" call)*' if parallel and name is None else ""

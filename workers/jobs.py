@@ -271,6 +271,7 @@ class ActiveJob:
                 lambda call: self._call_id(plan.index, call),
                 self.plan.spec.calls_possible,
                 self.plan.thinking,
+                self.plan.spec.tools,
             )
         choice = ChoiceState(plan, out, f"{self.id}:{plan.index}", parser)
         streamed = self.progress.choices.get(plan.index)

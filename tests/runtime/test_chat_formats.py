@@ -13,7 +13,15 @@ import llguidance
 import pytest
 
 from runtime.answer_parser import answer_parser, reasoning_tokens
-from runtime.chat_formats import HARMONY, HERMES, LLAMA3, MISTRAL, ChatFormat, detect_family
+from runtime.chat_formats import (
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    QWEN3_XML,
+    ChatFormat,
+    detect_family,
+)
 from runtime.chat_template import ChatTemplate
 from runtime.grammar_vocab import GrammarVocab
 from runtime.tokenizer import Tokenizer
@@ -56,7 +64,14 @@ FAMILIES = {
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": (HERMES, False),
     "Qwen-Qwen3-0.6B": (HERMES, False),
     "meetkai-functionary-medium-v3.1": (HERMES, False),  # ipython role, its own calls
+    "Qwen3-Coder": (QWEN3_XML, False),
+    "Qwen3.5-4B": (QWEN3_XML, False),
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": (QWEN3_XML, False),
+    "StepFun3.5-Flash": (QWEN3_XML, False),
 }
+# every template of the folder not named here is Hermes's (what `detect_family` gave each
+# before the XML family; a template changing family fails the test below)
+NOT_HERMES = {name for name, (family, _) in FAMILIES.items() if family != HERMES}
 # what ends a turn in each template (a stop token: never text the parser sees)
 TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "</s>", "<|im_end|>\n", "<|im_end|>")
 
@@ -67,15 +82,14 @@ def template(name: str) -> ChatTemplate:
     )
 
 
-def rendered_answer(name: str, message: dict) -> str:
+def rendered_answer(name: str, message: dict, tools: list | None = None) -> str:
     """What the template writes for `message` after the generation prompt: the answer a
     model trained on it gives (without the turn's end token)."""
     chat = template(name)
+    tools = tools or [WEATHER]
     turns = [{"role": "user", "content": "Weather in Paris?"}]
-    prompt = chat.render(turns, add_generation_prompt=True, tools=[WEATHER])
-    full = chat.render(
-        turns + [_native_message(message)], add_generation_prompt=False, tools=[WEATHER]
-    )
+    prompt = chat.render(turns, add_generation_prompt=True, tools=tools)
+    full = chat.render(turns + [_native_message(message)], add_generation_prompt=False, tools=tools)
     assert full.startswith(prompt), "the answer continues the generation prompt"
     answer = full[len(prompt) :]
     for end in TURN_ENDS:
@@ -83,9 +97,11 @@ def rendered_answer(name: str, message: dict) -> str:
     return answer
 
 
-def parse(fmt: ChatFormat, text: str, cuts: list[int], calls: bool = True, thinking=None):
+def parse(
+    fmt: ChatFormat, text: str, cuts: list[int], calls: bool = True, thinking=None, tools=None
+):
     """Feed `text` cut at `cuts`; (reasoning, content, calls assembled from deltas, parser)."""
-    parser = answer_parser(fmt, lambda k: f"call_{k}", calls, thinking)
+    parser = answer_parser(fmt, lambda k: f"call_{k}", calls, thinking, tools)
     assert parser is not None
     bounds = [0, *cuts, len(text)]
     outputs = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -112,6 +128,20 @@ def test_the_family_is_told_by_the_templates_markers(name):
     fmt = template(name).format
     assert (fmt.family, fmt.args_form) == FAMILIES[name]
     assert detect_family(None) == HERMES
+
+
+@needs_templates
+def test_every_template_in_the_folder_gets_its_family():
+    names = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+    assert len(names) >= 70
+    got = {name: template(name).format for name in names}
+    assert {n for n, fmt in got.items() if fmt.family != HERMES} == NOT_HERMES
+    assert {n: (got[n].family, got[n].args_form) for n in NOT_HERMES} == {
+        n: FAMILIES[n] for n in NOT_HERMES
+    }
+    # what `llmq models` shows
+    assert got["Qwen3.5-4B"].name == "qwen3_xml"
+    assert got["Mistral-Small-3.2-24B-Instruct-2506"].name == "mistral ([ARGS] form)"
 
 
 @needs_templates

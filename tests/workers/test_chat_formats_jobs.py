@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, ChatFormat
+from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, QWEN3_XML, ChatFormat
 from runtime.chat_template import ChatTemplate
 from runtime.engine import Engine
 from tests.runtime.test_tool_calls import assemble_calls
@@ -30,6 +30,7 @@ from workers.wire.responses_api import usage as responses_usage
 LLAMA3_TEMPLATE = "{# <|start_header_id|>ipython<|end_header_id|> #}" + SHORT_TOOLS_TEMPLATE
 MISTRAL_TEMPLATE = "{# [TOOL_CALLS] #}" + SHORT_TOOLS_TEMPLATE
 HARMONY_TEMPLATE = "{# <|channel|> #}" + SHORT_TOOLS_TEMPLATE + "<|start|>assistant"
+QWEN3_XML_TEMPLATE = "{# <tool_call> <function= <parameter= #}" + SHORT_TOOLS_TEMPLATE
 
 
 @pytest.fixture
@@ -69,6 +70,30 @@ def test_llama3_calls_are_the_whole_answer_in_json(engine):
         {"id": call["id"], "name": "pick", "arguments": call["function"]["arguments"]}
     ]
     same_after_resumes(engine, CALLING, reference, events, [1, len(events) // 2, len(events) - 1])
+
+
+def test_qwen3_xml_calls_typed_by_the_requests_schema(engine):
+    """The worker hands the request's tools to the XML parser: `n` (an enum of integers)
+    comes back as a number, not the text the model wrote."""
+    engine.chat_template = ChatTemplate(QWEN3_XML_TEMPLATE)
+    assert engine.chat_template.format.family == QWEN3_XML
+    body = {**CALLING, "max_tokens": 240, "parallel_tool_calls": False}
+    job = new_job(CHAT_COMPLETIONS, body)
+    reference = run(engine, job)
+    events = events_of(job)
+    text = "".join(e["text"] for e in events)
+    [call] = reference["choices"][0]["message"]["tool_calls"]
+    assert reference["choices"][0]["finish_reason"] == "tool_calls"
+    n = json.loads(call["function"]["arguments"])["n"]
+    assert n in (1, 2, 3)
+    head = "<tool_call>\n<function=pick>\n<parameter=n>\n"
+    assert text.startswith(f"{head}{n}\n</parameter>\n</function>\n</tool_call>")
+    deltas = [e["delta"] for e in events]
+    assert not any("content" in d for d in deltas)
+    assert assembled_calls(deltas) == [
+        {"id": call["id"], "name": "pick", "arguments": call["function"]["arguments"]}
+    ]
+    same_after_resumes(engine, body, reference, events, [1, len(events) // 2, len(events) - 1])
 
 
 def test_mistrals_tool_calls_marker_is_a_control_token_the_parser_still_sees(engine):
