@@ -79,10 +79,7 @@ def attend_layout(
     values.index_copy_(0, plan.slots, v.to(values.dtype))
     out = torch.empty((t, n_heads * head_dim), dtype=torch.float32, device=q.device)
     for rows in plan.decode:
-        qd = q[rows.rows].unsqueeze(2).to(keys.dtype)  # [M, H, 1, Dh]
-        kd = keys[rows.index].transpose(1, 2)  # [M, L, Hkv, Dh] -> [M, Hkv, L, Dh]
-        vd = values[rows.index].transpose(1, 2)
-        o = decode_attention(qd, kd, vd, rows.mask, softcap, sinks)  # [M, H, 1, Dh]
+        o = _attend_gathered(q[rows.rows], keys, values, rows.index, rows.mask, softcap, sinks)
         out[rows.rows] = o.reshape(len(rows.index), n_heads * head_dim).float()
     for rows in plan.prefill:
         if q.device.type != "cuda":
@@ -96,6 +93,24 @@ def attend_layout(
         o = _gpu_attention(qp, kp, vp, rows.mask, softcap, sinks)  # [1, H, n, Dh]
         out[rows.rows] = o[0].transpose(0, 1).reshape(-1, n_heads * head_dim).float()
     return out
+
+
+def _attend_gathered(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    visible: torch.Tensor,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Decode rows (one query each, q `[M, H, Dh]`) over the keys and values their slot
+    indices `index` `[M, L]` gather from a layer's storage -> `[M, H, 1, Dh]`, in the
+    storage's dtype: `attend_layout`'s decode rows and `attend_static`'s."""
+    qd = q.unsqueeze(2).to(keys.dtype)  # [M, H, 1, Dh]
+    kd = keys[index].transpose(1, 2)  # [M, L, Hkv, Dh] -> [M, Hkv, L, Dh]
+    vd = values[index].transpose(1, 2)
+    return decode_attention(qd, kd, vd, visible, softcap, sinks)
 
 
 def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -293,11 +308,8 @@ def attend_static(
     group, keys, values = pool.layer_storage(layer, window)  # keys, values [slots, Hkv, Dh]
     keys.index_copy_(0, layout.write_slots[group], k.to(keys.dtype))
     values.index_copy_(0, layout.write_slots[group], v.to(values.dtype))
-    index = layout.gather[group]  # [B, L]
-    qd = q.unsqueeze(2).to(keys.dtype)  # [B, H, 1, Dh]
-    kd = keys[index].transpose(1, 2)  # [B, L, Hkv, Dh] -> [B, Hkv, L, Dh]
-    vd = values[index].transpose(1, 2)
-    o = decode_attention(qd, kd, vd, layout.visible[group], softcap, sinks)  # [B, H, 1, Dh]
+    index, visible = layout.gather[group], layout.visible[group]  # [B, L]
+    o = _attend_gathered(q, keys, values, index, visible, softcap, sinks)  # [B, H, 1, Dh]
     # left in the keys' dtype: the output product rounds it to its own (fp16 -> bf16 is
     # the same rounding as through float32), and a static step has no LoRA rows
     return o.reshape(rows, n_heads * head_dim)
