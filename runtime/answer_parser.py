@@ -2,7 +2,7 @@
 
 `answer_parser` picks the parsers for a model's `ChatFormat` (`runtime.chat_formats`): a
 leading `<think>` block (`runtime.reasoning`) and then the family's tool calls (Hermes,
-Llama 3.x, Mistral, Qwen3-Coder's XML), or gpt-oss's harmony messages, which carry both.
+Llama 3.x, Mistral, Qwen3-Coder's XML, DeepSeek), or gpt-oss's harmony messages, which carry both.
 Each is fed the text as it is generated and returns (reasoning, content, tool-call deltas);
 the worker builds the stream's deltas and the final message from the same parser, so the
 two agree.
@@ -14,7 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, QWEN3_XML, ChatFormat
+from runtime.chat_formats import (
+    DEEPSEEK_R1,
+    DEEPSEEK_V3_1,
+    HARMONY,
+    LLAMA3,
+    MISTRAL,
+    QWEN3_XML,
+    ChatFormat,
+)
+from runtime.deepseek_calls import DeepSeekParser
 from runtime.harmony import HarmonyParser
 from runtime.json_calls import Llama3Parser, MistralParser
 from runtime.reasoning import ReasoningParser
@@ -114,6 +123,8 @@ def answer_parser(
         call_parser = MistralParser(call_id, args_form=fmt.args_form)
     elif calls and fmt.family == QWEN3_XML:
         call_parser = XmlCallParser(call_id, tools)
+    elif calls and fmt.family in (DEEPSEEK_R1, DEEPSEEK_V3_1):
+        call_parser = DeepSeekParser(call_id, r1=fmt.family == DEEPSEEK_R1)
     elif calls:
         call_parser = ToolCallParser(call_id)
     reasoning = ReasoningParser(inside=thinking) if thinking is not None else None

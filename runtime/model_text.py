@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from runtime.chat_formats import HARMONY, HERMES
+from runtime.chat_formats import HERMES
 from runtime.chat_template import ChatTemplate
 from runtime.constraints import validate_constraint
 from runtime.errors import EmptyPromptError, InvalidSamplingParams, check_context_length
@@ -75,9 +75,7 @@ class ModelText:
     ) -> str:
         """The text `encode_chat` tokenizes: what the template makes of the conversation."""
         template = self.chat_template
-        messages, extra = chat_for_template(
-            messages, tools, template.knows_tools, template.format.family == HARMONY
-        )
+        messages, extra = chat_for_template(messages, tools, template.knows_tools, template.format)
         return self.chat_template.render(messages, add_generation_prompt=True, **extra)
 
     def prompt_ids(self, prompt: str | list[int], name: str = "prompt") -> list[int]:

@@ -2,9 +2,9 @@
 that keeps a call valid, and the parser that finds the calls in the generated text.
 
 Hermes style by default (what Qwen 2.5 and the Hermes models are trained on and what small
-models follow from instructions alone; Llama 3.x, Mistral, Qwen3-Coder / Qwen3.5 and gpt-oss
-write theirs in their own formats: `runtime.chat_formats`, `runtime.json_calls`,
-`runtime.xml_calls`, `runtime.harmony`): a call is
+models follow from instructions alone; Llama 3.x, Mistral, Qwen3-Coder / Qwen3.5, DeepSeek
+and gpt-oss write theirs in their own formats: `runtime.chat_formats`, `runtime.json_calls`,
+`runtime.xml_calls`, `runtime.deepseek_calls`, `runtime.harmony`): a call is
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -14,7 +14,9 @@ write theirs in their own formats: `runtime.chat_formats`, `runtime.json_calls`,
   that does not (SmolLM2's plain ChatML), the fallback appends to the system message a
   `<tools>` list and the instruction to answer with `<tool_call>` blocks, renders past
   assistant calls as those blocks, and turns `tool` messages into a user turn of
-  `<tool_response>` blocks.
+  `<tool_response>` blocks. DeepSeek's templates write past calls and results in their own
+  markers but not the tools: those, and the call syntax, join the system message
+  (`runtime.deepseek_calls.tools_intro`).
 - Grammar (`tool_grammar`, an llguidance Lark grammar): `required` makes the whole answer
   one call (several with `parallel_tool_calls`), a named function exactly one call of it
   (small models asked for one call and allowed more tend to repeat it until `max_tokens`,
@@ -34,8 +36,18 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, QWEN3_XML, ChatFormat
+from runtime.chat_formats import (
+    DEEPSEEK_R1,
+    DEEPSEEK_V3_1,
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    QWEN3_XML,
+    ChatFormat,
+)
 from runtime.constraints import GRAMMAR, JSON_FORMAT, Constraint
+from runtime.deepseek_calls import deepseek_grammar, tools_intro
 from runtime.errors import InvalidSamplingParams
 from runtime.harmony import harmony_grammar
 from runtime.json_calls import json_call_grammar, partial_suffix
@@ -156,6 +168,8 @@ def tool_grammar(
         return json_call_grammar(fmt, functions, auto, parallel and name is None)
     if fmt is not None and fmt.family == QWEN3_XML:
         return xml_call_grammar(functions, auto, parallel and name is None)
+    if fmt is not None and fmt.family in (DEEPSEEK_R1, DEEPSEEK_V3_1):
+        return deepseek_grammar(fmt, functions, auto, parallel and name is None)
     alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
     # a named function is called once; otherwise `parallel` allows more calls in a row
     more = ' ("\\n" "<tool_call>" call)*' if parallel and name is None else ""
@@ -181,15 +195,21 @@ def chat_for_template(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
     native: bool,
-    harmony: bool = False,
+    fmt: ChatFormat | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and extra template variables to render: as they are, with `tools=`, for
-    a template that uses `tools` (`native`); else the Hermes-style fallback. gpt-oss's
-    template (`harmony`) reads a turn's thinking from `thinking`, not `reasoning_content`."""
+    a template that uses `tools` (`native`); else the Hermes-style fallback, but for
+    DeepSeek's templates, which render past calls and results themselves: only the tools
+    and their syntax join the system message. gpt-oss's template (`fmt` harmony) reads a
+    turn's thinking from `thinking`, not `reasoning_content`."""
+    family = fmt.family if fmt is not None else HERMES
     if native:
         extra = {"tools": list(tools)} if tools else {}
         out = [_native_message(m) for m in messages]
-        return [_harmony_message(m) for m in out] if harmony else out, extra
+        return [_harmony_message(m) for m in out] if family == HARMONY else out, extra
+    if fmt is not None and family in (DEEPSEEK_R1, DEEPSEEK_V3_1):
+        out = [dict(m) if fmt.string_arguments else _native_message(m) for m in messages]
+        return (_with_intro(out, tools_intro(fmt, tools)) if tools else out), {}
     return fallback_messages(messages, tools), {}
 
 
@@ -250,10 +270,17 @@ def fallback_messages(
         intro = FALLBACK_INTRO.format(
             tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         )
-        if out and out[0].get("role") in ("system", "developer"):
-            out[0] = {**out[0], "content": f"{_text(out[0].get('content'))}\n\n{intro}".strip()}
-        else:
-            out.insert(0, {"role": "system", "content": intro})
+        out = _with_intro(out, intro)
+    return out
+
+
+def _with_intro(messages: list[dict[str, Any]], intro: str) -> list[dict[str, Any]]:
+    """`intro` after the system message's text, or as the system message."""
+    out = list(messages)
+    if out and out[0].get("role") in ("system", "developer"):
+        out[0] = {**out[0], "content": f"{_text(out[0].get('content'))}\n\n{intro}".strip()}
+    else:
+        out.insert(0, {"role": "system", "content": intro})
     return out
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from runtime.answer_parser import answer_parser, reasoning_tokens
 from runtime.chat_formats import (
+    DEEPSEEK_R1,
+    DEEPSEEK_V3_1,
     HARMONY,
     HERMES,
     LLAMA3,
@@ -68,9 +70,14 @@ FAMILIES = {
     "Qwen3.5-4B": (QWEN3_XML, False),
     "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": (QWEN3_XML, False),
     "StepFun3.5-Flash": (QWEN3_XML, False),
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": (DEEPSEEK_R1, False),
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (DEEPSEEK_R1, False),
+    "llama-cpp-deepseek-r1": (DEEPSEEK_R1, False),
+    "deepseek-ai-DeepSeek-V3.1": (DEEPSEEK_V3_1, False),
+    "deepseek-ai-DeepSeek-V3.2": (HERMES, False),  # DSML calls, not parsed yet
 }
 # every template of the folder not named here is Hermes's (what `detect_family` gave each
-# before the XML family; a template changing family fails the test below)
+# before the XML and DeepSeek families; a template changing family fails the test below)
 NOT_HERMES = {name for name, (family, _) in FAMILIES.items() if family != HERMES}
 # what ends a turn in each template (a stop token: never text the parser sees)
 TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "</s>", "<|im_end|>\n", "<|im_end|>")
@@ -141,6 +148,7 @@ def test_every_template_in_the_folder_gets_its_family():
     }
     # what `llmq models` shows
     assert got["Qwen3.5-4B"].name == "qwen3_xml"
+    assert got["deepseek-ai-DeepSeek-V3.1"].name == "deepseek_v3_1"
     assert got["Mistral-Small-3.2-24B-Instruct-2506"].name == "mistral ([ARGS] form)"
 
 
@@ -378,7 +386,7 @@ def test_gpt_oss_reads_a_past_turns_thinking_beside_its_calls():
         },
         {"role": "tool", "tool_call_id": CALL["id"], "content": "sunny"},
     ]
-    messages, extra = chat_for_template(turns, [WEATHER], chat.knows_tools, harmony=True)
+    messages, extra = chat_for_template(turns, [WEATHER], chat.knows_tools, chat.format)
     prompt = chat.render(messages, add_generation_prompt=True, **extra)
     assert "<|channel|>analysis<|message|>Need weather.<|end|>" in prompt
     assert "<|start|>assistant to=functions.get_weather<|channel|>commentary json" in prompt

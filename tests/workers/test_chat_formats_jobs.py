@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from runtime.chat_formats import HARMONY, LLAMA3, MISTRAL, QWEN3_XML, ChatFormat
+from runtime.chat_formats import (
+    CALLS_BEGIN,
+    DEEPSEEK_V3_1,
+    HARMONY,
+    LLAMA3,
+    MISTRAL,
+    QWEN3_XML,
+    ChatFormat,
+)
 from runtime.chat_template import ChatTemplate
 from runtime.engine import Engine
 from tests.runtime.test_tool_calls import assemble_calls
@@ -31,6 +39,7 @@ LLAMA3_TEMPLATE = "{# <|start_header_id|>ipython<|end_header_id|> #}" + SHORT_TO
 MISTRAL_TEMPLATE = "{# [TOOL_CALLS] #}" + SHORT_TOOLS_TEMPLATE
 HARMONY_TEMPLATE = "{# <|channel|> #}" + SHORT_TOOLS_TEMPLATE + "<|start|>assistant"
 QWEN3_XML_TEMPLATE = "{# <tool_call> <function= <parameter= #}" + SHORT_TOOLS_TEMPLATE
+DEEPSEEK_TEMPLATE = "{# <｜tool▁calls▁begin｜> #}" + SHORT_TOOLS_TEMPLATE
 
 
 @pytest.fixture
@@ -92,6 +101,29 @@ def test_qwen3_xml_calls_typed_by_the_requests_schema(engine):
     assert not any("content" in d for d in deltas)
     assert assembled_calls(deltas) == [
         {"id": call["id"], "name": "pick", "arguments": call["function"]["arguments"]}
+    ]
+    same_after_resumes(engine, body, reference, events, [1, len(events) // 2, len(events) - 1])
+
+
+def test_deepseek_v3_1_calls_after_a_control_token_marker(engine):
+    engine.chat_template = ChatTemplate(DEEPSEEK_TEMPLATE)
+    assert engine.chat_template.format.family == DEEPSEEK_V3_1
+    marker = 1  # a control token of the tiny vocabulary, standing in for the calls' start
+    engine.chat_template.format = ChatFormat(DEEPSEEK_V3_1, False, {marker: CALLS_BEGIN})
+    body = {**CALLING, "max_tokens": 240, "parallel_tool_calls": False}
+    job = new_job(CHAT_COMPLETIONS, body)
+    reference = run(engine, job)
+    events = events_of(job)
+    assert events[0]["token_id"] == marker and events[0]["text"] == ""
+    text = "".join(e["text"] for e in events)
+    [call] = reference["choices"][0]["message"]["tool_calls"]
+    arguments = call["function"]["arguments"]
+    assert json.loads(arguments)["n"] in (1, 2, 3)
+    head, end = "<｜tool▁call▁begin｜>pick<｜tool▁sep｜>", "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    assert text == f"{head}{arguments}{end}"
+    assert reference["choices"][0]["finish_reason"] == "tool_calls"
+    assert assembled_calls([e["delta"] for e in events]) == [
+        {"id": call["id"], "name": "pick", "arguments": arguments}
     ]
     same_after_resumes(engine, body, reference, events, [1, len(events) // 2, len(events) - 1])
 
