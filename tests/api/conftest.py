@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from tests.redis_db import clean_redis_db
 from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import WorkerProcess, wait_for
 from workers import keys
+from workers.supervisor import free_port
 from workers.wire.worker_info import READY, WorkerInfo
 
 TEST_REDIS_URL = os.environ.get("LLMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
@@ -99,12 +99,6 @@ def _published_ready(conn: redis.Redis, name: str, model: str) -> bool:
 
 
 # ---------------------------------------------------------------- integration tier
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -201,7 +195,7 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def _gunicorn(redis_url: str, **env_overrides: str) -> Iterator[str]:
     """`llmq api`'s gunicorn (config and worker class), one process on a free port; key
     sk-test unless `env_overrides` name others (LLMQ_API_KEYS)."""
-    port = _free_port()
+    port = free_port()
     timeouts = ("LLMQ_HEADER_TIMEOUT", "LLMQ_BODY_TIMEOUT")
     env = {k: v for k, v in os.environ.items() if k not in timeouts}
     env.update({"REDIS_URL": redis_url, "LLMQ_API_KEYS": "sk-test", **env_overrides})

@@ -35,7 +35,7 @@ from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import REPO, WorkerProcess, signal_then_kill, wait_for
 from tests.workers.serve_run import Serve
 from workers.redis_server import RedisServerProcess, pings
-from workers.supervisor import STOP_GRACE_SECONDS
+from workers.supervisor import STOP_GRACE_SECONDS, free_port
 from workers.wire.job import TERMINAL_STATUSES
 
 MODEL = "tiny-faults"  # the model id: the tiny GGUF's file stem
@@ -57,12 +57,6 @@ def print_log_if_failed(request: pytest.FixtureRequest, name: str, output: str) 
     if request.node.stash.get(CALL_FAILED, False):
         print(f"----- {name}: the last {LOG_TAIL_CHARS} characters of its log -----")
         print(output[-LOG_TAIL_CHARS:])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer(RedisServerProcess):

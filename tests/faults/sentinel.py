@@ -13,9 +13,9 @@ from pathlib import Path
 
 import redis
 
-from tests.faults.conftest import free_port
 from tests.redis_db import redis_binary
 from tests.workers.conftest import wait_for
+from workers.supervisor import free_port
 
 MASTER_NAME = "llmq-f20"
 DOWN_AFTER_MS = 1000

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -23,15 +22,9 @@ from pathlib import Path
 import psutil
 
 from tests.workers.conftest import llmq_process, signal_then_kill, wait_for
-from workers.supervisor import BROKER_DIR_ENV
+from workers.supervisor import BROKER_DIR_ENV, free_port
 
 MARKER = "LLMQ_TEST_SERVE_RUN"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def alive(proc: psutil.Process) -> bool:

@@ -18,11 +18,11 @@ import pytest
 import redis
 
 from tests.workers.conftest import REPO, wait_for
-from tests.workers.serve_run import Serve, free_port
+from tests.workers.serve_run import Serve
 from workers import leftovers
 from workers.child_death import keeper_argv
 from workers.redis_server import RedisServerProcess, find_redis_server
-from workers.supervisor import Broker
+from workers.supervisor import Broker, free_port
 
 pytestmark = pytest.mark.integration
 
