@@ -82,13 +82,18 @@ class GenerationSpec:
         """The tools the prompt shows the model: none when it may not call them."""
         return self.tools if self.calls_possible else None
 
-    def output_constraint(self, fmt: ChatFormat | None = None) -> Constraint | None:
+    def output_constraint(
+        self, fmt: ChatFormat | None = None, thinking: bool | None = None
+    ) -> Constraint | None:
         """What every choice must match: the response format, else the tool-call grammar in
-        the model's format (`fmt`; Hermes where the model is not known)."""
+        the model's format (`fmt`; Hermes where the model is not known), after the thinking
+        block the prompt leaves open (`thinking`)."""
         if self.constraint is not None or not self.calls_possible:
             return self.constraint
         assert self.tools is not None
-        return tool_grammar(self.tools, self.tool_choice, self.parallel_tool_calls, fmt)
+        return tool_grammar(
+            self.tools, self.tool_choice, self.parallel_tool_calls, fmt, bool(thinking)
+        )
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], *, chat: bool) -> GenerationSpec:
@@ -178,11 +183,14 @@ class GenerationSpec:
                 param="n",
             )
 
-    def choice_params(self, max_tokens: int, fmt: ChatFormat | None = None) -> list[SamplingParams]:
+    def choice_params(
+        self, max_tokens: int, fmt: ChatFormat | None = None, thinking: bool | None = None
+    ) -> list[SamplingParams]:
         """Parameters of the `n` choices of one prompt; a seed gives choice j the seed + j,
         so the choices of a seeded request are reproducible and still differ from each other.
-        `fmt`: the model's chat format, which the tool-call grammar is written in."""
-        constraint = self.output_constraint(fmt)
+        `fmt`: the model's chat format, which the tool-call grammar is written in;
+        `thinking`: the prompt leaves the answer inside a `<think>` block."""
+        constraint = self.output_constraint(fmt, thinking)
         # a chat answer's markers reach its parser in order with the text (TextAssembler)
         markers = list(fmt.marker_ids) if fmt is not None and self.chat else []
         return [

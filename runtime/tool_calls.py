@@ -153,12 +153,27 @@ def tool_grammar(
     tool_choice: Any,
     parallel: bool,
     fmt: ChatFormat | None = None,
+    thinking: bool = False,
 ):
     """The `Constraint` (a Lark grammar) that keeps calls valid in the model's format
     (`fmt`, Hermes when None); None for `none` or no tools. Not yet compiled:
-    `validate_constraint` (the API, at submission) and the generator do."""
+    `validate_constraint` (the API, at submission) and the generator do. `thinking`: the
+    prompt leaves the answer inside a `<think>` block (Qwen3.5, R1), which a forced call
+    may only follow (`auto`'s free text holds it already)."""
     if not calls_possible(tools, tool_choice):
         return None
+    constraint = _calls_grammar(tools, tool_choice, parallel, fmt)
+    if not thinking or tool_choice in (None, AUTO) or (fmt and fmt.family == HARMONY):
+        return constraint
+    assert constraint.value.startswith("start:")
+    rules = constraint.value.replace("start:", "answer:", 1)
+    head = 'start: thought "\\n"* answer\nthought[lazy]: THOUGHT "</think>"\nTHOUGHT: /(.|\\n)*/\n'
+    return Constraint(GRAMMAR, head + rules, param="tools")
+
+
+def _calls_grammar(
+    tools: Sequence[Mapping[str, Any]], tool_choice: Any, parallel: bool, fmt: ChatFormat | None
+) -> Constraint:
     name = named_choice(tool_choice)
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     auto = tool_choice in (None, AUTO)

@@ -126,7 +126,7 @@ def _plan_chat(engine: Engine, spec: GenerationSpec) -> JobPlan:
     plan = JobPlan(CHAT_COMPLETIONS, spec, prompt_tokens=len(ids))
     if thinks(engine.chat_template.source):
         plan.thinking = opens_inside(prompt)
-    for params in spec.choice_params(max_tokens, engine.chat_template.format):
+    for params in spec.choice_params(max_tokens, engine.chat_template.format, plan.thinking):
         plan.choices.append(ChoicePlan(len(plan.choices), ids, params))
     return plan
 

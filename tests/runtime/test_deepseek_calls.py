@@ -148,8 +148,8 @@ def test_the_grammar_takes_the_templates_calls_and_nothing_else(name, kind, voca
     fmt = ChatTemplate((TEMPLATES / f"{name}.jinja").read_text(), tokenizer).format
     assert bool(fmt.marker_ids) == (kind == "tokens")
 
-    def accepts(choice, text: str, parallel: bool = True) -> bool:
-        grammar = tool_grammar([WEATHER, TIME], choice, parallel, fmt).grammar
+    def accepts(choice, text: str, parallel: bool = True, thinking: bool = False) -> bool:
+        grammar = tool_grammar([WEATHER, TIME], choice, parallel, fmt, thinking).grammar
         matcher = llguidance.LLMatcher(vocab.lltokenizer, grammar)
         assert not matcher.is_error(), matcher.get_error()
         ids = tokenizer.encode(text, add_special=False, parse_special=True)
@@ -165,3 +165,7 @@ def test_the_grammar_takes_the_templates_calls_and_nothing_else(name, kind, voca
     assert not accepts("required", two, parallel=False) and not accepts(named, two)
     assert accepts("auto", "It is sunny.") and not accepts("required", "It is sunny.")
     assert accepts("auto", "Let me see. " + one)
+    # R1's prompt opens <think>: a forced call may only follow the block
+    thought = "Need the weather.\n</think>\n\n"
+    assert accepts("required", thought + one, thinking=True)
+    assert not accepts("required", thought + "It is sunny.", thinking=True)

@@ -195,6 +195,12 @@ def test_the_grammar_takes_what_each_template_renders(name, accepts):
     assert accepts(tool_grammar(TOOLS, "auto", True, fmt), text)
     assert accepts(tool_grammar(TOOLS, "required", True, fmt), calls_only)
     assert not accepts(tool_grammar(TOOLS, "required", False, fmt), calls_only)  # two calls
+    if thinking_of(name):  # the prompt opens <think>: a forced call comes after the block
+        required = tool_grammar(TOOLS, "required", True, fmt, thinking=True)
+        assert text != calls_only and accepts(required, text)
+        assert not accepts(tool_grammar(TOOLS, "required", True, fmt), text)
+        assert not accepts(required, "Need the weather.\n</think>\n\nIt is sunny.")
+        assert not accepts(required, calls_only)  # the block is not closed
 
 
 @needs_templates
