@@ -32,7 +32,7 @@ from runtime.chat_formats import (
     ChatFormat,
 )
 from runtime.constraints import GRAMMAR, JSON_FORMAT, Constraint
-from runtime.json_calls import JsonCallParser, partial_suffix, text_then
+from runtime.json_calls import MarkedCallParser, text_then
 
 FENCE = "```"
 # a call's head up to its arguments' first character: then its name is known
@@ -42,40 +42,21 @@ _R1_HEAD = re.compile(
 _V31_HEAD = re.compile(r"\s*([^\s<]+?)\s*" + re.escape(TOOL_SEP) + r"\s*(?=\S)")
 
 
-class DeepSeekParser(JsonCallParser):
+class DeepSeekParser(MarkedCallParser):
     """Content until `<｜tool▁calls▁begin｜>`, then its calls, each JSON arguments."""
+
+    OPENING = CALLS_BEGIN
 
     def __init__(self, call_id: Callable[[int], str], r1: bool = True) -> None:
         super().__init__(call_id)
         self._head = _R1_HEAD if r1 else _V31_HEAD
-        self._state = "text"  # text -> calls -> head -> arguments -> call_end -> calls ...
-        self._after_calls = False
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self._buffer += text
-        deltas: list[dict[str, Any]] = []
-        out: list[str] = []
-        while self._step(out, deltas):
-            pass
-        joined = "".join(out)
-        self.content += joined
-        return joined, deltas
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        out = ""
-        if self._state == "text":
-            held = self._buffer.strip()
-            if held and not CALLS_BEGIN.startswith(held):
-                out = self._buffer
-        self.content += out
-        self._buffer = ""
-        return out, []
+        # states: text -> calls -> head -> arguments -> call_end -> calls ... -> text
 
     def _step(self, out: list[str], deltas: list[dict[str, Any]]) -> bool:
         """One move of the state machine; False when it needs more text."""
         state = self._state
         if state == "text":
-            return self._text(out)
+            return self._text(out, "calls")
         if state == "arguments":
             if not self._buffer or not self._arguments(deltas):
                 return False
@@ -114,23 +95,6 @@ class DeepSeekParser(JsonCallParser):
     def _end(self) -> bool:
         """Text where a marker should be: the calls end here, the rest is text."""
         self._state, self._after_calls = "text", True
-        return True
-
-    def _text(self, out: list[str]) -> bool:
-        buffer = self._buffer
-        if self._after_calls:  # the space after the calls is not content
-            buffer = self._buffer = buffer.lstrip()
-            self._after_calls = not buffer
-        at = buffer.find(CALLS_BEGIN)
-        if at < 0:
-            cut = len(buffer) - partial_suffix(buffer, CALLS_BEGIN)
-            while cut > 0 and buffer[cut - 1].isspace():
-                cut -= 1  # space before a call is not content
-            out.append(buffer[:cut])
-            self._buffer = buffer[cut:]
-            return False
-        out.append(buffer[:at].rstrip())
-        self._buffer, self._state = buffer[at + len(CALLS_BEGIN) :], "calls"
         return True
 
 

@@ -128,6 +128,63 @@ class JsonCallParser:
         return True
 
 
+class MarkedCallParser(JsonCallParser):
+    """A format whose calls start at a marker (`OPENING`): content until it, then the
+    subclass's `_step` state machine, which returns to "text" after the calls."""
+
+    OPENING = ""
+
+    def __init__(self, call_id: Callable[[int], str]) -> None:
+        super().__init__(call_id)
+        self._state = "text"
+        self._after_calls = False  # the space after calls is not content
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._buffer += text
+        deltas: list[dict[str, Any]] = []
+        out: list[str] = []
+        while self._step(out, deltas):
+            pass
+        joined = "".join(out)
+        self.content += joined
+        return joined, deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """Held-back text is content, unless it is the marker's start; a call cut short
+        stays as far as it was sent (not complete)."""
+        out = ""
+        if self._state == "text":
+            held = self._buffer.strip()
+            if held and not self.OPENING.startswith(held):
+                out = self._buffer
+        self.content += out
+        self._buffer = ""
+        return out, []
+
+    def _step(self, out: list[str], deltas: list[dict[str, Any]]) -> bool:
+        """One move of the state machine; False when it needs more text."""
+        raise NotImplementedError
+
+    def _text(self, out: list[str], after: str) -> bool:
+        """Content up to the marker, then state `after` (True); False while it is not
+        there, holding back what may be its start and the space before it."""
+        buffer = self._buffer
+        if self._after_calls:
+            buffer = self._buffer = buffer.lstrip()
+            self._after_calls = not buffer
+        at = buffer.find(self.OPENING)
+        if at < 0:
+            cut = len(buffer) - partial_suffix(buffer, self.OPENING)
+            while cut > 0 and buffer[cut - 1].isspace():
+                cut -= 1  # space before a call is not content
+            out.append(buffer[:cut])
+            self._buffer = buffer[cut:]
+            return False
+        out.append(buffer[:at].rstrip())
+        self._buffer, self._state = buffer[at + len(self.OPENING) :], after
+        return True
+
+
 class Llama3Parser(JsonCallParser):
     """Llama 3.x: the answer is a call when it is `{"name": ..., "parameters": ...}`
     (maybe after `<|python_tag|>`), else content; held back while it may still be a call."""

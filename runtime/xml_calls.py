@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.constraints import GRAMMAR, JSON_FORMAT, Constraint
-from runtime.json_calls import JsonCallParser, partial_suffix
+from runtime.json_calls import MarkedCallParser, partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -101,10 +101,12 @@ def _properties(function: Mapping[str, Any]) -> Mapping[str, Any]:
     return properties if isinstance(properties, Mapping) else {}
 
 
-class XmlCallParser(JsonCallParser):
+class XmlCallParser(MarkedCallParser):
     """Qwen3-Coder's XML calls: content until `<tool_call>`, then `<function=NAME>` and its
     `<parameter=KEY>` blocks; a call's `arguments` is the JSON object of its parameters,
     typed by `tools` (OpenAI function tools; None: each value is JSON where it parses)."""
+
+    OPENING = OPEN
 
     def __init__(
         self, call_id: Callable[[int], str], tools: Sequence[Mapping[str, Any]] | None = None
@@ -117,36 +119,15 @@ class XmlCallParser(JsonCallParser):
             for t in tools or []
             if isinstance(t.get("function"), Mapping) and "name" in t["function"]
         }
-        self._state = "text"  # text -> call -> params -> value -> params ... -> after -> text
-        self._after_call = False
+        # states: text -> call -> params -> value -> params ... -> after -> text
         self._arguments_text = ""  # the open call's arguments so far (a prefix of its JSON)
         self._parameter: tuple[str, set[str] | None] = ("", None)  # the open one's name, types
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self._buffer += text
-        deltas: list[dict[str, Any]] = []
-        out: list[str] = []
-        while self._step(out, deltas):
-            pass
-        joined = "".join(out)
-        self.content += joined
-        return joined, deltas
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        out = ""
-        if self._state == "text":
-            held = self._buffer.strip()
-            if held and not OPEN.startswith(held):
-                out = self._buffer
-        self.content += out
-        self._buffer = ""
-        return out, []
 
     def _step(self, out: list[str], deltas: list[dict[str, Any]]) -> bool:
         """One move of the state machine; False when it needs more text."""
         state = self._state
         if state == "text":
-            return self._text(out)
+            return self._text(out, "call")
         if state == "value":
             return self._value(deltas)
         buffer = self._buffer = self._buffer.lstrip()
@@ -158,28 +139,11 @@ class XmlCallParser(JsonCallParser):
             return self._params(buffer, deltas)
         # state == "after": the call's </tool_call>
         if buffer.startswith(CLOSE):
-            self._buffer, self._state, self._after_call = buffer[len(CLOSE) :], "text", True
+            self._buffer, self._state, self._after_calls = buffer[len(CLOSE) :], "text", True
             return True
         if CLOSE.startswith(buffer):
             return False
         self._state = "text"  # no closing tag: what follows is text again
-        return True
-
-    def _text(self, out: list[str]) -> bool:
-        buffer = self._buffer
-        if self._after_call:  # the space between calls, or after them, is not content
-            buffer = self._buffer = buffer.lstrip()
-            self._after_call = not buffer
-        at = buffer.find(OPEN)
-        if at < 0:
-            cut = len(buffer) - partial_suffix(buffer, OPEN)
-            while cut > 0 and buffer[cut - 1].isspace():
-                cut -= 1  # space before a call is not content
-            out.append(buffer[:cut])
-            self._buffer = buffer[cut:]
-            return False
-        out.append(buffer[:at].rstrip())
-        self._buffer, self._state = buffer[at + len(OPEN) :], "call"
         return True
 
     def _function(self, buffer: str, deltas: list[dict[str, Any]]) -> bool:
@@ -194,7 +158,7 @@ class XmlCallParser(JsonCallParser):
         at = buffer.find(CLOSE)  # not a call: dropped up to its end
         if at < 0:
             return False
-        self._buffer, self._state, self._after_call = buffer[at + len(CLOSE) :], "text", True
+        self._buffer, self._state, self._after_calls = buffer[at + len(CLOSE) :], "text", True
         return True
 
     def _params(self, buffer: str, deltas: list[dict[str, Any]]) -> bool:
