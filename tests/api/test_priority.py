@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import itertools
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import redis
 from tests.tiny_models import write_tiny_llama
 from tests.workers.conftest import WorkerProcess, record, serving_workers, wait_for
 from workers import keys
+from workers.wire.defaults import WORKER_TTL_SECONDS
 from workers.wire.job import QUEUED, STARTED
 
 pytestmark = pytest.mark.integration
@@ -81,7 +85,8 @@ def test_urgent_jobs_submitted_after_40_queued_ones_finish_before_most_of_them(
     worker = start_worker("--max-batch", "2", step_delay_ms=20)  # full at two sequences
     worker.process.send_signal(signal.SIGSTOP)  # the 40 are all queued before it takes one
     try:
-        plain = [submit(server, 0, 8, f"say {i}") for i in range(40)]
+        with _listed_while_stopped(real_redis, worker.name):
+            plain = [submit(server, 0, 8, f"say {i}") for i in range(40)]
     finally:
         worker.process.send_signal(signal.SIGCONT)
     wait_for(lambda: STARTED in _statuses(real_redis, plain), 60, "a plain job running")
@@ -96,6 +101,30 @@ def test_urgent_jobs_submitted_after_40_queued_ones_finish_before_most_of_them(
         before = [j for j in still_queued if views[j]["finished_at"] < ended]
         # claimed after every urgent job, so at most one shares the last urgent job's batch
         assert len(before) <= 1, (len(before), len(still_queued))
+
+
+@contextmanager
+def _listed_while_stopped(conn: redis.Redis, name: str) -> Iterator[None]:
+    """The stopped worker's own presence hash kept fresh while the test holds it stopped: a
+    worker whose heartbeat is older than WORKER_TTL_SECONDS is dead to the API (503
+    no_worker), and the 40 submissions over HTTP took longer than that on two busy cores. Its
+    next heartbeat after SIGCONT rewrites the hash as it is (workers/presence.py)."""
+    stop = threading.Event()
+
+    def keep() -> None:
+        key = keys.worker(name)
+        while not stop.wait(1.0):
+            if conn.exists(key):
+                conn.hset(key, "heartbeat", repr(time.time()))
+                conn.expire(key, WORKER_TTL_SECONDS)
+
+    keeper = threading.Thread(target=keep, daemon=True)
+    keeper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        keeper.join()
 
 
 def _statuses(conn: redis.Redis, job_ids: list[str]) -> list[str]:
