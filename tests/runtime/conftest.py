@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.runtime.generation_helpers import same_kernels
+from runtime.engine import EngineConfig
+from tests.runtime.generation_helpers import named_engine, same_kernels
 from tests.tiny_models import TinyShape, write_tiny_gemma3, write_tiny_llama
 
 
@@ -39,15 +40,6 @@ def long_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session", params=["llama", "gemma3"])
 def tiny_model_path(request, tiny_llama_path: Path, tiny_gemma3_path: Path) -> Path:
     return tiny_llama_path if request.param == "llama" else tiny_gemma3_path
-
-
-def _engine(model_id: str, path: Path, backend: str, **config):
-    from runtime.engine import Engine, EngineConfig
-    from runtime.gguf_file import GGUFFile
-    from runtime.registry import ModelSpec
-
-    spec = ModelSpec(model_id, str(path), lambda: path)
-    return Engine(spec, GGUFFile(path), EngineConfig(backend=backend, **config))
 
 
 def _invariant_kernels():
@@ -91,7 +83,9 @@ def _engine_fixture(name: str, model: str, backend: str, kernels: str | None, co
     def engine(request: pytest.FixtureRequest):
         path = request.getfixturevalue(f"{model}_gguf_path")
         chosen = {} if kernels is None else {"kernels": KERNELS[kernels]()}
-        return _engine(MODEL_IDS[model], path, backend, **config, **chosen)
+        return named_engine(
+            MODEL_IDS[model], path, EngineConfig(backend=backend, **config, **chosen)
+        )
 
     engine.__doc__ = f"{MODEL_IDS[model]} on {backend}, kernels {kernels}, {config or 'defaults'}"
     return pytest.fixture(scope="session", name=name)(engine)

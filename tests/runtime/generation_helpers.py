@@ -8,8 +8,10 @@ import numpy as np
 
 from runtime.engine import Engine, EngineConfig
 from runtime.generator import Generator
+from runtime.gguf_file import GGUFFile
 from runtime.kv_pool import BLOCK_SIZE
 from runtime.prefix_cache import PrefixCache
+from runtime.registry import ModelSpec
 from runtime.sampling import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -25,6 +27,13 @@ def engine_tokens(engine: Engine, n: int, seed: int) -> list[int]:
     """`n` reproducible token ids from all of `engine`'s vocabulary but its first three."""
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(3, engine.tokenizer.vocab_size, n)]
+
+
+def named_engine(model_id: str, path: Path, config: EngineConfig | None = None) -> Engine:
+    """The engine of the GGUF file at `path` as the registry's `model_id` (the id its
+    templates and limits are looked up by), the file given directly, not resolved."""
+    spec = ModelSpec(model_id, str(path), lambda: path)
+    return Engine(spec, GGUFFile(path), config)
 
 
 def tight_engine(path: Path, n_blocks: int = 12, config: EngineConfig | None = None) -> Engine:

@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 
 from runtime.engine import Engine, EngineConfig
-from runtime.gguf_file import GGUFFile
 from runtime.kernels.cpu import default_plan
 from runtime.models.base import BatchLayout, SequenceChunk
-from runtime.registry import ModelSpec
 from runtime.sampling import SamplingParams
+from tests.runtime.generation_helpers import named_engine
 from tests.tiny_models import write_tiny_gemma3, write_tiny_llama
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "reference"
@@ -42,9 +41,8 @@ CHEAPER = {"int8": "int8", "rescore": "int4+rescore"}
 
 def _engine(path: Path, head: str, model_id: str = "model") -> Engine:
     plan = replace(default_plan(), head=head, head_fallback=head)
-    spec = ModelSpec(model_id, str(path), lambda: path)
     config = EngineConfig(backend="torch", kernels=plan, prefix_cache=False)
-    return Engine(spec, GGUFFile(path), config)
+    return named_engine(model_id, path, config)
 
 
 def dequantized_head(path: Path) -> np.ndarray:
@@ -231,8 +229,7 @@ def test_the_shipped_tied_heads_give_logprobs_at_the_files_precision(request, mo
     on every plan), as the default plan takes them."""
     fixture = "smollm2_gguf_path" if model_id.startswith("smollm2") else "gemma3_gguf_path"
     path = request.getfixturevalue(fixture)
-    spec = ModelSpec(model_id, str(path), lambda: path)
-    engine = Engine(spec, GGUFFile(path), EngineConfig(backend="torch", prefix_cache=False))
+    engine = named_engine(model_id, path, EngineConfig(backend="torch", prefix_cache=False))
     weight = dequantized_head(path)
     prompt = json.loads((FIXTURES / f"{model_id}.json").read_text())["prompts"][0]["token_ids"]
     hidden = hidden_states(engine.model, prompt)

@@ -22,10 +22,10 @@ from runtime.kernels import get_backend
 from runtime.lora import adapter_file, adapter_path_in_dir, check_adapter, load_adapter
 from runtime.models import load_model
 from runtime.models.base import BatchLayout, SequenceChunk
-from runtime.registry import ModelSpec, load_registry
+from runtime.registry import load_registry
 from runtime.request import GenerationSpec
 from runtime.sampling import SamplingParams
-from tests.runtime.generation_helpers import same_kernels
+from tests.runtime.generation_helpers import named_engine, same_kernels
 from tests.tiny_models import write_lora
 
 PROMPT = [5, 17, 42, 99, 3, 250, 61, 7, 8, 120, 33, 14]
@@ -71,8 +71,7 @@ def _adapter_path(tmp_path: Path, base: Path, name: str = "a", seed: int = 0, **
 
 
 def _engine(path: Path, backend: str = "numpy", model_id: str = "tiny") -> Engine:
-    spec = ModelSpec(model_id, str(path), lambda: path)
-    return Engine(spec, GGUFFile(path), EngineConfig(backend=backend))
+    return named_engine(model_id, path, EngineConfig(backend=backend))
 
 
 @pytest.mark.parametrize("scale", [1.0, -0.7])
