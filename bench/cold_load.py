@@ -1,8 +1,10 @@
 """Cold load and resident weight bytes: llmq's load of a GGUF file against llama.cpp's.
 
-`make` builds a Llama-3.2-1B-shaped file with random weights the way real files are made
-(tests/fixtures/make_arch_models.py's recipe at Llama 3.2 1B's sizes: a transformers
-config, seeded random weights, llama.cpp's convert_hf_to_gguf.py, `llama_model_quantize`).
+`make` builds a file of a real model's shape with random weights the way real files are
+made (tests/fixtures/make_arch_models.py's recipe at the real sizes: a transformers config,
+seeded random weights, llama.cpp's convert_hf_to_gguf.py, `llama_model_quantize`):
+Llama-3.2-1B's (the default), Qwen3-1.7B's, or four layers of Qwen3-30B-A3B's (`--shape`);
+bench/engine.py times them against llama.cpp.
 `measure` loads each file in a fresh process: cold (an empty LLMQ_CACHE_DIR), then warm (the
 prepared weights saved by the cold load mapped), and llama.cpp's load of the same file;
 CPU time by `time.process_time` (the machine is shared: wall time is printed with the load
@@ -13,7 +15,7 @@ where it runs in a thread after the load (runtime/kernels/prepared.py). `--profi
 prints cProfile's top functions of a cold load.
 
     LLAMA_CPP_SRC=/tmp/cl-llama/llama_cpp_python-0.3.36/vendor/llama.cpp \
-        nice .venv/bin/python bench/cold_load.py make --out /tmp/l1b
+        nice .venv/bin/python bench/cold_load.py make --out /tmp/l1b [--shape qwen3-1.7b]
     .venv/bin/python bench/cold_load.py measure /tmp/l1b/llama-1b-Q4_K_M.gguf \
         tests/fixtures/arch/llama-q-Q4_K_M.gguf --llama-cpp
     .venv/bin/python bench/cold_load.py measure /tmp/l1b/llama-1b-Q4_K_M.gguf --profile
@@ -61,6 +63,47 @@ LLAMA_32_1B = dict(
     ),
 )
 
+# Qwen3-1.7B's sizes (its config.json), random weights
+QWEN3_17B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+# Qwen3-30B-A3B's layer (128 experts, 8 used, normalized top-k) with 4 of its 48 layers: its
+# per-layer work and expert routing at a size this machine's 24 GiB converts (about 2.5 B
+# weights; the whole model's F16 is 61 GB)
+QWEN3_30B_A3B_4_LAYERS = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
+# `make --shape`: the file name's stem -> (transformers config class, its sizes, architecture)
+SHAPES = {
+    "llama-1b": ("LlamaConfig", LLAMA_32_1B, "llama"),
+    "qwen3-1.7b": ("Qwen3Config", QWEN3_17B, "qwen3"),
+    "qwen3moe-30b-a3b-4l": ("Qwen3MoeConfig", QWEN3_30B_A3B_4_LAYERS, "qwen3moe"),
+}
+
 
 def _fixtures():
     """tests/fixtures/make_arch_models.py as a module (its tokenizer, weights, converter)."""
@@ -70,21 +113,23 @@ def _fixtures():
     return module
 
 
-def make(out: Path, types: list[str]) -> None:
-    """The 1B-shaped Hugging Face folder, its F16 GGUF and each quantized type under `out`."""
+def make(out: Path, types: list[str], shape: str = "llama-1b") -> None:
+    """One real shape's Hugging Face folder (SHAPES), its F16 GGUF and each quantized type
+    under `out`, named `{shape}-{type}.gguf`."""
     import torch
 
     fx = _fixtures()
     if os.environ.get(LLAMA_CPP_ENV):
         fx.LLAMA_CPP = Path(os.environ[LLAMA_CPP_ENV])
     out.mkdir(parents=True, exist_ok=True)
-    folder, f16 = out / "hf", out / "llama-1b-F16.gguf"
+    folder, f16 = out / f"hf-{shape}", out / f"{shape}-F16.gguf"
     if not f16.exists():
         # 369 tokens in the tokenizer; the converter pads the rest as [PAD] tokens
-        fx.build_hf("llama-1b", ("LlamaConfig", LLAMA_32_1B, "llama"), folder, torch.float16)
+        fx.build_hf(shape, SHAPES[shape], folder, torch.float16)
         fx.convert(folder, f16)
+        shutil.rmtree(folder)  # gigabytes, and the F16 file holds the same weights
     for qtype in types:
-        target = out / f"llama-1b-{qtype}.gguf"
+        target = out / f"{shape}-{qtype}.gguf"
         if not target.exists():
             fx.quantize(f16, target, qtype)
         print(f"{target} {target.stat().st_size / 2**20:.0f} MiB")
@@ -205,6 +250,7 @@ def main() -> None:
     p_make = sub.add_parser("make")
     p_make.add_argument("--out", type=Path, default=Path("/tmp/l1b"))
     p_make.add_argument("--types", default="Q4_K_M")
+    p_make.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     p_measure = sub.add_parser("measure")
     p_measure.add_argument("paths", type=Path, nargs="+")
     p_measure.add_argument("--llama-cpp", action="store_true")
@@ -216,7 +262,7 @@ def main() -> None:
     p_child.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     if args.command == "make":
-        make(args.out, args.types.split(","))
+        make(args.out, args.types.split(","), args.shape)
     elif args.command == "measure":
         measure(args.paths, args.llama_cpp, args.profile, args.repeat)
     elif args.engine == "llmq":
