@@ -15,6 +15,7 @@ from flask import current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from api.errors import APIError, InvalidRequest
+from runtime.json_calls import json_type
 
 MAX_JSON_DEPTH = 64  # far more than any valid request needs
 
@@ -115,14 +116,3 @@ def _read_body() -> bytes:
     if request.stream.read(1):
         raise RequestEntityTooLarge()
     return b"".join(parts)
-
-
-def json_type(value: Any) -> str:
-    """The JSON name of a decoded value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)

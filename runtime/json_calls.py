@@ -55,6 +55,18 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type: a schema's `type` to check it against, and
+    the word the API's errors use (api/body.py)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
 class JsonCallParser:
     """What the JSON-call parsers share: the calls found so far and their deltas."""
 
@@ -69,6 +81,23 @@ class JsonCallParser:
     @property
     def complete(self) -> bool:
         return all(call["complete"] for call in self.calls)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content `text` completes and the calls' deltas, by as many moves of the
+        parser's state machine (`_step`) as the text allows (Llama3Parser reads whole
+        answers instead and has its own)."""
+        self._buffer += text
+        deltas: list[dict[str, Any]] = []
+        out: list[str] = []
+        while self._step(out, deltas):
+            pass
+        joined = "".join(out)
+        self.content += joined
+        return joined, deltas
+
+    def _step(self, out: list[str], deltas: list[dict[str, Any]]) -> bool:
+        """One move of the state machine; False when it needs more text."""
+        raise NotImplementedError
 
     def tool_calls(self) -> list[dict[str, Any]]:
         return [
@@ -138,16 +167,6 @@ class MarkedCallParser(JsonCallParser):
         super().__init__(call_id)
         self._state = "text"
         self._after_calls = False  # the space after calls is not content
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self._buffer += text
-        deltas: list[dict[str, Any]] = []
-        out: list[str] = []
-        while self._step(out, deltas):
-            pass
-        joined = "".join(out)
-        self.content += joined
-        return joined, deltas
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """Held-back text is content, unless it is the marker's start; a call cut short
@@ -253,16 +272,6 @@ class MistralParser(JsonCallParser):
         self.args_form = args_form
         self._state = "text"  # text -> list -> item -> arguments -> item_end -> ... -> done
         self._after_call = False
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self._buffer += text
-        deltas: list[dict[str, Any]] = []
-        out: list[str] = []
-        while self._step(out, deltas):
-            pass
-        joined = "".join(out)
-        self.content += joined
-        return joined, deltas
 
     def _step(self, out: list[str], deltas: list[dict[str, Any]]) -> bool:
         """One move of the state machine; False when it needs more text."""

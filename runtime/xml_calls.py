@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.constraints import GRAMMAR, JSON_FORMAT, Constraint
-from runtime.json_calls import MarkedCallParser, partial_suffix
+from runtime.json_calls import MarkedCallParser, json_type, partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -54,7 +54,7 @@ def schema_types(schema: Any) -> set[str] | None:
         return {"number" if k == "integer" else str(k) for k in kind}
     values = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if isinstance(values, list):
-        return {_json_type(v) for v in values}
+        return {json_type(v) for v in values}
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list):
             found: set[str] = set()
@@ -65,16 +65,6 @@ def schema_types(schema: Any) -> set[str] | None:
                 found |= types
             return found
     return None
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), "string")
 
 
 def typed_value(text: str, types: set[str] | None) -> str:
@@ -90,7 +80,7 @@ def typed_value(text: str, types: set[str] | None) -> str:
         value = json.loads(stripped)
     except json.JSONDecodeError:
         return json.dumps(text, ensure_ascii=False)
-    if types is not None and _json_type(value) not in types:
+    if types is not None and json_type(value) not in types:
         return json.dumps(text, ensure_ascii=False)
     return json.dumps(value, ensure_ascii=False)
 
